@@ -1,0 +1,47 @@
+"""distckpt: save and load tensor/pipeline/data-parallel model state, Megatron-Core style.
+
+The public names match ``megatron.core.dist_checkpointing``: porting is an import change.
+"""
+
+from distckpt.core import CheckpointingConfig, CheckpointingException
+from distckpt.mapping import (
+    LocalNonpersistentObject,
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+)
+from distckpt.serialization import (
+    check_is_distributed_checkpoint,
+    load,
+    load_common_state_dict,
+    load_content_metadata,
+    load_plain_tensors,
+    load_sharded_metadata,
+    load_tensors_metadata,
+    remove_sharded_tensors,
+    save,
+)
+from distckpt.strategies.common import add_safe_globals
+from distckpt.validation import StrictHandling
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointingConfig",
+    "CheckpointingException",
+    "LocalNonpersistentObject",
+    "ShardedObject",
+    "ShardedTensor",
+    "ShardedTensorFactory",
+    "StrictHandling",
+    "add_safe_globals",
+    "check_is_distributed_checkpoint",
+    "load",
+    "load_common_state_dict",
+    "load_content_metadata",
+    "load_plain_tensors",
+    "load_sharded_metadata",
+    "load_tensors_metadata",
+    "remove_sharded_tensors",
+    "save",
+]

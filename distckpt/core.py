@@ -1,0 +1,110 @@
+"""Checkpoint-level configuration (``metadata.json``) and the library's exception type.
+
+``metadata.json`` is the commit marker of a checkpoint: it names the sharded and common backends
+and is written last, atomically. A directory without it is not a (complete) checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+CONFIG_FNAME = "metadata.json"
+
+PathLike = Union[str, os.PathLike]
+
+
+class CheckpointingException(Exception):
+    """Raised for every user-facing checkpointing error (bad input, bad checkpoint, failed I/O).
+
+    Messages name the key, the file and the rank where they are known.
+    """
+
+
+@dataclass
+class CheckpointingConfig:
+    """Contents of ``metadata.json``: which strategies wrote the checkpoint.
+
+    The JSON has exactly these four keys; Megatron-Core rejects any other.
+    """
+
+    sharded_backend: str
+    sharded_backend_version: int = 1
+    common_backend: str = "torch"
+    common_backend_version: int = 1
+
+
+def atomic_write_bytes(path: PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temp file + fsync + rename (+ fsync of the directory)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: PathLike) -> None:
+    """Make a rename or unlink inside ``directory`` durable."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_config(config: CheckpointingConfig, checkpoint_dir: PathLike) -> None:
+    """Commit a checkpoint: write ``metadata.json`` atomically. Called on one rank, last."""
+    atomic_write_bytes(Path(checkpoint_dir) / CONFIG_FNAME, json.dumps(asdict(config)).encode())
+
+
+def maybe_load_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]:
+    """Return the checkpoint's config, or None if ``metadata.json`` is absent.
+
+    Raises:
+        CheckpointingException: the file exists but is not a valid config.
+    """
+    path = Path(checkpoint_dir) / CONFIG_FNAME
+    if not path.is_file():
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointingException(f"{path}: cannot read checkpoint config: {e}") from e
+    if not isinstance(raw, dict):
+        raise CheckpointingException(f"{path}: checkpoint config must be a JSON object")
+    known = set(CheckpointingConfig.__dataclass_fields__)
+    unknown = set(raw) - known
+    if unknown or "sharded_backend" not in raw:
+        raise CheckpointingException(
+            f"{path}: unexpected checkpoint config keys {sorted(unknown)} "
+            f"(expected {sorted(known)}, 'sharded_backend' required)"
+        )
+    try:
+        return CheckpointingConfig(**raw)
+    except TypeError as e:
+        raise CheckpointingException(f"{path}: invalid checkpoint config: {e}") from e
+
+
+def check_is_distributed_checkpoint(checkpoint_dir: PathLike) -> bool:
+    """True iff ``checkpoint_dir`` holds a complete (committed) distributed checkpoint."""
+    if not Path(checkpoint_dir).is_dir():
+        return False
+    try:
+        return maybe_load_config(checkpoint_dir) is not None
+    except CheckpointingException:
+        return False

@@ -1,0 +1,366 @@
+"""Entry points: ``save``, ``load`` and the ``load_*`` queries. Orchestration only.
+
+Every rank calls ``save`` and ``load`` (a single process without a process group works too).
+Each stage ends in a collective that every rank reaches whether its own work failed or not, so a
+failure anywhere raises the same CheckpointingException everywhere instead of a hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional, Set, Tuple, Union
+
+from distckpt import dist
+from distckpt.core import (
+    CONFIG_FNAME,
+    CheckpointingConfig,
+    CheckpointingException,
+    PathLike,
+    fsync_dir,
+    maybe_load_config,
+    save_config,
+)
+from distckpt.core import check_is_distributed_checkpoint as _check_is_distributed_checkpoint
+from distckpt.dict_utils import dict_list_map_inplace, extract_matching_values, merge, nested_values
+from distckpt.mapping import (
+    LocalNonpersistentObject,
+    ShardedBase,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    ShardedTensorFactory,
+    StateDict,
+    apply_factories,
+    apply_factory_merges,
+)
+from distckpt.strategies.base import (
+    AsyncSaveShardedStrategy,
+    LoadCommonStrategy,
+    LoadShardedStrategy,
+    SaveCommonStrategy,
+    SaveShardedStrategy,
+    StrategyAction,
+    get_default_strategy,
+)
+from distckpt.validation import (
+    StrictHandling,
+    determine_missing_and_unexpected_keys,
+    handle_mismatched_keys,
+    parse_strict_flag,
+    shard_meta,
+    validate_global_integrity,
+    validate_local_integrity,
+)
+
+logger = logging.getLogger(__name__)
+
+CONTENT_METADATA_KEY = "content_metadata"
+
+# Files of an earlier checkpoint that must go before a new save writes anything: without them
+# an interrupted save can never be mistaken for a complete checkpoint.
+_COMMIT_FILES = (CONFIG_FNAME, ".metadata", ".distckpt_manifest.json")
+
+
+def check_is_distributed_checkpoint(checkpoint_dir: PathLike) -> bool:
+    """True iff ``checkpoint_dir`` holds a committed checkpoint (``metadata.json`` is valid)."""
+    return _check_is_distributed_checkpoint(checkpoint_dir)
+
+
+def get_default_save_sharded_strategy(backend: str = "torch_dist", version: int = 1) -> SaveShardedStrategy:
+    return get_default_strategy(StrategyAction.SAVE_SHARDED, backend, version)
+
+
+def get_default_save_common_strategy(backend: str = "torch", version: int = 1) -> SaveCommonStrategy:
+    return get_default_strategy(StrategyAction.SAVE_COMMON, backend, version)
+
+
+def get_default_load_sharded_strategy(checkpoint_dir: PathLike) -> LoadShardedStrategy:
+    config = _require_config(checkpoint_dir)
+    return get_default_strategy(StrategyAction.LOAD_SHARDED, config.sharded_backend,
+                                config.sharded_backend_version)
+
+
+def _require_config(checkpoint_dir: PathLike) -> CheckpointingConfig:
+    path = Path(checkpoint_dir)
+    if not path.exists():
+        raise CheckpointingException(f"checkpoint directory {path} does not exist (rank {dist.get_rank()})")
+    if not path.is_dir():
+        raise CheckpointingException(f"checkpoint path {path} is not a directory (rank {dist.get_rank()})")
+    config = maybe_load_config(path)
+    if config is None:
+        raise CheckpointingException(
+            f"{path} is not a distributed checkpoint: {CONFIG_FNAME} is missing, so it is either "
+            f"not a checkpoint or an interrupted save (rank {dist.get_rank()})")
+    return config
+
+
+def _load_strategies(checkpoint_dir: PathLike, sharded_strategy: Optional[LoadShardedStrategy],
+                     common_strategy: Optional[LoadCommonStrategy]):
+    config = _require_config(checkpoint_dir)
+    if sharded_strategy is None:
+        sharded_strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, config.sharded_backend,
+                                                config.sharded_backend_version)
+    else:
+        sharded_strategy.check_backend_compatibility(config.sharded_backend)
+        sharded_strategy.check_version_compatibility(config.sharded_backend_version)
+    if common_strategy is None:
+        common_strategy = get_default_strategy(StrategyAction.LOAD_COMMON, config.common_backend,
+                                               config.common_backend_version)
+    return sharded_strategy, common_strategy
+
+
+# --------------------------------------------------------------------------- save
+
+
+def save(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: PathLike,
+    sharded_strategy: Union[SaveShardedStrategy, Tuple[str, int], None] = None,
+    common_strategy: Union[SaveCommonStrategy, Tuple[str, int], None] = None,
+    validate_access_integrity: bool = True,
+    async_sharded_save: bool = False,
+    preprocess_common_before_consistancy_check: Optional[Callable[[StateDict], StateDict]] = None,
+    content_metadata: Optional[dict] = None,
+) -> Any:
+    """Save a sharded state dict; every rank calls it with its own local pieces.
+
+    Steps:
+      1. Create ``checkpoint_dir`` if needed; rank 0 removes an earlier checkpoint's commit files.
+      2. Apply factories, drop LocalNonpersistentObjects, split sharded and common parts.
+      3. Validate: local metadata, then global integrity on rank 0 (same error on every rank).
+      4. Write: common state (rank 0), ShardedObjects, main replicas of every ShardedTensor.
+      5. Commit: rank 0 writes ``metadata.json`` last (temp file + fsync + rename).
+
+    Args:
+        sharded_strategy: a strategy, a ``(backend, version)`` tuple or None (``torch_dist``).
+        common_strategy: likewise; default ``("torch", 1)``.
+        validate_access_integrity: run the global integrity check (one gather).
+        async_sharded_save: not available yet (raises NotImplementedError).
+        preprocess_common_before_consistancy_check: if given, the common state of every rank
+            is passed through it and compared with rank 0's; differences are logged.
+        content_metadata: a small dict stored with the common state (``load_content_metadata``).
+    """
+    if async_sharded_save:
+        raise NotImplementedError("async_sharded_save is not available yet in distckpt")
+    checkpoint_dir = Path(checkpoint_dir)
+    rank = dist.get_rank()
+
+    exc: Optional[BaseException] = None
+    payload = None
+    try:
+        if isinstance(sharded_strategy, tuple) or sharded_strategy is None:
+            sharded_strategy = get_default_save_sharded_strategy(*(sharded_strategy or ("torch_dist", 1)))
+        if isinstance(common_strategy, tuple) or common_strategy is None:
+            common_strategy = get_default_save_common_strategy(*(common_strategy or ("torch", 1)))
+        if checkpoint_dir.exists() and not checkpoint_dir.is_dir():
+            raise CheckpointingException(f"checkpoint path {checkpoint_dir} exists and is not a directory")
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        if rank == 0:
+            _remove_commit_files(checkpoint_dir)
+        apply_factories(sharded_state_dict)
+        _, sharded_state_dict = extract_matching_values(
+            sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject))
+        sharded_part, common_part = extract_matching_values(
+            sharded_state_dict, lambda v: isinstance(v, ShardedBase))
+        if content_metadata is not None:
+            common_part[CONTENT_METADATA_KEY] = content_metadata
+        shards = list(nested_values(sharded_part))
+        validate_local_integrity(shards)
+        common_view = None
+        if preprocess_common_before_consistancy_check is not None:
+            common_view = preprocess_common_before_consistancy_check(common_part)
+        payload = ([shard_meta(s, rank) for s in shards] if validate_access_integrity else None, common_view)
+    except Exception as e:  # noqa: BLE001 - shared with every rank below
+        exc = e
+
+    def check(payloads):
+        if validate_access_integrity:
+            validate_global_integrity([p[0] for p in payloads])
+        if preprocess_common_before_consistancy_check is not None:
+            _log_common_differences([p[1] for p in payloads])
+
+    # Also the barrier that keeps ranks from writing before rank 0 removed the old commit files.
+    dist.gather_and_decide("validation", exc, payload, check)
+
+    exc = None
+    try:
+        common_strategy.save_common(common_part, checkpoint_dir)
+        if not sharded_strategy.can_handle_sharded_objects:
+            objects, sharded_part = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
+            common_strategy.save_sharded_objects(objects, checkpoint_dir)
+    except Exception as e:  # noqa: BLE001
+        exc = e
+    dist.sync_errors("common state write", exc)
+
+    exc = None
+    try:
+        sharded_strategy.save(sharded_part, checkpoint_dir)
+    except Exception as e:  # noqa: BLE001 - a strategy may fail on one rank only
+        exc = e
+    config = CheckpointingConfig(sharded_strategy.backend, sharded_strategy.version,
+                                 common_strategy.backend, common_strategy.version)
+    dist.gather_and_decide("commit", exc, None, lambda _: save_config(config, checkpoint_dir))
+
+
+def _remove_commit_files(checkpoint_dir: Path) -> None:
+    removed = False
+    for name in _COMMIT_FILES:
+        try:
+            os.remove(checkpoint_dir / name)
+            removed = True
+        except FileNotFoundError:
+            pass
+    if removed:
+        fsync_dir(checkpoint_dir)
+        logger.info("%s: removed the commit files of an earlier checkpoint before saving", checkpoint_dir)
+
+
+def _log_common_differences(views) -> None:
+    from distckpt.dict_utils import diff
+
+    reference = views[0]
+    for r, view in enumerate(views[1:], start=1):
+        only_0, only_r, mismatch = diff(reference, view)
+        if only_0 or only_r or mismatch:
+            logger.warning("common state of rank %d differs from rank 0: only on rank 0 %s, only on "
+                           "rank %d %s, different %s", r, only_0, r, only_r, mismatch)
+
+
+# --------------------------------------------------------------------------- load
+
+
+def load(
+    sharded_state_dict: ShardedStateDict,
+    checkpoint_dir: PathLike,
+    sharded_strategy: Optional[LoadShardedStrategy] = None,
+    common_strategy: Optional[LoadCommonStrategy] = None,
+    validate_access_integrity: bool = True,
+    strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
+    """Load the pieces described by ``sharded_state_dict``; every rank calls it.
+
+    ShardedTensors with data are filled in place; those without get new CPU tensors. The result
+    is the common state merged with the loaded sharded part, factories merged back and
+    LocalNonpersistentObjects unwrapped.
+
+    Returns:
+        the state dict, or ``(state_dict, missing_keys, unexpected_keys)`` for the
+        ``return_unexpected`` and ``return_all`` strict modes.
+    """
+    strict_mode = StrictHandling.ASSUME_OK_UNEXPECTED
+    checkpoint_dir = Path(checkpoint_dir)
+    missing: Set[str] = set()
+    unexpected: Set[str] = set()
+    exc: Optional[BaseException] = None
+    payload = None
+    try:
+        strict_mode = parse_strict_flag(strict)
+        sharded_strategy, common_strategy = _load_strategies(checkpoint_dir, sharded_strategy, common_strategy)
+        common_state_dict = common_strategy.load_common(checkpoint_dir)
+        common_state_dict.pop(CONTENT_METADATA_KEY, None)
+
+        factories, _ = extract_matching_values(
+            sharded_state_dict, lambda v: isinstance(v, ShardedTensorFactory), return_lists_as_dicts=True)
+        apply_factories(sharded_state_dict)
+        nonpersistent, sharded_state_dict = extract_matching_values(
+            sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject))
+        dict_list_map_inplace(lambda o: o.unwrap(), nonpersistent)
+        merge(common_state_dict, nonpersistent)
+        sharded_part, _ = extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedBase))
+        shards = list(nested_values(sharded_part))
+        validate_local_integrity(shards)
+
+        ckpt_keys: Optional[Set[str]] = None
+        if StrictHandling.requires_explicit_ckpt_mismatch_check(strict_mode):
+            ckpt_meta = dict(sharded_strategy.load_sharded_metadata(checkpoint_dir))
+            if not sharded_strategy.can_handle_sharded_objects:
+                ckpt_meta.update(common_strategy.load_sharded_metadata(checkpoint_dir))
+            ckpt_keys = {v.key for v in ckpt_meta.values()}
+        local_keys = {s.key for s in shards}
+        payload = (local_keys, [shard_meta(s, dist.get_rank()) for s in shards] if validate_access_integrity else None)
+    except Exception as e:  # noqa: BLE001 - shared with every rank below
+        exc = e
+
+    need_global = validate_access_integrity or StrictHandling.requires_global_app_metadata(strict_mode)
+    gathered = dist.all_gather_or_raise("load preparation", exc, payload if need_global else None)
+    global_keys = set().union(*(p[0] for p in gathered)) if need_global else None
+
+    exc = None
+    try:
+        if validate_access_integrity:
+            validate_global_integrity([p[1] for p in gathered])
+        if StrictHandling.requires_explicit_ckpt_mismatch_check(strict_mode):
+            missing, unexpected = determine_missing_and_unexpected_keys(
+                ckpt_keys, local_keys,
+                global_keys if StrictHandling.requires_global_app_metadata(strict_mode) else None)
+            handle_mismatched_keys(strict_mode, missing, unexpected, str(checkpoint_dir))
+            if unexpected:
+                sharded_part, _ = extract_matching_values(
+                    sharded_part, lambda v: isinstance(v, ShardedBase) and v.key not in unexpected)
+        if not sharded_strategy.can_handle_sharded_objects:
+            objects, sharded_part = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
+            merge(common_state_dict, common_strategy.load_sharded_objects(objects, checkpoint_dir))
+        loaded = sharded_strategy.load(sharded_part, checkpoint_dir)
+        merge(common_state_dict, loaded)
+        common_state_dict = apply_factory_merges(common_state_dict, factories)
+    except Exception as e:  # noqa: BLE001
+        exc = e
+    dist.sync_errors("load", exc)
+
+    if StrictHandling.requires_returning_mismatch_keys(strict_mode):
+        return common_state_dict, missing, unexpected
+    return common_state_dict
+
+
+# --------------------------------------------------------------------------- queries
+
+
+def load_common_state_dict(checkpoint_dir: PathLike, common_strategy: Optional[LoadCommonStrategy] = None) -> StateDict:
+    """Load only the common (non-sharded) state."""
+    _, common_strategy = _load_strategies(checkpoint_dir, None, common_strategy)
+    state = common_strategy.load_common(Path(checkpoint_dir))
+    state.pop(CONTENT_METADATA_KEY, None)
+    return state
+
+
+def load_content_metadata(checkpoint_dir: PathLike, preloaded_state_dict: Optional[StateDict] = None) -> Optional[dict]:
+    """The ``content_metadata`` passed to ``save``, or None."""
+    if preloaded_state_dict is None:
+        _, common_strategy = _load_strategies(checkpoint_dir, None, None)
+        preloaded_state_dict = common_strategy.load_common(Path(checkpoint_dir))
+    return preloaded_state_dict.get(CONTENT_METADATA_KEY)
+
+
+def load_tensors_metadata(checkpoint_dir: PathLike, sharded_strategy: Optional[LoadShardedStrategy] = None) -> ShardedStateDict:
+    """Describe every stored tensor: key -> data-free ShardedTensor of the whole global tensor
+    (data is a ``meta`` tensor with the global shape and dtype)."""
+    sharded_strategy, _ = _load_strategies(checkpoint_dir, sharded_strategy, None)
+    return sharded_strategy.load_tensors_metadata(Path(checkpoint_dir))
+
+
+def load_sharded_metadata(checkpoint_dir: PathLike, sharded_strategy: Optional[LoadShardedStrategy] = None,
+                          common_strategy: Optional[LoadCommonStrategy] = None) -> ShardedStateDict:
+    """Like load_tensors_metadata, plus the stored ShardedObjects keyed by their unique key."""
+    sharded_strategy, common_strategy = _load_strategies(checkpoint_dir, sharded_strategy, common_strategy)
+    out = dict(sharded_strategy.load_sharded_metadata(Path(checkpoint_dir)))
+    if not sharded_strategy.can_handle_sharded_objects:
+        out.update(common_strategy.load_sharded_metadata(Path(checkpoint_dir)))
+    return out
+
+
+def load_plain_tensors(checkpoint_dir: PathLike, sharded_strategy: Optional[LoadShardedStrategy] = None) -> StateDict:
+    """Load every stored tensor whole, on this rank alone (no collectives)."""
+    sharded_strategy, _ = _load_strategies(checkpoint_dir, sharded_strategy, None)
+    request = sharded_strategy.load_tensors_metadata(Path(checkpoint_dir))
+    for sh in request.values():
+        sh.data = None
+    return sharded_strategy.load(request, Path(checkpoint_dir))
+
+
+def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
+    """Remove every tensor whose key starts with ``key_prefix`` from a checkpoint."""
+    sharded_strategy, _ = _load_strategies(checkpoint_dir, None, None)
+    sharded_strategy.remove_sharded_tensors(Path(checkpoint_dir), key_prefix)
+

@@ -1,0 +1,171 @@
+"""Strategy interfaces and the registry that picks one by (action, backend, version).
+
+Call sequence (every rank calls every method unless a docstring says otherwise):
+
+save:  SaveCommonStrategy.save_common (writes on rank 0 only)
+       [SaveCommonStrategy.save_sharded_objects, when the sharded strategy cannot hold objects]
+       SaveShardedStrategy.save (writes each rank's main replicas and the strategy's own index;
+       raises the same error on every rank if any rank failed)
+load:  LoadCommonStrategy.load_common
+       LoadShardedStrategy.load_sharded_metadata (strict-mode key checks)
+       LoadShardedStrategy.load (reads only the requested pieces; no collectives required)
+       [LoadCommonStrategy.load_sharded_objects]
+
+The registry stores *factories*: every lookup returns a fresh strategy object, so no state
+(cached plans, open files) leaks from one checkpoint into an unrelated one.
+"""
+
+from __future__ import annotations
+
+import copy
+from abc import ABC, abstractmethod
+from enum import Enum
+from pathlib import Path
+from typing import Callable, Dict, Tuple, Union
+
+from distckpt.core import CheckpointingException
+from distckpt.mapping import ShardedStateDict, StateDict
+
+
+class StrategyAction(Enum):
+    LOAD_COMMON = "load_common"
+    LOAD_SHARDED = "load_sharded"
+    SAVE_COMMON = "save_common"
+    SAVE_SHARDED = "save_sharded"
+
+
+_RegistryKey = Tuple[str, str, int]
+_default_strategies: Dict[_RegistryKey, Callable[[], object]] = {}
+
+
+def register_default_strategy(action: StrategyAction, backend: str, version: int,
+                              strategy: Union[object, Callable[[], object]]) -> None:
+    """Register a strategy (an instance, copied on each lookup, or a zero-argument factory)."""
+    if isinstance(strategy, StrategyBase):
+        def factory(proto=strategy):
+            return copy.deepcopy(proto)
+    else:
+        factory = strategy
+    _default_strategies[(action.value, backend, version)] = factory
+
+
+def _ensure_builtin_strategies() -> None:
+    # Imported lazily: the strategy modules import this one.
+    import distckpt.strategies.common  # noqa: F401
+    import distckpt.strategies.torch  # noqa: F401
+    try:
+        import distckpt.strategies.zarr  # noqa: F401
+    except ImportError:
+        pass
+
+
+def get_default_strategy(action: StrategyAction, backend: str, version: int):
+    """Return a new instance of the strategy registered for (action, backend, version).
+
+    Raises:
+        CheckpointingException: nothing is registered there; the message lists what is.
+    """
+    _ensure_builtin_strategies()
+    try:
+        factory = _default_strategies[(action.value, backend, version)]
+    except KeyError:
+        known = sorted(f"{b} v{v}" for a, b, v in _default_strategies if a == action.value)
+        raise CheckpointingException(
+            f"no {action.value} strategy registered for backend {backend!r} version {version}; "
+            f"registered: {', '.join(known) or 'none'}") from None
+    return factory()
+
+
+class StrategyBase(ABC):
+    """Common attributes of every strategy."""
+
+    def __init__(self, backend: str, version: int):
+        self.backend = backend
+        self.version = version
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        """Whether this strategy stores ShardedObjects itself (else the common strategy does)."""
+        return False
+
+
+class LoadStrategyBase(StrategyBase):
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        if loaded_backend != self.backend:
+            raise CheckpointingException(
+                f"strategy for backend {self.backend!r} cannot load a {loaded_backend!r} checkpoint")
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        if loaded_version > self.version:
+            raise CheckpointingException(
+                f"checkpoint format version {loaded_version} of backend {self.backend!r} is newer "
+                f"than this strategy supports ({self.version})")
+
+
+class SaveStrategyBase(StrategyBase):
+    pass
+
+
+class LoadCommonStrategy(LoadStrategyBase):
+    @abstractmethod
+    def load_common(self, checkpoint_dir: Path) -> StateDict:
+        """Load the common (non-sharded) state. Every rank reads it."""
+
+    @abstractmethod
+    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict,
+                             checkpoint_dir: Path) -> StateDict:
+        """Load the requested ShardedObjects stored as files."""
+
+    def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+        """Describe the ShardedObjects stored as files (data=None), keyed by unique key."""
+        return {}
+
+
+class LoadShardedStrategy(LoadStrategyBase):
+    @abstractmethod
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
+        """Read the requested pieces into the given tensors (allocating where data is None).
+
+        Called by every rank on its own requests; needs no collective.
+        """
+
+    @abstractmethod
+    def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+        """Map each stored tensor key to a data-free ShardedTensor of the whole global tensor."""
+
+    def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+        """Tensors as in load_tensors_metadata plus stored ShardedObjects keyed by unique key."""
+        return self.load_tensors_metadata(checkpoint_dir)
+
+    def remove_sharded_tensors(self, checkpoint_dir: Path, key_prefix: str) -> None:
+        raise CheckpointingException(
+            f"backend {self.backend!r} does not support removing sharded tensors")
+
+
+class SaveCommonStrategy(SaveStrategyBase):
+    @abstractmethod
+    def save_common(self, common_state_dict: StateDict, checkpoint_dir: Path) -> None:
+        """Write the common state. Called on every rank; writes on rank 0 only."""
+
+    @abstractmethod
+    def save_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict,
+                             checkpoint_dir: Path) -> None:
+        """Write each main-replica ShardedObject of this rank as its own file."""
+
+
+class SaveShardedStrategy(SaveStrategyBase):
+    @abstractmethod
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
+        """Write this rank's main replicas and the strategy's index of the checkpoint.
+
+        Called on every rank; on failure of any rank raises the same error on every rank. Does
+        not commit: ``metadata.json`` is written by the caller after this returns everywhere.
+        """
+
+
+class AsyncSaveShardedStrategy(SaveShardedStrategy):
+    """A sharded strategy whose writing can run in the background."""
+
+    @abstractmethod
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path):
+        """Stage the local bytes and return an AsyncRequest that writes them."""

@@ -1,0 +1,319 @@
+"""Sharding integrity checks (local and global) and the strict-mode handling of key mismatches.
+
+Global integrity means: for every key, all ranks agree on global shape and dtype, and the main
+replicas (replica_id == 0) cover every element of the global tensor exactly once. Flattened
+ranges must tile each chunk of the regular grid exactly once. ShardedObjects must fill their
+grid exactly once. The check runs on one rank over gathered, data-free shard descriptions
+(:class:`ShardMeta`) and its verdict is broadcast, so every rank raises the same error.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from enum import Enum
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+
+import numpy as np
+
+from distckpt.core import CheckpointingException
+from distckpt.mapping import ShardedBase, ShardedObject, ShardedTensor, is_main_replica
+
+logger = logging.getLogger(__name__)
+
+
+class StrictHandling(Enum):
+    """What to do when the requested keys and the checkpoint's keys differ.
+
+    *Unexpected* keys are requested by the caller but absent from the checkpoint. *Missing* keys
+    are in the checkpoint but requested by no rank (finding them needs a gather of every rank's
+    requests, so only the ``*_ALL`` modes pay for it).
+
+    - ASSUME_OK_UNEXPECTED: no check; an absent key fails later, inside the strategy.
+    - LOG_UNEXPECTED / LOG_ALL: log, skip the unexpected keys, load the rest.
+    - RAISE_UNEXPECTED / RAISE_ALL: raise CheckpointingException on every rank.
+    - RETURN_UNEXPECTED / RETURN_ALL: skip them and return them from ``load``.
+    - IGNORE_ALL: skip unexpected keys silently.
+    """
+
+    ASSUME_OK_UNEXPECTED = "assume_ok_unexpected"
+    LOG_UNEXPECTED = "log_unexpected"
+    LOG_ALL = "log_all"
+    RAISE_UNEXPECTED = "raise_unexpected"
+    RAISE_ALL = "raise_all"
+    RETURN_UNEXPECTED = "return_unexpected"
+    RETURN_ALL = "return_all"
+    IGNORE_ALL = "ignore_all"
+
+    @staticmethod
+    def requires_explicit_ckpt_mismatch_check(val: "StrictHandling") -> bool:
+        return val != StrictHandling.ASSUME_OK_UNEXPECTED
+
+    @staticmethod
+    def requires_global_app_metadata(val: "StrictHandling") -> bool:
+        return val in (StrictHandling.LOG_ALL, StrictHandling.RAISE_ALL, StrictHandling.RETURN_ALL)
+
+    @staticmethod
+    def requires_returning_mismatch_keys(val: "StrictHandling") -> bool:
+        return val in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL)
+
+
+def parse_strict_flag(strict: Union[str, StrictHandling]) -> StrictHandling:
+    if isinstance(strict, StrictHandling):
+        return strict
+    try:
+        return StrictHandling(strict)
+    except ValueError:
+        allowed = ", ".join(s.value for s in StrictHandling)
+        raise CheckpointingException(f"unknown strict mode {strict!r}; expected one of: {allowed}") from None
+
+
+# --------------------------------------------------------------------------- shard descriptions
+
+
+@dataclass(frozen=True)
+class ShardMeta:
+    """Data-free description of one rank's shard, cheap to gather.
+
+    ``local_shape`` has the full rank of the global tensor (prepended axes have size 1), so the
+    shard is the box ``[global_offset, global_offset + local_shape)``. For flattened ranges the
+    box is the whole (un-flattened) chunk and ``flat`` is the ``(start, stop)`` slice of it.
+    """
+
+    key: str
+    is_object: bool
+    dtype: Optional[str]
+    global_shape: Tuple[int, ...]
+    global_offset: Tuple[int, ...]
+    local_shape: Tuple[int, ...]
+    flat: Optional[Tuple[int, int]]
+    main: bool
+    rank: int
+
+
+def shard_meta(sh: ShardedBase, rank: int) -> ShardMeta:
+    if isinstance(sh, ShardedObject):
+        ones = (1,) * len(sh.global_shape)
+        return ShardMeta(sh.key, True, None, tuple(sh.global_shape), tuple(sh.global_offset), ones,
+                         None, is_main_replica(sh.replica_id), rank)
+    assert isinstance(sh, ShardedTensor)
+    full_local = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+    flat = None if sh.flattened_range is None else (sh.flattened_range.start, sh.flattened_range.stop)
+    return ShardMeta(sh.key, False, str(sh.dtype), tuple(sh.global_shape), tuple(sh.global_offset),
+                     full_local, flat, is_main_replica(sh.replica_id), rank)
+
+
+def validate_local_integrity(shards: Iterable[ShardedBase]) -> None:
+    """Re-check each shard's own metadata (it may have been mutated since construction)."""
+    for sh in shards:
+        sh.validate_metadata_integrity()
+
+
+# --------------------------------------------------------------------------- global integrity
+
+
+def validate_global_integrity(all_ranks: Sequence[Sequence[ShardMeta]]) -> None:
+    """Check that the gathered shards of all ranks describe a consistent, complete checkpoint.
+
+    Raises:
+        CheckpointingException: naming the key, the ranks involved and the problem.
+    """
+    by_key: Dict[str, List[ShardMeta]] = defaultdict(list)
+    for rank_shards in all_ranks:
+        for m in rank_shards:
+            by_key[m.key].append(m)
+    for key, shards in by_key.items():
+        _check_key(key, shards)
+
+
+def _ranks(shards: Iterable[ShardMeta]) -> str:
+    return ",".join(str(r) for r in sorted({s.rank for s in shards}))
+
+
+def _check_key(key: str, shards: List[ShardMeta]) -> None:
+    kinds = {s.is_object for s in shards}
+    if len(kinds) > 1:
+        tensors = [s for s in shards if not s.is_object]
+        objects = [s for s in shards if s.is_object]
+        raise CheckpointingException(
+            f"key {key!r} is a ShardedTensor on rank(s) {_ranks(tensors)} and a ShardedObject "
+            f"on rank(s) {_ranks(objects)}")
+    shapes = defaultdict(list)
+    for s in shards:
+        shapes[s.global_shape].append(s)
+    if len(shapes) > 1:
+        desc = "; ".join(f"{list(shape)} on rank(s) {_ranks(v)}" for shape, v in shapes.items())
+        raise CheckpointingException(f"key {key!r}: ranks disagree on the global shape: {desc}")
+    dtypes = defaultdict(list)
+    for s in shards:
+        dtypes[s.dtype].append(s)
+    if len(dtypes) > 1:
+        desc = "; ".join(f"{d} on rank(s) {_ranks(v)}" for d, v in dtypes.items())
+        raise CheckpointingException(f"key {key!r}: ranks disagree on the dtype: {desc}")
+    global_shape = shards[0].global_shape
+    main = [s for s in shards if s.main]
+    if shards[0].is_object:
+        _check_object_grid(key, global_shape, main)
+        return
+    flat_kinds = {s.flat is not None for s in shards}
+    if len(flat_kinds) > 1:
+        flat = [s for s in shards if s.flat is not None]
+        raise CheckpointingException(
+            f"key {key!r}: flattened on rank(s) {_ranks(flat)} but not on the others")
+    if shards[0].flat is not None:
+        _check_flat_tiling(key, global_shape, main)
+    else:
+        check_exact_cover(key, global_shape, [(s.global_offset, s.local_shape, s.rank) for s in main])
+
+
+def _check_object_grid(key: str, global_shape: Tuple[int, ...], main: List[ShardMeta]) -> None:
+    seen: Dict[Tuple[int, ...], int] = {}
+    for s in main:
+        if s.global_offset in seen:
+            raise CheckpointingException(
+                f"ShardedObject {key!r}: offset {list(s.global_offset)} is written by more than one "
+                f"main replica (ranks {seen[s.global_offset]} and {s.rank})")
+        seen[s.global_offset] = s.rank
+    expected = math.prod(global_shape)
+    if len(seen) != expected:
+        missing = next(o for o in np.ndindex(*global_shape) if tuple(o) not in seen)
+        raise CheckpointingException(
+            f"ShardedObject {key!r}: {expected - len(seen)} of {expected} shards have no main "
+            f"replica (e.g. offset {list(missing)}); set replica_id=0 on exactly one rank per shard")
+
+
+def _check_flat_tiling(key: str, global_shape: Tuple[int, ...], main: List[ShardMeta]) -> None:
+    chunks: Dict[Tuple[Tuple[int, ...], Tuple[int, ...]], List[ShardMeta]] = defaultdict(list)
+    for s in main:
+        chunks[(s.global_offset, s.local_shape)].append(s)
+    for (offset, local), pieces in chunks.items():
+        numel = math.prod(local)
+        pieces = sorted((p for p in pieces if p.flat[1] > p.flat[0]), key=lambda p: p.flat)
+        pos = 0
+        for p in pieces:
+            start, stop = p.flat
+            if start < pos:
+                raise CheckpointingException(
+                    f"ShardedTensor {key!r}: flattened ranges overlap in the chunk at offset "
+                    f"{list(offset)}: [{start}, {stop}) on rank {p.rank} starts before {pos}")
+            if start > pos:
+                raise CheckpointingException(
+                    f"ShardedTensor {key!r}: flattened range [{pos}, {start}) of the chunk at offset "
+                    f"{list(offset)} is not written by any main replica")
+            pos = stop
+        if pos != numel:
+            raise CheckpointingException(
+                f"ShardedTensor {key!r}: flattened range [{pos}, {numel}) of the chunk at offset "
+                f"{list(offset)} is not written by any main replica")
+    rank_of = {k: v[0].rank for k, v in chunks.items()}
+    check_exact_cover(key, global_shape, [(o, ls, rank_of[(o, ls)]) for (o, ls) in chunks])
+
+
+# Above this many cells of the compressed grid the cover check falls back to volume + sweep.
+_MAX_GRID_CELLS = 50_000_000
+
+
+def check_exact_cover(key: str, global_shape: Sequence[int],
+                      boxes: Sequence[Tuple[Sequence[int], Sequence[int], int]]) -> None:
+    """Check that boxes ``(offset, size, rank)`` cover ``global_shape`` exactly once.
+
+    Uses coordinate compression: the cut points of all boxes along each axis split the tensor
+    into a grid of cells, each of which is either fully inside or fully outside any box.
+    """
+    ndim = len(global_shape)
+    boxes = [b for b in boxes if all(s > 0 for s in b[1])]
+    if math.prod(global_shape) == 0:
+        return
+    if ndim == 0:
+        if len(boxes) != 1:
+            raise CheckpointingException(
+                f"ShardedTensor {key!r}: a scalar needs exactly one main replica, got {len(boxes)} "
+                f"(ranks {sorted(b[2] for b in boxes)})")
+        return
+    cuts = []
+    for axis in range(ndim):
+        pts = {0, global_shape[axis]}
+        for off, size, _ in boxes:
+            pts.add(off[axis])
+            pts.add(off[axis] + size[axis])
+        cuts.append(np.array(sorted(pts), dtype=np.int64))
+    grid = tuple(len(c) - 1 for c in cuts)
+    if math.prod(grid) > _MAX_GRID_CELLS:
+        _check_cover_by_volume(key, global_shape, boxes)
+        return
+    counts = np.zeros(grid, dtype=np.int32)
+    cell_slices = []
+    for off, size, _ in boxes:
+        sl = tuple(
+            slice(int(np.searchsorted(cuts[a], off[a])), int(np.searchsorted(cuts[a], off[a] + size[a])))
+            for a in range(ndim))
+        cell_slices.append(sl)
+        counts[sl] += 1
+    if (counts > 1).any():
+        cell = tuple(int(i) for i in np.argwhere(counts > 1)[0])
+        owners = [b[2] for b, sl in zip(boxes, cell_slices)
+                  if all(s.start <= c < s.stop for s, c in zip(sl, cell))]
+        raise CheckpointingException(
+            f"ShardedTensor {key!r}: main replicas overlap at global region {_region(cuts, cell)} "
+            f"(written by ranks {owners}); give all but one of them replica_id != 0")
+    if (counts == 0).any():
+        cell = tuple(int(i) for i in np.argwhere(counts == 0)[0])
+        raise CheckpointingException(
+            f"ShardedTensor {key!r}: global region {_region(cuts, cell)} of shape "
+            f"{list(global_shape)} is not covered by any main replica")
+
+
+def _region(cuts: List[np.ndarray], cell: Tuple[int, ...]) -> str:
+    return "[" + ", ".join(f"{int(c[i])}:{int(c[i + 1])}" for c, i in zip(cuts, cell)) + "]"
+
+
+def _check_cover_by_volume(key, global_shape, boxes) -> None:
+    total = sum(math.prod(size) for _, size, _ in boxes)
+    expected = math.prod(global_shape)
+    order = sorted(boxes, key=lambda b: b[0][0])
+    active: List[Tuple] = []
+    for b in order:
+        active = [a for a in active if a[0][0] + a[1][0] > b[0][0]]
+        for a in active:
+            if all(a[0][i] < b[0][i] + b[1][i] and b[0][i] < a[0][i] + a[1][i] for i in range(len(global_shape))):
+                raise CheckpointingException(
+                    f"ShardedTensor {key!r}: main replicas of ranks {a[2]} and {b[2]} overlap "
+                    f"(offsets {list(a[0])} and {list(b[0])})")
+        active.append(b)
+    if total != expected:
+        raise CheckpointingException(
+            f"ShardedTensor {key!r}: main replicas cover {total} of {expected} elements")
+
+
+# --------------------------------------------------------------------------- strict load checks
+
+
+def determine_missing_and_unexpected_keys(
+    ckpt_keys: Set[str],
+    local_keys: Set[str],
+    global_keys: Optional[Set[str]] = None,
+) -> Tuple[Set[str], Set[str]]:
+    """Unexpected: requested here, absent from the checkpoint. Missing: in the checkpoint,
+    requested by no rank (only known when ``global_keys`` is given)."""
+    unexpected = local_keys - ckpt_keys
+    missing = ckpt_keys - global_keys if global_keys is not None else set()
+    return missing, unexpected
+
+
+def handle_mismatched_keys(strict: StrictHandling, missing: Set[str], unexpected: Set[str],
+                           checkpoint_dir: str) -> None:
+    """Log or raise according to ``strict``; returning and skipping is the caller's job."""
+    if not missing and not unexpected:
+        return
+    msg = []
+    if unexpected:
+        msg.append(f"keys requested but not in the checkpoint: {sorted(unexpected)}")
+    if missing:
+        msg.append(f"keys in the checkpoint but not requested by any rank: {sorted(missing)}")
+    text = f"{checkpoint_dir}: " + "; ".join(msg)
+    if strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
+        raise CheckpointingException(text)
+    if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
+        logger.warning(text)

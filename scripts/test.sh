@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Run the test suite in the project's venv (set up first if needed): bash scripts/test.sh [pytest args]
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+bash "$root/scripts/setup.sh"
+venv=${DISTCKPT_VENV:-$root/.venv}
+cd "$root"
+exec "$venv/bin/python" -m pytest tests "$@"

@@ -1,0 +1,171 @@
+"""Parallel layouts for tests: which piece of which global tensor each rank holds.
+
+A layout is a function ``(rank, world, **params) -> List[Piece]``. The same description builds
+the ShardedTensor to save (data = the piece of a deterministic global tensor), the empty
+ShardedTensor to load into, and the expected value after loading, so a test can save under one
+layout and load under any other.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from distckpt import ShardedObject, ShardedTensor
+
+
+def full_tensor(key: str, shape: Tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The deterministic global tensor behind ``key`` (the same in every process)."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"{key}{shape}{dtype}".encode()))
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=g).to(dtype)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One rank's piece of global tensor ``key``: the box at ``offset`` of shape
+    ``(1,)*prepend + local_shape``, optionally only the flat range ``flat`` of it."""
+
+    name: str                     # key in the state dict
+    key: str                      # ShardedTensor key
+    global_shape: Tuple[int, ...]
+    offset: Tuple[int, ...]
+    local_shape: Tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+    prepend: int = 0
+    replica: int = 0
+    flat: Optional[Tuple[int, int]] = None
+    fragments: Optional[Tuple[int, ...]] = None
+
+    def expected(self) -> torch.Tensor:
+        full = full_tensor(self.key, self.global_shape, self.dtype)
+        index = tuple(
+            self.offset[i] if i < self.prepend else slice(self.offset[i], self.offset[i] + self.local_shape[i - self.prepend])
+            for i in range(len(self.global_shape)))
+        local = full[index].contiguous()
+        if self.flat is not None:
+            local = local.flatten()[self.flat[0]:self.flat[1]].clone()
+        return local
+
+    def sharded(self, with_data: bool = True, **kwargs) -> ShardedTensor:
+        data = self.expected() if with_data else torch.zeros_like(self.expected())
+        flat = None if self.flat is None else slice(*self.flat)
+        fragments = self.fragments
+        if fragments is None:
+            fragments = tuple(
+                1 if i < self.prepend else max(1, self.global_shape[i] // max(1, self.local_shape[i - self.prepend]))
+                for i in range(len(self.global_shape)))
+        return ShardedTensor(self.key, data, self.dtype, tuple(self.local_shape), tuple(self.global_shape),
+                             tuple(self.offset), fragments, self.replica, self.prepend, flattened_range=flat, **kwargs)
+
+
+def splits(n: int, parts: int) -> List[Tuple[int, int]]:
+    """Cut ``range(n)`` into ``parts`` contiguous, possibly uneven, possibly empty pieces."""
+    bounds = [round(i * n / parts) for i in range(parts + 1)]
+    return [(bounds[i], bounds[i + 1] - bounds[i]) for i in range(parts)]
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def tp_dp(rank: int, world: int, tp: int) -> List[Piece]:
+    """A small transformer-like model: TP splits on axis 0 and 1, DP replicas of everything."""
+    tp_rank, dp_rank = rank % tp, rank // tp
+    pieces = []
+    for name, shape, axis, dtype in [("col", (8, 6), 0, torch.float32), ("row", (6, 8), 1, torch.float32),
+                                     ("emb", (16, 4), 0, torch.bfloat16), ("half", (4, 8), 1, torch.float16)]:
+        local = list(shape)
+        local[axis] //= tp
+        off = [0] * len(shape)
+        off[axis] = tp_rank * local[axis]
+        pieces.append(Piece(name, name, shape, tuple(off), tuple(local), dtype, replica=dp_rank))
+    pieces.append(Piece("bias", "bias", (6,), (0,), (6,), replica=rank))
+    pieces.append(Piece("count", "count", (5,), (0,), (5,), torch.int64, replica=rank))
+    pieces.append(Piece("mask", "mask", (3, 3), (0, 0), (3, 3), torch.bool, replica=rank))
+    pieces.append(Piece("steps", "steps", (), (), (), torch.int32, replica=rank))
+    return pieces
+
+
+def grid(rank: int, world: int, rows: int, cols: int) -> List[Piece]:
+    """A [8, 12] tensor cut into a rows x cols grid; ranks beyond rows*cols hold replicas."""
+    cell = rank % (rows * cols)
+    r, c = divmod(cell, cols)
+    (ro, rl), (co, cl) = splits(8, rows)[r], splits(12, cols)[c]
+    return [Piece("grid", "grid", (8, 12), (ro, co), (rl, cl), replica=rank // (rows * cols))]
+
+
+def uneven(rank: int, world: int, parts: Optional[int] = None) -> List[Piece]:
+    """1-D tensors of 13 and 3 elements cut unevenly; with world > 3 some pieces are empty."""
+    parts = parts or world
+    out = []
+    for key, n in [("uneven13", 13), ("uneven3", 3)]:
+        off, length = splits(n, parts)[rank % parts]
+        out.append(Piece(key, key, (n,), (off,), (length,), replica=rank // parts))
+    return out
+
+
+def multi(rank: int, world: int) -> List[Piece]:
+    """Several shards of one key per rank: rank r holds row blocks r and r + world of a [16, 3]."""
+    rows = 16 // (2 * world)
+    return [Piece(f"multi.{i}", "multi", (16, 3), (rows * (rank + i * world), 0), (rows, 3))
+            for i in range(2)]
+
+
+def stacked(rank: int, world: int, pp: int, per_layer: bool) -> List[Piece]:
+    """4 layers of [6, 4] stacked on a prepended axis, split over ``pp`` pipeline stages.
+
+    ``per_layer``: one ShardedTensor per layer (prepend_axis_num=1, Megatron's layer stacking);
+    else one ShardedTensor per stage covering its layers (no prepended axis).
+    """
+    stage = rank % pp
+    layers = splits(4, pp)[stage]
+    replica = rank // pp
+    if per_layer:
+        return [Piece(f"layers.{i}", "layers.w", (4, 6, 4), (i, 0, 0), (6, 4), prepend=1, replica=replica)
+                for i in range(layers[0], layers[0] + layers[1])]
+    return [Piece("layers", "layers.w", (4, 6, 4), (layers[0], 0, 0), (layers[1], 6, 4), replica=replica)]
+
+
+def flat_optimizer(rank: int, world: int, tp: int) -> List[Piece]:
+    """Distributed-optimizer slices: [8, 6] TP-split on axis 0, each TP chunk's 24 elements
+    cut over DP = world // tp ranks at uneven points (cutting rows; some slices empty)."""
+    dp = world // tp
+    tp_rank, dp_rank = rank % tp, rank // tp
+    rows = 8 // tp
+    numel = rows * 6
+    cuts = [0] + [min(numel, (i * numel) // dp + (3 if i % 2 else 0)) for i in range(1, dp)] + [numel]
+    cuts = sorted(cuts)
+    start, stop = cuts[dp_rank], cuts[dp_rank + 1]
+    return [Piece("exp_avg", "exp_avg", (8, 6), (tp_rank * rows, 0), (rows, 6), flat=(start, stop),
+                  fragments=(tp, 1))]
+
+
+LAYOUTS: Dict[str, Callable[..., List[Piece]]] = {
+    "tp_dp": tp_dp, "grid": grid, "uneven": uneven, "multi": multi, "stacked": stacked,
+    "flat_optimizer": flat_optimizer,
+}
+
+
+def build(layout: str, rank: int, world: int, with_data: bool, **params) -> Tuple[dict, Dict[str, Piece]]:
+    pieces = LAYOUTS[layout](rank, world, **params)
+    return {p.name: p.sharded(with_data) for p in pieces}, {p.name: p for p in pieces}
+
+
+def rank_object(rank: int, world: int, with_data: bool = True, replicas: int = 1) -> ShardedObject:
+    """One object per rank group on a (1, world/replicas) grid."""
+    cols = world // replicas
+    col = rank % cols
+    data = {"rank": col, "state": torch.arange(3) + 10 * col, "name": f"obj{col}"} if with_data else None
+    return ShardedObject("rng_state", data, (1, cols), (0, col), replica_id=rank // cols)
+
+
+def numel(shape) -> int:
+    return math.prod(shape)

@@ -1,0 +1,341 @@
+"""Conformance suite: every registered sharded strategy must pass these tests.
+
+Each test saves with real gloo ranks under one parallel layout and loads under another; a new
+strategy is added to BACKENDS and gets the whole suite.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+import distckpt
+from distckpt import (
+    LocalNonpersistentObject,
+    ShardedObject,
+    ShardedTensor,
+    ShardedTensorFactory,
+    check_is_distributed_checkpoint,
+)
+from distckpt import dist as ddist
+from distckpt.serialization import get_default_save_sharded_strategy
+from distckpt.strategies.base import SaveShardedStrategy
+from tests import layouts
+from tests.harness import expect_all_ranks_raise, run_ranks
+
+BACKENDS = ["torch_dist"]
+
+
+# --------------------------------------------------------------------------- rank functions
+
+
+def _save_layout(ckpt, backend, layout, params, common=None):
+    sd, _ = layouts.build(layout, ddist.get_rank(), ddist.get_world_size(), True, **params)
+    if common is not None:
+        sd["common"] = common
+    distckpt.save(sd, ckpt, sharded_strategy=(backend, 1))
+
+
+def _load_layout(ckpt, layout, params):
+    sd, pieces = layouts.build(layout, ddist.get_rank(), ddist.get_world_size(), False, **params)
+    loaded = distckpt.load(sd, ckpt)
+    wrong = []
+    for name, piece in pieces.items():
+        got, want = loaded[name], piece.expected()
+        if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
+            wrong.append(name)
+    return len(pieces), wrong
+
+
+ROUND_TRIPS = [
+    # (save layout, save world, save params, load layout, load world, load params)
+    ("tp_dp", 4, {"tp": 2}, "tp_dp", 1, {"tp": 1}),                      # TP2xDP2 -> TP1
+    ("tp_dp", 2, {"tp": 2}, "tp_dp", 4, {"tp": 4}),                      # TP2 -> TP4
+    ("tp_dp", 4, {"tp": 2}, "tp_dp", 2, {"tp": 1}),                      # TP2xDP2 -> TP1xDP2
+    ("tp_dp", 1, {"tp": 1}, "tp_dp", 4, {"tp": 2}),
+    ("grid", 4, {"rows": 2, "cols": 2}, "grid", 4, {"rows": 1, "cols": 4}),  # 2x2 grid -> 1x4
+    ("grid", 4, {"rows": 2, "cols": 2}, "grid", 2, {"rows": 2, "cols": 1}),
+    ("grid", 2, {"rows": 1, "cols": 2}, "grid", 1, {"rows": 1, "cols": 1}),
+    ("uneven", 4, {}, "uneven", 2, {}),                                  # uneven with empty pieces
+    ("uneven", 2, {}, "uneven", 4, {"parts": 3}),
+    ("multi", 2, {}, "multi", 4, {}),                                    # several shards per rank
+    ("multi", 4, {}, "multi", 1, {}),
+    ("stacked", 2, {"pp": 2, "per_layer": True}, "stacked", 1, {"pp": 1, "per_layer": False}),
+    ("stacked", 2, {"pp": 2, "per_layer": True}, "stacked", 4, {"pp": 4, "per_layer": True}),
+    ("stacked", 1, {"pp": 1, "per_layer": False}, "stacked", 2, {"pp": 2, "per_layer": True}),
+    ("stacked", 4, {"pp": 2, "per_layer": True}, "stacked", 4, {"pp": 3, "per_layer": True}),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", ROUND_TRIPS, ids=lambda c: f"{c[0]}-w{c[1]}-{c[3]}-w{c[4]}-{c[5]}")
+def test_round_trip_reshards_bit_exactly(backend, case, tmp_path):
+    save_layout, save_world, save_params, load_layout, load_world, load_params = case
+    run_ranks(save_world, _save_layout, str(tmp_path), backend, save_layout, save_params)
+    assert check_is_distributed_checkpoint(tmp_path)
+    results = run_ranks(load_world, _load_layout, str(tmp_path), load_layout, load_params)
+    assert all(n > 0 for n, _ in results)
+    assert [wrong for _, wrong in results] == [[]] * load_world
+
+
+def test_save_and_load_without_process_group(tmp_path):
+    assert not torch.distributed.is_initialized()
+    sd, pieces = layouts.build("tp_dp", 0, 1, True, tp=1)
+    distckpt.save(sd, tmp_path)
+    sd, _ = layouts.build("tp_dp", 0, 1, False, tp=1)
+    loaded = distckpt.load(sd, tmp_path)
+    for name, piece in pieces.items():
+        assert torch.equal(loaded[name], piece.expected())
+
+
+# --------------------------------------------------------------------------- objects, common state
+
+
+def _save_objects(ckpt, backend, replicas):
+    rank, world = ddist.get_rank(), ddist.get_world_size()
+    sd = {"rng": layouts.rank_object(rank, world, True, replicas), "iteration": 7,
+          "args": {"lr": 0.5, "layers": [1, 2]}, "skip": LocalNonpersistentObject(object())}
+    distckpt.save(sd, ckpt, sharded_strategy=(backend, 1))
+
+
+def _load_objects(ckpt, cols):
+    rank, world = ddist.get_rank(), ddist.get_world_size()
+    # Every rank asks for every object of the saved grid; rank 0's requests are the main replicas.
+    sd = {f"rng{c}": ShardedObject("rng_state", None, (1, cols), (0, c), replica_id=rank) for c in range(cols)}
+    sd["mine"] = LocalNonpersistentObject("not from disk")
+    out = distckpt.load(sd, ckpt)
+    return {k: (v if not isinstance(v, dict) else {kk: (vv.tolist() if isinstance(vv, torch.Tensor) else vv)
+                                                   for kk, vv in v.items()}) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_objects_and_common_state_round_trip_on_another_world_size(backend, tmp_path):
+    run_ranks(4, _save_objects, str(tmp_path), backend, 2)
+    results = run_ranks(2, _load_objects, str(tmp_path), 2)
+    for out in results:
+        assert out["iteration"] == 7
+        assert out["args"] == {"lr": 0.5, "layers": [1, 2]}
+        assert out["mine"] == "not from disk"
+        assert "skip" not in out
+        for c in range(2):
+            assert out[f"rng{c}"] == {"rank": c, "state": [10 * c, 10 * c + 1, 10 * c + 2], "name": f"obj{c}"}
+
+
+def _split_factory(key, data, replica_id, flattened_range):
+    half = data.shape[0] // 2
+    return {"w": ShardedTensor.from_rank_offsets(f"{key}.w", data[:half], replica_id=replica_id),
+            "v": ShardedTensor.from_rank_offsets(f"{key}.v", data[half:], replica_id=replica_id)}
+
+
+def _merge_halves(loaded):
+    return torch.cat([loaded["w"], loaded["v"]])
+
+
+def _factory_round_trip(ckpt, backend):
+    x = torch.arange(12.0).reshape(6, 2)
+    sd = {"fc1": ShardedTensorFactory("fc1", x.clone(), _split_factory, _merge_halves,
+                                      replica_id=ddist.get_rank())}
+    distckpt.save(sd, ckpt, sharded_strategy=(backend, 1))
+    req = {"fc1": ShardedTensorFactory("fc1", torch.zeros(6, 2), _split_factory, _merge_halves,
+                                       replica_id=ddist.get_rank())}
+    out = distckpt.load(req, ckpt)
+    separately = distckpt.load({"w": ShardedTensor.from_rank_offsets("fc1.w", torch.zeros(3, 2),
+                                                                      replica_id=ddist.get_rank())}, ckpt)
+    return torch.equal(out["fc1"], x), torch.equal(separately["w"], x[:3])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_factory_builds_on_save_and_merges_on_load(backend, tmp_path):
+    assert run_ranks(2, _factory_round_trip, str(tmp_path), backend) == [(True, True)] * 2
+
+
+def _content_metadata(ckpt, backend):
+    sd, _ = layouts.build("uneven", ddist.get_rank(), ddist.get_world_size(), True)
+    sd["iteration"] = 3
+    distckpt.save(sd, ckpt, sharded_strategy=(backend, 1), content_metadata={"format": "v2"})
+    return distckpt.load_content_metadata(ckpt), distckpt.load_common_state_dict(ckpt)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_content_metadata_is_stored_apart_from_common_state(backend, tmp_path):
+    assert run_ranks(2, _content_metadata, str(tmp_path), backend) == [({"format": "v2"}, {"iteration": 3})] * 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_metadata_queries_describe_the_checkpoint(backend, tmp_path):
+    run_ranks(4, _save_layout, str(tmp_path), backend, "tp_dp", {"tp": 2}, {"iteration": 11})
+    meta = distckpt.load_tensors_metadata(tmp_path)
+    assert {k: (tuple(v.global_shape), v.dtype) for k, v in meta.items()} == {
+        "col": ((8, 6), torch.float32), "row": ((6, 8), torch.float32), "emb": ((16, 4), torch.bfloat16),
+        "half": ((4, 8), torch.float16), "bias": ((6,), torch.float32), "count": ((5,), torch.int64),
+        "mask": ((3, 3), torch.bool), "steps": ((), torch.int32)}
+    assert distckpt.load_common_state_dict(tmp_path) == {"common": {"iteration": 11}}
+    plain = distckpt.load_plain_tensors(tmp_path)
+    assert torch.equal(plain["row"], layouts.full_tensor("row", (6, 8)))
+    assert set(distckpt.load_sharded_metadata(tmp_path)) == set(meta)
+
+
+# --------------------------------------------------------------------------- strict modes
+
+
+def _save_ab(ckpt, backend):
+    rank = ddist.get_rank()
+    sd = {"a": ShardedTensor.from_rank_offsets("a", torch.ones(2, 3) * rank, (0, rank, 2)),
+          "b": ShardedTensor.from_rank_offsets("b", torch.arange(4.0), replica_id=rank)}
+    distckpt.save(sd, ckpt, sharded_strategy=(backend, 1))
+
+
+def _load_with_unexpected(ckpt, strict):
+    rank = ddist.get_rank()
+    sd = {"a": ShardedTensor.from_rank_offsets("a", torch.zeros(2, 3), (0, rank, 2))}
+    if rank == 1:  # only one rank asks for the absent key
+        sd["c"] = ShardedTensor.from_rank_offsets("c", torch.zeros(2), replica_id=0)
+    out = distckpt.load(sd, ckpt, strict=strict, validate_access_integrity=False)
+    if isinstance(out, tuple):
+        state, missing, unexpected = out
+        return sorted(state), sorted(missing), sorted(unexpected), float(state["a"][0, 0])
+    return sorted(out), None, None, float(out["a"][0, 0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("strict,expected_rank1", [
+    ("log_unexpected", (["a"], None, None, 1.0)),
+    ("log_all", (["a"], None, None, 1.0)),
+    ("ignore_all", (["a"], None, None, 1.0)),
+    ("return_unexpected", (["a"], [], ["c"], 1.0)),
+    ("return_all", (["a"], ["b"], ["c"], 1.0)),
+])
+def test_strict_modes_that_skip_the_absent_key(backend, strict, expected_rank1, tmp_path):
+    run_ranks(2, _save_ab, str(tmp_path), backend)
+    results = run_ranks(2, _load_with_unexpected, str(tmp_path), strict)
+    assert results[1] == expected_rank1
+    assert results[0][0] == ["a"] and results[0][3] == 0.0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("strict,match", [
+    ("assume_ok_unexpected", r"'c' is not in checkpoint"),
+    ("raise_unexpected", r"requested but not in the checkpoint: \['c'\]"),
+    ("raise_all", r"requested but not in the checkpoint: \['c'\].*not requested by any rank: \['b'\]"),
+])
+def test_strict_modes_that_raise_do_so_on_every_rank(backend, strict, match, tmp_path):
+    run_ranks(2, _save_ab, str(tmp_path), backend)
+    expect_all_ranks_raise(2, _load_with_unexpected, str(tmp_path), strict, match=match)
+
+
+def test_unknown_strict_mode_is_a_clear_error(tmp_path):
+    run_ranks(1, _save_ab_single, str(tmp_path))
+    with pytest.raises(distckpt.CheckpointingException, match="unknown strict mode 'sloppy'"):
+        distckpt.load({}, tmp_path, strict="sloppy")
+
+
+def _save_ab_single(ckpt):
+    distckpt.save({"b": ShardedTensor.from_rank_offsets("b", torch.arange(4.0))}, ckpt)
+
+
+def test_log_unexpected_names_the_key_in_the_log(tmp_path, caplog):
+    distckpt.save({"b": ShardedTensor.from_rank_offsets("b", torch.arange(4.0))}, tmp_path)
+    req = {"b": ShardedTensor.from_rank_offsets("b", torch.zeros(4)),
+           "zz": ShardedTensor.from_rank_offsets("zz", torch.zeros(4))}
+    with caplog.at_level(logging.WARNING):
+        out = distckpt.load(req, tmp_path, strict="log_unexpected")
+    assert "zz" in caplog.text and set(out) == {"b"}
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def _save_bad(ckpt, backend, problem):
+    rank = ddist.get_rank()
+    shape, dtype = (4, 3), torch.float32
+    offset = (2 * rank, 0)
+    replica = 0
+    if problem == "overlap":
+        offset = (0, 0)            # both ranks write rows 0:2 as main replicas
+    elif problem == "gap" and rank == 1:
+        replica = 1                # rows 2:4 have no main replica
+    elif problem == "dtype" and rank == 1:
+        dtype = torch.float16
+    elif problem == "shape" and rank == 1:
+        shape = (5, 3)
+    data = torch.ones(2, 3, dtype=dtype)
+    sh = ShardedTensor("w", data, dtype, (2, 3), shape, offset, None, replica)
+    distckpt.save({"w": sh}, ckpt, sharded_strategy=(backend, 1))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("problem,match", [
+    ("overlap", r"'w': main replicas overlap at global region \[0:2, 0:3\]"),
+    ("gap", r"'w': global region \[2:4, 0:3\] of shape \[4, 3\] is not covered"),
+    ("dtype", r"'w': ranks disagree on the dtype"),
+    ("shape", r"'w': ranks disagree on the global shape"),
+])
+def test_invalid_sharding_fails_on_every_rank_and_writes_nothing(backend, problem, match, tmp_path):
+    expect_all_ranks_raise(2, _save_bad, str(tmp_path), backend, problem, match=match)
+    assert not check_is_distributed_checkpoint(tmp_path)
+    assert not any(p.suffix in (".distcp", ".pt") for p in tmp_path.rglob("*"))
+
+
+def _save_with_unknown_strategy(ckpt):
+    distckpt.save({"a": ShardedTensor.from_rank_offsets("a", torch.zeros(2), replica_id=ddist.get_rank())},
+                  ckpt, sharded_strategy=("no_such_backend", 1))
+
+
+def test_unknown_strategy_lists_the_registered_ones_on_every_rank(tmp_path):
+    expect_all_ranks_raise(2, _save_with_unknown_strategy, str(tmp_path),
+                           match=r"no save_sharded strategy registered for backend 'no_such_backend'.*torch_dist v1")
+
+
+def _load_from(path):
+    distckpt.load({"a": ShardedTensor.from_rank_offsets("a", torch.zeros(2), replica_id=ddist.get_rank())}, path)
+
+
+def test_missing_directory_is_a_clear_error_on_every_rank(tmp_path):
+    expect_all_ranks_raise(2, _load_from, str(tmp_path / "nope"), match=r"nope does not exist")
+
+
+def test_directory_that_is_not_a_checkpoint_is_a_clear_error_on_every_rank(tmp_path):
+    (tmp_path / "notes.txt").write_text("hello")
+    expect_all_ranks_raise(2, _load_from, str(tmp_path), match=r"is not a distributed checkpoint")
+
+
+# --------------------------------------------------------------------------- interrupted save
+
+
+class _FailAfterWrite(SaveShardedStrategy):
+    """Writes with the real strategy, then fails on one rank before the commit."""
+
+    def __init__(self, backend, fail_rank):
+        inner = get_default_save_sharded_strategy(backend)
+        super().__init__(inner.backend, inner.version)
+        self.inner, self.fail_rank = inner, fail_rank
+
+    @property
+    def can_handle_sharded_objects(self):
+        return self.inner.can_handle_sharded_objects
+
+    def save(self, sharded_state_dict, checkpoint_dir):
+        self.inner.save(sharded_state_dict, checkpoint_dir)
+        if ddist.get_rank() == self.fail_rank:
+            raise RuntimeError("injected failure after the data files were written")
+
+
+def _interrupted_save(ckpt, backend):
+    sd, _ = layouts.build("tp_dp", ddist.get_rank(), ddist.get_world_size(), True, tp=2)
+    distckpt.save(sd, ckpt, sharded_strategy=_FailAfterWrite(backend, fail_rank=1))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("over_existing", [False, True])
+def test_interrupted_save_is_never_taken_as_a_checkpoint(backend, over_existing, tmp_path):
+    if over_existing:
+        run_ranks(2, _save_layout, str(tmp_path), backend, "tp_dp", {"tp": 2})
+        assert check_is_distributed_checkpoint(tmp_path)
+    expect_all_ranks_raise(2, _interrupted_save, str(tmp_path), backend,
+                           match="injected failure after the data files were written")
+    assert any(Path(tmp_path).iterdir()), "data files were written before the failure"
+    assert not check_is_distributed_checkpoint(tmp_path)
+    expect_all_ranks_raise(2, _load_from, str(tmp_path), match="is not a distributed checkpoint")
