@@ -24,7 +24,7 @@ def full_tensor(key: str, shape: Tuple[int, ...], dtype: torch.dtype = torch.flo
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=g).bool()
     if dtype.is_floating_point:
-        return torch.randn(shape, generator=g).to(dtype)
+        return (torch.randn(shape, generator=g) * 4).to(dtype)
     info = torch.iinfo(dtype)
     return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=g).to(dtype)
 
@@ -134,24 +134,53 @@ def stacked(rank: int, world: int, pp: int, per_layer: bool) -> List[Piece]:
     return [Piece("layers", "layers.w", (4, 6, 4), (layers[0], 0, 0), (layers[1], 6, 4), replica=replica)]
 
 
-def flat_optimizer(rank: int, world: int, tp: int) -> List[Piece]:
-    """Distributed-optimizer slices: [8, 6] TP-split on axis 0, each TP chunk's 24 elements
-    cut over DP = world // tp ranks at uneven points (cutting rows; some slices empty)."""
+def flat_optimizer(rank: int, world: int, tp: int, empty: bool = False, flat: bool = True) -> List[Piece]:
+    """Distributed-optimizer slices of ``exp_avg`` [8, 6] (fp32) and ``exp_avg_bf16`` [4, 10]:
+    TP-split on axis 0, each TP chunk flattened and cut over DP = world // tp ranks at uneven
+    points that cut rows; with ``empty`` one DP rank's slice is empty. ``flat=False`` gives the
+    same keys as regular TP pieces (replicated over DP) to load flat checkpoints into."""
     dp = world // tp
     tp_rank, dp_rank = rank % tp, rank // tp
-    rows = 8 // tp
-    numel = rows * 6
-    cuts = [0] + [min(numel, (i * numel) // dp + (3 if i % 2 else 0)) for i in range(1, dp)] + [numel]
-    cuts = sorted(cuts)
-    start, stop = cuts[dp_rank], cuts[dp_rank + 1]
-    return [Piece("exp_avg", "exp_avg", (8, 6), (tp_rank * rows, 0), (rows, 6), flat=(start, stop),
-                  fragments=(tp, 1))]
+    pieces = []
+    for key, shape, dtype in [("exp_avg", (8, 6), torch.float32), ("exp_avg_bf16", (4, 10), torch.bfloat16)]:
+        rows = shape[0] // tp
+        local = (rows, shape[1])
+        offset = (tp_rank * rows, 0)
+        if not flat:
+            pieces.append(Piece(key, key, shape, offset, local, dtype, replica=dp_rank, fragments=(tp, 1)))
+            continue
+        numel = rows * shape[1]
+        cuts = [0] + [min(numel, (i * numel) // dp + (3 if i % 2 else 0)) for i in range(1, dp)] + [numel]
+        if empty and dp > 1:
+            cuts[1] = 0
+        cuts = sorted(cuts)
+        start, stop = cuts[dp_rank], cuts[dp_rank + 1]
+        pieces.append(Piece(key, key, shape, offset, local, dtype, flat=(start, stop), fragments=(tp, 1)))
+    return pieces
+
+
+def fp8(rank: int, world: int) -> List[Piece]:
+    """Native float8 tensors split over ranks on axis 0."""
+    out = []
+    for key, dtype in [("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)]:
+        off, length = splits(8, world)[rank]
+        out.append(Piece(key, key, (8, 4), (off, 0), (length, 4), dtype))
+    return out
 
 
 LAYOUTS: Dict[str, Callable[..., List[Piece]]] = {
     "tp_dp": tp_dp, "grid": grid, "uneven": uneven, "multi": multi, "stacked": stacked,
-    "flat_optimizer": flat_optimizer,
+    "flat_optimizer": flat_optimizer, "fp8": fp8,
 }
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (NaN-safe; works for float8 and bool)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
 def build(layout: str, rank: int, world: int, with_data: bool, **params) -> Tuple[dict, Dict[str, Piece]]:

@@ -45,7 +45,7 @@ def _load_layout(ckpt, layout, params):
     wrong = []
     for name, piece in pieces.items():
         got, want = loaded[name], piece.expected()
-        if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(got, want):
+        if not layouts.bitwise_equal(got, want):
             wrong.append(name)
     return len(pieces), wrong
 
@@ -67,6 +67,16 @@ ROUND_TRIPS = [
     ("stacked", 2, {"pp": 2, "per_layer": True}, "stacked", 4, {"pp": 4, "per_layer": True}),
     ("stacked", 1, {"pp": 1, "per_layer": False}, "stacked", 2, {"pp": 2, "per_layer": True}),
     ("stacked", 4, {"pp": 2, "per_layer": True}, "stacked", 4, {"pp": 3, "per_layer": True}),
+    # flattened ranges (distributed-optimizer slices): other DP, other TP, flat <-> regular
+    ("flat_optimizer", 4, {"tp": 2}, "flat_optimizer", 1, {"tp": 1}),
+    ("flat_optimizer", 4, {"tp": 2}, "flat_optimizer", 2, {"tp": 2}),
+    ("flat_optimizer", 4, {"tp": 2}, "flat_optimizer", 4, {"tp": 1}),
+    ("flat_optimizer", 4, {"tp": 2, "empty": True}, "flat_optimizer", 4, {"tp": 1, "flat": False}),
+    ("flat_optimizer", 4, {"tp": 2}, "flat_optimizer", 2, {"tp": 2, "flat": False}),
+    ("flat_optimizer", 2, {"tp": 2, "flat": False}, "flat_optimizer", 4, {"tp": 2, "empty": True}),
+    ("flat_optimizer", 1, {"tp": 1}, "flat_optimizer", 4, {"tp": 4, "flat": False}),
+    ("fp8", 2, {}, "fp8", 4, {}),
+    ("fp8", 4, {}, "fp8", 1, {}),
 ]
 
 
@@ -339,3 +349,66 @@ def test_interrupted_save_is_never_taken_as_a_checkpoint(backend, over_existing,
     assert any(Path(tmp_path).iterdir()), "data files were written before the failure"
     assert not check_is_distributed_checkpoint(tmp_path)
     expect_all_ranks_raise(2, _load_from, str(tmp_path), match="is not a distributed checkpoint")
+
+
+# --------------------------------------------------------------------------- targets and shapes
+
+
+def _fp8_subclass_round_trip(ckpt, backend):
+    from tests.fp8_tensor import ScaledFp8Tensor
+
+    rank = ddist.get_rank()
+    values = layouts.full_tensor("fp8sub", (4, 6))[2 * rank:2 * rank + 2]
+    original = ScaledFp8Tensor.quantize(values, scale=0.5)
+    sd = {"w": ShardedTensor.from_rank_offsets("w", original, (0, rank, 2))}
+    distckpt.save(sd, ckpt, sharded_strategy=(backend, 1))
+    target = ScaledFp8Tensor(torch.zeros(2, 6, dtype=torch.uint8), scale=0.5)
+    out = distckpt.load({"w": ShardedTensor.from_rank_offsets("w", target, (0, rank, 2))}, ckpt)
+    return (out["w"] is target, type(out["w"]).__name__,
+            torch.equal(target.payload, original.payload), int(target.payload.sum()) > 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp8_subclass_target_is_filled_in_place_not_replaced(backend, tmp_path):
+    assert run_ranks(2, _fp8_subclass_round_trip, str(tmp_path), backend) == [
+        (True, "ScaledFp8Tensor", True, True)] * 2
+
+
+def _load_into_transposed_view(ckpt, backend):
+    full = layouts.full_tensor("tv", (4, 6))
+    distckpt.save({"w": ShardedTensor.from_rank_offsets("w", full)}, ckpt, sharded_strategy=(backend, 1))
+    base = torch.zeros(6, 4)
+    target = base.t()                       # non-contiguous (4, 6) view of base
+    out = distckpt.load({"w": ShardedTensor.from_rank_offsets("w", target)}, ckpt)
+    return out["w"] is target and torch.equal(base.t(), full)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_target_is_filled_through_a_staging_copy(backend, tmp_path):
+    assert run_ranks(1, _load_into_transposed_view, str(tmp_path), backend) == [True]
+
+
+def _load_other_shape(ckpt, backend, rows, allow):
+    rank = ddist.get_rank()
+    full = layouts.full_tensor("sm", (4, 6))
+    distckpt.save({"w": ShardedTensor.from_rank_offsets("w", full[2 * rank:2 * rank + 2].clone(), (0, rank, 2))},
+                  ckpt, sharded_strategy=(backend, 1))
+    local = rows // 2
+    sh = ShardedTensor.from_rank_offsets("w", torch.full((local, 6), 7.0), (0, rank, 2), allow_shape_mismatch=allow)
+    out = distckpt.load({"w": sh}, ckpt)["w"]
+    want = torch.zeros(rows, 6)
+    n = min(rows, 4)
+    want[:n] = full[:n]
+    return torch.equal(out, want[rank * local:(rank + 1) * local])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("rows", [2, 6])
+def test_allow_shape_mismatch_loads_the_overlap_and_zeroes_the_rest(backend, rows, tmp_path):
+    assert run_ranks(2, _load_other_shape, str(tmp_path), backend, rows, True) == [True, True]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_global_shape_mismatch_names_key_and_both_shapes_on_every_rank(backend, tmp_path):
+    expect_all_ranks_raise(2, _load_other_shape, str(tmp_path), backend, 6, False,
+                           match=r"'w': global shape \[6, 6\] was requested but the checkpoint stores \[4, 6\]")

@@ -295,12 +295,17 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
     """
 
     def __init__(self, backend: str = "torch_dist", version: int = 1, thread_count: int = 2,
-                 separation_hint: Optional[str] = None):
+                 separation_hint: Optional[str] = None, cached_metadata: bool = False):
         super().__init__(backend, version)
         if thread_count < 1:
             raise CheckpointingException(f"thread_count must be >= 1, got {thread_count}")
         self.thread_count = thread_count
         self.separation_hint = separation_hint
+        self.cached_metadata = cached_metadata
+        # (this rank's declarations and records, rank 0's Metadata) of the last save. Reused only
+        # when every rank's records are identical, so nothing of a different structure leaks in.
+        self._cache: Optional[Tuple[Any, Optional[Metadata]]] = None
+        self.last_save_reused_metadata = False
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -351,11 +356,33 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         except Exception as e:  # noqa: BLE001 - shared with every rank below
             exc = e
 
+        self.last_save_reused_metadata = False
+        if self.cached_metadata and self._reuse_cached_metadata(exc, payload, checkpoint_dir):
+            self.last_save_reused_metadata = True
+            return
+
         def write_metadata(payloads):
             md = build_metadata(payloads, str(checkpoint_dir))
             atomic_write_bytes(checkpoint_dir / METADATA_FNAME, pickle.dumps(md))
+            return md if self.cached_metadata else None
 
-        dist.gather_and_decide("torch_dist write", exc, payload, write_metadata)
+        md = dist.gather_and_decide("torch_dist write", exc, payload, write_metadata)
+        if self.cached_metadata:
+            self._cache = (payload, md if rank == 0 else None)
+
+    def _reuse_cached_metadata(self, exc, payload, checkpoint_dir: Path) -> bool:
+        """Fast path: if no rank failed and every rank wrote exactly what it wrote last time (same
+        keys, chunks, files, offsets, lengths), one tiny all-reduce replaces the gather of all
+        records and rank 0 rewrites the cached Metadata with a new save id."""
+        unchanged = exc is None and self._cache is not None and self._cache[0] == payload
+        failed, changed = dist.all_reduce_max([int(exc is not None), int(not unchanged)])
+        if failed or changed:
+            return False
+        if dist.get_rank() == 0:
+            md = self._cache[1]
+            md.storage_meta = StorageMeta(checkpoint_id=str(checkpoint_dir), save_id=str(uuid.uuid4()))
+            atomic_write_bytes(checkpoint_dir / METADATA_FNAME, pickle.dumps(md))
+        return True
 
 
 def build_metadata(payloads: List[Tuple[Dict[str, _KeyDecl], List[_Record]]], checkpoint_id: str) -> Metadata:
@@ -468,6 +495,14 @@ def _index(md: Metadata) -> Dict[str, Any]:
     return out
 
 
+def _fresh_name(checkpoint_dir: Path, name: str) -> str:
+    stem = name[: -len(DATA_SUFFIX)] if name.endswith(DATA_SUFFIX) else name
+    n = 1
+    while (checkpoint_dir / f"{stem}.r{n}{DATA_SUFFIX}").exists():
+        n += 1
+    return f"{stem}.r{n}{DATA_SUFFIX}"
+
+
 def _needs_staging(t: torch.Tensor) -> bool:
     """True if copies cannot go into ``t`` directly (subclass, e.g. FP8 wrappers, or non-contiguous)."""
     return type(t) not in (torch.Tensor, torch.nn.Parameter) or not t.is_contiguous()
@@ -514,6 +549,58 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 except CheckpointingException:
                     logger.warning("%s: byte item %r is not a ShardedObject key; skipped", checkpoint_dir, fqn)
         return out
+
+    # ----------------------------------------------------------------- surgery
+
+    def remove_sharded_tensors(self, checkpoint_dir: Path, key_prefix: str) -> None:
+        """Drop every key starting with ``key_prefix`` (tensors and objects) from the checkpoint.
+
+        Crash-safe order: data files that mix kept and removed items are first rewritten under new
+        names, then ``.metadata`` is replaced atomically, and only then are the old files deleted.
+        Saving with ``separation_hint=key_prefix`` puts such keys in files of their own, so no
+        byte has to be rewritten.
+        """
+        checkpoint_dir = Path(checkpoint_dir)
+        md = read_metadata(checkpoint_dir, self.trusted)
+        doomed = {k for k in md.state_dict_metadata if k.startswith(key_prefix)}
+        if not doomed:
+            raise CheckpointingException(f"{checkpoint_dir}: no key starts with {key_prefix!r}")
+        by_file: Dict[str, List[Tuple[MetadataIndex, _StorageInfo]]] = defaultdict(list)
+        for index, info in md.storage_data.items():
+            by_file[info.relative_path].append((index, info))
+        to_delete, rewritten_bytes = [], 0
+        new_storage = {i: info for i, info in md.storage_data.items() if i.fqn not in doomed}
+        for name, entries in sorted(by_file.items()):
+            kept = [(i, info) for i, info in entries if i.fqn not in doomed]
+            if len(kept) == len(entries):
+                continue
+            to_delete.append(name)
+            if not kept:
+                continue
+            new_name = _fresh_name(checkpoint_dir, name)
+            with open(checkpoint_dir / name, "rb") as src, open(checkpoint_dir / new_name, "wb") as dst:
+                for index, info in sorted(kept, key=lambda e: e[1].offset):
+                    src.seek(info.offset)
+                    data = src.read(info.length)
+                    if len(data) != info.length:
+                        raise CheckpointingException(f"{checkpoint_dir / name}: truncated at item {index.fqn!r}")
+                    new_storage[index] = _StorageInfo(new_name, dst.tell(), info.length)
+                    dst.write(data)
+                    rewritten_bytes += info.length
+                dst.flush()
+                os.fsync(dst.fileno())
+        if rewritten_bytes:
+            logger.warning("%s: rewrote %d bytes of kept tensors that shared files with keys under %r; "
+                           "save with separation_hint=%r to make removal free", checkpoint_dir,
+                           rewritten_bytes, key_prefix, key_prefix)
+        md.state_dict_metadata = {k: v for k, v in md.state_dict_metadata.items() if k not in doomed}
+        md.storage_data = new_storage
+        mcore = getattr(md, "mcore_data", None)
+        if mcore:
+            md.mcore_data = {k: v for k, v in mcore.items() if k not in doomed}
+        atomic_write_bytes(checkpoint_dir / METADATA_FNAME, pickle.dumps(md))
+        for name in to_delete:
+            os.remove(checkpoint_dir / name)
 
     # ----------------------------------------------------------------- planning
 
