@@ -5,4 +5,5 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 bash "$root/scripts/setup.sh"
 venv=${DISTCKPT_VENV:-$root/.venv}
 cd "$root"
-exec "$venv/bin/python" -m pytest tests "$@"
+# With no test path among the arguments, pytest runs its configured testpaths (tests/).
+exec "$venv/bin/python" -m pytest "$@"

@@ -26,7 +26,7 @@ from distckpt.strategies.base import SaveShardedStrategy
 from tests import layouts
 from tests.harness import expect_all_ranks_raise, run_ranks
 
-BACKENDS = ["torch_dist"]
+BACKENDS = ["torch_dist", "zarr"]
 
 
 # --------------------------------------------------------------------------- rank functions

@@ -19,6 +19,7 @@ with the stored chunks, and each stored chunk is read at most once per rank.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import itertools
 import logging
@@ -54,13 +55,22 @@ from distckpt.mapping import (
     StateDict,
     is_main_replica,
 )
+from distckpt.manifest import build_manifest, read_manifest, write_manifest
 from distckpt.strategies.base import (
+    AsyncSaveShardedStrategy,
     LoadShardedStrategy,
-    SaveShardedStrategy,
     StrategyAction,
     register_default_strategy,
 )
 from distckpt.strategies.common import safe_torch_load
+from distckpt.strategies.filesystem import (
+    ChecksummingSink,
+    pread_into,
+    read_archive_layout,
+    write_bytes_item,
+    write_tensor_item,
+    zip_crc_disabled,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -208,19 +218,56 @@ class _KeyDecl:
     orig_shape: Optional[Shape] = None
 
 
-def _standalone_cpu(t: torch.Tensor, shape: Shape) -> torch.Tensor:
-    """A CPU tensor of ``shape`` owning exactly its bytes (torch.save writes whole storages)."""
+@dataclass(frozen=True)
+class _Record:
+    """Where one item landed. Everything but ``crc32c`` is the save's *structure*."""
+
+    fqn: str
+    chunk_offset: Shape
+    chunk_size: Shape
+    relative_path: str
+    offset: int
+    length: int
+    crc32c: int = 0
+
+    def structure(self) -> Tuple:
+        return (self.fqn, self.chunk_offset, self.chunk_size, self.relative_path, self.offset, self.length)
+
+
+@dataclass
+class SavePlan:
+    """One rank's part of a save: what to write where. Built by ``prepare``, filled by
+    :func:`write_plan` (no collectives; may run in a background thread), committed by
+    ``finalize`` (collective)."""
+
+    checkpoint_dir: Path
+    rank: int
+    jobs: List[Tuple[str, List[_WriteItem]]]
+    decls: Dict[str, _KeyDecl]
+    records: List[_Record] = field(default_factory=list)
+    file_sizes: Dict[str, int] = field(default_factory=dict)
+    written: bool = False
+
+
+def _standalone_cpu(t: torch.Tensor, shape: Shape, stage: bool) -> torch.Tensor:
+    """A CPU tensor of ``shape`` owning exactly its bytes (torch.save writes whole storages).
+
+    ``stage``: always return a private copy (async saves must not see later mutations).
+    """
     t = t.detach()
     if t.device.type != "cpu":
-        t = t.to("cpu")
+        pinned = torch.cuda.is_available() and t.is_cuda
+        out = torch.empty(tuple(t.shape), dtype=t.dtype, pin_memory=pinned)
+        out.copy_(t, non_blocking=pinned)
+        return out.reshape(shape)
     t = t.reshape(shape)
-    if (not t.is_contiguous() or t.storage_offset() != 0
+    if (stage or not t.is_contiguous() or t.storage_offset() != 0
             or t.untyped_storage().nbytes() != t.numel() * t.element_size()):
         t = t.clone(memory_format=torch.contiguous_format)
     return t
 
 
-def _tensor_item(sh: ShardedTensor) -> Tuple[Optional[_WriteItem], _KeyDecl]:
+def _tensor_item(sh: ShardedTensor, stage: bool) -> Tuple[Optional[_WriteItem], _KeyDecl]:
     if sh.data is None:
         raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data to save")
     ndim = len(sh.global_shape)
@@ -237,7 +284,12 @@ def _tensor_item(sh: ShardedTensor) -> Tuple[Optional[_WriteItem], _KeyDecl]:
         size = (1,) * ndim + (stop - start,)
     if math.prod(size) == 0:
         return None, decl
-    tensor = _standalone_cpu(sh.data, size)
+    data = sh.data
+    if type(data) not in (torch.Tensor, torch.nn.Parameter):
+        # A tensor subclass (e.g. FP8 with a scale): store its values in the nominal dtype
+        # without touching the caller's object.
+        data = data.detach().reshape(-1).to(sh.dtype)
+    tensor = _standalone_cpu(data, size, stage)
     return _WriteItem(sh.key, offset, size, tensor, tensor.numel() * tensor.element_size()), decl
 
 
@@ -260,38 +312,51 @@ def _buckets(items: List[_WriteItem], count: int) -> List[List[_WriteItem]]:
     return [b for b in bins if b]
 
 
-def _write_file(path: Path, items: List[_WriteItem]) -> List[Tuple[_WriteItem, int, int]]:
-    records = []
-    with open(path, "wb") as f:
+def _write_file(path: Path, items: List[_WriteItem]) -> Tuple[List[Tuple[_WriteItem, int, int, int]], int]:
+    """Write one ``.distcp`` file; returns (item, offset, length, crc32c) per item and the size."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        sink = ChecksummingSink(fd)
+        out = []
         for it in items:
-            start = f.tell()
             if isinstance(it.payload, torch.Tensor):
-                torch.save(it.payload, f)
+                out.append((it, *write_tensor_item(sink, it.payload)))
             else:
-                f.write(it.payload)
-            records.append((it, start, f.tell() - start))
-        f.flush()
-        os.fsync(f.fileno())
-    return records
+                out.append((it, *write_bytes_item(sink, it.payload)))
+        os.fsync(fd)
+        return out, sink.position
+    finally:
+        os.close(fd)
 
 
-@dataclass
-class _Record:
-    fqn: str
-    chunk_offset: Shape
-    chunk_size: Shape
-    relative_path: str
-    offset: int
-    length: int
+def write_plan(plan: SavePlan, thread_count: int = 2) -> SavePlan:
+    """Write every file of ``plan`` (threads, one per file up to ``thread_count``); no collectives."""
+    records: List[_Record] = []
+    with zip_crc_disabled(), ThreadPoolExecutor(max_workers=max(1, min(thread_count, len(plan.jobs)))) as pool:
+        futures = [(name, pool.submit(_write_file, plan.checkpoint_dir / name, bucket)) for name, bucket in plan.jobs]
+        for name, fut in futures:
+            written, size = fut.result()
+            plan.file_sizes[name] = size
+            for it, start, length, crc in written:
+                records.append(_Record(it.fqn, it.chunk_offset, it.chunk_size, name, start, length, crc))
+    plan.records = records
+    plan.written = True
+    for _, bucket in plan.jobs:
+        for it in bucket:
+            it.payload = None  # let staged copies go as soon as they are on disk
+    return plan
 
 
-class TorchDistSaveShardedStrategy(SaveShardedStrategy):
+class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     """Writes main replicas in DCP format (``torch_dist``, version 1).
 
     Args:
         thread_count: files (and writer threads) per rank.
         separation_hint: keys starting with this prefix go to separate files named
             ``<hint>__R_B.distcp`` so they can later be dropped without rewriting the rest.
+        cached_metadata: remember this save's structure; a later save through the same strategy
+            object whose ranks wrote exactly the same items sends only checksums to rank 0,
+            which reuses the cached ``.metadata``.
     """
 
     def __init__(self, backend: str = "torch_dist", version: int = 1, thread_count: int = 2,
@@ -302,23 +367,26 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         self.thread_count = thread_count
         self.separation_hint = separation_hint
         self.cached_metadata = cached_metadata
-        # (this rank's declarations and records, rank 0's Metadata) of the last save. Reused only
-        # when every rank's records are identical, so nothing of a different structure leaks in.
-        self._cache: Optional[Tuple[Any, Optional[Metadata]]] = None
+        # This rank's last structure, and on rank 0 every rank's structure and the Metadata.
+        self._local_structure: Optional[Tuple] = None
+        self._global_cache: Optional[Tuple[List[Tuple[Dict[str, _KeyDecl], List[_Record]]], Metadata]] = None
         self.last_save_reused_metadata = False
 
     @property
     def can_handle_sharded_objects(self) -> bool:
         return True
 
-    def _local_items(self, sharded_state_dict: ShardedStateDict):
+    def prepare(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path, stage: bool = False) -> SavePlan:
+        """Collect this rank's main replicas into files; ``stage`` copies every tensor (async)."""
+        checkpoint_dir = Path(checkpoint_dir)
+        rank = dist.get_rank()
         items: List[_WriteItem] = []
         decls: Dict[str, _KeyDecl] = {}
         for sh in nested_values(sharded_state_dict):
             if not is_main_replica(sh.replica_id):
                 continue
             if isinstance(sh, ShardedTensor):
-                item, decl = _tensor_item(sh)
+                item, decl = _tensor_item(sh, stage)
                 decls[sh.key] = decl
             elif isinstance(sh, ShardedObject):
                 item, decl = _object_item(sh)
@@ -327,9 +395,8 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
                 raise CheckpointingException(f"cannot save {type(sh).__name__} under key {sh.key!r}")
             if item is not None:
                 items.append(item)
-        return items, decls
-
-    def _write_local(self, items: List[_WriteItem], checkpoint_dir: Path, rank: int) -> List[_Record]:
+        if any(isinstance(it.payload, torch.Tensor) and it.payload.is_pinned() for it in items):
+            torch.cuda.synchronize()  # the device-to-host copies were asynchronous
         groups: Dict[str, List[_WriteItem]] = defaultdict(list)
         for it in items:
             hint = self.separation_hint
@@ -338,51 +405,67 @@ class TorchDistSaveShardedStrategy(SaveShardedStrategy):
         for prefix, group in sorted(groups.items()):
             for b, bucket in enumerate(_buckets(group, self.thread_count)):
                 jobs.append((f"{prefix}__{rank}_{b}{DATA_SUFFIX}", bucket))
-        records: List[_Record] = []
-        with ThreadPoolExecutor(max_workers=max(1, min(self.thread_count, len(jobs)))) as pool:
-            futures = [(name, pool.submit(_write_file, checkpoint_dir / name, bucket)) for name, bucket in jobs]
-            for name, fut in futures:
-                for it, start, length in fut.result():
-                    records.append(_Record(it.fqn, it.chunk_offset, it.chunk_size, name, start, length))
-        return records
+        return SavePlan(checkpoint_dir, rank, jobs, decls)
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
-        checkpoint_dir = Path(checkpoint_dir)
-        rank = dist.get_rank()
-        exc, payload = None, None
+        exc, plan = None, None
         try:
-            items, decls = self._local_items(sharded_state_dict)
-            payload = (decls, self._write_local(items, checkpoint_dir, rank))
-        except Exception as e:  # noqa: BLE001 - shared with every rank below
+            plan = write_plan(self.prepare(sharded_state_dict, checkpoint_dir), self.thread_count)
+        except Exception as e:  # noqa: BLE001 - shared with every rank in finalize
             exc = e
+        self.finalize(plan, Path(checkpoint_dir), exc)
 
-        self.last_save_reused_metadata = False
-        if self.cached_metadata and self._reuse_cached_metadata(exc, payload, checkpoint_dir):
-            self.last_save_reused_metadata = True
-            return
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path):
+        """Stage the local bytes now; return an AsyncRequest that writes them in the background
+        and, at finalize (every rank, main thread), writes ``.metadata`` and the manifest."""
+        from distckpt.strategies.async_utils import AsyncRequest
 
-        def write_metadata(payloads):
-            md = build_metadata(payloads, str(checkpoint_dir))
+        plan = self.prepare(sharded_state_dict, checkpoint_dir, stage=True)
+        return AsyncRequest(write_plan, (plan, self.thread_count),
+                            [lambda: self.finalize(plan, Path(checkpoint_dir), None)])
+
+    def finalize(self, plan: Optional[SavePlan], checkpoint_dir: Path, exc: Optional[BaseException]) -> None:
+        """Gather every rank's records to rank 0, which writes ``.metadata`` and the manifest.
+
+        Collective; raises the same error on every rank if any rank failed to write.
+        """
+        payload = None
+        if exc is None:
+            structure = (plan.decls, [r.structure() for r in plan.records], plan.file_sizes)
+            crcs = [r.crc32c for r in plan.records]
+            if self.cached_metadata and structure == self._local_structure:
+                payload = ("same", crcs)
+            else:
+                payload = ("full", plan.decls, plan.records, plan.file_sizes)
+
+        def decide(payloads):
+            cache = self._global_cache
+            per_rank, reused = [], cache is not None
+            for r, p in enumerate(payloads):
+                if p[0] == "same" and cache is not None:
+                    decls, records, sizes = cache[0][r]
+                    records = [dataclasses.replace(rec, crc32c=c) for rec, c in zip(records, p[1])]
+                else:
+                    _, decls, records, sizes = p
+                    reused = False
+                per_rank.append((decls, records, sizes))
+            if reused:
+                md = cache[1]
+                md.storage_meta = StorageMeta(checkpoint_id=str(checkpoint_dir), save_id=str(uuid.uuid4()))
+            else:
+                md = build_metadata([(d, r) for d, r, _ in per_rank], str(checkpoint_dir))
             atomic_write_bytes(checkpoint_dir / METADATA_FNAME, pickle.dumps(md))
-            return md if self.cached_metadata else None
+            write_manifest(checkpoint_dir, build_manifest(
+                md.storage_meta.save_id, "torch_dist",
+                [(r.relative_path, r.offset, r.length, r.crc32c, r.fqn) for _, rs, _ in per_rank for r in rs],
+                {name: size for _, _, sizes in per_rank for name, size in sizes.items()}))
+            if self.cached_metadata:
+                self._global_cache = (per_rank, md)
+            return reused
 
-        md = dist.gather_and_decide("torch_dist write", exc, payload, write_metadata)
+        self.last_save_reused_metadata = bool(dist.gather_and_decide("torch_dist write", exc, payload, decide))
         if self.cached_metadata:
-            self._cache = (payload, md if rank == 0 else None)
-
-    def _reuse_cached_metadata(self, exc, payload, checkpoint_dir: Path) -> bool:
-        """Fast path: if no rank failed and every rank wrote exactly what it wrote last time (same
-        keys, chunks, files, offsets, lengths), one tiny all-reduce replaces the gather of all
-        records and rank 0 rewrites the cached Metadata with a new save id."""
-        unchanged = exc is None and self._cache is not None and self._cache[0] == payload
-        failed, changed = dist.all_reduce_max([int(exc is not None), int(not unchanged)])
-        if failed or changed:
-            return False
-        if dist.get_rank() == 0:
-            md = self._cache[1]
-            md.storage_meta = StorageMeta(checkpoint_id=str(checkpoint_dir), save_id=str(uuid.uuid4()))
-            atomic_write_bytes(checkpoint_dir / METADATA_FNAME, pickle.dumps(md))
-        return True
+            self._local_structure = (plan.decls, [r.structure() for r in plan.records], plan.file_sizes)
 
 
 def build_metadata(payloads: List[Tuple[Dict[str, _KeyDecl], List[_Record]]], checkpoint_id: str) -> Metadata:
@@ -450,15 +533,25 @@ class _StoredKey:
         return tuple(o // g for o, g in zip(self.orig_shape, self.size[:-1]))
 
 
+@dataclass
+class _CopyOp:
+    """Copy the box ``[lo, lo + size)`` of a stored chunk into ``dst`` (a view of ``size``)."""
+
+    key: str
+    lo: Shape
+    size: Shape
+    dst: torch.Tensor
+
+
 class _Plan:
     """Copy operations grouped by stored chunk, plus finalizers that run once all are read."""
 
     def __init__(self) -> None:
-        self.ops: Dict[_Stored, List[Tuple[str, Callable[[torch.Tensor], None]]]] = defaultdict(list)
+        self.ops: Dict[_Stored, List[_CopyOp]] = defaultdict(list)
         self.finalizers: List[Callable[[], None]] = []
 
-    def add(self, stored: _Stored, fqn: str, op: Callable[[torch.Tensor], None]) -> None:
-        self.ops[stored].append((fqn, op))
+    def add(self, stored: _Stored, op: _CopyOp) -> None:
+        self.ops[stored].append(op)
 
 
 def _index(md: Metadata) -> Dict[str, Any]:
@@ -495,6 +588,95 @@ def _index(md: Metadata) -> Dict[str, Any]:
     return out
 
 
+def _contiguous_strides(shape: Shape) -> Shape:
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= s
+    return tuple(reversed(strides))
+
+
+def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[_CopyOp],
+                checksums: Optional[Dict], rank: int, verify: bool) -> int:
+    """Serve every copy of one stored chunk; returns the number of bytes read from storage.
+
+    Each op's source box is a contiguous byte range of the chunk when it spans whole trailing
+    axes: then it is read straight into a contiguous destination of the same dtype. The other
+    ops share one read of the smallest byte range covering their boxes.
+    """
+    what = f"key {ops[0].key!r} in {path} at offset {st.file_offset} (rank {rank})"
+    if verify:
+        raw = os.pread(fd, st.length, st.file_offset)
+        if len(raw) != st.length:
+            raise CheckpointingException(f"{what}: file is truncated ({len(raw)} of {st.length} bytes)")
+        expected = checksums.get((st.relative_path, st.file_offset)) if checksums is not None else None
+        if expected is not None and (expected.length != st.length or crc32c(raw) != expected.crc32c):
+            raise CheckpointingException(f"{what}: CRC32C mismatch against the manifest (corrupted data)")
+        buffer = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+
+        def read(offset: int, n: int) -> bytes:
+            return raw[offset:offset + n]
+
+        def fill(dest: torch.Tensor, offset: int) -> None:
+            flat = dest.reshape(-1).view(torch.uint8)
+            if offset + flat.numel() > len(raw):
+                raise CheckpointingException(f"{what}: item is shorter than its tensor")
+            flat.copy_(buffer[offset:offset + flat.numel()])
+        nbytes = st.length
+    else:
+        nbytes = 0
+
+        def read(offset: int, n: int) -> bytes:
+            nonlocal nbytes
+            n = max(0, min(n, st.length - offset))
+            data = os.pread(fd, n, st.file_offset + offset)
+            nbytes += len(data)
+            return data
+
+        def fill(dest: torch.Tensor, offset: int) -> None:
+            nonlocal nbytes
+            pread_into(fd, dest, st.file_offset + offset, what)
+            nbytes += dest.numel() * dest.element_size()
+
+    layout = read_archive_layout(read, st.length) if st.length else None
+    if layout is None or not layout.is_contiguous or math.prod(layout.size) != math.prod(st.size):
+        whole = read(0, st.length)
+        if len(whole) != st.length:
+            raise CheckpointingException(f"{what}: file is truncated ({len(whole)} of {st.length} bytes)")
+        tensor = safe_torch_load(whole, what=what)
+        if not isinstance(tensor, torch.Tensor) or tensor.numel() != math.prod(st.size):
+            raise CheckpointingException(f"{what}: stored item is not a tensor of the recorded size")
+        tensor = tensor.reshape(st.size)
+        for op in ops:
+            op.dst.copy_(tensor[tuple(slice(a, a + b) for a, b in zip(op.lo, op.size))])
+        return nbytes
+    itemsize = layout.dtype.itemsize
+    base = layout.data_offset + layout.storage_offset * itemsize
+    if (math.prod(st.size) - 0) * itemsize + layout.storage_offset * itemsize > layout.data_length:
+        raise CheckpointingException(f"{what}: tensor bytes extend past the item")
+    strides = _contiguous_strides(st.size)
+    shared = []
+    for op in ops:
+        if math.prod(op.size) == 0:
+            continue
+        f0 = _ravel(op.lo, st.size)
+        f1 = _ravel([a + b - 1 for a, b in zip(op.lo, op.size)], st.size) + 1
+        direct = (f1 - f0 == math.prod(op.size) and op.dst.dtype == layout.dtype
+                  and op.dst.is_contiguous() and op.dst.device.type == "cpu")
+        if direct:
+            fill(op.dst, base + f0 * itemsize)
+        else:
+            shared.append((op, f0, f1))
+    if shared:
+        lo = min(f0 for _, f0, _ in shared)
+        hi = max(f1 for _, _, f1 in shared)
+        tmp = torch.empty(hi - lo, dtype=layout.dtype)
+        fill(tmp, base + lo * itemsize)
+        for op, f0, _ in shared:
+            op.dst.copy_(tmp.as_strided(op.size, strides, f0 - lo))
+    return nbytes
+
+
 def _fresh_name(checkpoint_dir: Path, name: str) -> str:
     stem = name[: -len(DATA_SUFFIX)] if name.endswith(DATA_SUFFIX) else name
     n = 1
@@ -514,13 +696,16 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     Args:
         trusted: unpickle ``.metadata`` and object payloads without the allowlist.
         thread_count: files read in parallel.
+        verify: read every needed item whole and check its CRC32C against the manifest.
     """
 
     def __init__(self, backend: str = "torch_dist", version: int = 1, trusted: bool = False,
-                 thread_count: int = 4):
+                 thread_count: int = 4, verify: bool = False):
         super().__init__(backend, version)
         self.trusted = trusted
         self.thread_count = thread_count
+        self.verify = verify
+        self.bytes_read = 0  # bytes read from storage by this strategy object (all loads)
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -638,33 +823,26 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             inter = _intersect(off, size, ch.offset, ch.size)
             if inter is None:
                 continue
-            src_sl = _rel_slices(*inter, ch.offset)
-            dst = view[_rel_slices(*inter, off)]
-
-            def op(src, dst=dst, src_sl=src_sl, shape=ch.size):
-                dst.copy_(src.reshape(shape)[src_sl])
-
-            plan.add(ch, key, op)
+            lo = tuple(a - b for a, b in zip(inter[0], ch.offset))
+            plan.add(ch, _CopyOp(key, lo, inter[1], view[_rel_slices(*inter, off)]))
 
     @staticmethod
     def _plan_flat_to_flat(plan, sh, stored: _StoredKey, dest, full_local, start, stop) -> None:
         grid_index = tuple(o // s for o, s in zip(sh.global_offset, full_local))
+        ones = (1,) * len(full_local)
         for ch in stored.flat_index.get(grid_index, []):
             s = ch.offset[-1]
             e = s + ch.size[-1]
             lo, hi = max(s, start), min(e, stop)
-            if hi <= lo:
-                continue
-
-            def op(src, lo=lo, hi=hi, s=s):
-                dest[lo - start:hi - start].copy_(src.reshape(-1)[lo - s:hi - s])
-
-            plan.add(ch, sh.key, op)
+            if hi > lo:
+                plan.add(ch, _CopyOp(sh.key, (0,) * len(ones) + (lo - s,), ones + (hi - lo,),
+                                     dest[lo - start:hi - start].view(ones + (hi - lo,))))
 
     @staticmethod
     def _plan_box_from_flat(plan, key, stored: _StoredKey, off, size, view) -> None:
         chunk = stored.chunk_local_shape
         grid = stored.size[:-1]
+        ones = (1,) * len(chunk)
         ranges = [range(o // c, min(g, -(-(o + s) // c))) for o, s, c, g in zip(off, size, chunk, grid)]
         row = math.prod(chunk[1:])
         for idx in itertools.product(*ranges):
@@ -684,14 +862,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 s = ch.offset[-1]
                 e = s + ch.size[-1]
                 a, b = max(s, f_lo), min(e, f_hi)
-                if b <= a:
-                    continue
-                covered += b - a
-
-                def op(src, a=a, b=b, s=s, buf=buf, base=base):
-                    buf[a - base:b - base].copy_(src.reshape(-1)[a - s:b - s])
-
-                plan.add(ch, key, op)
+                if b > a:
+                    covered += b - a
+                    plan.add(ch, _CopyOp(key, (0,) * len(ones) + (a - s,), ones + (b - a,),
+                                         buf[a - base:b - base].view(ones + (b - a,))))
             if covered != f_hi - f_lo:
                 raise CheckpointingException(
                     f"ShardedTensor {key!r}: stored flattened ranges of chunk {list(idx)} do not cover "
@@ -706,32 +880,28 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     # ----------------------------------------------------------------- execution
 
-    def _execute(self, plan: _Plan, checkpoint_dir: Path) -> None:
+    def _execute(self, plan: _Plan, checkpoint_dir: Path, verify: bool) -> None:
         by_file: Dict[str, List[_Stored]] = defaultdict(list)
         for st in plan.ops:
             by_file[st.relative_path].append(st)
+        checksums = None
+        if verify:
+            manifest = read_manifest(checkpoint_dir)
+            checksums = manifest.range_index() if manifest is not None else None
+        rank = dist.get_rank()
+        counted = [0]
 
         def read_file(name: str) -> None:
             path = checkpoint_dir / name
             try:
                 fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
-                keys = sorted({k for st in by_file[name] for k, _ in plan.ops[st]})
+                keys = sorted({op.key for st in by_file[name] for op in plan.ops[st]})
                 raise CheckpointingException(
-                    f"{path}: data file is missing (needed for keys {keys}, rank {dist.get_rank()})") from None
+                    f"{path}: data file is missing (needed for keys {keys}, rank {rank})") from None
             try:
-                for st in sorted(by_file[name], key=lambda s: s.file_offset):
-                    ops = plan.ops[st]
-                    raw = os.pread(fd, st.length, st.file_offset)
-                    what = f"key {ops[0][0]!r} in {path} at offset {st.file_offset} (rank {dist.get_rank()})"
-                    if len(raw) != st.length:
-                        raise CheckpointingException(
-                            f"{what}: file is truncated ({len(raw)} of {st.length} bytes readable)")
-                    tensor = safe_torch_load(raw, what=what)
-                    if not isinstance(tensor, torch.Tensor):
-                        raise CheckpointingException(f"{what}: stored item is not a tensor")
-                    for _, op in ops:
-                        op(tensor)
+                for st in sorted(by_file[name], key=lambda c: c.file_offset):
+                    counted[0] += _read_chunk(fd, path, st, plan.ops[st], checksums, rank, verify)
             finally:
                 os.close(fd)
 
@@ -743,6 +913,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             with ThreadPoolExecutor(max_workers=min(self.thread_count, len(names))) as pool:
                 for fut in [pool.submit(read_file, n) for n in names]:
                     fut.result()
+        self.bytes_read += counted[0]
         for fin in plan.finalizers:
             fin()
 
@@ -791,7 +962,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             return sh
 
         dict_list_map_inplace(prepare, sharded_state_dict)
-        self._execute(plan, checkpoint_dir)
+        self._execute(plan, checkpoint_dir, self.verify)
         for commit in commits:
             commit()
 

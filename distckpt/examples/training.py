@@ -1,0 +1,202 @@
+"""Training loop of the example GPT: data, the pipelined step, and checkpoints with distckpt.
+
+``run`` is what every rank executes: build the model at a layout, optionally resume from a
+checkpoint (saved under any layout), train, optionally save. Data and initial weights depend on
+the iteration and the parameter names only, never on the layout, so an interrupted run resumed
+under another layout is comparable to an uninterrupted one.
+
+A checkpoint holds::
+
+    {"model": GPTModel.sharded_state_dict(),             # sharded
+     "optimizer": optimizer.sharded_state_dict(model_sd), # sharded (+ param_groups, step: common)
+     "iteration": int, "config": {...}, "layout": "TP2xPP2xDP2"}   # common
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+import distckpt
+from distckpt.examples.model import GPTConfig, GPTModel
+from distckpt.examples.optimizers import Adam, DistributedAdam
+from distckpt.examples.parallel import (
+    Layout,
+    ParallelState,
+    all_reduce,
+    recv_from_stage,
+    send_to_stage,
+)
+from distckpt.dict_utils import dict_list_map_inplace
+from distckpt.mapping import ShardedStateDict, ShardedTensor, ShardedTensorFactory
+
+Optimizer = Union[Adam, DistributedAdam]
+
+LOSS_RTOL = 1e-5
+"""Relative tolerance for losses of runs under different layouts.
+
+Changing TP or DP changes the order of floating-point sums (partial matmul sums all-reduced over
+TP, gradients summed over DP), so the same step differs by a few float32 ulps (~1e-7 relative)
+per step; Adam carries that forward. Under the same layout, resuming is bitwise exact.
+"""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """What ``run`` does besides the model sizes."""
+
+    global_batch_size: int = 8
+    lr: float = 1e-2
+    distributed_optimizer: bool = False
+    model: GPTConfig = field(default_factory=GPTConfig)
+
+
+@dataclass
+class RunResult:
+    """What one rank reports: the losses (on last-stage ranks; None elsewhere) and the state."""
+
+    rank: int
+    first_iteration: int
+    losses: Optional[List[float]]
+    resumed_from: Optional[str] = None
+
+
+def batch(cfg: GPTConfig, iteration: int, global_batch_size: int) -> torch.Tensor:
+    """Token ids ``[global_batch_size, seq_length + 1]`` of ``iteration``, layout-independent.
+
+    Each sequence counts up modulo the vocabulary from a random start with a random stride, so
+    the model has something to learn.
+    """
+    g = torch.Generator().manual_seed(cfg.seed * 7919 + iteration)
+    start = torch.randint(0, cfg.vocab_size, (global_batch_size, 1), generator=g)
+    stride = torch.randint(1, 4, (global_batch_size, 1), generator=g)
+    return (start + stride * torch.arange(cfg.seq_length + 1)) % cfg.vocab_size
+
+
+def build(layout: Layout, train_cfg: TrainConfig) -> Tuple[ParallelState, GPTModel, Optimizer]:
+    """This rank's parallel state, model stage and optimizer."""
+    if train_cfg.global_batch_size % layout.dp:
+        raise ValueError(f"global batch {train_cfg.global_batch_size} cannot be split over DP={layout.dp}")
+    ps = ParallelState.initialize(layout)
+    model = GPTModel(train_cfg.model, ps)
+    optimizer_cls = DistributedAdam if train_cfg.distributed_optimizer else Adam
+    return ps, model, optimizer_cls(model, ps, lr=train_cfg.lr)
+
+
+def train_step(model: GPTModel, optimizer: Optimizer, ps: ParallelState, tokens: torch.Tensor) -> Optional[float]:
+    """One step on the global batch ``tokens``; returns the mean loss on last-stage ranks.
+
+    Pipeline: every stage but the first receives its input activations from the previous stage
+    and every stage but the last sends its output on; the gradients flow back the same way.
+    """
+    cfg = model.cfg
+    rows = tokens.shape[0] // ps.dp
+    local = tokens[ps.dp_rank * rows:(ps.dp_rank + 1) * rows]
+    inputs, labels = local[:, :-1], local[:, 1:]
+    optimizer.zero_grad()
+
+    if ps.is_first_stage:
+        x = inputs
+    else:
+        x = recv_from_stage((rows, cfg.seq_length, cfg.hidden_size), ps, -1).requires_grad_()
+    out = model(x)
+    loss = None
+    if ps.is_last_stage:
+        # Normalised by the global token count: summing gradients over DP gives the global mean's.
+        loss = F.cross_entropy(out.reshape(-1, cfg.vocab_size), labels.reshape(-1), reduction="sum")
+        loss = loss / tokens[:, 1:].numel()
+        loss.backward()
+    else:
+        send_to_stage(out, ps, +1)
+        out.backward(recv_from_stage(out.shape, ps, +1))
+    if not ps.is_first_stage:
+        send_to_stage(x.grad, ps, -1)
+    optimizer.step()
+
+    if loss is None:
+        return None
+    return float(all_reduce(loss.detach().clone(), ps.dp_group))
+
+
+def checkpoint_sharded_state_dict(model: GPTModel, optimizer: Optimizer, iteration: int) -> ShardedStateDict:
+    """The whole training state as one sharded state dict (see the module docstring)."""
+    model_sd = model.sharded_state_dict()
+    return {
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(model_sd),
+        "iteration": iteration,
+        "config": asdict(model.cfg),
+        "layout": str(model.ps.layout),
+    }
+
+
+def save_checkpoint(ckpt_dir: Union[str, Path], model: GPTModel, optimizer: Optimizer, iteration: int) -> None:
+    """Save the training state; every rank calls it."""
+    distckpt.save(checkpoint_sharded_state_dict(model, optimizer, iteration), ckpt_dir)
+
+
+def _detached(leaf):
+    if isinstance(leaf, (ShardedTensor, ShardedTensorFactory)) and isinstance(leaf.data, torch.Tensor):
+        leaf.data = leaf.data.detach()
+    return leaf
+
+
+def load_checkpoint(ckpt_dir: Union[str, Path], model: GPTModel, optimizer: Optimizer) -> Tuple[int, str]:
+    """Restore model and optimizer from a checkpoint saved under any layout.
+
+    Returns the checkpoint's iteration and the layout it was saved under.
+    """
+    optimizer.init_state()
+    request = checkpoint_sharded_state_dict(model, optimizer, iteration=-1)
+    # The request's leaves hold the parameters themselves (that is how the optimizer state found
+    # its parameters); distckpt fills them in place, which autograd forbids on a leaf that
+    # requires grad, so it gets detached views of the same storage.
+    dict_list_map_inplace(_detached, request)
+    state = distckpt.load(request, ckpt_dir)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    optimizer.reload_model_params()
+    return state["iteration"], state["layout"]
+
+
+def run(layout: Union[Layout, str], steps: int, train_cfg: TrainConfig = TrainConfig(),
+        load_dir: Optional[str] = None, save_dir: Optional[str] = None,
+        save_at: Optional[int] = None) -> RunResult:
+    """Every rank: build at ``layout``, resume from ``load_dir`` if given, train ``steps`` steps.
+
+    With ``save_dir``, the state is saved after ``save_at`` of those steps (default: after the
+    last), and training goes on: the losses after ``save_at`` are those of an uninterrupted run.
+    """
+    layout = Layout.parse(layout) if isinstance(layout, str) else layout
+    ps, model, optimizer = build(layout, train_cfg)
+    iteration, resumed_from = 0, None
+    if load_dir is not None:
+        iteration, resumed_from = load_checkpoint(load_dir, model, optimizer)
+    first = iteration
+    save_at = steps if save_at is None else save_at
+    losses: List[Optional[float]] = []
+    for step in range(steps + 1):
+        if save_dir is not None and step == save_at:
+            save_checkpoint(save_dir, model, optimizer, iteration)
+        if step == steps:
+            break
+        tokens = batch(train_cfg.model, iteration, train_cfg.global_batch_size)
+        losses.append(train_step(model, optimizer, ps, tokens))
+        iteration += 1
+    return RunResult(ps.rank, first, losses if ps.is_last_stage else None, resumed_from)
+
+
+def last_stage_losses(results: Sequence[RunResult]) -> List[float]:
+    """The losses of a run: the last rank is always on the last pipeline stage."""
+    return results[-1].losses
+
+
+def losses_match(reference: Sequence[float], resumed: Sequence[float], rtol: float = LOSS_RTOL) -> bool:
+    """Whether every resumed loss is within ``rtol`` (relative) of the reference loss."""
+    return len(reference) == len(resumed) and all(
+        math.isclose(a, b, rel_tol=rtol, abs_tol=0.0) for a, b in zip(reference, resumed))

@@ -1,0 +1,158 @@
+"""The integrity manifest ``.distckpt_manifest.json``: sizes and CRC32C of everything written.
+
+Every byte range a rank writes (one chunk archive, one object payload, one zarr chunk file) is
+checksummed while it is written and recorded here, with the size of every data file and the
+save id. Rank 0 writes the manifest after all ranks finished writing and *before*
+``metadata.json``, so a committed checkpoint always has a complete manifest. It is plain JSON and
+kept apart from ``metadata.json`` (which Megatron-Core requires to hold exactly its four keys).
+
+Format (version 1)::
+
+    {"format": "distckpt-manifest", "version": 1, "save_id": "...", "backend": "torch_dist",
+     "files": {"__0_0.distcp": 123456, ...},                 # relative path -> size in bytes
+     "ranges": {"__0_0.distcp": [[offset, length, crc32c, "key"], ...], ...}}
+
+Checkpoints without a manifest (Megatron's, or older ones) still load; they are verified only
+structurally.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import crc32c as _crc32c
+
+from distckpt.core import CheckpointingException, PathLike, atomic_write_bytes
+
+MANIFEST_FNAME = ".distckpt_manifest.json"
+FORMAT = "distckpt-manifest"
+VERSION = 1
+
+# Buffers at least this large are checksummed with the GIL released.
+_GIL_RELEASE = 1
+
+
+def crc32c(data, value: int = 0) -> int:
+    """CRC32C of any bytes-like object (writable buffers too), continuing from ``value``."""
+    return _crc32c.crc32c(data, value, gil_release_mode=_GIL_RELEASE)
+
+
+@dataclass(frozen=True)
+class RangeChecksum:
+    """One checksummed byte range of a file."""
+
+    offset: int
+    length: int
+    crc32c: int
+    key: str
+
+
+@dataclass
+class Manifest:
+    save_id: str
+    backend: str
+    files: Dict[str, int] = field(default_factory=dict)
+    ranges: Dict[str, List[RangeChecksum]] = field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        return json.dumps({
+            "format": FORMAT, "version": VERSION, "save_id": self.save_id, "backend": self.backend,
+            "files": self.files,
+            "ranges": {f: [[r.offset, r.length, r.crc32c, r.key] for r in rs] for f, rs in self.ranges.items()},
+        }, separators=(",", ":")).encode()
+
+    def range_index(self) -> Dict[Tuple[str, int], RangeChecksum]:
+        return {(f, r.offset): r for f, rs in self.ranges.items() for r in rs}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.files.values())
+
+
+def build_manifest(save_id: str, backend: str,
+                   ranges: Iterable[Tuple[str, int, int, int, str]],
+                   file_sizes: Dict[str, int]) -> Manifest:
+    """``ranges`` holds ``(file, offset, length, crc32c, key)`` from every rank."""
+    m = Manifest(save_id, backend, dict(sorted(file_sizes.items())))
+    for f, offset, length, crc, key in ranges:
+        m.ranges.setdefault(f, []).append(RangeChecksum(offset, length, crc, key))
+    for rs in m.ranges.values():
+        rs.sort(key=lambda r: r.offset)
+    return m
+
+
+def write_manifest(checkpoint_dir: PathLike, manifest: Manifest) -> None:
+    atomic_write_bytes(Path(checkpoint_dir) / MANIFEST_FNAME, manifest.to_json())
+
+
+def remove_manifest(checkpoint_dir: PathLike) -> None:
+    try:
+        os.remove(Path(checkpoint_dir) / MANIFEST_FNAME)
+    except FileNotFoundError:
+        pass
+
+
+def read_manifest(checkpoint_dir: PathLike) -> Optional[Manifest]:
+    """The checkpoint's manifest, or None if it has none.
+
+    Raises:
+        CheckpointingException: the manifest exists but is malformed.
+    """
+    path = Path(checkpoint_dir) / MANIFEST_FNAME
+    try:
+        raw = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise CheckpointingException(f"{path}: unreadable integrity manifest: {e}") from None
+    try:
+        if raw.get("format") != FORMAT or int(raw["version"]) > VERSION:
+            raise ValueError(f"unsupported format {raw.get('format')!r} version {raw.get('version')!r}")
+        m = Manifest(str(raw["save_id"]), str(raw["backend"]),
+                     {str(k): int(v) for k, v in raw["files"].items()})
+        for f, rs in raw["ranges"].items():
+            m.ranges[str(f)] = [RangeChecksum(int(o), int(n), int(c), str(k)) for o, n, c, k in rs]
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointingException(f"{path}: malformed integrity manifest: {e}") from None
+    return m
+
+
+def verify_files(checkpoint_dir: PathLike, manifest: Manifest, *, checksums: bool = True,
+                 progress=None) -> List[str]:
+    """Check every file of the manifest: present, right size, and (``checksums``) every range's
+    CRC32C. Returns one line per problem, naming file, key and offset; empty if all is well.
+
+    ``progress(nbytes)`` is called as bytes are checked.
+    """
+    root = Path(checkpoint_dir)
+    problems: List[str] = []
+    for name, size in manifest.files.items():
+        path = root / name
+        try:
+            actual = path.stat().st_size
+        except FileNotFoundError:
+            problems.append(f"{name}: missing (expected {size} bytes)")
+            continue
+        if actual != size:
+            problems.append(f"{name}: size {actual} bytes, expected {size}")
+        if not checksums:
+            if progress:
+                progress(size)
+            continue
+        with open(path, "rb") as f:
+            for r in manifest.ranges.get(name, []):
+                f.seek(r.offset)
+                data = f.read(r.length)
+                if len(data) != r.length:
+                    problems.append(f"{name}: key {r.key!r} at offset {r.offset}: truncated "
+                                    f"({len(data)} of {r.length} bytes)")
+                elif crc32c(data) != r.crc32c:
+                    problems.append(f"{name}: key {r.key!r} at offset {r.offset}: CRC32C mismatch "
+                                    f"(stored {r.crc32c:#010x}, computed {crc32c(data):#010x})")
+                if progress:
+                    progress(r.length)
+    return problems

@@ -1,0 +1,614 @@
+"""Fully parallel save and load: spread the I/O of replicated shards over a data-parallel group.
+
+With data parallelism every DP rank holds the same shards, and with plain ``replica_id``s the
+main replicas (DP rank 0) do all the writing and every rank reads everything. The wrappers here
+share that work within a *parallelization group* (usually the DP group; default: every rank):
+
+* :class:`FullyParallelSaveStrategyWrapper` assigns each shard that several group ranks hold to
+  exactly one of them, balanced by bytes, and hands the inner strategy a copy of the state dict
+  whose replica ids say so. The checkpoint is the same as a plain save's; only who writes what
+  changes.
+* :class:`FullyParallelLoadStrategyWrapper` reads each piece that several group ranks request
+  identically once per group, by one of them, and sends it to the others (``broadcast`` of each
+  piece from its loader, or ``gather_rounds``: all-gathers of one piece per rank per round).
+
+Both work with any sharded strategy: they only rewrite requests and move bytes.
+
+The assignment is the same on every rank: shards sorted by size (largest first) and id, each
+given to the least-loaded rank among those that hold it (ties to the lowest rank). Finding it
+takes one all-gather of shard ids and sizes within the group; with ``do_cache_distribution`` it
+is kept and reused as long as the local shards keep their structure, which costs one tiny
+all-reduce per call.
+
+Collectives and who calls them: every rank calls ``save``/``load`` (as for any strategy). Each
+call first runs one tiny all-reduce over *all* ranks that carries "did this rank fail?" (and
+"did my structure change?"), so an error on one rank is raised on every rank before any rank
+enters a group collective; then the group collectives (the all-gather, the exchange) follow in
+the same order on every group rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as _tdist
+
+from distckpt import dist
+from distckpt.core import CheckpointingException
+from distckpt.dict_utils import dict_list_map_outplace, nested_values
+from distckpt.mapping import (
+    ReplicaId,
+    ShardedBase,
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    StateDict,
+    is_main_replica,
+)
+from distckpt.strategies.base import (
+    AsyncSaveShardedStrategy,
+    LoadShardedStrategy,
+    SaveShardedStrategy,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "FullyParallelSaveStrategyWrapper",
+    "FullyParallelLoadStrategyWrapper",
+    "ShardDistribution",
+    "distribute_shards_to_ranks",
+    "shard_id",
+]
+
+ShardId = Tuple[Any, ...]
+
+EXCHANGE_ALGOS = ("broadcast", "gather_rounds")
+
+# ShardedObjects have no size before they are pickled; this nominal one only spreads them over
+# ranks without weighing against tensors.
+_OBJECT_NBYTES = 1
+
+
+# --------------------------------------------------------------------------- tensor collectives
+#
+# distckpt.dist has object collectives only; the exchange needs these two tensor collectives.
+# They belong in distckpt/dist.py (see "Open items" in docs/async-and-parallel.md) and are kept
+# private here until they move there. Both take group ranks and are only called when the group
+# has more than one rank.
+
+
+def _broadcast_tensor(tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> None:
+    _tdist.broadcast(tensor, src=dist.global_rank_of(src, group), group=group)
+
+
+def _all_gather_tensors(outputs: List[torch.Tensor], tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    _tdist.all_gather(outputs, tensor, group=group)
+
+
+# --------------------------------------------------------------------------- shard ids, assignment
+
+
+def shard_id(sh: ShardedBase) -> ShardId:
+    """What makes two shards the same piece: equal ids mean replicas of the same bytes."""
+    if isinstance(sh, ShardedTensor):
+        fr = sh.flattened_range
+        return ("tensor", sh.key, tuple(sh.global_shape), tuple(sh.global_offset), tuple(sh.local_shape),
+                sh.prepend_axis_num, () if fr is None else (fr.start, fr.stop), str(sh.dtype),
+                bool(sh.allow_shape_mismatch))
+    if isinstance(sh, ShardedObject):
+        return ("object", sh.unique_key)
+    raise CheckpointingException(f"cannot distribute {type(sh).__name__} under key {getattr(sh, 'key', '?')!r}")
+
+
+def _nbytes(sh: ShardedBase) -> int:
+    if isinstance(sh, ShardedTensor):
+        fr = sh.flattened_range
+        numel = fr.stop - fr.start if fr is not None else _prod(sh.local_shape)
+        return numel * sh.dtype.itemsize
+    return _OBJECT_NBYTES
+
+
+def _prod(shape: Sequence[int]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def distribute_shards_to_ranks(shard_to_ranks: Dict[ShardId, Sequence[int]], shard_to_size: Dict[ShardId, int],
+                               num_ranks: int, initial_loads: Optional[Sequence[int]] = None) -> Dict[ShardId, int]:
+    """Give each shard to one of the ranks that hold it, balancing bytes; deterministic.
+
+    Shards go largest first (ties by id) to the least-loaded holder (ties to the lowest rank).
+    ``initial_loads`` are bytes each rank has to handle anyway.
+    """
+    loads = list(initial_loads) if initial_loads is not None else [0] * num_ranks
+    assignment: Dict[ShardId, int] = {}
+    for sid in sorted(shard_to_ranks, key=lambda s: (-shard_to_size[s], s)):
+        rank = min(shard_to_ranks[sid], key=lambda r: (loads[r], r))
+        assignment[sid] = rank
+        loads[rank] += shard_to_size[sid]
+    return assignment
+
+
+@dataclass(frozen=True)
+class ShardDistribution:
+    """Who handles which shard within the parallelization group (group ranks).
+
+    Attributes:
+        assignment: shard id -> the one group rank that writes (save) or reads (load) it.
+        holders: shard id -> the group ranks that hold (save) or request (load) it, ascending.
+        sizes: shard id -> bytes.
+    """
+
+    assignment: Dict[ShardId, int]
+    holders: Dict[ShardId, Tuple[int, ...]]
+    sizes: Dict[ShardId, int]
+
+    def bytes_per_rank(self, num_ranks: int) -> List[int]:
+        loads = [0] * num_ranks
+        for sid, rank in self.assignment.items():
+            loads[rank] += self.sizes[sid]
+        return loads
+
+
+def _local_shards(sharded_state_dict: ShardedStateDict) -> List[ShardedBase]:
+    return [v for v in nested_values(sharded_state_dict) if isinstance(v, (ShardedTensor, ShardedObject))]
+
+
+class _DistributionCache:
+    """Finds the distribution (one all-gather in the group), or reuses the last one.
+
+    ``payload`` is this rank's hashable description of its shards; the cached distribution is
+    reused when no rank's payload changed since it was computed (one tiny all-reduce). The
+    all-reduce spans every rank and also carries preparation failures, so that they surface on
+    every rank before anyone enters a group collective.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, enabled: bool):
+        self.group = group
+        self.enabled = enabled
+        self._cached: Optional[Tuple[Any, ShardDistribution]] = None
+        self.last_was_cached = False
+
+    def get(self, stage: str, exc: Optional[BaseException], payload: Any, compute) -> ShardDistribution:
+        changed = not (self.enabled and self._cached is not None and self._cached[0] == payload)
+        failed, any_changed = dist.all_reduce_max([int(exc is not None), int(changed)])
+        if failed:
+            dist.sync_errors(stage, exc)
+        self.last_was_cached = not any_changed
+        if not any_changed:
+            return self._cached[1]
+        gathered = dist.all_gather_object(payload, self.group)
+        distribution = compute(gathered)
+        self._cached = (payload, distribution) if self.enabled else None
+        return distribution
+
+
+def _replica(original: ReplicaId, main: bool) -> ReplicaId:
+    """A replica id of the same form as ``original`` that is (or is not) the main replica."""
+    if isinstance(original, (tuple, list)) and len(original) > 0:
+        return (0,) * len(original) if main else (1,) + (0,) * (len(original) - 1)
+    return 0 if main else 1
+
+
+# --------------------------------------------------------------------------- save
+
+
+class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
+    """Save with ``strategy``, each replicated shard written by one rank of the group, balanced.
+
+    Args:
+        strategy: any sharded save strategy; ``backend``/``version`` are taken from it, so
+            ``metadata.json`` names the inner backend.
+        parallelization_group: the ranks that share the writing (group ranks); default: all.
+        do_cache_distribution: keep the assignment and reuse it while the local shards keep
+            their structure (one tiny all-reduce instead of an all-gather).
+
+    Only shards whose main replica is inside the group are reassigned (a shard whose main
+    replica sits in another group is written there). The caller's ShardedTensors are never
+    changed: the inner strategy gets shallow copies with new replica ids.
+    """
+
+    def __init__(self, strategy: SaveShardedStrategy, parallelization_group: dist.ProcessGroup = None,
+                 do_cache_distribution: bool = False):
+        super().__init__(strategy.backend, strategy.version)
+        self.base_strategy = strategy
+        self.parallelization_group = parallelization_group
+        self.do_cache_distribution = do_cache_distribution
+        self._cache = _DistributionCache(parallelization_group, do_cache_distribution)
+        self.last_distribution: Optional[ShardDistribution] = None
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return self.base_strategy.can_handle_sharded_objects
+
+    @property
+    def last_distribution_cached(self) -> bool:
+        """Whether the last save reused the cached assignment (no all-gather)."""
+        return self._cache.last_was_cached
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
+        self.base_strategy.save(self.apply_saving_parallelization(sharded_state_dict), checkpoint_dir)
+
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path):
+        if not isinstance(self.base_strategy, AsyncSaveShardedStrategy):
+            raise CheckpointingException(
+                f"the wrapped strategy {type(self.base_strategy).__name__} (backend {self.backend!r}) "
+                f"cannot save asynchronously")
+        return self.base_strategy.async_save(self.apply_saving_parallelization(sharded_state_dict), checkpoint_dir)
+
+    def apply_saving_parallelization(self, sharded_state_dict: ShardedStateDict) -> ShardedStateDict:
+        """Return a copy of ``sharded_state_dict`` whose replica ids give each shard one writer.
+
+        Every rank calls it (collectives: see the module docstring). Without a process group
+        the input is returned as it is.
+        """
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return sharded_state_dict
+        me = dist.get_rank(self.parallelization_group)
+        group_size = dist.get_world_size(self.parallelization_group)
+        exc, payload, shards = None, None, []
+        try:
+            shards = _local_shards(sharded_state_dict)
+            payload = tuple(sorted({(shard_id(sh), _nbytes(sh), is_main_replica(sh.replica_id)) for sh in shards}))
+        except Exception as e:  # noqa: BLE001 - shared with every rank in the cache's all-reduce
+            exc = e
+
+        def compute(gathered) -> ShardDistribution:
+            holders: Dict[ShardId, List[int]] = defaultdict(list)
+            sizes: Dict[ShardId, int] = {}
+            mains = set()
+            for rank, rank_payload in enumerate(gathered):
+                for sid, nbytes, main in rank_payload:
+                    if not holders[sid] or holders[sid][-1] != rank:
+                        holders[sid].append(rank)
+                    sizes[sid] = max(sizes.get(sid, 0), nbytes)
+                    if main:
+                        mains.add(sid)
+            in_group = {sid: tuple(holders[sid]) for sid in mains}
+            return ShardDistribution(distribute_shards_to_ranks(in_group, sizes, group_size), in_group,
+                                     {sid: sizes[sid] for sid in mains})
+
+        distribution = self._cache.get("fully parallel save", exc, payload, compute)
+        self.last_distribution = distribution
+        already_main = set()
+
+        def reassign(leaf: Any) -> Any:
+            if not isinstance(leaf, (ShardedTensor, ShardedObject)):
+                return leaf
+            sid = shard_id(leaf)
+            writer = distribution.assignment.get(sid)
+            if writer is None:
+                return leaf
+            main = writer == me and sid not in already_main
+            if main:
+                already_main.add(sid)
+            out = copy.copy(leaf)
+            out.replica_id = _replica(leaf.replica_id, main)
+            return out
+
+        return dict_list_map_outplace(reassign, sharded_state_dict)
+
+
+# --------------------------------------------------------------------------- load
+
+
+def _is_plain(t: torch.Tensor) -> bool:
+    return type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+@dataclass(eq=False)
+class _Piece:
+    """This rank's requests for one shard id, and where the bytes go."""
+
+    sid: ShardId
+    leaves: List[ShardedBase]
+    nbytes: int
+
+
+class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
+    """Load with ``strategy``, each piece requested by several group ranks read once per group.
+
+    Args:
+        strategy: any sharded load strategy (metadata queries, compatibility checks and key
+            removal are passed to it).
+        parallelization_group: the ranks that share the reading (group ranks); default: all.
+        do_cache_distribution: keep the assignment of readers and reuse it while the local
+            requests keep their structure (one tiny all-reduce instead of an all-gather).
+        exchange_algo: how read pieces reach the other requesters:
+            ``"broadcast"``: one broadcast per piece from its reader; extra memory: one
+            buffer of the largest piece on the collective device.
+            ``"gather_rounds"``: in round k every rank contributes the k-th piece it read
+            (largest first) to one all-gather; extra memory: group size x the largest piece.
+            ShardedObjects always go by ``broadcast_object``.
+
+    A piece requested by one rank only is read by that rank. Requests with data are filled in
+    place wherever they are (CPU, CUDA, tensor subclasses through ``copy_``); requests without
+    data get CPU tensors, as with the inner strategy. Exchange buffers live on
+    ``dist.collective_device(group)``.
+    """
+
+    def __init__(self, strategy: LoadShardedStrategy, parallelization_group: dist.ProcessGroup = None,
+                 do_cache_distribution: bool = False, exchange_algo: str = "broadcast"):
+        super().__init__(strategy.backend, strategy.version)
+        if exchange_algo not in EXCHANGE_ALGOS:
+            raise CheckpointingException(
+                f"unknown exchange_algo {exchange_algo!r}; expected one of {', '.join(EXCHANGE_ALGOS)}")
+        self.base_strategy = strategy
+        self.parallelization_group = parallelization_group
+        self.do_cache_distribution = do_cache_distribution
+        self.exchange_algo = exchange_algo
+        self._cache = _DistributionCache(parallelization_group, do_cache_distribution)
+        self.last_distribution: Optional[ShardDistribution] = None
+
+    # ----------------------------------------------------------------- delegation
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return self.base_strategy.can_handle_sharded_objects
+
+    @property
+    def last_distribution_cached(self) -> bool:
+        """Whether the last load reused the cached assignment (no all-gather)."""
+        return self._cache.last_was_cached
+
+    def check_backend_compatibility(self, loaded_backend: str) -> None:
+        self.base_strategy.check_backend_compatibility(loaded_backend)
+
+    def check_version_compatibility(self, loaded_version: int) -> None:
+        self.base_strategy.check_version_compatibility(loaded_version)
+
+    def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+        return self.base_strategy.load_tensors_metadata(checkpoint_dir)
+
+    def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+        return self.base_strategy.load_sharded_metadata(checkpoint_dir)
+
+    def remove_sharded_tensors(self, checkpoint_dir: Path, key_prefix: str) -> None:
+        self.base_strategy.remove_sharded_tensors(checkpoint_dir, key_prefix)
+
+    # ----------------------------------------------------------------- load
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
+        """Every rank calls it; collectives as in the module docstring, then the exchange."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return self.base_strategy.load(sharded_state_dict, checkpoint_dir)
+        group = self.parallelization_group
+        me = dist.get_rank(group)
+        group_size = dist.get_world_size(group)
+
+        exc, payload = None, None
+        pieces: Dict[ShardId, _Piece] = {}
+        try:
+            for leaf in _local_shards(sharded_state_dict):
+                sid = shard_id(leaf)
+                piece = pieces.get(sid)
+                if piece is None:
+                    pieces[sid] = _Piece(sid, [leaf], _nbytes(leaf))
+                else:
+                    piece.leaves.append(leaf)
+            payload = tuple(sorted((sid, p.nbytes) for sid, p in pieces.items()))
+        except Exception as e:  # noqa: BLE001 - shared with every rank in the cache's all-reduce
+            exc = e
+
+        def compute(gathered) -> ShardDistribution:
+            holders: Dict[ShardId, List[int]] = defaultdict(list)
+            sizes: Dict[ShardId, int] = {}
+            for rank, rank_payload in enumerate(gathered):
+                for sid, nbytes in rank_payload:
+                    holders[sid].append(rank)
+                    sizes[sid] = nbytes
+            # Pieces one rank alone asks for, and empty ones, are read by their requesters; they
+            # still count towards that rank's load when the shared ones are assigned.
+            unique_loads = [0] * group_size
+            shared: Dict[ShardId, Tuple[int, ...]] = {}
+            for sid, ranks in holders.items():
+                if len(ranks) > 1 and sizes[sid] > 0:
+                    shared[sid] = tuple(ranks)
+                else:
+                    for r in ranks:
+                        unique_loads[r] += sizes[sid]
+            assignment = distribute_shards_to_ranks(shared, sizes, group_size, unique_loads)
+            return ShardDistribution(assignment, shared, {sid: sizes[sid] for sid in shared})
+
+        distribution = self._cache.get("fully parallel load", exc, payload, compute)
+        self.last_distribution = distribution
+
+        exc = None
+        results: Dict[int, Any] = {}
+        exchange: Optional[_Exchange] = None
+        try:
+            exchange = _Exchange(distribution, pieces, me, group, dist.collective_device(group))
+            request = exchange.inner_request()
+            loaded = self.base_strategy.load(request, checkpoint_dir) if request else {}
+            results = exchange.collect_loaded(loaded)
+        except Exception as e:  # noqa: BLE001 - shared with every rank below, before any exchange
+            exc = e
+        (failed,) = dist.all_reduce_max([int(exc is not None)])
+        if failed:
+            dist.sync_errors("fully parallel load", exc)
+
+        if self.exchange_algo == "broadcast":
+            exchange.run_broadcast()
+        else:
+            exchange.run_gather_rounds(group_size)
+        exchange.exchange_objects()
+        results.update(exchange.received)
+
+        return dict_list_map_outplace(lambda leaf: results.get(id(leaf), leaf), sharded_state_dict)
+
+
+class _Exchange:
+    """Moves the pieces read by one group rank to the others that requested them.
+
+    Every group rank builds the same sequence of collectives from the shared distribution; only
+    what each rank does with the bytes differs (send, keep, or drop when it did not ask).
+    """
+
+    def __init__(self, distribution: ShardDistribution, pieces: Dict[ShardId, _Piece], me: int,
+                 group: dist.ProcessGroup, device: torch.device):
+        self.distribution = distribution
+        self.pieces = pieces
+        self.me = me
+        self.group = group
+        self.device = device
+        self.received: Dict[int, Any] = {}
+        # Pieces this rank reads: those it was assigned, and those nobody else asked for.
+        self._reads = [p for sid, p in pieces.items() if distribution.assignment.get(sid, me) == me]
+        self._read_sids = {p.sid for p in self._reads}
+        # Loader-side tensors to send, by shard id (on whatever device the inner strategy used).
+        self._sources: Dict[ShardId, torch.Tensor] = {}
+        # Loader-side plain tensors read for subclass targets: what is sent for those pieces.
+        self._staged: Dict[ShardId, torch.Tensor] = {}
+        self._objects: Dict[ShardId, Any] = {}
+        self._scratch: Optional[torch.Tensor] = None
+
+    # ----------------------------------------------------------------- reading
+
+    def inner_request(self) -> Dict[str, ShardedBase]:
+        """The flat request for the inner strategy: every leaf of the pieces this rank reads."""
+        request: Dict[str, ShardedBase] = {}
+        for piece in self._reads:
+            shared = piece.sid in self.distribution.assignment
+            for i, leaf in enumerate(piece.leaves):
+                if shared and i == 0 and isinstance(leaf, ShardedTensor) and leaf.data is not None \
+                        and not _is_plain(leaf.data):
+                    # A subclass target (e.g. FP8) cannot show its bytes: read into a plain tensor,
+                    # send that, then fill the target through its copy_.
+                    staged = copy.copy(leaf)
+                    staged.data = torch.empty(tuple(leaf.data.shape), dtype=leaf.dtype, device=self.device)
+                    self._staged[piece.sid] = staged.data
+                    leaf = staged
+                request[f"{len(request)}"] = leaf
+        for piece in self.pieces.values():
+            if piece.sid in self._read_sids:
+                continue
+            for leaf in piece.leaves:
+                if isinstance(leaf, ShardedTensor):
+                    leaf.init_data("cpu")
+        return request
+
+    def collect_loaded(self, loaded: Dict[str, Any]) -> Dict[int, Any]:
+        """Map the inner strategy's results back to the caller's leaves (by ``id``)."""
+        out: Dict[int, Any] = {}
+        n = 0
+        for piece in self._reads:
+            shared = piece.sid in self.distribution.assignment
+            for i, leaf in enumerate(piece.leaves):
+                value = loaded[f"{n}"]
+                n += 1
+                if isinstance(leaf, ShardedTensor):
+                    if piece.sid in self._staged and i == 0:
+                        leaf.data.copy_(value)
+                        value = leaf.data
+                    elif leaf.data is None:
+                        leaf.data = value
+                    if shared and i == 0:
+                        self._sources[piece.sid] = self._staged.get(piece.sid, value)
+                elif shared and i == 0:
+                    self._objects[piece.sid] = value
+                out[id(leaf)] = value
+        return out
+
+    # ----------------------------------------------------------------- tensors
+
+    def _tensor_sids(self) -> List[ShardId]:
+        return sorted(sid for sid in self.distribution.assignment if sid[0] == "tensor")
+
+    def _scratch_bytes(self, nbytes: int) -> torch.Tensor:
+        if self._scratch is None or self._scratch.numel() < nbytes:
+            self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._scratch[:nbytes]
+
+    def _send_view(self, sid: ShardId, out: torch.Tensor) -> torch.Tensor:
+        """The loaded tensor's bytes on the collective device: itself, or copied into ``out``."""
+        src = self._sources[sid]
+        if src.device == self.device and src.is_contiguous():
+            return _byte_view(src)
+        out.view(src.dtype).view(src.shape).copy_(src)
+        return out
+
+    def _deliver(self, sid: ShardId, data: torch.Tensor) -> None:
+        """Copy received bytes into every local leaf that asked for ``sid``."""
+        piece = self.pieces.get(sid)
+        if piece is None:
+            return
+        for leaf in piece.leaves:
+            target = leaf.data
+            typed = data.view(leaf.dtype).view(target.shape)
+            if target.data_ptr() != typed.data_ptr():
+                target.copy_(typed)
+            self.received[id(leaf)] = target
+
+    def _direct_target(self, sid: ShardId) -> Optional[torch.Tensor]:
+        """The first requesting leaf's tensor when bytes can be received straight into it."""
+        piece = self.pieces.get(sid)
+        if piece is None:
+            return None
+        target = piece.leaves[0].data
+        if _is_plain(target) and target.device == self.device and target.is_contiguous():
+            return _byte_view(target)
+        return None
+
+    def run_broadcast(self) -> None:
+        for sid in self._tensor_sids():
+            src = self.distribution.assignment[sid]
+            nbytes = self.distribution.sizes[sid]
+            if src == self.me:
+                _broadcast_tensor(self._send_view(sid, self._scratch_bytes(nbytes)), src, self.group)
+                continue
+            buf = self._direct_target(sid)
+            if buf is None:
+                buf = self._scratch_bytes(nbytes)
+            _broadcast_tensor(buf, src, self.group)
+            self._deliver(sid, buf)
+
+    def run_gather_rounds(self, group_size: int) -> None:
+        per_rank: List[List[ShardId]] = [[] for _ in range(group_size)]
+        for sid in sorted(self._tensor_sids(), key=lambda s: (-self.distribution.sizes[s], s)):
+            per_rank[self.distribution.assignment[sid]].append(sid)
+        rounds = max((len(lst) for lst in per_rank), default=0)
+        if rounds == 0:
+            return
+        # Each rank's largest piece comes first, so round 0 needs the largest slot; a multiple
+        # of 16 keeps every row aligned for typed views of any dtype.
+        slot = -(-max(self.distribution.sizes[lst[0]] for lst in per_rank if lst) // 16) * 16
+        gathered = torch.empty(group_size, slot, dtype=torch.uint8, device=self.device)
+        send = torch.empty(slot, dtype=torch.uint8, device=self.device)
+        for k in range(rounds):
+            mine = per_rank[self.me][k] if k < len(per_rank[self.me]) else None
+            if mine is not None:
+                nbytes = self.distribution.sizes[mine]
+                view = self._send_view(mine, send[:nbytes])
+                if view.data_ptr() != send.data_ptr():
+                    send[:nbytes].copy_(view)
+            _all_gather_tensors(list(gathered.unbind(0)), send, self.group)
+            for rank in range(group_size):
+                if rank == self.me or k >= len(per_rank[rank]):
+                    continue
+                sid = per_rank[rank][k]
+                self._deliver(sid, gathered[rank, :self.distribution.sizes[sid]])
+
+    # ----------------------------------------------------------------- objects
+
+    def exchange_objects(self) -> None:
+        for sid in sorted(s for s in self.distribution.assignment if s[0] == "object"):
+            src = self.distribution.assignment[sid]
+            value = dist.broadcast_object(self._objects.get(sid) if src == self.me else None, src, self.group)
+            piece = self.pieces.get(sid)
+            if piece is None or src == self.me:
+                continue
+            for i, leaf in enumerate(piece.leaves):
+                self.received[id(leaf)] = value if i == 0 else copy.deepcopy(value)

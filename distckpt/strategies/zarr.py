@@ -1,0 +1,1092 @@
+"""The ``zarr`` strategy: one Zarr v3 array per ShardedTensor key, written by its owners without locks.
+
+On disk (docs/formats-zarr.md has the full description and the trade-offs)::
+
+    ckpt/zarr.json               root group; attributes.distckpt lists the tensor keys
+    ckpt/<key>/zarr.json         the array of global tensor <key>: shape, data type, chunk grid
+    ckpt/<key>/c/<i>/<j>...      one chunk: raw little-endian C-order bytes (no compression)
+    ckpt/<unique_key>.pt         ShardedObjects, written by the common strategy
+    ckpt/common.pt, metadata.json
+
+Format versions: 2 is the layout above; 1 is Megatron-Core's legacy Zarr v2 layout
+(``<key>/.zarray``, chunk files ``<key>/0.1``). The load strategy reads both, key by key; the
+save strategy always writes version 2 (a request for ``("zarr", 1)`` gets it too).
+
+Chunk grid: the gcd, per axis, of every cut point of every main replica's piece. Each chunk then
+lies inside exactly one piece, so every chunk file has exactly one writer and needs no lock.
+Flattened ranges are stored in the tensor's original shape: a flat range is cut into row-major
+boxes (:func:`flat_range_boxes`) and the boxes' edges are cut points too. Where that makes chunks
+smaller than ``min_flat_chunk_bytes`` the grid is coarsened inside each shard (never across
+one); a chunk that then spans several writers' ranges is assembled and written by one rank
+(rank 0, from the pieces gathered in the final collective), so still no two writers meet.
+
+Save (every rank): describe local pieces -> one all-gather of per-key cut-point gcds -> each
+array's ``zarr.json`` written by one rank (keys round-robin) -> every rank writes its whole
+chunks -> gather the shared-chunk pieces to rank 0, which writes them; any failure raises on
+every rank. ``metadata.json`` is left to the caller (serialization commits).
+
+Load (every rank, no collective): each requested piece is cut into boxes and intersected with the
+chunk grid; only overlapping chunks are read, and of those only the overlapping byte ranges.
+
+I/O: the raw engine writes and reads chunk files with ``os.write``/``os.preadv`` straight from and
+into tensor memory (no copies) on a thread pool. Arrays it cannot handle (compressed, sharded,
+big-endian, F-order, other writers' codecs) go through tensorstore (strategies/tensorstore.py),
+which can also be chosen for everything with ``io_engine="tensorstore"``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from distckpt import dist
+from distckpt.core import CheckpointingException, atomic_write_bytes
+from distckpt.dict_utils import dict_list_map_inplace, nested_values
+from distckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
+from distckpt.strategies.base import (
+    LoadShardedStrategy,
+    SaveShardedStrategy,
+    StrategyAction,
+    register_default_strategy,
+)
+from distckpt.strategies.torch import flat_range_boxes
+
+logger = logging.getLogger(__name__)
+
+BACKEND = "zarr"
+FORMAT_VERSION = 2          # Zarr v3 layout written by distckpt
+LEGACY_VERSION = 1          # Megatron-Core <= 0.15 Zarr v2 layout (read only)
+ARRAY_META = "zarr.json"
+LEGACY_ARRAY_META = ".zarray"
+DEFAULT_MIN_FLAT_CHUNK_BYTES = 1 << 20
+IO_ENGINES = ("auto", "raw", "tensorstore")
+
+# Names that would collide with the checkpoint's own files at the top level.
+_RESERVED_TOP = {"zarr.json", "metadata.json", "common.pt", ".metadata", ".distckpt_manifest.json"}
+
+Shape = Tuple[int, ...]
+
+
+# --------------------------------------------------------------------------- data types
+
+# Zarr v3 data_type names. bfloat16 and the float8 types use the names of the zarr-extensions
+# registry, tensorstore and ml_dtypes (= torch's names).
+_TORCH_TO_ZARR: Dict[torch.dtype, str] = {
+    torch.bool: "bool",
+    torch.int8: "int8", torch.int16: "int16", torch.int32: "int32", torch.int64: "int64",
+    torch.uint8: "uint8", torch.uint16: "uint16", torch.uint32: "uint32", torch.uint64: "uint64",
+    torch.float16: "float16", torch.float32: "float32", torch.float64: "float64",
+    torch.bfloat16: "bfloat16",
+    torch.complex64: "complex64", torch.complex128: "complex128",
+}
+for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"):
+    if hasattr(torch, _name):
+        _TORCH_TO_ZARR[getattr(torch, _name)] = _name
+_ZARR_TO_TORCH: Dict[str, torch.dtype] = {v: k for k, v in _TORCH_TO_ZARR.items()}
+
+# Zarr v2 ``dtype`` strings (numpy typestr; Megatron wrote bfloat16 as "bfloat16").
+_V2_KINDS = {"b": {1: torch.bool}, "i": {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64},
+             "u": {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64},
+             "f": {2: torch.float16, 4: torch.float32, 8: torch.float64},
+             "c": {8: torch.complex64, 16: torch.complex128}}
+
+
+def zarr_data_type(dtype: torch.dtype, key: str = "?") -> str:
+    """The Zarr v3 ``data_type`` for a torch dtype.
+
+    Raises:
+        CheckpointingException: the dtype has no exact Zarr representation here.
+    """
+    try:
+        return _TORCH_TO_ZARR[dtype]
+    except KeyError:
+        raise CheckpointingException(
+            f"ShardedTensor {key!r}: dtype {dtype} cannot be stored by the zarr backend "
+            f"(supported: {', '.join(sorted(map(str, _TORCH_TO_ZARR)))})") from None
+
+
+def _fill_value_json(dtype: torch.dtype) -> Any:
+    if dtype == torch.bool:
+        return False
+    if dtype.is_complex:
+        return [0.0, 0.0]
+    return 0.0 if dtype.is_floating_point else 0
+
+
+def _v2_dtype(typestr: Any) -> Tuple[Optional[torch.dtype], bool]:
+    """(torch dtype or None, little-endian or single byte) of a Zarr v2 ``dtype`` string."""
+    if typestr == "bfloat16":
+        return torch.bfloat16, True
+    if not isinstance(typestr, str) or len(typestr) < 3 or typestr[0] not in "<>|=":
+        return None, False
+    try:
+        size = int(typestr[2:])
+    except ValueError:
+        return None, False
+    dtype = _V2_KINDS.get(typestr[1], {}).get(size)
+    return dtype, typestr[0] in "<|" or (typestr[0] == "=" and sys.byteorder == "little")
+
+
+# --------------------------------------------------------------------------- array metadata
+
+
+@dataclass(frozen=True)
+class ArrayMeta:
+    """What a reader or writer needs to know about one stored array.
+
+    ``raw`` is True when every chunk file is the plain little-endian C-order bytes of a full
+    chunk, so the raw engine can read and write it; else tensorstore must.
+    """
+
+    key: str
+    path: Path                     # the array's directory
+    zarr_format: int               # 2 or 3
+    shape: Shape
+    chunks: Shape
+    dtype: torch.dtype
+    raw: bool
+    key_prefix: str                # "c" for the v3 default encoding, "" otherwise
+    separator: str
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def chunk_nbytes(self) -> int:
+        return math.prod(self.chunks) * self.itemsize
+
+    def chunk_name(self, index: Sequence[int]) -> str:
+        if self.key_prefix:
+            return self.key_prefix + "".join(f"{self.separator}{i}" for i in index)
+        return self.separator.join(map(str, index)) if index else "0"
+
+    def chunk_path(self, index: Sequence[int]) -> Path:
+        return self.path / self.chunk_name(index)
+
+    def chunk_box(self, index: Sequence[int]) -> Tuple[Shape, Shape]:
+        """Offset and size of chunk ``index`` in the array, clipped to the array's shape."""
+        lo = tuple(i * c for i, c in zip(index, self.chunks))
+        return lo, tuple(min(c, s - o) for o, c, s in zip(lo, self.chunks, self.shape))
+
+    def chunks_overlapping(self, offset: Sequence[int], size: Sequence[int]) -> Iterator[Shape]:
+        ranges = [range(o // c, -(-(o + n) // c)) for o, n, c in zip(offset, size, self.chunks)]
+        return itertools.product(*ranges)
+
+
+def array_metadata_json(key: str, shape: Shape, chunks: Shape, dtype: torch.dtype,
+                        compression: Optional[str] = None) -> Dict[str, Any]:
+    """The ``zarr.json`` of an array written by distckpt."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    bytes_codec: Dict[str, Any] = {"name": "bytes"}
+    if itemsize > 1:
+        bytes_codec["configuration"] = {"endian": "little"}
+    codecs = [bytes_codec]
+    if compression == "zstd":
+        codecs.append({"name": "zstd", "configuration": {"level": 3, "checksum": False}})
+    elif compression == "gzip":
+        codecs.append({"name": "gzip", "configuration": {"level": 5}})
+    elif compression is not None:
+        raise CheckpointingException(f"unknown zarr compression {compression!r} (use None, 'zstd' or 'gzip')")
+    return {
+        "zarr_format": 3,
+        "node_type": "array",
+        "shape": list(shape),
+        "data_type": zarr_data_type(dtype, key),
+        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunks)}},
+        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
+        "fill_value": _fill_value_json(dtype),
+        "codecs": codecs,
+        "attributes": {"distckpt": {"key": key, "torch_dtype": str(dtype)}},
+    }
+
+
+def _meta_from_v3(key: str, path: Path, md: Dict[str, Any]) -> ArrayMeta:
+    if md.get("node_type") != "array":
+        raise ValueError(f"node_type is {md.get('node_type')!r}, not 'array'")
+    data_type = md["data_type"]
+    dtype = _ZARR_TO_TORCH.get(data_type) if isinstance(data_type, str) else None
+    if dtype is None:
+        raise ValueError(f"data_type {data_type!r} has no torch equivalent")
+    grid = md["chunk_grid"]
+    if grid.get("name") != "regular":
+        raise ValueError(f"chunk grid {grid.get('name')!r} is not supported (only 'regular')")
+    chunks = tuple(int(c) for c in grid["configuration"]["chunk_shape"])
+    shape = tuple(int(s) for s in md["shape"])
+    enc = md.get("chunk_key_encoding", {"name": "default"})
+    sep = (enc.get("configuration") or {}).get("separator", "/" if enc.get("name") == "default" else ".")
+    prefix = "c" if enc.get("name") == "default" else ""
+    codecs = md.get("codecs", [])
+    raw = (len(codecs) == 1 and codecs[0].get("name") == "bytes"
+           and (codecs[0].get("configuration") or {}).get("endian", "little") == "little"
+           and not md.get("storage_transformers") and sys.byteorder == "little")
+    return ArrayMeta(key, path, 3, shape, chunks, dtype, raw, prefix, sep)
+
+
+def _meta_from_v2(key: str, path: Path, md: Dict[str, Any]) -> ArrayMeta:
+    dtype, little = _v2_dtype(md.get("dtype"))
+    if dtype is None:
+        raise ValueError(f"dtype {md.get('dtype')!r} has no torch equivalent")
+    raw = (md.get("compressor") is None and not md.get("filters") and md.get("order", "C") == "C"
+           and little and sys.byteorder == "little")
+    return ArrayMeta(key, path, 2, tuple(md["shape"]), tuple(md["chunks"]), dtype, raw, "",
+                     md.get("dimension_separator", "."))
+
+
+def read_array_meta(root: Path, key: str) -> Optional[ArrayMeta]:
+    """Metadata of array ``key`` under ``root`` (``zarr.json``, else a legacy ``.zarray``).
+
+    Returns None if there is no such array.
+
+    Raises:
+        CheckpointingException: the metadata file exists but is unreadable or unsupported.
+    """
+    path = root / key
+    for name, parse in ((ARRAY_META, _meta_from_v3), (LEGACY_ARRAY_META, _meta_from_v2)):
+        f = path / name
+        try:
+            text = f.read_text()
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        try:
+            return parse(key, path, json.loads(text))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointingException(
+                f"{f}: unreadable Zarr metadata of key {key!r} (rank {dist.get_rank()}): {e}") from None
+    return None
+
+
+def _root_keys(root: Path) -> Optional[List[str]]:
+    """The tensor keys listed in the root group's ``zarr.json`` (None: no such list)."""
+    try:
+        md = json.loads((root / ARRAY_META).read_text())
+    except FileNotFoundError:
+        return None
+    except ValueError as e:
+        raise CheckpointingException(f"{root / ARRAY_META}: unreadable root group metadata: {e}") from None
+    keys = ((md.get("attributes") or {}).get("distckpt") or {}).get("keys")
+    return list(keys) if isinstance(keys, list) else None
+
+
+def _scan_keys(root: Path) -> List[str]:
+    """Find arrays by walking the tree (legacy layout): folders holding ``zarr.json`` of an array
+    or ``.zarray``. Megatron's ``*.sync`` lock folders hold an empty ``.zarray`` and are skipped."""
+    keys = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.endswith(".sync"))
+        here = Path(dirpath)
+        if here == root:
+            continue
+        is_array = LEGACY_ARRAY_META in filenames
+        if not is_array and ARRAY_META in filenames:
+            try:
+                is_array = json.loads((here / ARRAY_META).read_text()).get("node_type") == "array"
+            except ValueError:
+                is_array = False
+        if is_array:
+            keys.append(here.relative_to(root).as_posix())
+            dirnames[:] = []
+    return sorted(keys)
+
+
+def list_array_keys(root: Path) -> List[str]:
+    """Every tensor key stored in checkpoint ``root``."""
+    keys = _root_keys(root)
+    return keys if keys is not None else _scan_keys(root)
+
+
+def _check_key_path(key: str) -> None:
+    parts = key.split("/")
+    if (not key or key.startswith("/") or "\\" in key or any(p in ("", ".", "..") for p in parts)
+            or parts[0] in _RESERVED_TOP):
+        raise CheckpointingException(
+            f"ShardedTensor key {key!r} cannot name a Zarr array folder in the checkpoint (empty "
+            f"segments, '.', '..', a leading '/', or a reserved top-level name {sorted(_RESERVED_TOP)})")
+
+
+def _check_key_paths(keys: Iterable[str]) -> None:
+    keys = sorted(keys)
+    for key in keys:
+        _check_key_path(key)
+    for a, b in zip(keys, keys[1:]):
+        if b.startswith(a + "/"):
+            raise CheckpointingException(
+                f"ShardedTensor keys {a!r} and {b!r} cannot both be stored by the zarr backend: the "
+                f"array folder of one would contain the other")
+
+
+def write_root_group(root: Path, keys: Iterable[str]) -> None:
+    """Write the root group (listing ``keys``) and a group node for every intermediate folder."""
+    keys = sorted(keys)
+    groups = {str(Path(k).parent.as_posix()) for k in keys} - {"."}
+    for g in sorted({p for g in groups for p in _prefixes(g)}):
+        (root / g).mkdir(parents=True, exist_ok=True)
+        (root / g / ARRAY_META).write_text(json.dumps({"zarr_format": 3, "node_type": "group"}))
+    md = {"zarr_format": 3, "node_type": "group",
+          "attributes": {"distckpt": {"format": BACKEND, "format_version": FORMAT_VERSION, "keys": keys}}}
+    atomic_write_bytes(root / ARRAY_META, json.dumps(md).encode())
+
+
+def _prefixes(path: str) -> List[str]:
+    parts = path.split("/")
+    return ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+
+
+def create_array(root: Path, key: str, shape: Shape, chunks: Shape, dtype: torch.dtype,
+                 compression: Optional[str] = None) -> ArrayMeta:
+    """Write ``<root>/<key>/zarr.json`` and return the array's metadata."""
+    md = array_metadata_json(key, shape, chunks, dtype, compression)
+    path = root / key
+    path.mkdir(parents=True, exist_ok=True)
+    (path / ARRAY_META).write_text(json.dumps(md))
+    return _meta_from_v3(key, path, md)
+
+
+# --------------------------------------------------------------------------- chunk grid
+
+
+def _gcd_of_cuts(cuts: Iterable[int], size: int) -> int:
+    """gcd of the cut points strictly inside ``(0, size)``; 0 when there are none."""
+    g = 0
+    for c in cuts:
+        if 0 < c < size:
+            g = math.gcd(g, c)
+    return g
+
+
+def _smallest_multiple_dividing(base: int, limit: int, need: int) -> int:
+    """Smallest ``d`` with ``base | d``, ``d | limit`` and ``d >= need``; ``limit`` if none is."""
+    if limit % base:
+        return base
+    q = limit // base
+    small, large = [], []
+    i = 1
+    while i * i <= q:
+        if q % i == 0:
+            small.append(i)
+            large.append(q // i)
+        i += 1
+    for m in small + large[::-1]:
+        if base * m >= need:
+            return base * m
+    return limit
+
+
+def choose_chunk_shape(shape: Shape, piece_gcd: Sequence[int], shard_gcd: Sequence[int], itemsize: int,
+                       min_flat_chunk_bytes: int) -> Shape:
+    """The chunk grid of one array.
+
+    ``piece_gcd[a]``: gcd of every interior cut point of every main-replica piece along axis
+    ``a`` (0 if none); ``shard_gcd[a]``: the same for whole shards (for a flattened shard, the
+    chunk of the regular grid it belongs to). Chunks are ``piece_gcd`` (each inside one piece);
+    where flattened pieces make them smaller than ``min_flat_chunk_bytes`` they grow, innermost
+    axis first, to divisors of ``shard_gcd`` so they still never cross a shard.
+    """
+    chunks = [g if g else max(s, 1) for g, s in zip(piece_gcd, shape)]
+    if list(piece_gcd) == list(shard_gcd):
+        return tuple(chunks)
+    for a in reversed(range(len(shape))):
+        nbytes = math.prod(chunks) * itemsize
+        if nbytes >= min_flat_chunk_bytes:
+            break
+        limit = shard_gcd[a] or max(shape[a], 1)
+        need = -(-min_flat_chunk_bytes // (nbytes // chunks[a]))
+        chunks[a] = _smallest_multiple_dividing(chunks[a], limit, need)
+    return tuple(chunks)
+
+
+# --------------------------------------------------------------------------- I/O jobs
+
+
+@dataclass
+class ChunkWrite:
+    """Write chunk ``index`` of an array; ``data`` has the chunk's (clipped) shape."""
+
+    meta: ArrayMeta
+    index: Shape
+    data: torch.Tensor
+
+
+@dataclass
+class ChunkRead:
+    """Copy region ``[lo, hi)`` of chunk ``index`` (chunk coordinates) into ``dest``."""
+
+    meta: ArrayMeta
+    index: Shape
+    lo: Shape
+    hi: Shape
+    dest: torch.Tensor
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, shared (no copy)."""
+    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+def _padded(meta: ArrayMeta, data: torch.Tensor) -> torch.Tensor:
+    """``data`` as a contiguous full chunk: edge chunks are padded with the fill value (0)."""
+    if tuple(data.shape) == meta.chunks:
+        return data if data.is_contiguous() else data.contiguous()
+    buf = torch.zeros(meta.chunks, dtype=data.dtype)
+    buf[tuple(slice(0, s) for s in data.shape)] = data
+    return buf
+
+
+def _ravel(index: Sequence[int], shape: Sequence[int]) -> int:
+    flat = 0
+    for i, s in zip(index, shape):
+        flat = flat * s + i
+    return flat
+
+
+class RawIO:
+    """Chunk I/O with plain POSIX calls on a thread pool, straight from and into tensor memory.
+
+    Args:
+        thread_count: files written or read in parallel.
+        fsync: fsync every chunk file after writing it.
+    """
+
+    def __init__(self, thread_count: int = 4, fsync: bool = True):
+        self.thread_count = max(1, thread_count)
+        self.fsync = fsync
+
+    def _map(self, fn: Callable[[Any], None], jobs: Sequence[Any]) -> None:
+        if len(jobs) <= 1 or self.thread_count == 1:
+            for job in jobs:
+                fn(job)
+            return
+        with ThreadPoolExecutor(max_workers=min(self.thread_count, len(jobs))) as pool:
+            for fut in [pool.submit(fn, job) for job in jobs]:
+                fut.result()
+
+    # ----------------------------------------------------------------- write
+
+    def write(self, jobs: Sequence[ChunkWrite]) -> None:
+        made: set = set()
+
+        def write_one(job: ChunkWrite) -> None:
+            path = job.meta.chunk_path(job.index)
+            if path.parent not in made:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                made.add(path.parent)
+            view = _byte_view(_padded(job.meta, job.data))
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                while view:
+                    view = view[os.write(fd, view):]
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+
+        # Largest first keeps the pool busy to the end.
+        self._map(write_one, sorted(jobs, key=lambda j: -j.data.numel()))
+
+    # ----------------------------------------------------------------- read
+
+    def read(self, ops: Sequence[ChunkRead]) -> None:
+        by_file: Dict[Path, List[ChunkRead]] = {}
+        for op in ops:
+            by_file.setdefault(op.meta.chunk_path(op.index), []).append(op)
+
+        def read_file(item: Tuple[Path, List[ChunkRead]]) -> None:
+            path, file_ops = item
+            meta = file_ops[0].meta
+            where = f"key {meta.key!r}: chunk file {path} (rank {dist.get_rank()})"
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise CheckpointingException(f"{where} is missing") from None
+            try:
+                size = os.fstat(fd).st_size
+                if size != meta.chunk_nbytes:
+                    raise CheckpointingException(
+                        f"{where} holds {size} bytes, expected {meta.chunk_nbytes} of an uncompressed "
+                        f"chunk of shape {list(meta.chunks)} ({meta.dtype}); truncated or corrupt")
+                for op in file_ops:
+                    _read_region(fd, meta, op, where)
+            finally:
+                os.close(fd)
+
+        self._map(read_file, sorted(by_file.items(), key=lambda kv: str(kv[0])))
+
+
+def _pread_into(fd: int, view: memoryview, offset: int, where: str) -> None:
+    while view:
+        n = os.preadv(fd, [view], offset)
+        if n <= 0:
+            raise CheckpointingException(f"{where} ended early at byte {offset}; truncated")
+        view = view[n:]
+        offset += n
+
+
+# Per-run reads replace one read of the enclosing slab only when the slab is this many times
+# larger than the needed bytes and the runs are not too many.
+_SLAB_OVERREAD = 4
+_MAX_RUNS = 1 << 14
+
+
+def _read_region(fd: int, meta: ArrayMeta, op: ChunkRead, where: str) -> None:
+    """Read region ``[op.lo, op.hi)`` of one uncompressed C-order chunk into ``op.dest``."""
+    chunks, isz = meta.chunks, meta.itemsize
+    lo, hi = op.lo, op.hi
+    ext = tuple(h - l for l, h in zip(lo, hi))
+    ndim = len(chunks)
+    # Axes from `inner` on are read whole; with those, axis inner-1 forms contiguous runs.
+    inner = ndim
+    while inner > 0 and lo[inner - 1] == 0 and hi[inner - 1] == chunks[inner - 1]:
+        inner -= 1
+    run_axis = max(inner - 1, 0)
+    runs = math.prod(ext[:run_axis])
+    dest = op.dest
+    direct = dest.is_contiguous() and dest.device.type == "cpu" and dest.dtype == meta.dtype
+    if runs == 1:
+        target = dest if direct else torch.empty(ext, dtype=meta.dtype)
+        _pread_into(fd, _byte_view(target), _ravel(lo, chunks) * isz, where)
+        if not direct:
+            dest.copy_(target)
+        return
+    slab_rows = ext[0]
+    slab_elems = slab_rows * math.prod(chunks[1:])
+    if slab_elems > _SLAB_OVERREAD * math.prod(ext) and runs <= _MAX_RUNS:
+        target = dest if direct else torch.empty(ext, dtype=meta.dtype)
+        flat = _byte_view(target)
+        run_bytes = math.prod(ext[run_axis:]) * isz
+        for i, outer in enumerate(itertools.product(*(range(l, h) for l, h in zip(lo[:run_axis], hi[:run_axis])))):
+            start = _ravel(outer + tuple(lo[run_axis:]), chunks) * isz
+            _pread_into(fd, flat[i * run_bytes:(i + 1) * run_bytes], start, where)
+        if not direct:
+            dest.copy_(target)
+        return
+    slab = torch.empty((slab_rows,) + tuple(chunks[1:]), dtype=meta.dtype)
+    _pread_into(fd, _byte_view(slab), lo[0] * math.prod(chunks[1:]) * isz, where)
+    dest.copy_(slab[(slice(None),) + tuple(slice(l, h) for l, h in zip(lo[1:], hi[1:]))])
+
+
+def _tensorstore_io(thread_count: int):
+    from distckpt.strategies.tensorstore import TensorStoreIO
+
+    return TensorStoreIO(concurrency=thread_count)
+
+
+class _Engines:
+    """Chooses, per array, the engine that does its I/O."""
+
+    def __init__(self, io_engine: str, thread_count: int, fsync: bool = True):
+        if io_engine not in IO_ENGINES:
+            raise CheckpointingException(f"unknown zarr io_engine {io_engine!r} (use one of {IO_ENGINES})")
+        self.io_engine = io_engine
+        self.thread_count = thread_count
+        self.raw = RawIO(thread_count, fsync)
+        self._ts = None
+
+    @property
+    def tensorstore(self):
+        if self._ts is None:
+            self._ts = _tensorstore_io(self.thread_count)
+        return self._ts
+
+    def uses_tensorstore(self, meta: ArrayMeta) -> bool:
+        if self.io_engine == "tensorstore":
+            return True
+        if not meta.raw:
+            if self.io_engine == "raw":
+                raise CheckpointingException(
+                    f"key {meta.key!r}: array {meta.path} is compressed or otherwise encoded; "
+                    f"io_engine='raw' cannot read or write it (use 'auto' or 'tensorstore')")
+            return True
+        return False
+
+    def write(self, jobs: Sequence[ChunkWrite]) -> None:
+        ts_jobs = [j for j in jobs if self.uses_tensorstore(j.meta)]
+        raw_jobs = [j for j in jobs if not self.uses_tensorstore(j.meta)]
+        if ts_jobs:
+            self.tensorstore.write(ts_jobs)
+        self.raw.write(raw_jobs)
+
+    def read(self, ops: Sequence[ChunkRead]) -> None:
+        ts_ops = [o for o in ops if self.uses_tensorstore(o.meta)]
+        raw_ops = [o for o in ops if not self.uses_tensorstore(o.meta)]
+        if ts_ops:
+            self.tensorstore.read(ts_ops)
+        self.raw.read(raw_ops)
+
+
+# --------------------------------------------------------------------------- save
+
+
+@dataclass
+class _Piece:
+    """A box of a global tensor held by this rank, with its data (a CPU tensor of that shape)."""
+
+    key: str
+    offset: Shape
+    size: Shape
+    data: torch.Tensor
+
+
+@dataclass
+class _KeyDecl:
+    """One rank's description of a key: all that planning the chunk grid needs."""
+
+    shape: Shape
+    dtype: torch.dtype
+    piece_gcd: List[int]
+    shard_gcd: List[int]
+
+    def merge(self, other: "_KeyDecl", key: str) -> None:
+        if other.shape != self.shape or other.dtype != self.dtype:
+            raise CheckpointingException(
+                f"key {key!r}: ranks disagree on the global shape or dtype "
+                f"({list(self.shape)} {self.dtype} vs {list(other.shape)} {other.dtype})")
+        self.piece_gcd = [math.gcd(a, b) for a, b in zip(self.piece_gcd, other.piece_gcd)]
+        self.shard_gcd = [math.gcd(a, b) for a, b in zip(self.shard_gcd, other.shard_gcd)]
+
+
+def _shard_pieces(sh: ShardedTensor) -> Tuple[List[_Piece], Shape, Shape]:
+    """The boxes of ``sh`` with their data, and the box of the whole shard (its grid chunk)."""
+    if sh.data is None:
+        raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data to save (rank {dist.get_rank()})")
+    data = sh.data.detach()
+    if data.device.type != "cpu":
+        data = data.to("cpu")
+    full_local = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+    origin = tuple(sh.global_offset)
+    if sh.flattened_range is None:
+        pieces = [_Piece(sh.key, origin, full_local, data.reshape(full_local))] if data.numel() else []
+        return pieces, origin, full_local
+    start = sh.flattened_range.start
+    flat = data.reshape(-1)
+    pieces = [
+        _Piece(sh.key, tuple(o + b for o, b in zip(origin, off)), size,
+               flat[pos - start:pos - start + math.prod(size)].reshape(size))
+        for off, size, pos in flat_range_boxes(full_local, start, sh.flattened_range.stop, start)
+    ]
+    return pieces, origin, full_local
+
+
+def _local_plan(sharded_state_dict: ShardedStateDict) -> Tuple[List[_Piece], Dict[str, _KeyDecl]]:
+    pieces: List[_Piece] = []
+    decls: Dict[str, _KeyDecl] = {}
+    for sh in nested_values(sharded_state_dict):
+        if isinstance(sh, ShardedObject):
+            raise CheckpointingException(
+                f"ShardedObject {sh.unique_key!r} reached the zarr strategy; objects are stored by "
+                f"the common strategy")
+        if not isinstance(sh, ShardedTensor) or not is_main_replica(sh.replica_id):
+            continue
+        shape = tuple(sh.global_shape)
+        shard_pieces, origin, full_local = _shard_pieces(sh)
+        shard_cuts: List[List[int]] = [[] for _ in shape]
+        piece_cuts: List[List[int]] = [[] for _ in shape]
+        if math.prod(full_local):
+            for a, (o, n) in enumerate(zip(origin, full_local)):
+                shard_cuts[a] += [o, o + n]
+        for p in shard_pieces:
+            for a, (o, n) in enumerate(zip(p.offset, p.size)):
+                piece_cuts[a] += [o, o + n]
+        shard_gcd = [_gcd_of_cuts(c, s) for c, s in zip(shard_cuts, shape)]
+        piece_gcd = [math.gcd(_gcd_of_cuts(c, s), h) for c, s, h in zip(piece_cuts, shape, shard_gcd)]
+        decl = _KeyDecl(shape, sh.dtype, piece_gcd, shard_gcd)
+        if sh.key in decls:
+            decls[sh.key].merge(decl, sh.key)
+        else:
+            decls[sh.key] = decl
+        pieces += shard_pieces
+    return pieces, decls
+
+
+def _merge_decls(gathered: Sequence[Dict[str, _KeyDecl]]) -> Dict[str, _KeyDecl]:
+    merged: Dict[str, _KeyDecl] = {}
+    for rank_decls in gathered:
+        for key, decl in rank_decls.items():
+            if key in merged:
+                merged[key].merge(decl, key)
+            else:
+                merged[key] = _KeyDecl(decl.shape, decl.dtype, list(decl.piece_gcd), list(decl.shard_gcd))
+    return dict(sorted(merged.items()))
+
+
+@dataclass
+class _Fragment:
+    """Part of a chunk that this rank cannot write alone: its box (array coordinates) and data."""
+
+    key: str
+    index: Shape
+    offset: Shape
+    data: torch.Tensor
+
+
+def _split_into_chunks(pieces: Sequence[_Piece], metas: Dict[str, ArrayMeta]):
+    """Whole chunks this rank writes, and fragments of chunks shared with other pieces."""
+    writes: List[ChunkWrite] = []
+    partial: Dict[Tuple[str, Shape], List[_Fragment]] = {}
+    for p in pieces:
+        meta = metas[p.key]
+        for index in meta.chunks_overlapping(p.offset, p.size):
+            c_off, c_size = meta.chunk_box(index)
+            lo = tuple(max(a, b) for a, b in zip(p.offset, c_off))
+            hi = tuple(min(a + n, b + m) for a, n, b, m in zip(p.offset, p.size, c_off, c_size))
+            view = p.data[tuple(slice(l - o, h - o) for l, h, o in zip(lo, hi, p.offset))]
+            if lo == c_off and hi == tuple(o + n for o, n in zip(c_off, c_size)):
+                writes.append(ChunkWrite(meta, tuple(index), view))
+            else:
+                partial.setdefault((p.key, tuple(index)), []).append(_Fragment(p.key, tuple(index), lo, view))
+    shared: List[_Fragment] = []
+    for (key, index), frags in partial.items():
+        meta = metas[key]
+        if sum(f.data.numel() for f in frags) == math.prod(meta.chunk_box(index)[1]):
+            writes.append(ChunkWrite(meta, index, _assemble(meta, index, frags)))
+        else:
+            # Cloned: pickling a view would send its whole storage.
+            shared += [_Fragment(f.key, f.index, f.offset, f.data.clone()) for f in frags]
+    return writes, shared
+
+
+def _assemble(meta: ArrayMeta, index: Shape, frags: Sequence[_Fragment]) -> torch.Tensor:
+    c_off, c_size = meta.chunk_box(index)
+    buf = torch.zeros(c_size, dtype=meta.dtype)
+    covered = 0
+    for f in frags:
+        buf[tuple(slice(o - c, o - c + n) for o, c, n in zip(f.offset, c_off, f.data.shape))] = f.data
+        covered += f.data.numel()
+    if covered != buf.numel():
+        raise CheckpointingException(
+            f"key {meta.key!r}: the main replicas cover {covered} of the {buf.numel()} elements of "
+            f"chunk {list(index)}; the sharding does not tile the tensor")
+    return buf
+
+
+class ZarrSaveShardedStrategy(SaveShardedStrategy):
+    """Writes main replicas as Zarr v3 arrays (backend ``zarr``, format version 2).
+
+    Args:
+        thread_count: chunk files written in parallel per rank.
+        io_engine: "auto"/"raw" (POSIX writes from tensor memory) or "tensorstore".
+        compression: None (default, fastest), "zstd" or "gzip" (written through tensorstore).
+        min_flat_chunk_bytes: smallest chunk worth having for flattened ranges (see module doc).
+        fsync: fsync each chunk file.
+    """
+
+    def __init__(self, backend: str = BACKEND, version: int = FORMAT_VERSION, thread_count: int = 4,
+                 io_engine: str = "auto", compression: Optional[str] = None,
+                 min_flat_chunk_bytes: int = DEFAULT_MIN_FLAT_CHUNK_BYTES, fsync: bool = True):
+        # Whatever version was asked for, this writes (and metadata.json records) version 2.
+        super().__init__(backend, FORMAT_VERSION)
+        if thread_count < 1:
+            raise CheckpointingException(f"thread_count must be >= 1, got {thread_count}")
+        array_metadata_json("probe", (), (), torch.float32, compression)  # validates `compression`
+        self.engines = _Engines(io_engine, thread_count, fsync)
+        self.compression = compression
+        self.min_flat_chunk_bytes = min_flat_chunk_bytes
+
+    def _array_metas(self, root: Path, decls: Dict[str, _KeyDecl], create: bool) -> Dict[str, ArrayMeta]:
+        """Every array's metadata; with ``create``, this rank writes its share of ``zarr.json`` files."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        metas = {}
+        for i, (key, d) in enumerate(decls.items()):
+            itemsize = torch.empty((), dtype=d.dtype).element_size()
+            chunks = choose_chunk_shape(d.shape, d.piece_gcd, d.shard_gcd, itemsize, self.min_flat_chunk_bytes)
+            if create and i % world == rank:
+                metas[key] = create_array(root, key, d.shape, chunks, d.dtype, self.compression)
+            else:
+                md = array_metadata_json(key, d.shape, chunks, d.dtype, self.compression)
+                metas[key] = _meta_from_v3(key, root / key, md)
+        return metas
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
+        root = Path(checkpoint_dir)
+        exc: Optional[BaseException] = None
+        decls: Optional[Dict[str, _KeyDecl]] = None
+        pieces: List[_Piece] = []
+        try:
+            pieces, decls = _local_plan(sharded_state_dict)
+        except Exception as e:  # noqa: BLE001 - shared with every rank below
+            exc = e
+        gathered = dist.all_gather_or_raise("zarr save planning", exc, decls)
+
+        exc = None
+        metas: Dict[str, ArrayMeta] = {}
+        try:
+            merged = _merge_decls(gathered)
+            _check_key_paths(merged)
+            metas = self._array_metas(root, merged, create=True)
+            if dist.get_rank() == 0:
+                write_root_group(root, merged)
+        except Exception as e:  # noqa: BLE001
+            exc = e
+        # tensorstore opens each array's zarr.json before writing, so every one must exist
+        # first; the raw engine never reads them and needs no barrier here. (The condition
+        # depends on the configuration only, so all ranks agree on it.)
+        if self.engines.io_engine == "tensorstore" or self.compression is not None:
+            dist.sync_errors("zarr array creation", exc)
+            exc = None
+        shared: List[_Fragment] = []
+        try:
+            if exc is None:
+                writes, shared = _split_into_chunks(pieces, metas)
+                self.engines.write(writes)
+        except Exception as e:  # noqa: BLE001
+            exc = e
+
+        def write_shared(payloads: List[List[_Fragment]]) -> None:
+            by_chunk: Dict[Tuple[str, Shape], List[_Fragment]] = {}
+            for frags in payloads:
+                for f in frags:
+                    by_chunk.setdefault((f.key, f.index), []).append(f)
+            self.engines.write([ChunkWrite(metas[k], i, _assemble(metas[k], i, fs))
+                                for (k, i), fs in sorted(by_chunk.items())])
+
+        dist.gather_and_decide("zarr write", exc, shared, write_shared)
+
+
+# --------------------------------------------------------------------------- load
+
+
+def _needs_staging(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """True if reads cannot land in ``t`` itself (other dtype or device, subclass, non-contiguous)."""
+    return (type(t) not in (torch.Tensor, torch.nn.Parameter) or not t.is_contiguous()
+            or t.device.type != "cpu" or t.dtype != dtype)
+
+
+def _request_boxes(sh: ShardedTensor, dest: torch.Tensor) -> List[Tuple[Shape, Shape, torch.Tensor]]:
+    """(global offset, size, destination view) of each box ``sh`` asks for."""
+    full_local = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+    if sh.flattened_range is None:
+        return [(tuple(sh.global_offset), full_local, dest.view(full_local))]
+    start, stop = sh.flattened_range.start, sh.flattened_range.stop
+    return [(tuple(g + o for g, o in zip(sh.global_offset, off)), size,
+             dest[p - start:p - start + math.prod(size)].view(size))
+            for off, size, p in flat_range_boxes(full_local, start, stop, start)]
+
+
+def plan_reads(meta: ArrayMeta, offset: Shape, size: Shape, view: torch.Tensor) -> List[ChunkRead]:
+    """Reads of every chunk overlapping box ``(offset, size)`` (clipped to the array) into ``view``."""
+    hi = tuple(min(o + n, s) for o, n, s in zip(offset, size, meta.shape))
+    if any(h <= o for h, o in zip(hi, offset)):
+        return []
+    clipped = tuple(h - o for h, o in zip(hi, offset))
+    ops = []
+    for index in meta.chunks_overlapping(offset, clipped):
+        c_off, c_size = meta.chunk_box(index)
+        lo = tuple(max(a, b) for a, b in zip(offset, c_off))
+        top = tuple(min(a, b + n) for a, b, n in zip(hi, c_off, c_size))
+        dest = view[tuple(slice(l - o, h - o) for l, h, o in zip(lo, top, offset))]
+        ops.append(ChunkRead(meta, tuple(index), tuple(l - c for l, c in zip(lo, c_off)),
+                             tuple(h - c for h, c in zip(top, c_off)), dest))
+    return ops
+
+
+class ZarrLoadShardedStrategy(LoadShardedStrategy):
+    """Loads ``zarr`` checkpoints: distckpt's Zarr v3 layout and Megatron-Core's legacy Zarr v2.
+
+    Args:
+        thread_count: chunk files read in parallel.
+        io_engine: "auto" (raw reads where the array allows, else tensorstore), "raw" or
+            "tensorstore".
+    """
+
+    def __init__(self, backend: str = BACKEND, version: int = FORMAT_VERSION, thread_count: int = 4,
+                 io_engine: str = "auto"):
+        super().__init__(backend, FORMAT_VERSION)
+        self.engines = _Engines(io_engine, thread_count)
+
+    def _meta(self, root: Path, key: str) -> ArrayMeta:
+        meta = read_array_meta(root, key)
+        if meta is None:
+            raise CheckpointingException(
+                f"ShardedTensor {key!r} is not in checkpoint {root} (rank {dist.get_rank()})")
+        return meta
+
+    def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+        root = Path(checkpoint_dir)
+        out = {}
+        for key in list_array_keys(root):
+            meta = self._meta(root, key)
+            out[key] = ShardedTensor.from_rank_offsets(key, torch.empty(meta.shape, dtype=meta.dtype, device="meta"))
+        return out
+
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
+        root = Path(checkpoint_dir)
+        metas: Dict[str, ArrayMeta] = {}
+        ops: List[ChunkRead] = []
+        commits: List[Callable[[], None]] = []
+
+        def prepare(sh: Any) -> Any:
+            if isinstance(sh, ShardedObject):
+                raise CheckpointingException(
+                    f"ShardedObject {sh.unique_key!r}: the zarr strategy leaves objects to the common strategy")
+            if not isinstance(sh, ShardedTensor):
+                return sh
+            if sh.key not in metas:
+                metas[sh.key] = self._meta(root, sh.key)
+            meta = metas[sh.key]
+            if tuple(sh.global_shape) != meta.shape:
+                if not sh.allow_shape_mismatch or len(sh.global_shape) != len(meta.shape):
+                    raise CheckpointingException(
+                        f"ShardedTensor {sh.key!r}: global shape {list(sh.global_shape)} was requested but "
+                        f"the checkpoint stores {list(meta.shape)} (set allow_shape_mismatch=True to load "
+                        f"the overlap and zero the rest)")
+            if sh.data is None:
+                sh.init_data("cpu", torch.zeros if sh.allow_shape_mismatch else torch.empty)
+            target = sh.data
+            if _needs_staging(target, meta.dtype):
+                dest = torch.empty(tuple(target.shape), dtype=meta.dtype)
+                commits.append(lambda t=target, d=dest: t.copy_(d))
+            else:
+                dest = target
+            if tuple(sh.global_shape) != meta.shape:
+                dest.zero_()
+            for offset, size, view in _request_boxes(sh, dest):
+                ops.extend(plan_reads(meta, offset, size, view))
+            return sh
+
+        dict_list_map_inplace(prepare, sharded_state_dict)
+        self.engines.read(ops)
+        for commit in commits:
+            commit()
+        return dict_list_map_inplace(lambda sh: sh.data if isinstance(sh, ShardedTensor) else sh,
+                                     sharded_state_dict)
+
+    def remove_sharded_tensors(self, checkpoint_dir: Path, key_prefix: str) -> None:
+        """Drop every array whose key starts with ``key_prefix`` (root group listing first)."""
+        root = Path(checkpoint_dir)
+        keys = list_array_keys(root)
+        gone = [k for k in keys if k.startswith(key_prefix)]
+        if _root_keys(root) is not None:
+            write_root_group(root, [k for k in keys if k not in gone])
+        for key in gone:
+            meta = self._meta(root, key)
+            shutil.rmtree(meta.path)
+
+
+# --------------------------------------------------------------------------- whole-tensor writer
+
+
+class ZarrTensorWriter:
+    """Writes whole tensors one at a time into a new zarr checkpoint (single process).
+
+    The streaming counterpart of the save strategy, for tools (conversion) that hold one
+    tensor at a time. ``finish`` writes the root group; committing (``metadata.json``) is the
+    caller's.
+
+    Args:
+        max_chunk_bytes: split a tensor along its first axis into chunks of at most about this
+            many bytes (None: one chunk per tensor).
+    """
+
+    def __init__(self, checkpoint_dir: Path, *, io_engine: str = "auto", thread_count: int = 4,
+                 compression: Optional[str] = None, max_chunk_bytes: Optional[int] = None,
+                 fsync: bool = True):
+        self.root = Path(checkpoint_dir)
+        self.engines = _Engines(io_engine, thread_count, fsync)
+        self.compression = compression
+        self.max_chunk_bytes = max_chunk_bytes
+        self.keys: List[str] = []
+
+    def _chunks(self, t: torch.Tensor) -> Shape:
+        shape = tuple(max(s, 1) for s in t.shape)
+        if self.max_chunk_bytes is None or t.dim() == 0 or t.shape[0] == 0:
+            return shape
+        row = max(1, math.prod(t.shape[1:]) * t.element_size())
+        return (max(1, min(t.shape[0], self.max_chunk_bytes // row)),) + shape[1:]
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        _check_key_paths(self.keys + [key])
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            t = t.to("cpu")
+        meta = create_array(self.root, key, tuple(t.shape), self._chunks(t), t.dtype, self.compression)
+        jobs = []
+        for index in meta.chunks_overlapping((0,) * t.dim(), tuple(t.shape)):
+            c_off, c_size = meta.chunk_box(index)
+            jobs.append(ChunkWrite(meta, tuple(index), t[tuple(slice(o, o + n) for o, n in zip(c_off, c_size))]))
+        self.engines.write(jobs)
+        self.keys.append(key)
+
+    def finish(self) -> None:
+        write_root_group(self.root, self.keys)
+
+
+# --------------------------------------------------------------------------- zarr-python data types
+
+
+_ZARR_PYTHON_EXTRA = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+_zarr_python_registered = False
+
+
+def register_zarr_python_dtypes() -> bool:
+    """Teach zarr-python (3.1 and earlier) the bfloat16 and float8 data types, via ml_dtypes.
+
+    Tensorstore and zarrs read these names natively; zarr-python 3.1 rejects them ("No Zarr
+    data type found that matches 'bfloat16'"). After this call ``zarr.open`` returns such arrays
+    with ml_dtypes dtypes, bit-exact. Best effort: returns False if zarr-python's internals
+    differ from what this expects (nothing is registered then).
+    """
+    global _zarr_python_registered
+    if _zarr_python_registered:
+        return True
+    try:
+        from typing import ClassVar
+
+        import ml_dtypes
+        import numpy as np
+        from zarr.core.dtype import data_type_registry
+        from zarr.core.dtype.npy.float import BaseFloat
+    except ImportError:
+        return False
+
+    def make(name: str):
+        np_dtype = np.dtype(getattr(ml_dtypes, name))
+
+        @dataclass(frozen=True, kw_only=True)
+        class MlDtypesFloat(BaseFloat):
+            dtype_cls = type(np_dtype)
+            _zarr_v3_name = name
+            _zarr_v2_names: ClassVar[Tuple[str, ...]] = (name,)
+
+            def to_native_dtype(self):
+                return np_dtype
+
+            @property
+            def item_size(self) -> int:
+                return np_dtype.itemsize
+
+        MlDtypesFloat.__name__ = MlDtypesFloat.__qualname__ = f"MlDtypes_{name}"
+        return MlDtypesFloat
+
+    try:
+        for name in _ZARR_PYTHON_EXTRA:
+            if hasattr(ml_dtypes, name) and name not in data_type_registry.contents:
+                data_type_registry.register(name, make(name))
+    except Exception as e:  # noqa: BLE001 - an optional convenience; never fatal
+        logger.debug("could not register ml_dtypes types with zarr-python: %s", e)
+        return False
+    _zarr_python_registered = True
+    return True
+
+
+# --------------------------------------------------------------------------- registration
+
+
+def _register() -> None:
+    # One writer: ("zarr", 1) asks for the legacy layout, which is not written any more; it
+    # gets the current one, and metadata.json records version 2.
+    for version in (LEGACY_VERSION, FORMAT_VERSION):
+        register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND, version, ZarrSaveShardedStrategy)
+        register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND, version, ZarrLoadShardedStrategy)
+
+
+_register()
