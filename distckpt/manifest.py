@@ -121,6 +121,29 @@ def read_manifest(checkpoint_dir: PathLike) -> Optional[Manifest]:
     return m
 
 
+def add_whole_files(checkpoint_dir: PathLike, entries: Dict[str, Tuple[int, int]], backend: str,
+                    save_id: str) -> None:
+    """Merge whole-file checksums ``{name: (size, crc32c)}`` into the manifest (creating it if the
+    sharded strategy wrote none). Called on one rank, before ``metadata.json`` is written."""
+    manifest = read_manifest(checkpoint_dir) or Manifest(save_id, backend)
+    for name, (size, crc) in entries.items():
+        manifest.files[name] = size
+        manifest.ranges[name] = [RangeChecksum(0, size, crc, name)]
+    write_manifest(checkpoint_dir, manifest)
+
+
+def check_whole_file(checkpoint_dir: PathLike, name: str, data: bytes) -> None:
+    """Raise if the manifest records a checksum for ``name`` and ``data`` does not match it."""
+    manifest = read_manifest(checkpoint_dir)
+    if manifest is None or name not in manifest.files:
+        return
+    expected = manifest.ranges.get(name, [])
+    if len(data) != manifest.files[name] or (len(expected) == 1 and crc32c(data) != expected[0].crc32c):
+        raise CheckpointingException(
+            f"{Path(checkpoint_dir) / name}: contents do not match the integrity manifest "
+            f"({len(data)} bytes, manifest says {manifest.files[name]}); the file is corrupted")
+
+
 def verify_files(checkpoint_dir: PathLike, manifest: Manifest, *, checksums: bool = True,
                  progress=None) -> List[str]:
     """Check every file of the manifest: present, right size, and (``checksums``) every range's

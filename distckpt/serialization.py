@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Set, Tuple, Union
 
@@ -23,7 +24,8 @@ from distckpt.core import (
     save_config,
 )
 from distckpt.core import check_is_distributed_checkpoint as _check_is_distributed_checkpoint
-from distckpt.dict_utils import dict_list_map_inplace, extract_matching_values, merge, nested_values
+from distckpt.manifest import add_whole_files
+from distckpt.dict_utils import dict_list_map_inplace, diff, extract_matching_values, merge, nested_values
 from distckpt.mapping import (
     LocalNonpersistentObject,
     ShardedBase,
@@ -201,7 +203,15 @@ def save(
         exc = e
     config = CheckpointingConfig(sharded_strategy.backend, sharded_strategy.version,
                                  common_strategy.backend, common_strategy.version)
-    dist.gather_and_decide("commit", exc, None, lambda _: save_config(config, checkpoint_dir))
+    written = dict(getattr(common_strategy, "written_files", {}))
+
+    def commit(payloads):
+        entries = {name: v for p in payloads for name, v in p.items()}
+        if entries:
+            add_whole_files(checkpoint_dir, entries, config.sharded_backend, save_id=str(uuid.uuid4()))
+        save_config(config, checkpoint_dir)
+
+    dist.gather_and_decide("commit", exc, written, commit)
 
 
 def _remove_commit_files(checkpoint_dir: Path) -> None:
@@ -218,8 +228,6 @@ def _remove_commit_files(checkpoint_dir: Path) -> None:
 
 
 def _log_common_differences(views) -> None:
-    from distckpt.dict_utils import diff
-
     reference = views[0]
     for r, view in enumerate(views[1:], start=1):
         only_0, only_r, mismatch = diff(reference, view)
@@ -238,12 +246,20 @@ def load(
     common_strategy: Optional[LoadCommonStrategy] = None,
     validate_access_integrity: bool = True,
     strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
+    verify: bool = False,
+    trusted: bool = False,
 ) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
     """Load the pieces described by ``sharded_state_dict``; every rank calls it.
 
     ShardedTensors with data are filled in place; those without get new CPU tensors. The result
     is the common state merged with the loaded sharded part, factories merged back and
     LocalNonpersistentObjects unwrapped.
+
+    Args:
+        verify: check every byte read against the integrity manifest's CRC32C (files without
+            a manifest entry are checked structurally only).
+        trusted: unpickle common state, objects and metadata without the allowlist. Only for
+            checkpoints whose origin you trust.
 
     Returns:
         the state dict, or ``(state_dict, missing_keys, unexpected_keys)`` for the
@@ -258,6 +274,8 @@ def load(
     try:
         strict_mode = parse_strict_flag(strict)
         sharded_strategy, common_strategy = _load_strategies(checkpoint_dir, sharded_strategy, common_strategy)
+        _configure(sharded_strategy, verify, trusted)
+        _configure(common_strategy, verify, trusted)
         common_state_dict = common_strategy.load_common(checkpoint_dir)
         common_state_dict.pop(CONTENT_METADATA_KEY, None)
 
@@ -312,6 +330,16 @@ def load(
     if StrictHandling.requires_returning_mismatch_keys(strict_mode):
         return common_state_dict, missing, unexpected
     return common_state_dict
+
+
+def _configure(strategy, verify: bool, trusted: bool) -> None:
+    for name, value in (("verify", verify), ("trusted", trusted)):
+        if not value:
+            continue
+        if not hasattr(strategy, name):
+            raise CheckpointingException(
+                f"{type(strategy).__name__} (backend {strategy.backend!r}) does not support {name}=True")
+        setattr(strategy, name, value)
 
 
 # --------------------------------------------------------------------------- queries

@@ -33,7 +33,7 @@ from distckpt.examples.parallel import (
     send_to_stage,
 )
 from distckpt.dict_utils import dict_list_map_inplace
-from distckpt.mapping import ShardedStateDict, ShardedTensor, ShardedTensorFactory
+from distckpt.mapping import ShardedStateDict, ShardedTensor, ShardedTensorFactory, StateDict
 
 Optimizer = Union[Adam, DistributedAdam]
 
@@ -135,9 +135,12 @@ def checkpoint_sharded_state_dict(model: GPTModel, optimizer: Optimizer, iterati
     }
 
 
-def save_checkpoint(ckpt_dir: Union[str, Path], model: GPTModel, optimizer: Optimizer, iteration: int) -> None:
-    """Save the training state; every rank calls it."""
-    distckpt.save(checkpoint_sharded_state_dict(model, optimizer, iteration), ckpt_dir)
+def save_checkpoint(ckpt_dir: Union[str, Path], model: GPTModel, optimizer: Optimizer, iteration: int,
+                    extra: Optional[ShardedStateDict] = None) -> None:
+    """Save the training state (plus ``extra`` entries, e.g. RNG states); every rank calls it."""
+    state = checkpoint_sharded_state_dict(model, optimizer, iteration)
+    state.update(extra or {})
+    distckpt.save(state, ckpt_dir)
 
 
 def _detached(leaf):
@@ -146,13 +149,16 @@ def _detached(leaf):
     return leaf
 
 
-def load_checkpoint(ckpt_dir: Union[str, Path], model: GPTModel, optimizer: Optimizer) -> Tuple[int, str]:
-    """Restore model and optimizer from a checkpoint saved under any layout.
+def load_checkpoint(ckpt_dir: Union[str, Path], model: GPTModel, optimizer: Optimizer,
+                    extra: Optional[ShardedStateDict] = None) -> StateDict:
+    """Restore model and optimizer from a checkpoint saved under any layout; every rank calls it.
 
-    Returns the checkpoint's iteration and the layout it was saved under.
+    Returns the loaded state dict: ``iteration``, the ``layout`` it was saved under, and the
+    entries that ``extra`` asked for.
     """
     optimizer.init_state()
     request = checkpoint_sharded_state_dict(model, optimizer, iteration=-1)
+    request.update(extra or {})
     # The request's leaves hold the parameters themselves (that is how the optimizer state found
     # its parameters); distckpt fills them in place, which autograd forbids on a leaf that
     # requires grad, so it gets detached views of the same storage.
@@ -161,7 +167,7 @@ def load_checkpoint(ckpt_dir: Union[str, Path], model: GPTModel, optimizer: Opti
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     optimizer.reload_model_params()
-    return state["iteration"], state["layout"]
+    return state
 
 
 def run(layout: Union[Layout, str], steps: int, train_cfg: TrainConfig = TrainConfig(),
@@ -176,7 +182,8 @@ def run(layout: Union[Layout, str], steps: int, train_cfg: TrainConfig = TrainCo
     ps, model, optimizer = build(layout, train_cfg)
     iteration, resumed_from = 0, None
     if load_dir is not None:
-        iteration, resumed_from = load_checkpoint(load_dir, model, optimizer)
+        state = load_checkpoint(load_dir, model, optimizer)
+        iteration, resumed_from = state["iteration"], state["layout"]
     first = iteration
     save_at = steps if save_at is None else save_at
     losses: List[Optional[float]] = []

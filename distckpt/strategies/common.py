@@ -18,13 +18,14 @@ import logging
 import os
 import pickle
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, List, Union
+from typing import Any, BinaryIO, Callable, Dict, List, Tuple, Union
 
 import numpy as np
 import torch
 
 from distckpt import dist
 from distckpt.core import CheckpointingException
+from distckpt.manifest import check_whole_file
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
 from distckpt.mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
 from distckpt.strategies.base import (
@@ -88,22 +89,45 @@ def safe_torch_load(source: Union[str, os.PathLike, BinaryIO, bytes], *, what: s
         raise CheckpointingException(f"{what}: not a readable torch archive ({e})") from e
 
 
-def _fsynced_torch_save(obj: Any, path: Path) -> None:
-    with open(path, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
+def _fsynced_torch_save(obj: Any, path: Path) -> Tuple[int, int]:
+    """torch.save into ``path``; returns (size, crc32c) computed while writing."""
+    from distckpt.strategies.filesystem import ChecksummingSink
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        sink = ChecksummingSink(fd)
+        torch.save(obj, sink)
+        os.fsync(fd)
+        return sink.position, sink.crc
+    finally:
+        os.close(fd)
+
+
+def _read_checked(path: Path, checkpoint_dir: Path, verify: bool, what: str) -> bytes:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointingException(f"{what}: file {path} is missing (rank {dist.get_rank()})") from None
+    if verify:
+        check_whole_file(checkpoint_dir, str(path.relative_to(checkpoint_dir)), data)
+    return data
 
 
 class TorchCommonSaveStrategy(SaveCommonStrategy):
-    """Writes ``common.pt`` on rank 0 and ShardedObjects as ``<unique_key>.pt`` files."""
+    """Writes ``common.pt`` on rank 0 and ShardedObjects as ``<unique_key>.pt`` files.
+
+    ``written_files`` maps each file this rank wrote to (size, crc32c) for the manifest.
+    """
 
     def __init__(self, backend: str = "torch", version: int = 1):
         super().__init__(backend, version)
+        self.written_files: Dict[str, Tuple[int, int]] = {}
 
     def save_common(self, common_state_dict: StateDict, checkpoint_dir: Path) -> None:
+        self.written_files = {}
         if dist.get_rank() == 0:
-            _fsynced_torch_save(common_state_dict, Path(checkpoint_dir) / COMMON_STATE_FNAME)
+            self.written_files[COMMON_STATE_FNAME] = _fsynced_torch_save(
+                common_state_dict, Path(checkpoint_dir) / COMMON_STATE_FNAME)
 
     def save_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict,
                              checkpoint_dir: Path) -> None:
@@ -112,21 +136,22 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
                 continue
             path = Path(checkpoint_dir) / f"{obj.unique_key}.pt"
             path.parent.mkdir(parents=True, exist_ok=True)
-            _fsynced_torch_save(obj.data, path)
+            self.written_files[f"{obj.unique_key}.pt"] = _fsynced_torch_save(obj.data, path)
 
 
 class TorchCommonLoadStrategy(LoadCommonStrategy):
     """Reads ``common.pt`` and ``<unique_key>.pt`` object files, safely unless ``trusted``."""
 
-    def __init__(self, backend: str = "torch", version: int = 1, trusted: bool = False):
+    def __init__(self, backend: str = "torch", version: int = 1, trusted: bool = False, verify: bool = False):
         super().__init__(backend, version)
         self.trusted = trusted
+        self.verify = verify
 
     def load_common(self, checkpoint_dir: Path) -> StateDict:
-        path = Path(checkpoint_dir) / COMMON_STATE_FNAME
-        if not path.is_file():
-            raise CheckpointingException(f"{path}: common state file is missing (rank {dist.get_rank()})")
-        return safe_torch_load(path, what=str(path), trusted=self.trusted)
+        checkpoint_dir = Path(checkpoint_dir)
+        path = checkpoint_dir / COMMON_STATE_FNAME
+        data = _read_checked(path, checkpoint_dir, self.verify, "common state")
+        return safe_torch_load(data, what=str(path), trusted=self.trusted)
 
     def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict,
                              checkpoint_dir: Path) -> StateDict:
@@ -134,11 +159,9 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
             if not isinstance(obj, ShardedObject):
                 return obj
             path = Path(checkpoint_dir) / f"{obj.unique_key}.pt"
-            if not path.is_file():
-                raise CheckpointingException(
-                    f"ShardedObject {obj.unique_key!r}: file {path} is missing (rank {dist.get_rank()})")
-            return safe_torch_load(path, what=f"ShardedObject {obj.unique_key!r} in {path}",
-                                   trusted=self.trusted)
+            what = f"ShardedObject {obj.unique_key!r} in {path}"
+            data = _read_checked(path, Path(checkpoint_dir), self.verify, what)
+            return safe_torch_load(data, what=what, trusted=self.trusted)
 
         return dict_list_map_inplace(load_one, sharded_objects_state_dict)
 

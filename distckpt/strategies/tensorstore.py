@@ -45,8 +45,9 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
 
 def from_numpy(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """A tensor of ``dtype`` sharing the bytes of ``a``."""
+    shape = a.shape  # np.ascontiguousarray turns a 0-d array into a 1-d one
     a = np.ascontiguousarray(a)
-    return torch.from_numpy(a.reshape(-1).view(np.uint8)).view(dtype).reshape(a.shape)
+    return torch.from_numpy(a.reshape(-1).view(np.uint8)).view(dtype).reshape(shape)
 
 
 def _box(meta: "ArrayMeta", index: Sequence[int], lo: Sequence[int], hi: Sequence[int]) -> Tuple[slice, ...]:

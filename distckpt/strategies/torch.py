@@ -55,7 +55,14 @@ from distckpt.mapping import (
     StateDict,
     is_main_replica,
 )
-from distckpt.manifest import build_manifest, read_manifest, write_manifest
+from distckpt.manifest import (
+    RangeChecksum,
+    build_manifest,
+    check_whole_file,
+    crc32c,
+    read_manifest,
+    write_manifest,
+)
 from distckpt.strategies.base import (
     AsyncSaveShardedStrategy,
     LoadShardedStrategy,
@@ -118,17 +125,22 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"class {module}.{name} is not allowed in checkpoint metadata")
 
 
-def read_metadata(checkpoint_dir: Path, trusted: bool = False) -> Metadata:
-    """Read ``.metadata`` with a restricted unpickler (any class if ``trusted``)."""
+def read_metadata(checkpoint_dir: Path, trusted: bool = False, verify: bool = False) -> Metadata:
+    """Read ``.metadata`` with a restricted unpickler (any class if ``trusted``); with ``verify``
+    check it against the manifest first."""
     path = Path(checkpoint_dir) / METADATA_FNAME
     try:
-        with open(path, "rb") as f:
-            md = pickle.load(f) if trusted else _MetadataUnpickler(f).load()
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise CheckpointingException(
             f"{path}: DCP metadata file is missing; not a torch_dist checkpoint") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError) as e:
-        raise CheckpointingException(f"{path}: unreadable checkpoint metadata: {e}") from None
+    if verify:
+        check_whole_file(checkpoint_dir, METADATA_FNAME, raw)
+    try:
+        md = pickle.loads(raw) if trusted else _MetadataUnpickler(io.BytesIO(raw)).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError,
+            IndexError, KeyError, UnicodeDecodeError, OverflowError, MemoryError) as e:
+        raise CheckpointingException(f"{path}: unreadable checkpoint metadata: {type(e).__name__}: {e}") from None
     if not isinstance(md, Metadata):
         raise CheckpointingException(f"{path}: holds {type(md).__name__}, not DCP Metadata")
     return md
@@ -454,11 +466,13 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 md.storage_meta = StorageMeta(checkpoint_id=str(checkpoint_dir), save_id=str(uuid.uuid4()))
             else:
                 md = build_metadata([(d, r) for d, r, _ in per_rank], str(checkpoint_dir))
-            atomic_write_bytes(checkpoint_dir / METADATA_FNAME, pickle.dumps(md))
-            write_manifest(checkpoint_dir, build_manifest(
-                md.storage_meta.save_id, "torch_dist",
-                [(r.relative_path, r.offset, r.length, r.crc32c, r.fqn) for _, rs, _ in per_rank for r in rs],
-                {name: size for _, _, sizes in per_rank for name, size in sizes.items()}))
+            md_bytes = pickle.dumps(md)
+            atomic_write_bytes(checkpoint_dir / METADATA_FNAME, md_bytes)
+            ranges = [(r.relative_path, r.offset, r.length, r.crc32c, r.fqn) for _, rs, _ in per_rank for r in rs]
+            ranges.append((METADATA_FNAME, 0, len(md_bytes), crc32c(md_bytes), METADATA_FNAME))
+            sizes = {name: size for _, _, sz in per_rank for name, size in sz.items()}
+            sizes[METADATA_FNAME] = len(md_bytes)
+            write_manifest(checkpoint_dir, build_manifest(md.storage_meta.save_id, "torch_dist", ranges, sizes))
             if self.cached_metadata:
                 self._global_cache = (per_rank, md)
             return reused
@@ -754,6 +768,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         for index, info in md.storage_data.items():
             by_file[info.relative_path].append((index, info))
         to_delete, rewritten_bytes = [], 0
+        moved: Dict[MetadataIndex, Tuple[_StorageInfo, _StorageInfo]] = {}
         new_storage = {i: info for i, info in md.storage_data.items() if i.fqn not in doomed}
         for name, entries in sorted(by_file.items()):
             kept = [(i, info) for i, info in entries if i.fqn not in doomed]
@@ -770,6 +785,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                     if len(data) != info.length:
                         raise CheckpointingException(f"{checkpoint_dir / name}: truncated at item {index.fqn!r}")
                     new_storage[index] = _StorageInfo(new_name, dst.tell(), info.length)
+                    moved[index] = (info, new_storage[index])
                     dst.write(data)
                     rewritten_bytes += info.length
                 dst.flush()
@@ -783,7 +799,23 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         mcore = getattr(md, "mcore_data", None)
         if mcore:
             md.mcore_data = {k: v for k, v in mcore.items() if k not in doomed}
-        atomic_write_bytes(checkpoint_dir / METADATA_FNAME, pickle.dumps(md))
+        md_bytes = pickle.dumps(md)
+        manifest = read_manifest(checkpoint_dir)
+        if manifest is not None:
+            old = manifest.range_index()
+            for name in to_delete:
+                manifest.files.pop(name, None)
+                manifest.ranges.pop(name, None)
+            for index, (old_info, new_info) in moved.items():
+                prev = old.get((old_info.relative_path, old_info.offset))
+                if prev is not None:
+                    manifest.ranges.setdefault(new_info.relative_path, []).append(
+                        RangeChecksum(new_info.offset, new_info.length, prev.crc32c, index.fqn))
+                manifest.files[new_info.relative_path] = (checkpoint_dir / new_info.relative_path).stat().st_size
+            manifest.files[METADATA_FNAME] = len(md_bytes)
+            manifest.ranges[METADATA_FNAME] = [RangeChecksum(0, len(md_bytes), crc32c(md_bytes), METADATA_FNAME)]
+            write_manifest(checkpoint_dir, manifest)
+        atomic_write_bytes(checkpoint_dir / METADATA_FNAME, md_bytes)
         for name in to_delete:
             os.remove(checkpoint_dir / name)
 
@@ -931,12 +963,17 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             raise CheckpointingException(f"{what}: data file is missing") from None
         if len(raw) != stored.length:
             raise CheckpointingException(f"{what}: file is truncated")
+        if self.verify:
+            manifest = read_manifest(checkpoint_dir)
+            expected = manifest.range_index().get((stored.relative_path, stored.file_offset)) if manifest else None
+            if expected is not None and crc32c(raw) != expected.crc32c:
+                raise CheckpointingException(f"{what}: CRC32C mismatch against the manifest (corrupted data)")
         value = safe_torch_load(raw, what=what, trusted=self.trusted)
         return value[0] if isinstance(value, list) and len(value) == 1 else value
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
         checkpoint_dir = Path(checkpoint_dir)
-        md = read_metadata(checkpoint_dir, self.trusted)
+        md = read_metadata(checkpoint_dir, self.trusted, self.verify)
         index = _index(md)
         plan = _Plan()
         commits: List[Callable[[], None]] = []
