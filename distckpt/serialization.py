@@ -7,8 +7,11 @@ failure anywhere raises the same CheckpointingException everywhere instead of a 
 
 from __future__ import annotations
 
+import collections
+import hashlib
 import logging
 import os
+import pickle
 import uuid
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional, Set, Tuple, Union
@@ -128,6 +131,9 @@ def save(
 ) -> Any:
     """Save a sharded state dict; every rank calls it with its own local pieces.
 
+    Returns:
+        None, or the ``AsyncRequest`` when ``async_sharded_save`` is set.
+
     Steps:
       1. Create ``checkpoint_dir`` if needed; rank 0 removes an earlier checkpoint's commit files.
       2. Apply factories, drop LocalNonpersistentObjects, split sharded and common parts.
@@ -139,13 +145,13 @@ def save(
         sharded_strategy: a strategy, a ``(backend, version)`` tuple or None (``torch_dist``).
         common_strategy: likewise; default ``("torch", 1)``.
         validate_access_integrity: run the global integrity check (one gather).
-        async_sharded_save: not available yet (raises NotImplementedError).
+        async_sharded_save: stage the local bytes and return an ``AsyncRequest`` instead of
+            writing: schedule it on an ``AsyncCallsQueue`` (or call ``execute_sync()``); the
+            checkpoint is committed when the request is finalized on every rank.
         preprocess_common_before_consistancy_check: if given, the common state of every rank
             is passed through it and compared with rank 0's; differences are logged.
         content_metadata: a small dict stored with the common state (``load_content_metadata``).
     """
-    if async_sharded_save:
-        raise NotImplementedError("async_sharded_save is not available yet in distckpt")
     checkpoint_dir = Path(checkpoint_dir)
     rank = dist.get_rank()
 
@@ -184,7 +190,10 @@ def save(
             _log_common_differences([p[1] for p in payloads])
 
     # Also the barrier that keeps ranks from writing before rank 0 removed the old commit files.
-    dist.gather_and_decide("validation", exc, payload, check)
+    if validate_access_integrity and preprocess_common_before_consistancy_check is None:
+        _validate_with_cache(exc, payload, check)
+    else:
+        dist.gather_and_decide("validation", exc, payload, check)
 
     exc = None
     try:
@@ -196,22 +205,63 @@ def save(
         exc = e
     dist.sync_errors("common state write", exc)
 
+    config = CheckpointingConfig(sharded_strategy.backend, sharded_strategy.version,
+                                 common_strategy.backend, common_strategy.version)
+    written = dict(getattr(common_strategy, "written_files", {}))
+
+    def commit(exc: Optional[BaseException] = None) -> None:
+        def decide(payloads):
+            entries = {name: v for p in payloads for name, v in p.items()}
+            if entries:
+                add_whole_files(checkpoint_dir, entries, config.sharded_backend, save_id=str(uuid.uuid4()))
+            save_config(config, checkpoint_dir)
+
+        dist.gather_and_decide("commit", exc, written, decide)
+
+    if async_sharded_save:
+        if not isinstance(sharded_strategy, AsyncSaveShardedStrategy):
+            raise CheckpointingException(
+                f"{type(sharded_strategy).__name__} cannot save asynchronously (not an AsyncSaveShardedStrategy)")
+        request, exc = None, None
+        try:
+            request = sharded_strategy.async_save(sharded_part, checkpoint_dir)
+        except Exception as e:  # noqa: BLE001 - staging failed somewhere: every rank raises
+            exc = e
+        dist.sync_errors("async staging", exc)
+        request.add_finalize_fn(commit)
+        return request
+
     exc = None
     try:
         sharded_strategy.save(sharded_part, checkpoint_dir)
     except Exception as e:  # noqa: BLE001 - a strategy may fail on one rank only
         exc = e
-    config = CheckpointingConfig(sharded_strategy.backend, sharded_strategy.version,
-                                 common_strategy.backend, common_strategy.version)
-    written = dict(getattr(common_strategy, "written_files", {}))
+    commit(exc)
+    return None
 
-    def commit(payloads):
-        entries = {name: v for p in payloads for name, v in p.items()}
-        if entries:
-            add_whole_files(checkpoint_dir, entries, config.sharded_backend, save_id=str(uuid.uuid4()))
-        save_config(config, checkpoint_dir)
 
-    dist.gather_and_decide("commit", exc, written, commit)
+# Digests of global sharding structures that passed validation (most recent last).
+_VALIDATED_STRUCTURES: "collections.OrderedDict[bytes, None]" = collections.OrderedDict()
+_VALIDATED_CAPACITY = 8
+
+
+def _validate_with_cache(exc: Optional[BaseException], payload: Any, check: Callable) -> None:
+    """Validate the global sharding unless this exact structure passed before.
+
+    Each rank hashes its own shard descriptions; one all-gather of those 16-byte digests tells
+    every rank whether the whole structure was validated already. Only a new structure pays for
+    gathering every rank's shard descriptions to rank 0.
+    """
+    local = None if exc is not None else hashlib.blake2b(pickle.dumps(payload[0], protocol=4), digest_size=16).digest()
+    digests = dist.all_gather_or_raise("validation", exc, local)
+    key = hashlib.blake2b(b"".join(digests), digest_size=16).digest()
+    if key in _VALIDATED_STRUCTURES:
+        _VALIDATED_STRUCTURES.move_to_end(key)
+        return
+    dist.gather_and_decide("validation", None, payload, check)
+    _VALIDATED_STRUCTURES[key] = None
+    while len(_VALIDATED_STRUCTURES) > _VALIDATED_CAPACITY:
+        _VALIDATED_STRUCTURES.popitem(last=False)
 
 
 def _remove_commit_files(checkpoint_dir: Path) -> None:

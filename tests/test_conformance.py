@@ -412,3 +412,49 @@ def test_allow_shape_mismatch_loads_the_overlap_and_zeroes_the_rest(backend, row
 def test_global_shape_mismatch_names_key_and_both_shapes_on_every_rank(backend, tmp_path):
     expect_all_ranks_raise(2, _load_other_shape, str(tmp_path), backend, 6, False,
                            match=r"'w': global shape \[6, 6\] was requested but the checkpoint stores \[4, 6\]")
+
+
+# --------------------------------------------------------------------------- async save
+
+
+def _async_save_then_mutate(ckpt, backend):
+    from distckpt.strategies.async_utils import AsyncCallsQueue
+
+    sd, pieces = layouts.build("tp_dp", ddist.get_rank(), ddist.get_world_size(), True, tp=2)
+    queue = AsyncCallsQueue()
+    request = distckpt.save(sd, ckpt, sharded_strategy=(backend, 1), async_sharded_save=True)
+    for sh in sd.values():          # training goes on and changes the parameters in place
+        sh.data.fill_(0) if sh.data.dtype != torch.bool else sh.data.logical_not_()
+    committed_before = check_is_distributed_checkpoint(ckpt)
+    queue.schedule_async_request(request)
+    queue.close()
+    return committed_before, check_is_distributed_checkpoint(ckpt)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_async_save_holds_the_values_at_save_time(backend, tmp_path):
+    from distckpt.strategies.base import AsyncSaveShardedStrategy
+
+    if not isinstance(get_default_save_sharded_strategy(backend), AsyncSaveShardedStrategy):
+        pytest.skip(f"{backend} has no async save capability")
+    assert run_ranks(4, _async_save_then_mutate, str(tmp_path), backend) == [(False, True)] * 4
+    results = run_ranks(2, _load_layout, str(tmp_path), "tp_dp", {"tp": 1})
+    assert [wrong for _, wrong in results] == [[], []]
+
+
+def _save_twice_same_structure(base, backend):
+    from distckpt import serialization
+
+    for i in range(2):
+        sd, _ = layouts.build("grid", ddist.get_rank(), ddist.get_world_size(), True, rows=2, cols=2)
+        before = len(serialization._VALIDATED_STRUCTURES)
+        distckpt.save(sd, f"{base}/{i}", sharded_strategy=(backend, 1))
+    return before == len(serialization._VALIDATED_STRUCTURES)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unchanged_structure_is_validated_once(backend, tmp_path):
+    assert run_ranks(4, _save_twice_same_structure, str(tmp_path), backend) == [True] * 4
+    for i in range(2):
+        results = run_ranks(4, _load_layout, str(tmp_path / str(i)), "grid", {"rows": 1, "cols": 4})
+        assert [wrong for _, wrong in results] == [[]] * 4

@@ -259,27 +259,28 @@ class SavePlan:
     records: List[_Record] = field(default_factory=list)
     file_sizes: Dict[str, int] = field(default_factory=dict)
     written: bool = False
+    staged: Optional[Any] = None   # the StagedBatch holding this plan's staged copies
 
 
-def _standalone_cpu(t: torch.Tensor, shape: Shape, stage: bool) -> torch.Tensor:
+def _standalone_cpu(t: torch.Tensor, shape: Shape, staging: Optional[Any]) -> torch.Tensor:
     """A CPU tensor of ``shape`` owning exactly its bytes (torch.save writes whole storages).
 
-    ``stage``: always return a private copy (async saves must not see later mutations).
+    ``staging``: a StagingBuffers pool; when given, the bytes are always copied into one of its
+    buffers (an async save must not see later mutations of the caller's tensors).
     """
     t = t.detach()
+    if staging is not None:
+        return staging.acquire(t).reshape(shape)
     if t.device.type != "cpu":
-        pinned = torch.cuda.is_available() and t.is_cuda
-        out = torch.empty(tuple(t.shape), dtype=t.dtype, pin_memory=pinned)
-        out.copy_(t, non_blocking=pinned)
-        return out.reshape(shape)
+        return t.to("cpu").reshape(shape)
     t = t.reshape(shape)
-    if (stage or not t.is_contiguous() or t.storage_offset() != 0
+    if (not t.is_contiguous() or t.storage_offset() != 0
             or t.untyped_storage().nbytes() != t.numel() * t.element_size()):
         t = t.clone(memory_format=torch.contiguous_format)
     return t
 
 
-def _tensor_item(sh: ShardedTensor, stage: bool) -> Tuple[Optional[_WriteItem], _KeyDecl]:
+def _tensor_item(sh: ShardedTensor, staging: Optional[Any]) -> Tuple[Optional[_WriteItem], _KeyDecl]:
     if sh.data is None:
         raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data to save")
     ndim = len(sh.global_shape)
@@ -301,7 +302,7 @@ def _tensor_item(sh: ShardedTensor, stage: bool) -> Tuple[Optional[_WriteItem], 
         # A tensor subclass (e.g. FP8 with a scale): store its values in the nominal dtype
         # without touching the caller's object.
         data = data.detach().reshape(-1).to(sh.dtype)
-    tensor = _standalone_cpu(data, size, stage)
+    tensor = _standalone_cpu(data, size, staging)
     return _WriteItem(sh.key, offset, size, tensor, tensor.numel() * tensor.element_size()), decl
 
 
@@ -355,7 +356,9 @@ def write_plan(plan: SavePlan, thread_count: int = 2) -> SavePlan:
     plan.written = True
     for _, bucket in plan.jobs:
         for it in bucket:
-            it.payload = None  # let staged copies go as soon as they are on disk
+            it.payload = None
+    if plan.staged is not None:
+        plan.staged.release()  # the next save may reuse the buffers now
     return plan
 
 
@@ -369,11 +372,18 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         cached_metadata: remember this save's structure; a later save through the same strategy
             object whose ranks wrote exactly the same items sends only checksums to rank 0,
             which reuses the cached ``.metadata``.
+        stage_cpu_tensors: for async saves, copy CPU tensors into reused staging buffers (the
+            blocking part of the save). False writes them from the caller's memory: the caller
+            then promises not to change them until the save is finalized. CUDA tensors are
+            always staged (into pinned host buffers).
     """
 
     def __init__(self, backend: str = "torch_dist", version: int = 1, thread_count: int = 2,
-                 separation_hint: Optional[str] = None, cached_metadata: bool = False):
+                 separation_hint: Optional[str] = None, cached_metadata: bool = False,
+                 stage_cpu_tensors: bool = True):
         super().__init__(backend, version)
+        self.stage_cpu_tensors = stage_cpu_tensors
+        self._staging = None
         if thread_count < 1:
             raise CheckpointingException(f"thread_count must be >= 1, got {thread_count}")
         self.thread_count = thread_count
@@ -389,16 +399,25 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         return True
 
     def prepare(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path, stage: bool = False) -> SavePlan:
-        """Collect this rank's main replicas into files; ``stage`` copies every tensor (async)."""
+        """Collect this rank's main replicas into files; ``stage`` copies them into staging
+        buffers first (the blocking part of an async save)."""
         checkpoint_dir = Path(checkpoint_dir)
         rank = dist.get_rank()
+        staging = None
+        if stage:
+            from distckpt.strategies.async_utils import StagingBuffers
+
+            if self._staging is None:
+                self._staging = StagingBuffers()
+            staging = self._staging
         items: List[_WriteItem] = []
         decls: Dict[str, _KeyDecl] = {}
         for sh in nested_values(sharded_state_dict):
             if not is_main_replica(sh.replica_id):
                 continue
             if isinstance(sh, ShardedTensor):
-                item, decl = _tensor_item(sh, stage)
+                on_cpu = sh.data is not None and sh.data.device.type == "cpu"
+                item, decl = _tensor_item(sh, None if (on_cpu and not self.stage_cpu_tensors) else staging)
                 decls[sh.key] = decl
             elif isinstance(sh, ShardedObject):
                 item, decl = _object_item(sh)
@@ -407,8 +426,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 raise CheckpointingException(f"cannot save {type(sh).__name__} under key {sh.key!r}")
             if item is not None:
                 items.append(item)
-        if any(isinstance(it.payload, torch.Tensor) and it.payload.is_pinned() for it in items):
-            torch.cuda.synchronize()  # the device-to-host copies were asynchronous
+        staged = staging.seal() if staging is not None else None
         groups: Dict[str, List[_WriteItem]] = defaultdict(list)
         for it in items:
             hint = self.separation_hint
@@ -417,7 +435,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         for prefix, group in sorted(groups.items()):
             for b, bucket in enumerate(_buckets(group, self.thread_count)):
                 jobs.append((f"{prefix}__{rank}_{b}{DATA_SUFFIX}", bucket))
-        return SavePlan(checkpoint_dir, rank, jobs, decls)
+        return SavePlan(checkpoint_dir, rank, jobs, decls, staged=staged)
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
         exc, plan = None, None
