@@ -159,6 +159,17 @@ def flat_optimizer(rank: int, world: int, tp: int, empty: bool = False, flat: bo
     return pieces
 
 
+def wide(rank: int, world: int, parts: Optional[int] = None) -> List[Piece]:
+    """Wide tensors split on their last axis (row-parallel style), so a resharded piece is a
+    column block of a stored chunk: long runs that are not contiguous on disk."""
+    parts = parts or world
+    out = []
+    for key, shape, dtype in [("wide_fp32", (16, 1024), torch.float32), ("wide_bf16", (8, 2048), torch.bfloat16)]:
+        off, length = splits(shape[1], parts)[rank % parts]
+        out.append(Piece(key, key, shape, (0, off), (shape[0], length), dtype, replica=rank // parts))
+    return out
+
+
 def fp8(rank: int, world: int) -> List[Piece]:
     """Native float8 tensors split over ranks on axis 0."""
     out = []
@@ -170,7 +181,7 @@ def fp8(rank: int, world: int) -> List[Piece]:
 
 LAYOUTS: Dict[str, Callable[..., List[Piece]]] = {
     "tp_dp": tp_dp, "grid": grid, "uneven": uneven, "multi": multi, "stacked": stacked,
-    "flat_optimizer": flat_optimizer, "fp8": fp8,
+    "flat_optimizer": flat_optimizer, "fp8": fp8, "wide": wide,
 }
 
 

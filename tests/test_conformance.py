@@ -75,6 +75,8 @@ ROUND_TRIPS = [
     ("flat_optimizer", 4, {"tp": 2}, "flat_optimizer", 2, {"tp": 2, "flat": False}),
     ("flat_optimizer", 2, {"tp": 2, "flat": False}, "flat_optimizer", 4, {"tp": 2, "empty": True}),
     ("flat_optimizer", 1, {"tp": 1}, "flat_optimizer", 4, {"tp": 4, "flat": False}),
+    ("wide", 2, {}, "wide", 4, {}),                                      # column blocks of chunks
+    ("wide", 4, {}, "wide", 3, {}),
     ("fp8", 2, {}, "fp8", 4, {}),
     ("fp8", 4, {}, "fp8", 1, {}),
 ]

@@ -143,7 +143,7 @@ class _ThreadWorker:
 
     def __init__(self, persistent: bool):
         self.persistent = persistent
-        self._jobs: "collections.deque[Tuple[Future, Callable[[], Any]]]" = collections.deque()
+        self._jobs: collections.deque[Tuple[Future, Callable[[], Any]]] = collections.deque()
         self._wakeup = threading.Condition()
         self._thread: Optional[threading.Thread] = None
         self._stopping = False
@@ -356,7 +356,7 @@ _PoolKey = Tuple[int, torch.dtype, bool]
 class StagedBatch:
     """The host buffers staged for one save; ``release()`` returns them to their pool."""
 
-    def __init__(self, owner: "StagingBuffers", buffers: List[Tuple[_PoolKey, torch.Tensor]]):
+    def __init__(self, owner: StagingBuffers, buffers: List[Tuple[_PoolKey, torch.Tensor]]):
         self._owner = owner
         self._buffers = buffers
 

@@ -115,6 +115,77 @@ def pread_into(fd: int, dest: torch.Tensor, offset: int, what: str) -> None:
         done += n
 
 
+_IOV_BATCH = 512  # runs per preadv call (2 iovecs each; IOV_MAX is 1024 on Linux)
+
+
+def box_runs(lo, size, shape):
+    """The byte-contiguous runs of the box ``[lo, lo + size)`` of a C-ordered array of ``shape``.
+
+    Returns ``(first, run, step, count)`` in elements: ``count`` runs of ``run`` elements, the
+    first at flat index ``first``, consecutive runs ``step`` apart. None unless the runs are evenly
+    spaced, i.e. the box is contiguous except along one axis (true for every box of a 1-D or
+    2-D array and for boxes spanning whole trailing axes, the resharding cases that matter).
+    """
+    ndim = len(shape)
+    k = ndim
+    while k > 0 and size[k - 1] == shape[k - 1]:
+        k -= 1
+    if k == 0:
+        return 0, math.prod(size), 0, 1
+    inner = math.prod(shape[k:])
+    run = size[k - 1] * inner
+    outer_axes = [a for a in range(k - 1) if size[a] != 1]
+    strides = [math.prod(shape[a + 1:]) for a in range(ndim)]
+    first = sum(l * st for l, st in zip(lo, strides))
+    if not outer_axes:
+        return first, run, 0, 1
+    if len(outer_axes) > 1 or any(size[a] != 1 for a in range(k - 1) if a not in outer_axes):
+        return None
+    axis = outer_axes[0]
+    return first, run, strides[axis], size[axis]
+
+
+def scatter_read(fd: int, dest: torch.Tensor, base: int, itemsize: int, runs, what: str) -> int:
+    """Read evenly spaced runs straight into the contiguous ``dest`` (one run after the other);
+    the gaps between runs are read into a scratch buffer and dropped. Returns bytes read."""
+    first, run, step, count = runs
+    out = byte_view(dest)
+    run_b, gap_b = run * itemsize, (step - run) * itemsize
+    scratch = memoryview(bytearray(max(gap_b, 1)))
+    nbytes = 0
+    for start in range(0, count, _IOV_BATCH):
+        stop = min(count, start + _IOV_BATCH)
+        iov = []
+        for i in range(start, stop):
+            iov.append(out[i * run_b:(i + 1) * run_b])
+            if i + 1 < stop and gap_b:
+                iov.append(scratch[:gap_b])
+        want = sum(len(v) for v in iov)
+        offset = base + (first + start * step) * itemsize
+        got = os.preadv(fd, iov, offset)
+        if got != want:  # a short read: finish it the slow, exact way
+            _finish_short_read(fd, iov, offset, got, what)
+        nbytes += want
+    return nbytes
+
+
+def _finish_short_read(fd: int, iov, offset: int, done: int, what: str) -> None:
+    pos = 0
+    for view in iov:
+        if pos + len(view) <= done:
+            pos += len(view)
+            continue
+        skip = max(0, done - pos)
+        part = view[skip:]
+        while part:
+            n = os.preadv(fd, [part], offset + pos + skip)
+            if n == 0:
+                raise CheckpointingException(f"{what}: file is truncated")
+            part = part[n:]
+            skip += n
+        pos += len(view)
+
+
 @dataclass(frozen=True)
 class ArchiveLayout:
     """Where the single storage of a tensor archive sits, relative to the archive's start."""

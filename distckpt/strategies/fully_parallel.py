@@ -188,6 +188,7 @@ class _DistributionCache:
             return self._cached[1]
         gathered = dist.all_gather_object(payload, self.group)
         distribution = compute(gathered)
+        logger.debug("%s: bytes per group rank %s", stage, distribution.bytes_per_rank(len(gathered)))
         self._cached = (payload, distribution) if self.enabled else None
         return distribution
 
@@ -434,16 +435,18 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
             request = exchange.inner_request()
             loaded = self.base_strategy.load(request, checkpoint_dir) if request else {}
             results = exchange.collect_loaded(loaded)
+            exchange.allocate_buffers(self.exchange_algo, group_size)
         except Exception as e:  # noqa: BLE001 - shared with every rank below, before any exchange
             exc = e
         (failed,) = dist.all_reduce_max([int(exc is not None)])
         if failed:
             dist.sync_errors("fully parallel load", exc)
 
-        if self.exchange_algo == "broadcast":
-            exchange.run_broadcast()
-        else:
-            exchange.run_gather_rounds(group_size)
+        with torch.no_grad():
+            if self.exchange_algo == "broadcast":
+                exchange.run_broadcast()
+            else:
+                exchange.run_gather_rounds()
         exchange.exchange_objects()
         results.update(exchange.received)
 
@@ -473,7 +476,12 @@ class _Exchange:
         # Loader-side plain tensors read for subclass targets: what is sent for those pieces.
         self._staged: Dict[ShardId, torch.Tensor] = {}
         self._objects: Dict[ShardId, Any] = {}
+        # Exchange buffers and order (allocate_buffers).
+        self._order: List[ShardId] = []
         self._scratch: Optional[torch.Tensor] = None
+        self._per_rank: List[List[ShardId]] = []
+        self._send: Optional[torch.Tensor] = None
+        self._gathered: Optional[torch.Tensor] = None
 
     # ----------------------------------------------------------------- reading
 
@@ -511,7 +519,7 @@ class _Exchange:
                 n += 1
                 if isinstance(leaf, ShardedTensor):
                     if piece.sid in self._staged and i == 0:
-                        leaf.data.copy_(value)
+                        leaf.data.detach().copy_(value)
                         value = leaf.data
                     elif leaf.data is None:
                         leaf.data = value
@@ -524,13 +532,25 @@ class _Exchange:
 
     # ----------------------------------------------------------------- tensors
 
-    def _tensor_sids(self) -> List[ShardId]:
-        return sorted(sid for sid in self.distribution.assignment if sid[0] == "tensor")
-
-    def _scratch_bytes(self, nbytes: int) -> torch.Tensor:
-        if self._scratch is None or self._scratch.numel() < nbytes:
-            self._scratch = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return self._scratch[:nbytes]
+    def allocate_buffers(self, algo: str, group_size: int) -> None:
+        """Allocate every exchange buffer now, while a failure can still be shared with all ranks."""
+        tensor_sids = sorted(sid for sid in self.distribution.assignment if sid[0] == "tensor")
+        sizes = self.distribution.sizes
+        if algo == "broadcast":
+            self._order = tensor_sids
+            if tensor_sids:
+                self._scratch = torch.empty(max(sizes[s] for s in tensor_sids), dtype=torch.uint8,
+                                            device=self.device)
+            return
+        self._per_rank = [[] for _ in range(group_size)]
+        for sid in sorted(tensor_sids, key=lambda s: (-sizes[s], s)):
+            self._per_rank[self.distribution.assignment[sid]].append(sid)
+        if tensor_sids:
+            # Each rank's largest piece comes first, so round 0 needs the largest slot; a multiple
+            # of 16 keeps every row aligned for typed views of any dtype.
+            slot = -(-max(sizes[lst[0]] for lst in self._per_rank if lst) // 16) * 16
+            self._gathered = torch.empty(group_size, slot, dtype=torch.uint8, device=self.device)
+            self._send = torch.empty(slot, dtype=torch.uint8, device=self.device)
 
     def _send_view(self, sid: ShardId, out: torch.Tensor) -> torch.Tensor:
         """The loaded tensor's bytes on the collective device: itself, or copied into ``out``."""
@@ -549,7 +569,7 @@ class _Exchange:
             target = leaf.data
             typed = data.view(leaf.dtype).view(target.shape)
             if target.data_ptr() != typed.data_ptr():
-                target.copy_(typed)
+                target.detach().copy_(typed)
             self.received[id(leaf)] = target
 
     def _direct_target(self, sid: ShardId) -> Optional[torch.Tensor]:
@@ -563,31 +583,22 @@ class _Exchange:
         return None
 
     def run_broadcast(self) -> None:
-        for sid in self._tensor_sids():
+        for sid in self._order:
             src = self.distribution.assignment[sid]
-            nbytes = self.distribution.sizes[sid]
+            scratch = self._scratch[:self.distribution.sizes[sid]]
             if src == self.me:
-                _broadcast_tensor(self._send_view(sid, self._scratch_bytes(nbytes)), src, self.group)
+                _broadcast_tensor(self._send_view(sid, scratch), src, self.group)
                 continue
             buf = self._direct_target(sid)
             if buf is None:
-                buf = self._scratch_bytes(nbytes)
+                buf = scratch
             _broadcast_tensor(buf, src, self.group)
             self._deliver(sid, buf)
 
-    def run_gather_rounds(self, group_size: int) -> None:
-        per_rank: List[List[ShardId]] = [[] for _ in range(group_size)]
-        for sid in sorted(self._tensor_sids(), key=lambda s: (-self.distribution.sizes[s], s)):
-            per_rank[self.distribution.assignment[sid]].append(sid)
-        rounds = max((len(lst) for lst in per_rank), default=0)
-        if rounds == 0:
-            return
-        # Each rank's largest piece comes first, so round 0 needs the largest slot; a multiple
-        # of 16 keeps every row aligned for typed views of any dtype.
-        slot = -(-max(self.distribution.sizes[lst[0]] for lst in per_rank if lst) // 16) * 16
-        gathered = torch.empty(group_size, slot, dtype=torch.uint8, device=self.device)
-        send = torch.empty(slot, dtype=torch.uint8, device=self.device)
-        for k in range(rounds):
+    def run_gather_rounds(self) -> None:
+        per_rank = self._per_rank
+        send, gathered = self._send, self._gathered
+        for k in range(max((len(lst) for lst in per_rank), default=0)):
             mine = per_rank[self.me][k] if k < len(per_rank[self.me]) else None
             if mine is not None:
                 nbytes = self.distribution.sizes[mine]
@@ -595,11 +606,9 @@ class _Exchange:
                 if view.data_ptr() != send.data_ptr():
                     send[:nbytes].copy_(view)
             _all_gather_tensors(list(gathered.unbind(0)), send, self.group)
-            for rank in range(group_size):
-                if rank == self.me or k >= len(per_rank[rank]):
-                    continue
-                sid = per_rank[rank][k]
-                self._deliver(sid, gathered[rank, :self.distribution.sizes[sid]])
+            for rank, sids in enumerate(per_rank):
+                if rank != self.me and k < len(sids):
+                    self._deliver(sids[k], gathered[rank, :self.distribution.sizes[sids[k]]])
 
     # ----------------------------------------------------------------- objects
 

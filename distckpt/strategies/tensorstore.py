@@ -14,13 +14,14 @@ fill value (``store_data_equal_to_fill_value``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from distckpt import dist
 from distckpt.core import CheckpointingException
+from distckpt.manifest import crc32c
 
 if TYPE_CHECKING:
     from distckpt.strategies.zarr import ArrayMeta, ChunkRead, ChunkWrite
@@ -87,7 +88,9 @@ class TensorStoreIO:
             self._stores[cache_key] = store
         return store
 
-    def write(self, jobs: Sequence["ChunkWrite"]) -> None:
+    def write(self, jobs: Sequence["ChunkWrite"]) -> List[Tuple[str, int, int, str]]:
+        """Write whole chunks; returns (relative path, size, crc32c, key) of each chunk file,
+        read back once written (encoded chunks' bytes exist only in the file)."""
         pending: List[Tuple["ChunkWrite", Any]] = []
         for job in jobs:
             store = self._open(job.meta, write=True)
@@ -101,13 +104,23 @@ class TensorStoreIO:
                 raise CheckpointingException(
                     f"key {job.meta.key!r}: writing chunk {list(job.index)} of {job.meta.path} failed "
                     f"(rank {dist.get_rank()}): {e}") from None
+        records = []
+        for job, _ in pending:
+            data = job.meta.chunk_path(job.index).read_bytes()
+            records.append((job.meta.chunk_relpath(job.index), len(data), crc32c(data), job.meta.key))
+        return records
 
-    def read(self, ops: Sequence["ChunkRead"]) -> None:
-        for path in sorted({op.meta.chunk_path(op.index) for op in ops}):
+    def read(self, ops: Sequence["ChunkRead"], checksums: Optional[Dict[str, Tuple[int, int]]] = None) -> None:
+        """Run the reads; with ``checksums`` (relative path -> (size, crc32c)) verify every
+        listed chunk file first."""
+        for op in {op.meta.chunk_relpath(op.index): op for op in ops}.values():
+            path = op.meta.chunk_path(op.index)
+            where = f"key {op.meta.key!r}: chunk file {path} (rank {dist.get_rank()})"
             if not path.exists():
-                op = next(o for o in ops if o.meta.chunk_path(o.index) == path)
-                raise CheckpointingException(
-                    f"key {op.meta.key!r}: chunk file {path} (rank {dist.get_rank()}) is missing")
+                raise CheckpointingException(f"{where} is missing")
+            expected = None if checksums is None else checksums.get(op.meta.chunk_relpath(op.index))
+            if expected is not None and crc32c(path.read_bytes()) != expected[1]:
+                raise CheckpointingException(f"{where}: CRC32C mismatch against the manifest (corrupted data)")
         pending = [(op, self._open(op.meta, write=False)[_box(op.meta, op.index, op.lo, op.hi)].read())
                    for op in ops]
         for op, fut in pending:

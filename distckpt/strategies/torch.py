@@ -72,6 +72,8 @@ from distckpt.strategies.base import (
 from distckpt.strategies.common import safe_torch_load
 from distckpt.strategies.filesystem import (
     ChecksummingSink,
+    box_runs,
+    scatter_read,
     pread_into,
     read_archive_layout,
     write_bytes_item,
@@ -620,6 +622,10 @@ def _index(md: Metadata) -> Dict[str, Any]:
     return out
 
 
+# Below this run length a covering read plus a strided copy beats one iovec per run.
+_MIN_SCATTER_RUN_BYTES = 512
+
+
 def _contiguous_strides(shape: Shape) -> Shape:
     strides, acc = [], 1
     for s in reversed(shape):
@@ -693,10 +699,13 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[_CopyOp],
             continue
         f0 = _ravel(op.lo, st.size)
         f1 = _ravel([a + b - 1 for a, b in zip(op.lo, op.size)], st.size) + 1
-        direct = (f1 - f0 == math.prod(op.size) and op.dst.dtype == layout.dtype
-                  and op.dst.is_contiguous() and op.dst.device.type == "cpu")
-        if direct:
+        plain_dst = op.dst.dtype == layout.dtype and op.dst.is_contiguous() and op.dst.device.type == "cpu"
+        if plain_dst and f1 - f0 == math.prod(op.size):
             fill(op.dst, base + f0 * itemsize)
+            continue
+        runs = box_runs(op.lo, op.size, st.size) if plain_dst and not verify else None
+        if runs is not None and runs[1] * itemsize >= _MIN_SCATTER_RUN_BYTES:
+            nbytes += scatter_read(fd, op.dst, base, itemsize, runs, what)
         else:
             shared.append((op, f0, f1))
     if shared:

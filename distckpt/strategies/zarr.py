@@ -43,6 +43,7 @@ import math
 import os
 import shutil
 import sys
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,7 @@ import torch
 
 from distckpt import dist
 from distckpt.core import CheckpointingException, atomic_write_bytes
+from distckpt.manifest import RangeChecksum, build_manifest, crc32c, read_manifest, write_manifest
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
 from distckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from distckpt.strategies.base import (
@@ -76,6 +78,8 @@ IO_ENGINES = ("auto", "raw", "tensorstore")
 _RESERVED_TOP = {"zarr.json", "metadata.json", "common.pt", ".metadata", ".distckpt_manifest.json"}
 
 Shape = Tuple[int, ...]
+# A file written by a rank, for the integrity manifest: (relative path, size, crc32c, key).
+FileRecord = Tuple[str, int, int, str]
 
 
 # --------------------------------------------------------------------------- data types
@@ -174,6 +178,10 @@ class ArrayMeta:
 
     def chunk_path(self, index: Sequence[int]) -> Path:
         return self.path / self.chunk_name(index)
+
+    def chunk_relpath(self, index: Sequence[int]) -> str:
+        """The chunk file's path relative to the checkpoint folder (its name in the manifest)."""
+        return f"{self.key}/{self.chunk_name(index)}"
 
     def chunk_box(self, index: Sequence[int]) -> Tuple[Shape, Shape]:
         """Offset and size of chunk ``index`` in the array, clipped to the array's shape."""
@@ -326,16 +334,27 @@ def _check_key_paths(keys: Iterable[str]) -> None:
                 f"array folder of one would contain the other")
 
 
-def write_root_group(root: Path, keys: Iterable[str]) -> None:
+def _write_json(path: Path, md: Dict[str, Any], root: Path, key: str, atomic: bool = False) -> FileRecord:
+    data = json.dumps(md).encode()
+    if atomic:
+        atomic_write_bytes(path, data)
+    else:
+        path.write_bytes(data)
+    return path.relative_to(root).as_posix(), len(data), crc32c(data), key
+
+
+def write_root_group(root: Path, keys: Iterable[str]) -> List[FileRecord]:
     """Write the root group (listing ``keys``) and a group node for every intermediate folder."""
     keys = sorted(keys)
     groups = {str(Path(k).parent.as_posix()) for k in keys} - {"."}
+    records = []
     for g in sorted({p for g in groups for p in _prefixes(g)}):
         (root / g).mkdir(parents=True, exist_ok=True)
-        (root / g / ARRAY_META).write_text(json.dumps({"zarr_format": 3, "node_type": "group"}))
+        records.append(_write_json(root / g / ARRAY_META, {"zarr_format": 3, "node_type": "group"}, root, g))
     md = {"zarr_format": 3, "node_type": "group",
           "attributes": {"distckpt": {"format": BACKEND, "format_version": FORMAT_VERSION, "keys": keys}}}
-    atomic_write_bytes(root / ARRAY_META, json.dumps(md).encode())
+    records.append(_write_json(root / ARRAY_META, md, root, ARRAY_META, atomic=True))
+    return records
 
 
 def _prefixes(path: str) -> List[str]:
@@ -344,13 +363,13 @@ def _prefixes(path: str) -> List[str]:
 
 
 def create_array(root: Path, key: str, shape: Shape, chunks: Shape, dtype: torch.dtype,
-                 compression: Optional[str] = None) -> ArrayMeta:
-    """Write ``<root>/<key>/zarr.json`` and return the array's metadata."""
+                 compression: Optional[str] = None) -> Tuple[ArrayMeta, FileRecord]:
+    """Write ``<root>/<key>/zarr.json``; return the array's metadata and the file's record."""
     md = array_metadata_json(key, shape, chunks, dtype, compression)
     path = root / key
     path.mkdir(parents=True, exist_ok=True)
-    (path / ARRAY_META).write_text(json.dumps(md))
-    return _meta_from_v3(key, path, md)
+    record = _write_json(path / ARRAY_META, md, root, key)
+    return _meta_from_v3(key, path, md), record
 
 
 # --------------------------------------------------------------------------- chunk grid
@@ -462,26 +481,25 @@ class RawIO:
         self.thread_count = max(1, thread_count)
         self.fsync = fsync
 
-    def _map(self, fn: Callable[[Any], None], jobs: Sequence[Any]) -> None:
+    def _map(self, fn: Callable[[Any], Any], jobs: Sequence[Any]) -> List[Any]:
         if len(jobs) <= 1 or self.thread_count == 1:
-            for job in jobs:
-                fn(job)
-            return
+            return [fn(job) for job in jobs]
         with ThreadPoolExecutor(max_workers=min(self.thread_count, len(jobs))) as pool:
-            for fut in [pool.submit(fn, job) for job in jobs]:
-                fut.result()
+            return [fut.result() for fut in [pool.submit(fn, job) for job in jobs]]
 
     # ----------------------------------------------------------------- write
 
-    def write(self, jobs: Sequence[ChunkWrite]) -> None:
+    def write(self, jobs: Sequence[ChunkWrite]) -> List[FileRecord]:
+        """Write whole chunk files; returns one manifest record per file."""
         made: set = set()
 
-        def write_one(job: ChunkWrite) -> None:
+        def write_one(job: ChunkWrite) -> FileRecord:
             path = job.meta.chunk_path(job.index)
             if path.parent not in made:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 made.add(path.parent)
             view = _byte_view(_padded(job.meta, job.data))
+            size, crc = len(view), crc32c(view)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 while view:
@@ -490,13 +508,16 @@ class RawIO:
                     os.fsync(fd)
             finally:
                 os.close(fd)
+            return job.meta.chunk_relpath(job.index), size, crc, job.meta.key
 
         # Largest first keeps the pool busy to the end.
-        self._map(write_one, sorted(jobs, key=lambda j: -j.data.numel()))
+        return self._map(write_one, sorted(jobs, key=lambda j: -j.data.numel()))
 
     # ----------------------------------------------------------------- read
 
-    def read(self, ops: Sequence[ChunkRead]) -> None:
+    def read(self, ops: Sequence[ChunkRead], checksums: Optional[Dict[str, Tuple[int, int]]] = None) -> None:
+        """Run the reads, each chunk file opened once. With ``checksums`` (relative path ->
+        (size, crc32c) from the manifest), listed chunks are read whole and verified first."""
         by_file: Dict[Path, List[ChunkRead]] = {}
         for op in ops:
             by_file.setdefault(op.meta.chunk_path(op.index), []).append(op)
@@ -515,8 +536,17 @@ class RawIO:
                     raise CheckpointingException(
                         f"{where} holds {size} bytes, expected {meta.chunk_nbytes} of an uncompressed "
                         f"chunk of shape {list(meta.chunks)} ({meta.dtype}); truncated or corrupt")
+                expected = None if checksums is None else checksums.get(meta.chunk_relpath(file_ops[0].index))
+                if expected is None:
+                    for op in file_ops:
+                        _read_region(fd, meta, op, where)
+                    return
+                chunk = torch.empty(meta.chunks, dtype=meta.dtype)
+                _pread_into(fd, _byte_view(chunk), 0, where)
+                if crc32c(_byte_view(chunk)) != expected[1]:
+                    raise CheckpointingException(f"{where}: CRC32C mismatch against the manifest (corrupted data)")
                 for op in file_ops:
-                    _read_region(fd, meta, op, where)
+                    op.dest.copy_(chunk[tuple(slice(lo, hi) for lo, hi in zip(op.lo, op.hi))])
             finally:
                 os.close(fd)
 
@@ -609,19 +639,18 @@ class _Engines:
             return True
         return False
 
-    def write(self, jobs: Sequence[ChunkWrite]) -> None:
+    def write(self, jobs: Sequence[ChunkWrite]) -> List[FileRecord]:
         ts_jobs = [j for j in jobs if self.uses_tensorstore(j.meta)]
         raw_jobs = [j for j in jobs if not self.uses_tensorstore(j.meta)]
-        if ts_jobs:
-            self.tensorstore.write(ts_jobs)
-        self.raw.write(raw_jobs)
+        records = self.tensorstore.write(ts_jobs) if ts_jobs else []
+        return records + self.raw.write(raw_jobs)
 
-    def read(self, ops: Sequence[ChunkRead]) -> None:
+    def read(self, ops: Sequence[ChunkRead], checksums: Optional[Dict[str, Tuple[int, int]]] = None) -> None:
         ts_ops = [o for o in ops if self.uses_tensorstore(o.meta)]
         raw_ops = [o for o in ops if not self.uses_tensorstore(o.meta)]
         if ts_ops:
-            self.tensorstore.read(ts_ops)
-        self.raw.read(raw_ops)
+            self.tensorstore.read(ts_ops, checksums)
+        self.raw.read(raw_ops, checksums)
 
 
 # --------------------------------------------------------------------------- save
@@ -792,19 +821,23 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
         self.compression = compression
         self.min_flat_chunk_bytes = min_flat_chunk_bytes
 
-    def _array_metas(self, root: Path, decls: Dict[str, _KeyDecl], create: bool) -> Dict[str, ArrayMeta]:
-        """Every array's metadata; with ``create``, this rank writes its share of ``zarr.json`` files."""
+    def _create_arrays(self, root: Path, decls: Dict[str, _KeyDecl]) -> Tuple[Dict[str, ArrayMeta], List[FileRecord]]:
+        """Every array's metadata; this rank writes the ``zarr.json`` of keys ``i`` with
+        ``i % world == rank`` (and rank 0 the root group), so each is written exactly once."""
         rank, world = dist.get_rank(), dist.get_world_size()
-        metas = {}
+        metas, records = {}, []
         for i, (key, d) in enumerate(decls.items()):
             itemsize = torch.empty((), dtype=d.dtype).element_size()
             chunks = choose_chunk_shape(d.shape, d.piece_gcd, d.shard_gcd, itemsize, self.min_flat_chunk_bytes)
-            if create and i % world == rank:
-                metas[key] = create_array(root, key, d.shape, chunks, d.dtype, self.compression)
+            if i % world == rank:
+                metas[key], record = create_array(root, key, d.shape, chunks, d.dtype, self.compression)
+                records.append(record)
             else:
                 md = array_metadata_json(key, d.shape, chunks, d.dtype, self.compression)
                 metas[key] = _meta_from_v3(key, root / key, md)
-        return metas
+        if rank == 0:
+            records += write_root_group(root, decls)
+        return metas, records
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
         root = Path(checkpoint_dir)
@@ -819,12 +852,11 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
 
         exc = None
         metas: Dict[str, ArrayMeta] = {}
+        records: List[FileRecord] = []
         try:
             merged = _merge_decls(gathered)
             _check_key_paths(merged)
-            metas = self._array_metas(root, merged, create=True)
-            if dist.get_rank() == 0:
-                write_root_group(root, merged)
+            metas, records = self._create_arrays(root, merged)
         except Exception as e:  # noqa: BLE001
             exc = e
         # tensorstore opens each array's zarr.json before writing, so every one must exist
@@ -837,19 +869,25 @@ class ZarrSaveShardedStrategy(SaveShardedStrategy):
         try:
             if exc is None:
                 writes, shared = _split_into_chunks(pieces, metas)
-                self.engines.write(writes)
+                records += self.engines.write(writes)
         except Exception as e:  # noqa: BLE001
             exc = e
 
-        def write_shared(payloads: List[List[_Fragment]]) -> None:
+        def finish(payloads: List[Tuple[List[FileRecord], List[_Fragment]]]) -> None:
+            """On rank 0: write the shared chunks, then the integrity manifest."""
             by_chunk: Dict[Tuple[str, Shape], List[_Fragment]] = {}
-            for frags in payloads:
+            for _, frags in payloads:
                 for f in frags:
                     by_chunk.setdefault((f.key, f.index), []).append(f)
-            self.engines.write([ChunkWrite(metas[k], i, _assemble(metas[k], i, fs))
-                                for (k, i), fs in sorted(by_chunk.items())])
+            all_records = [r for rank_records, _ in payloads for r in rank_records]
+            all_records += self.engines.write([ChunkWrite(metas[k], i, _assemble(metas[k], i, fs))
+                                               for (k, i), fs in sorted(by_chunk.items())])
+            manifest = build_manifest(str(uuid.uuid4()), BACKEND,
+                                      [(path, 0, size, crc, key) for path, size, crc, key in all_records],
+                                      {path: size for path, size, _, _ in all_records})
+            write_manifest(root, manifest)
 
-        dist.gather_and_decide("zarr write", exc, shared, write_shared)
+        dist.gather_and_decide("zarr write", exc, (records, shared), finish)
 
 
 # --------------------------------------------------------------------------- load
@@ -896,12 +934,25 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         thread_count: chunk files read in parallel.
         io_engine: "auto" (raw reads where the array allows, else tensorstore), "raw" or
             "tensorstore".
+        verify: read every needed chunk whole and check its CRC32C against the integrity
+            manifest (chunks the manifest does not list are checked structurally only).
+        trusted: accepted for symmetry with other strategies; zarr arrays are never unpickled.
     """
 
     def __init__(self, backend: str = BACKEND, version: int = FORMAT_VERSION, thread_count: int = 4,
-                 io_engine: str = "auto"):
+                 io_engine: str = "auto", verify: bool = False, trusted: bool = False):
         super().__init__(backend, FORMAT_VERSION)
         self.engines = _Engines(io_engine, thread_count)
+        self.verify = verify
+        self.trusted = trusted
+
+    @staticmethod
+    def _checksums(root: Path) -> Optional[Dict[str, Tuple[int, int]]]:
+        manifest = read_manifest(root)
+        if manifest is None:
+            return {}
+        return {path: (manifest.files.get(path, r[0].length), r[0].crc32c)
+                for path, r in manifest.ranges.items() if len(r) == 1 and r[0].offset == 0}
 
     def _meta(self, root: Path, key: str) -> ArrayMeta:
         meta = read_array_meta(root, key)
@@ -954,22 +1005,34 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             return sh
 
         dict_list_map_inplace(prepare, sharded_state_dict)
-        self.engines.read(ops)
+        self.engines.read(ops, self._checksums(root) if self.verify else None)
         for commit in commits:
             commit()
         return dict_list_map_inplace(lambda sh: sh.data if isinstance(sh, ShardedTensor) else sh,
                                      sharded_state_dict)
 
     def remove_sharded_tensors(self, checkpoint_dir: Path, key_prefix: str) -> None:
-        """Drop every array whose key starts with ``key_prefix`` (root group listing first)."""
+        """Drop every array whose key starts with ``key_prefix``: the root group's listing and
+        the manifest first (atomically rewritten), then the array folders."""
         root = Path(checkpoint_dir)
         keys = list_array_keys(root)
         gone = [k for k in keys if k.startswith(key_prefix)]
-        if _root_keys(root) is not None:
-            write_root_group(root, [k for k in keys if k not in gone])
+        if not gone:
+            return
+        kept = [k for k in keys if k not in gone]
+        records = write_root_group(root, kept) if _root_keys(root) is not None else []
+        manifest = read_manifest(root)
+        if manifest is not None:
+            dropped = tuple(f"{k}/" for k in gone)
+            for name in [n for n in manifest.files if n.startswith(dropped)]:
+                manifest.files.pop(name, None)
+                manifest.ranges.pop(name, None)
+            for path, size, crc, key in records:
+                manifest.files[path] = size
+                manifest.ranges[path] = [RangeChecksum(0, size, crc, key)]
+            write_manifest(root, manifest)
         for key in gone:
-            meta = self._meta(root, key)
-            shutil.rmtree(meta.path)
+            shutil.rmtree(self._meta(root, key).path)
 
 
 # --------------------------------------------------------------------------- whole-tensor writer
@@ -995,6 +1058,8 @@ class ZarrTensorWriter:
         self.compression = compression
         self.max_chunk_bytes = max_chunk_bytes
         self.keys: List[str] = []
+        self.records: List[FileRecord] = []
+        self._folders: set = set()
 
     def _chunks(self, t: torch.Tensor) -> Shape:
         shape = tuple(max(s, 1) for s in t.shape)
@@ -1004,20 +1069,28 @@ class ZarrTensorWriter:
         return (max(1, min(t.shape[0], self.max_chunk_bytes // row)),) + shape[1:]
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
-        _check_key_paths(self.keys + [key])
+        _check_key_path(key)
+        parents = _prefixes(key)[:-1]
+        if key in self._folders or key in self.keys or any(p in self.keys for p in parents):
+            raise CheckpointingException(
+                f"ShardedTensor key {key!r} clashes with a key already written (same key, or one "
+                f"array folder would contain the other)")
         t = tensor.detach()
         if t.device.type != "cpu":
             t = t.to("cpu")
-        meta = create_array(self.root, key, tuple(t.shape), self._chunks(t), t.dtype, self.compression)
+        meta, record = create_array(self.root, key, tuple(t.shape), self._chunks(t), t.dtype, self.compression)
         jobs = []
         for index in meta.chunks_overlapping((0,) * t.dim(), tuple(t.shape)):
             c_off, c_size = meta.chunk_box(index)
             jobs.append(ChunkWrite(meta, tuple(index), t[tuple(slice(o, o + n) for o, n in zip(c_off, c_size))]))
-        self.engines.write(jobs)
+        self.records += [record] + self.engines.write(jobs)
         self.keys.append(key)
+        self._folders.update(parents)
 
-    def finish(self) -> None:
-        write_root_group(self.root, self.keys)
+    def finish(self) -> List[FileRecord]:
+        """Write the root group; returns every file written, for the integrity manifest."""
+        self.records += write_root_group(self.root, self.keys)
+        return self.records
 
 
 # --------------------------------------------------------------------------- zarr-python data types

@@ -1,0 +1,407 @@
+"""Benchmark distckpt against the physical limit of the storage, in one run.
+
+    python tools/bench.py --dir /dev/shm/bench --size-gib 2 --ranks 2 --reps 3 --out bench_out
+
+On N gloo ranks (one process each) it builds a GPT-like sharded state dict of about
+``--size-gib`` GiB in total: bf16 weights split tensor-parallel over the N ranks (column- and
+row-parallel), replicated layer norms (written by one rank), and fp32 optimizer states as
+flattened slices (distributed-optimizer style). Then, each figure a median of ``--reps`` runs:
+
+- raw:   ``os.write`` + fsync / ``os.read`` of the same per-rank bytes: the physical limit
+- save, load (same layout), load resharded (every rank takes two interleaved TP pieces of a
+  2N-way split, so it reads the same amount from parts of two stored chunks each) for the
+  ``torch_dist`` and ``zarr`` backends
+- async save: time until ``save`` returns (the blocking part) and until the checkpoint is
+  committed, against a memcpy of the same local bytes
+- fully parallel load: every rank asks for the whole model (TP1 x DPN); each stored chunk is read
+  once and exchanged, against the plain load of the same request
+- plain ``torch.distributed.checkpoint`` save/load of the same local tensors, as a reference
+- peak RSS during a save, above the RSS before the state was built
+
+It prints a table (GiB/s of the whole state, and each figure's ratio to its limit), writes
+``bench.json`` and draws ``bench.png`` in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+# --------------------------------------------------------------------------- the state dict
+
+
+def model_dims(size_gib: float):
+    """Hidden size and layer count whose state (bf16 params + 2 fp32 optimizer states, i.e.
+    10 bytes per weight element) is about ``size_gib``; 12 h^2 weight elements per layer."""
+    hidden = 1024 if size_gib >= 1 else 512
+    per_layer = 12 * hidden * hidden * 10
+    layers = max(1, round(size_gib * 2**30 / per_layer))
+    return hidden, layers
+
+
+def build_state(rank: int, world: int, hidden: int, layers: int, pieces_per_rank: int = 1,
+                with_data: bool = True, full: bool = False):
+    """The sharded state dict of one rank.
+
+    ``pieces_per_rank`` > 1: a TP split of ``world * pieces_per_rank`` pieces, rank r taking
+    pieces r, r + world, ... (interleaved), to load under a layout other than the saved one.
+    ``full``: every rank holds everything (TP1 x DP-world), replicas by rank.
+    """
+    from distckpt import ShardedTensor
+
+    g = torch.Generator().manual_seed(1234 + rank)
+    parts = 1 if full else world * pieces_per_rank
+    mine = [0] if full else [rank + k * world for k in range(pieces_per_rank)]
+    replica = rank if full else 0
+    h = hidden
+    sd = {}
+
+    def make(shape, dtype):
+        if not with_data:
+            return torch.empty(shape, dtype=dtype)
+        return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
+
+    for layer in range(layers):
+        prefix = f"decoder.layers.{layer}"
+        for name, shape, axis in [("self_attention.linear_qkv.weight", (3 * h, h), 0),
+                                  ("self_attention.linear_proj.weight", (h, h), 1),
+                                  ("mlp.linear_fc1.weight", (4 * h, h), 0),
+                                  ("mlp.linear_fc2.weight", (h, 4 * h), 1)]:
+            key = f"{prefix}.{name}"
+            local = list(shape)
+            local[axis] //= parts
+            for p in mine:
+                tag = f"{key}#{p}"
+                sd[tag] = ShardedTensor.from_rank_offsets(key, make(tuple(local), torch.bfloat16),
+                                                          (axis, p, parts), replica_id=replica)
+                chunk = (local[0], local[1])
+                numel = chunk[0] * chunk[1]
+                for state in ("exp_avg", "exp_avg_sq"):
+                    okey = f"optimizer.state.{state}.{key}"
+                    sd[f"{okey}#{p}"] = ShardedTensor.from_rank_offsets_flat(
+                        okey, make((numel,), torch.float32), chunk, (axis, p, parts),
+                        flattened_range=slice(0, numel), replica_id=replica)
+        for ln in ("input_layernorm.weight", "pre_mlp_layernorm.weight"):
+            key = f"{prefix}.{ln}"
+            sd[key] = ShardedTensor.from_rank_offsets(key, make((h,), torch.float32), replica_id=rank)
+    return sd
+
+
+def local_bytes(sd, main_only: bool = False) -> int:
+    from distckpt.mapping import is_main_replica
+
+    return sum(sh.data.numel() * sh.data.element_size() for sh in sd.values()
+               if not main_only or is_main_replica(sh.replica_id))
+
+
+def empty_like_request(sd):
+    from dataclasses import replace
+
+    # zeros, not empty: touch the pages now so no measurement pays for first-touch page faults
+    return {k: replace(sh, data=torch.zeros_like(sh.data)) for k, sh in sd.items()}
+
+
+# --------------------------------------------------------------------------- measurements
+
+
+def _barrier_time(fn):
+    import torch.distributed as tdist
+
+    tdist.barrier()
+    t0 = time.perf_counter()
+    out = fn()
+    tdist.barrier()
+    return time.perf_counter() - t0, out
+
+
+def _drop(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _raw_write(path: Path, tensors) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for t in tensors:
+            view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            while view:
+                view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _raw_read(path: Path, tensors) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        offset = 0
+        for t in tensors:
+            view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+            while view:
+                n = os.preadv(fd, [view], offset)
+                view = view[n:]
+                offset += n
+    finally:
+        os.close(fd)
+
+
+class _PeakRss:
+    def __init__(self):
+        import psutil
+
+        self.proc = psutil.Process()
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(0.002)
+
+    def __enter__(self):
+        self.peak = self.proc.memory_info().rss
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+
+
+def _rank_main(rank, world, port, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import psutil
+    import torch.distributed as tdist
+    import torch.distributed.checkpoint as dcp
+
+    import distckpt
+    from distckpt.strategies.async_utils import AsyncCallsQueue
+    from distckpt.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+    from distckpt.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
+
+    tdist.init_process_group("gloo", rank=rank, world_size=world)
+    root = Path(args.dir)
+    hidden, layers = model_dims(args.size_gib)
+    rss_before_state = psutil.Process().memory_info().rss
+    sd = build_state(rank, world, hidden, layers)
+    mine = local_bytes(sd, main_only=True)
+    tensors = [sh.data for sh in sd.values() if sh.replica_id == 0]
+    total = sum(tdist_all_reduce_sum(tdist, mine))
+    results = {"bytes_total": total, "bytes_per_rank_max": max(all_gather(tdist, mine)),
+               "hidden": hidden, "layers": layers, "tensors": len(sd), "ranks": world}
+    times = {}
+
+    def record(name, seconds):
+        times.setdefault(name, []).append(seconds)
+
+    reshard = build_state(rank, world, hidden, layers, pieces_per_rank=2, with_data=False)
+    full_req = build_state(rank, world, hidden, layers, with_data=False, full=True)
+    async_strategy = TorchDistSaveShardedStrategy()
+    for rep in range(args.reps):
+        raw = root / f"raw_{rank}.bin"
+        record("raw write", _barrier_time(lambda: _raw_write(raw, tensors))[0])
+        bufs = [torch.zeros_like(t) for t in tensors]
+        record("raw read", _barrier_time(lambda: _raw_read(raw, bufs))[0])
+        staging = [torch.zeros_like(t) for t in tensors]
+        record("memcpy", _barrier_time(lambda: [s.copy_(t) for s, t in zip(staging, tensors)])[0])
+        del bufs, staging
+        raw.unlink()
+        for backend in args.backends:
+            ckpt = root / f"ckpt_{backend}"
+            if rank == 0:
+                _drop(ckpt)
+            tdist.barrier()
+            strategy = (backend, 1)
+            if rep == 0 and backend == "torch_dist":
+                with _PeakRss() as rss:
+                    seconds, _ = _barrier_time(lambda: distckpt.save(sd, ckpt, sharded_strategy=strategy))
+                results["save peak RSS above baseline (x local bytes)"] = (rss.peak - rss_before_state) / local_bytes(sd)
+            else:
+                seconds, _ = _barrier_time(lambda: distckpt.save(sd, ckpt, sharded_strategy=strategy))
+            record(f"{backend} save", seconds)
+            req = empty_like_request(sd)
+            record(f"{backend} load", _barrier_time(lambda: distckpt.load(req, ckpt))[0])
+            del req
+            req = empty_like_request(reshard)
+            record(f"{backend} load resharded", _barrier_time(lambda: distckpt.load(req, ckpt))[0])
+            del req
+            if backend == "torch_dist":
+                req = empty_like_request(full_req)
+                record("torch_dist load TP1xDP (plain)", _barrier_time(lambda: distckpt.load(req, ckpt))[0])
+                del req
+                req = empty_like_request(full_req)
+                fp = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy())
+                record("torch_dist load TP1xDP (fully parallel)",
+                       _barrier_time(lambda: distckpt.load(req, ckpt, sharded_strategy=fp))[0])
+                del req
+            if rank == 0:
+                _drop(ckpt)
+            tdist.barrier()
+        ckpt = root / "ckpt_async"
+        if rank == 0:
+            _drop(ckpt)
+        tdist.barrier()
+        queue_ = AsyncCallsQueue()
+        tdist.barrier()
+        t0 = time.perf_counter()
+        request = distckpt.save(sd, ckpt, sharded_strategy=async_strategy, async_sharded_save=True)
+        blocking = time.perf_counter() - t0
+        queue_.schedule_async_request(request)
+        queue_.maybe_finalize_async_calls(blocking=True)
+        tdist.barrier()
+        record("async save (blocking)", max(all_gather(tdist, blocking)))
+        record("async save (total)", time.perf_counter() - t0)
+        queue_.close()
+        if rank == 0:
+            _drop(ckpt)
+        ckpt = root / "ckpt_dcp"
+        if rank == 0:
+            _drop(ckpt)
+        tdist.barrier()
+        plain = {f"r{rank}.{i}": t for i, t in enumerate(tensors)}
+        record("torch DCP save", _barrier_time(lambda: dcp.save(plain, storage_writer=dcp.FileSystemWriter(ckpt)))[0])
+        target = {k: torch.zeros_like(v) for k, v in plain.items()}
+        record("torch DCP load", _barrier_time(lambda: dcp.load(target, storage_reader=dcp.FileSystemReader(ckpt)))[0])
+        del target
+        if rank == 0:
+            _drop(ckpt)
+        tdist.barrier()
+    if rank == 0:
+        results["seconds"] = {k: statistics.median(v) for k, v in times.items()}
+        results["all_seconds"] = times
+        queue.put(results)
+    tdist.barrier()
+    tdist.destroy_process_group()
+
+
+def tdist_all_reduce_sum(tdist, value):
+    return [int(x) for x in all_gather(tdist, value)]
+
+
+def all_gather(tdist, value):
+    out = [None] * tdist.get_world_size()
+    tdist.all_gather_object(out, value)
+    return out
+
+
+# --------------------------------------------------------------------------- report
+
+LIMITS = {
+    "raw write": None, "raw read": None, "memcpy": None,
+    "torch_dist save": "raw write", "zarr save": "raw write", "torch DCP save": "raw write",
+    "torch_dist load": "raw read", "zarr load": "raw read", "torch DCP load": "raw read",
+    "torch_dist load resharded": "raw read", "zarr load resharded": "raw read",
+    "async save (blocking)": "memcpy", "async save (total)": "raw write",
+    "torch_dist load TP1xDP (plain)": None, "torch_dist load TP1xDP (fully parallel)": None,
+}
+
+
+def report(results, out_dir: Path) -> str:
+    sec = results["seconds"]
+    gib = results["bytes_total"] / 2**30
+    lines = [f"state: {gib:.2f} GiB in {results['tensors']} tensors per rank, {results['ranks']} ranks "
+             f"(hidden {results['hidden']}, {results['layers']} layers)", "",
+             f"| {'measurement':42s} | {'seconds':>8s} | {'GiB/s':>7s} | ratio to limit |",
+             f"|{'-' * 44}|{'-' * 10}|{'-' * 9}|{'-' * 16}|"]
+    ratios = {}
+    for name, seconds in sec.items():
+        limit = LIMITS.get(name)
+        nbytes = results["bytes_total"]
+        if name.startswith("torch_dist load TP1xDP"):
+            nbytes = results["bytes_total"] * results["ranks"]
+        rate = nbytes / seconds / 2**30
+        if limit and limit in sec:
+            # time ratio: limit time / our time (1.0 = as fast as the limit)
+            ratio = sec[limit] / seconds
+            text = f"{ratio:.2f}x of {limit}"
+        elif name == "torch_dist load TP1xDP (fully parallel)" and "torch_dist load TP1xDP (plain)" in sec:
+            ratio = sec["torch_dist load TP1xDP (plain)"] / seconds
+            text = f"{ratio:.2f}x of plain"
+        else:
+            ratio, text = None, "(limit)" if limit is None and name.startswith(("raw", "memcpy")) else ""
+        ratios[name] = ratio
+        lines.append(f"| {name:42s} | {seconds:8.3f} | {rate:7.2f} | {text:14s} |")
+    if "torch_dist load resharded" in sec and "torch_dist load" in sec:
+        lines.append("")
+        lines.append(f"resharded / same-layout load time: {sec['torch_dist load resharded'] / sec['torch_dist load']:.2f}")
+    if "async save (blocking)" in sec and "memcpy" in sec:
+        lines.append(f"async blocking / memcpy time: {sec['async save (blocking)'] / sec['memcpy']:.2f}")
+    rss = results.get("save peak RSS above baseline (x local bytes)")
+    if rss is not None:
+        lines.append(f"peak RSS during save, above the RSS before the state existed: {rss:.2f}x the rank's local bytes")
+    text = "\n".join(lines)
+    results["ratios"] = ratios
+    (out_dir / "bench.json").write_text(json.dumps(results, indent=2, default=str))
+    _chart(results, out_dir / "bench.png")
+    return text
+
+
+def _chart(results, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no chart (pip install matplotlib)")
+        return
+    sec = results["seconds"]
+    names = [n for n in sec if not n.startswith("torch_dist load TP1xDP")]
+    rates = [results["bytes_total"] / sec[n] / 2**30 for n in names]
+    colors = ["#888888" if n.startswith(("raw", "memcpy")) else "#1f77b4" if "distckpt" in n or n.startswith(("torch_dist", "zarr", "async")) else "#ff7f0e" for n in names]
+    fig, ax = plt.subplots(figsize=(9, 0.4 * len(names) + 1.2))
+    ax.barh(names[::-1], rates[::-1], color=colors[::-1])
+    ax.set_xlabel("GiB/s (whole state, all ranks)")
+    ax.set_title(f"distckpt vs the storage limit: {results['bytes_total'] / 2**30:.1f} GiB, {results['ranks']} ranks")
+    for i, r in enumerate(rates[::-1]):
+        ax.text(r, i, f" {r:.2f}", va="center", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", default="/dev/shm/distckpt-bench", help="where checkpoints go (tmpfs or disk)")
+    parser.add_argument("--size-gib", type=float, default=2.0)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--backends", default="torch_dist,zarr")
+    parser.add_argument("--out", default="bench_out")
+    args = parser.parse_args()
+    args.backends = [b for b in args.backends.split(",") if b]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    try:
+        mp.spawn(_rank_main, args=(args.ranks, port, args, queue), nprocs=args.ranks)
+    finally:
+        shutil.rmtree(args.dir, ignore_errors=True)
+    results = queue.get()
+    results["machine"] = {"cpus": os.cpu_count(), "dir": args.dir, "torch": torch.__version__}
+    print(report(results, out))
+    print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
