@@ -83,6 +83,20 @@ def broadcast_object(obj: T, src: int = 0, group: ProcessGroup = None) -> T:
     return holder[0]
 
 
+def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup = None) -> None:
+    """Broadcast ``tensor`` in place from group rank ``src``; identity without a process group."""
+    if is_initialized():
+        tdist.broadcast(tensor, src=global_rank_of(src, group), group=group)
+
+
+def all_gather(outputs: List[torch.Tensor], tensor: torch.Tensor, group: ProcessGroup = None) -> None:
+    """All-gather ``tensor`` into ``outputs`` (one per group rank)."""
+    if not is_initialized():
+        outputs[0].copy_(tensor)
+        return
+    tdist.all_gather(outputs, tensor, group=group)
+
+
 def all_reduce_max(values: Sequence[int], group: ProcessGroup = None) -> List[int]:
     """Element-wise max of small int vectors over the group (one tiny collective)."""
     if not is_initialized():

@@ -14,6 +14,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass
 from enum import Enum
+from operator import attrgetter
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
@@ -132,37 +133,44 @@ def _ranks(shards: Iterable[ShardMeta]) -> str:
     return ",".join(str(r) for r in sorted({s.rank for s in shards}))
 
 
+_is_object = attrgetter("is_object")
+_global_shape = attrgetter("global_shape")
+_dtype = attrgetter("dtype")
+_is_main = attrgetter("main")
+_flat = attrgetter("flat")
+
+
 def _check_key(key: str, shards: List[ShardMeta]) -> None:
-    kinds = {s.is_object for s in shards}
-    if len(kinds) > 1:
+    # Fast path: one C-level pass per property; the detailed diagnosis runs only on a mismatch.
+    if len(set(map(_is_object, shards))) > 1:
         tensors = [s for s in shards if not s.is_object]
         objects = [s for s in shards if s.is_object]
         raise CheckpointingException(
             f"key {key!r} is a ShardedTensor on rank(s) {_ranks(tensors)} and a ShardedObject "
             f"on rank(s) {_ranks(objects)}")
-    shapes = defaultdict(list)
-    for s in shards:
-        shapes[s.global_shape].append(s)
-    if len(shapes) > 1:
+    if len(set(map(_global_shape, shards))) > 1:
+        shapes = defaultdict(list)
+        for s in shards:
+            shapes[s.global_shape].append(s)
         desc = "; ".join(f"{list(shape)} on rank(s) {_ranks(v)}" for shape, v in shapes.items())
         raise CheckpointingException(f"key {key!r}: ranks disagree on the global shape: {desc}")
-    dtypes = defaultdict(list)
-    for s in shards:
-        dtypes[s.dtype].append(s)
-    if len(dtypes) > 1:
+    if len(set(map(_dtype, shards))) > 1:
+        dtypes = defaultdict(list)
+        for s in shards:
+            dtypes[s.dtype].append(s)
         desc = "; ".join(f"{d} on rank(s) {_ranks(v)}" for d, v in dtypes.items())
         raise CheckpointingException(f"key {key!r}: ranks disagree on the dtype: {desc}")
     global_shape = shards[0].global_shape
-    main = [s for s in shards if s.main]
+    main = list(filter(_is_main, shards))
     if shards[0].is_object:
         _check_object_grid(key, global_shape, main)
         return
-    flat_kinds = {s.flat is not None for s in shards}
-    if len(flat_kinds) > 1:
+    flat_count = sum(f is not None for f in map(_flat, shards))
+    if 0 < flat_count < len(shards):
         flat = [s for s in shards if s.flat is not None]
         raise CheckpointingException(
             f"key {key!r}: flattened on rank(s) {_ranks(flat)} but not on the others")
-    if shards[0].flat is not None:
+    if flat_count:
         _check_flat_tiling(key, global_shape, main)
     else:
         check_exact_cover(key, global_shape, [(s.global_offset, s.local_shape, s.rank) for s in main])
@@ -185,30 +193,51 @@ def _check_object_grid(key: str, global_shape: Tuple[int, ...], main: List[Shard
 
 
 def _check_flat_tiling(key: str, global_shape: Tuple[int, ...], main: List[ShardMeta]) -> None:
-    chunks: Dict[Tuple[Tuple[int, ...], Tuple[int, ...]], List[ShardMeta]] = defaultdict(list)
-    for s in main:
-        chunks[(s.global_offset, s.local_shape)].append(s)
-    for (offset, local), pieces in chunks.items():
-        numel = math.prod(local)
-        pieces = sorted((p for p in pieces if p.flat[1] > p.flat[0]), key=lambda p: p.flat)
-        pos = 0
-        for p in pieces:
-            start, stop = p.flat
-            if start < pos:
-                raise CheckpointingException(
-                    f"ShardedTensor {key!r}: flattened ranges overlap in the chunk at offset "
-                    f"{list(offset)}: [{start}, {stop}) on rank {p.rank} starts before {pos}")
-            if start > pos:
-                raise CheckpointingException(
-                    f"ShardedTensor {key!r}: flattened range [{pos}, {start}) of the chunk at offset "
-                    f"{list(offset)} is not written by any main replica")
-            pos = stop
-        if pos != numel:
+    """Flattened slices of each chunk must tile ``[0, numel)`` exactly once; the chunks (boxes
+    of a regular grid) must then cover the tensor exactly once. Vectorized over all slices."""
+    if not main:
+        check_exact_cover(key, global_shape, [])
+        return
+    offsets = np.array([s.global_offset for s in main], dtype=np.int64).reshape(len(main), -1)
+    locals_ = np.array([s.local_shape for s in main], dtype=np.int64).reshape(len(main), -1)
+    bounds = np.array([s.flat for s in main], dtype=np.int64)
+    boxes = np.concatenate([offsets, locals_], axis=1)
+    uniq, chunk_id = np.unique(boxes, axis=0, return_inverse=True)
+    chunk_id = chunk_id.reshape(-1)
+    numel = np.prod(uniq[:, offsets.shape[1]:], axis=1) if offsets.shape[1] else np.ones(len(uniq), np.int64)
+    keep = bounds[:, 1] > bounds[:, 0]
+    order = np.lexsort((bounds[keep, 0], chunk_id[keep]))
+    cid, start, stop = chunk_id[keep][order], bounds[keep, 0][order], bounds[keep, 1][order]
+    idx = np.flatnonzero(keep)[order]
+    first = np.ones(len(cid), dtype=bool)
+    first[1:] = cid[1:] != cid[:-1]
+    last = np.ones(len(cid), dtype=bool)
+    last[:-1] = cid[1:] != cid[:-1]
+    expected_start = np.where(first, 0, np.concatenate([[0], stop[:-1]]))
+    bad = np.flatnonzero(start != expected_start)
+    if len(bad):
+        i = bad[0]
+        m = main[idx[i]]
+        if start[i] < expected_start[i]:
             raise CheckpointingException(
-                f"ShardedTensor {key!r}: flattened range [{pos}, {numel}) of the chunk at offset "
-                f"{list(offset)} is not written by any main replica")
-    rank_of = {k: v[0].rank for k, v in chunks.items()}
-    check_exact_cover(key, global_shape, [(o, ls, rank_of[(o, ls)]) for (o, ls) in chunks])
+                f"ShardedTensor {key!r}: flattened ranges overlap in the chunk at offset "
+                f"{list(m.global_offset)}: [{start[i]}, {stop[i]}) on rank {m.rank} starts before {expected_start[i]}")
+        raise CheckpointingException(
+            f"ShardedTensor {key!r}: flattened range [{expected_start[i]}, {start[i]}) of the chunk at offset "
+            f"{list(m.global_offset)} is not written by any main replica")
+    ends = np.zeros(len(uniq), dtype=np.int64)
+    ends[cid[last]] = stop[last]
+    short = np.flatnonzero(ends != numel)
+    if len(short):
+        c = short[0]
+        raise CheckpointingException(
+            f"ShardedTensor {key!r}: flattened range [{ends[c]}, {numel[c]}) of the chunk at offset "
+            f"{list(uniq[c, :offsets.shape[1]])} is not written by any main replica")
+    n = offsets.shape[1]
+    rank_of = {}
+    for i, c in enumerate(chunk_id):
+        rank_of.setdefault(int(c), main[i].rank)
+    check_exact_cover(key, global_shape, [(tuple(u[:n]), tuple(u[n:]), rank_of[c]) for c, u in enumerate(uniq.tolist())])
 
 
 # Above this many cells of the compressed grid the cover check falls back to volume + sweep.
@@ -232,23 +261,29 @@ def check_exact_cover(key: str, global_shape: Sequence[int],
                 f"ShardedTensor {key!r}: a scalar needs exactly one main replica, got {len(boxes)} "
                 f"(ranks {sorted(b[2] for b in boxes)})")
         return
-    cuts = []
-    for axis in range(ndim):
-        pts = {0, global_shape[axis]}
-        for off, size, _ in boxes:
-            pts.add(off[axis])
-            pts.add(off[axis] + size[axis])
-        cuts.append(np.array(sorted(pts), dtype=np.int64))
+    offs = np.array([b[0] for b in boxes], dtype=np.int64).reshape(len(boxes), ndim)
+    sizes = np.array([b[1] for b in boxes], dtype=np.int64).reshape(len(boxes), ndim)
+    gshape = np.array(global_shape, dtype=np.int64)
+    if len(boxes) and (sizes == sizes[0]).all() and not (offs % sizes[0]).any() and not (gshape % sizes[0]).any():
+        # Regular grid (the common case): exact cover <=> every grid cell held exactly once.
+        cells = offs // sizes[0]
+        grid_shape = gshape // sizes[0]
+        flat = np.ravel_multi_index(cells.T, grid_shape) if ndim else np.zeros(len(boxes), np.int64)
+        counts = np.bincount(flat, minlength=int(np.prod(grid_shape)))
+        if counts.max() <= 1 and counts.min() == 1:
+            return
+    cuts = [np.unique(np.concatenate([[0, global_shape[a]], offs[:, a], offs[:, a] + sizes[:, a]]))
+            for a in range(ndim)]
     grid = tuple(len(c) - 1 for c in cuts)
     if math.prod(grid) > _MAX_GRID_CELLS:
         _check_cover_by_volume(key, global_shape, boxes)
         return
+    lo = np.stack([np.searchsorted(cuts[a], offs[:, a]) for a in range(ndim)], axis=1)
+    hi = np.stack([np.searchsorted(cuts[a], offs[:, a] + sizes[:, a]) for a in range(ndim)], axis=1)
     counts = np.zeros(grid, dtype=np.int32)
     cell_slices = []
-    for off, size, _ in boxes:
-        sl = tuple(
-            slice(int(np.searchsorted(cuts[a], off[a])), int(np.searchsorted(cuts[a], off[a] + size[a])))
-            for a in range(ndim))
+    for b in range(len(boxes)):
+        sl = tuple(slice(int(lo[b, a]), int(hi[b, a])) for a in range(ndim))
         cell_slices.append(sl)
         counts[sl] += 1
     if (counts > 1).any():

@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as _tdist
 
 from distckpt import dist
 from distckpt.core import CheckpointingException
@@ -82,14 +81,6 @@ _OBJECT_NBYTES = 1
 # They belong in distckpt/dist.py (see "Open items" in docs/async-and-parallel.md) and are kept
 # private here until they move there. Both take group ranks and are only called when the group
 # has more than one rank.
-
-
-def _broadcast_tensor(tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> None:
-    _tdist.broadcast(tensor, src=dist.global_rank_of(src, group), group=group)
-
-
-def _all_gather_tensors(outputs: List[torch.Tensor], tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
-    _tdist.all_gather(outputs, tensor, group=group)
 
 
 # --------------------------------------------------------------------------- shard ids, assignment
@@ -587,12 +578,12 @@ class _Exchange:
             src = self.distribution.assignment[sid]
             scratch = self._scratch[:self.distribution.sizes[sid]]
             if src == self.me:
-                _broadcast_tensor(self._send_view(sid, scratch), src, self.group)
+                dist.broadcast(self._send_view(sid, scratch), src, self.group)
                 continue
             buf = self._direct_target(sid)
             if buf is None:
                 buf = scratch
-            _broadcast_tensor(buf, src, self.group)
+            dist.broadcast(buf, src, self.group)
             self._deliver(sid, buf)
 
     def run_gather_rounds(self) -> None:
@@ -605,7 +596,7 @@ class _Exchange:
                 view = self._send_view(mine, send[:nbytes])
                 if view.data_ptr() != send.data_ptr():
                     send[:nbytes].copy_(view)
-            _all_gather_tensors(list(gathered.unbind(0)), send, self.group)
+            dist.all_gather(list(gathered.unbind(0)), send, self.group)
             for rank, sids in enumerate(per_rank):
                 if rank != self.me and k < len(sids):
                     self._deliver(sids[k], gathered[rank, :self.distribution.sizes[sids[k]]])

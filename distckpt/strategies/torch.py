@@ -502,6 +502,10 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             self._local_structure = (plan.decls, [r.structure() for r in plan.records], plan.file_sizes)
 
 
+def _chunk_order(chunk: ChunkStorageMetadata) -> torch.Size:
+    return chunk.offsets
+
+
 def build_metadata(payloads: List[Tuple[Dict[str, _KeyDecl], List[_Record]]], checkpoint_id: str) -> Metadata:
     """Assemble DCP Metadata from every rank's key declarations and written records."""
     decls: Dict[str, _KeyDecl] = {}
@@ -509,13 +513,16 @@ def build_metadata(payloads: List[Tuple[Dict[str, _KeyDecl], List[_Record]]], ch
         decls.update(rank_decls)
     chunks: Dict[str, List[ChunkStorageMetadata]] = defaultdict(list)
     storage_data: Dict[MetadataIndex, _StorageInfo] = {}
+    byte_keys = {k for k, d in decls.items() if d.is_bytes}
+    size = torch.Size
     for _, records in payloads:
         for r in records:
-            if decls[r.fqn].is_bytes:
+            if r.fqn in byte_keys:
                 index = MetadataIndex(r.fqn)
             else:
-                index = MetadataIndex(r.fqn, torch.Size(r.chunk_offset))
-                chunks[r.fqn].append(ChunkStorageMetadata(torch.Size(r.chunk_offset), torch.Size(r.chunk_size)))
+                offset = size(r.chunk_offset)
+                index = MetadataIndex(r.fqn, offset)
+                chunks[r.fqn].append(ChunkStorageMetadata(offset, size(r.chunk_size)))
             storage_data[index] = _StorageInfo(r.relative_path, r.offset, r.length)
     state_dict_metadata: Dict[str, Any] = {}
     mcore_data: Dict[str, Dict[str, Shape]] = {}
@@ -525,7 +532,7 @@ def build_metadata(payloads: List[Tuple[Dict[str, _KeyDecl], List[_Record]]], ch
             continue
         state_dict_metadata[fqn] = TensorStorageMetadata(
             properties=TensorProperties(dtype=d.dtype), size=torch.Size(d.size),
-            chunks=sorted(chunks.get(fqn, []), key=lambda c: tuple(c.offsets)))
+            chunks=sorted(chunks.get(fqn, []), key=_chunk_order))
         if d.orig_shape is not None:
             mcore_data[fqn] = {_ORIG_SHAPE: tuple(d.orig_shape)}
     md = Metadata(state_dict_metadata=state_dict_metadata, planner_data=None, storage_data=storage_data,
