@@ -460,3 +460,18 @@ def test_unchanged_structure_is_validated_once(backend, tmp_path):
     for i in range(2):
         results = run_ranks(4, _load_layout, str(tmp_path / str(i)), "grid", {"rows": 1, "cols": 4})
         assert [wrong for _, wrong in results] == [[]] * 4
+
+
+def _load_into_parameters(ckpt, backend):
+    full = layouts.full_tensor("param", (4, 6))
+    rank = ddist.get_rank()
+    distckpt.save({"w": ShardedTensor.from_rank_offsets("w", full, replica_id=rank)}, ckpt,
+                  sharded_strategy=(backend, 1))
+    param = torch.nn.Parameter(torch.zeros(4, 3))          # a column block: not a direct read
+    out = distckpt.load({"w": ShardedTensor.from_rank_offsets("w", param, (1, rank, 2))}, ckpt)
+    return out["w"] is param and param.requires_grad and torch.equal(param.detach(), full[:, 3 * rank:3 * rank + 3])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_parameters_that_require_grad_are_filled_in_place(backend, tmp_path):
+    assert run_ranks(2, _load_into_parameters, str(tmp_path), backend) == [True, True]

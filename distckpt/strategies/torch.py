@@ -1028,14 +1028,15 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 dest = torch.empty(tuple(target.shape), dtype=target.dtype, device=target.device)
                 commits.append(lambda t=target, d=dest: t.copy_(d))
             else:
-                dest = target
+                dest = target.detach()  # same memory; copies into its views bypass autograd
             self._plan_tensor(plan, sh, stored, dest)
             return sh
 
         dict_list_map_inplace(prepare, sharded_state_dict)
         self._execute(plan, checkpoint_dir, self.verify)
-        for commit in commits:
-            commit()
+        with torch.no_grad():
+            for commit in commits:
+                commit()
 
         def result(sh: Any) -> Any:
             if isinstance(sh, ShardedTensor):
