@@ -14,7 +14,7 @@ import os
 import pickle
 import uuid
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Set, Tuple, Union
+from typing import Any, Callable, Optional, Set, Tuple, Union
 
 from distckpt import dist
 from distckpt.core import (
@@ -27,14 +27,13 @@ from distckpt.core import (
     save_config,
 )
 from distckpt.core import check_is_distributed_checkpoint as _check_is_distributed_checkpoint
-from distckpt.manifest import add_whole_files
 from distckpt.dict_utils import dict_list_map_inplace, diff, extract_matching_values, merge, nested_values
+from distckpt.manifest import add_whole_files
 from distckpt.mapping import (
     LocalNonpersistentObject,
     ShardedBase,
     ShardedObject,
     ShardedStateDict,
-    ShardedTensor,
     ShardedTensorFactory,
     StateDict,
     apply_factories,
@@ -241,7 +240,7 @@ def save(
 
 
 # Digests of global sharding structures that passed validation (most recent last).
-_VALIDATED_STRUCTURES: "collections.OrderedDict[bytes, None]" = collections.OrderedDict()
+_VALIDATED_STRUCTURES: collections.OrderedDict[bytes, None] = collections.OrderedDict()
 _VALIDATED_CAPACITY = 8
 
 

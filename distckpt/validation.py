@@ -49,15 +49,15 @@ class StrictHandling(Enum):
     IGNORE_ALL = "ignore_all"
 
     @staticmethod
-    def requires_explicit_ckpt_mismatch_check(val: "StrictHandling") -> bool:
+    def requires_explicit_ckpt_mismatch_check(val: StrictHandling) -> bool:
         return val != StrictHandling.ASSUME_OK_UNEXPECTED
 
     @staticmethod
-    def requires_global_app_metadata(val: "StrictHandling") -> bool:
+    def requires_global_app_metadata(val: StrictHandling) -> bool:
         return val in (StrictHandling.LOG_ALL, StrictHandling.RAISE_ALL, StrictHandling.RETURN_ALL)
 
     @staticmethod
-    def requires_returning_mismatch_keys(val: "StrictHandling") -> bool:
+    def requires_returning_mismatch_keys(val: StrictHandling) -> bool:
         return val in (StrictHandling.RETURN_UNEXPECTED, StrictHandling.RETURN_ALL)
 
 

@@ -22,7 +22,7 @@ class ScaledFp8Tensor(torch.Tensor):
         self.scale = scale
 
     @classmethod
-    def quantize(cls, values: torch.Tensor, scale: float) -> "ScaledFp8Tensor":
+    def quantize(cls, values: torch.Tensor, scale: float) -> ScaledFp8Tensor:
         bits = (values.float() / scale).to(torch.float8_e4m3fn).view(torch.uint8)
         return cls(bits.clone(), scale)
 

@@ -114,7 +114,7 @@ def _save_objects(ckpt, backend, replicas):
 
 
 def _load_objects(ckpt, cols):
-    rank, world = ddist.get_rank(), ddist.get_world_size()
+    rank = ddist.get_rank()
     # Every rank asks for every object of the saved grid; rank 0's requests are the main replicas.
     sd = {f"rng{c}": ShardedObject("rng_state", None, (1, cols), (0, c), replica_id=rank) for c in range(cols)}
     sd["mine"] = LocalNonpersistentObject("not from disk")

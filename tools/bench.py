@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import socket
@@ -119,14 +118,20 @@ def empty_like_request(sd):
 # --------------------------------------------------------------------------- measurements
 
 
-def _barrier_time(fn):
+def _barrier_time(fn, *args, **kwargs):
+    """Seconds from a barrier before ``fn(*args, **kwargs)`` to a barrier after it, and its result."""
     import torch.distributed as tdist
 
     tdist.barrier()
     t0 = time.perf_counter()
-    out = fn()
+    out = fn(*args, **kwargs)
     tdist.barrier()
     return time.perf_counter() - t0, out
+
+
+def _copy_all(dst, src):
+    for d, t in zip(dst, src):
+        d.copy_(t)
 
 
 def _drop(path: Path) -> None:
@@ -215,12 +220,12 @@ def _rank_main(rank, world, port, args, queue):
     async_strategy = TorchDistSaveShardedStrategy()
     for rep in range(args.reps):
         raw = root / f"raw_{rank}.bin"
-        record("raw write", _barrier_time(lambda: _raw_write(raw, tensors))[0])
+        record("raw write", _barrier_time(_raw_write, raw, tensors)[0])
         bufs = [torch.zeros_like(t) for t in tensors]
-        record("raw read", _barrier_time(lambda: _raw_read(raw, bufs))[0])
+        record("raw read", _barrier_time(_raw_read, raw, bufs)[0])
         staging = [torch.zeros_like(t) for t in tensors]
-        record("memcpy", _barrier_time(lambda: [s.copy_(t) for s, t in zip(staging, tensors)])[0])
-        del bufs, staging
+        record("memcpy", _barrier_time(_copy_all, staging, tensors)[0])
+        bufs = staging = None
         raw.unlink()
         for backend in args.backends:
             ckpt = root / f"ckpt_{backend}"
@@ -230,26 +235,26 @@ def _rank_main(rank, world, port, args, queue):
             strategy = (backend, 1)
             if rep == 0 and backend == "torch_dist":
                 with _PeakRss() as rss:
-                    seconds, _ = _barrier_time(lambda: distckpt.save(sd, ckpt, sharded_strategy=strategy))
+                    seconds, _ = _barrier_time(distckpt.save, sd, ckpt, sharded_strategy=strategy)
                 results["save peak RSS above baseline (x local bytes)"] = (rss.peak - rss_before_state) / local_bytes(sd)
             else:
-                seconds, _ = _barrier_time(lambda: distckpt.save(sd, ckpt, sharded_strategy=strategy))
+                seconds, _ = _barrier_time(distckpt.save, sd, ckpt, sharded_strategy=strategy)
             record(f"{backend} save", seconds)
             req = empty_like_request(sd)
-            record(f"{backend} load", _barrier_time(lambda: distckpt.load(req, ckpt))[0])
-            del req
+            record(f"{backend} load", _barrier_time(distckpt.load, req, ckpt)[0])
+            req = None
             req = empty_like_request(reshard)
-            record(f"{backend} load resharded", _barrier_time(lambda: distckpt.load(req, ckpt))[0])
-            del req
+            record(f"{backend} load resharded", _barrier_time(distckpt.load, req, ckpt)[0])
+            req = None
             if backend == "torch_dist":
                 req = empty_like_request(full_req)
-                record("torch_dist load TP1xDP (plain)", _barrier_time(lambda: distckpt.load(req, ckpt))[0])
-                del req
+                record("torch_dist load TP1xDP (plain)", _barrier_time(distckpt.load, req, ckpt)[0])
+                req = None
                 req = empty_like_request(full_req)
                 fp = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy())
                 record("torch_dist load TP1xDP (fully parallel)",
-                       _barrier_time(lambda: distckpt.load(req, ckpt, sharded_strategy=fp))[0])
-                del req
+                       _barrier_time(distckpt.load, req, ckpt, sharded_strategy=fp)[0])
+                req = None
             if rank == 0:
                 _drop(ckpt)
             tdist.barrier()
@@ -275,10 +280,10 @@ def _rank_main(rank, world, port, args, queue):
             _drop(ckpt)
         tdist.barrier()
         plain = {f"r{rank}.{i}": t for i, t in enumerate(tensors)}
-        record("torch DCP save", _barrier_time(lambda: dcp.save(plain, storage_writer=dcp.FileSystemWriter(ckpt)))[0])
+        record("torch DCP save", _barrier_time(dcp.save, plain, storage_writer=dcp.FileSystemWriter(ckpt))[0])
         target = {k: torch.zeros_like(v) for k, v in plain.items()}
-        record("torch DCP load", _barrier_time(lambda: dcp.load(target, storage_reader=dcp.FileSystemReader(ckpt)))[0])
-        del target
+        record("torch DCP load", _barrier_time(dcp.load, target, storage_reader=dcp.FileSystemReader(ckpt))[0])
+        target = None
         if rank == 0:
             _drop(ckpt)
         tdist.barrier()

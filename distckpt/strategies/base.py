@@ -76,8 +76,8 @@ def get_default_strategy(action: StrategyAction, backend: str, version: int):
     return factory()
 
 
-class StrategyBase(ABC):
-    """Common attributes of every strategy."""
+class StrategyBase:
+    """Common attributes of every strategy (the abstract methods live in its subclasses)."""
 
     def __init__(self, backend: str, version: int):
         self.backend = backend
@@ -106,7 +106,7 @@ class SaveStrategyBase(StrategyBase):
     pass
 
 
-class LoadCommonStrategy(LoadStrategyBase):
+class LoadCommonStrategy(LoadStrategyBase, ABC):
     @abstractmethod
     def load_common(self, checkpoint_dir: Path) -> StateDict:
         """Load the common (non-sharded) state. Every rank reads it."""
@@ -121,7 +121,7 @@ class LoadCommonStrategy(LoadStrategyBase):
         return {}
 
 
-class LoadShardedStrategy(LoadStrategyBase):
+class LoadShardedStrategy(LoadStrategyBase, ABC):
     @abstractmethod
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
         """Read the requested pieces into the given tensors (allocating where data is None).
@@ -142,7 +142,7 @@ class LoadShardedStrategy(LoadStrategyBase):
             f"backend {self.backend!r} does not support removing sharded tensors")
 
 
-class SaveCommonStrategy(SaveStrategyBase):
+class SaveCommonStrategy(SaveStrategyBase, ABC):
     @abstractmethod
     def save_common(self, common_state_dict: StateDict, checkpoint_dir: Path) -> None:
         """Write the common state. Called on every rank; writes on rank 0 only."""
@@ -153,7 +153,7 @@ class SaveCommonStrategy(SaveStrategyBase):
         """Write each main-replica ShardedObject of this rank as its own file."""
 
 
-class SaveShardedStrategy(SaveStrategyBase):
+class SaveShardedStrategy(SaveStrategyBase, ABC):
     @abstractmethod
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
         """Write this rank's main replicas and the strategy's index of the checkpoint.

@@ -25,8 +25,8 @@ import torch
 
 from distckpt import dist
 from distckpt.core import CheckpointingException
-from distckpt.manifest import check_whole_file
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
+from distckpt.manifest import check_whole_file
 from distckpt.mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
 from distckpt.strategies.base import (
     LoadCommonStrategy,

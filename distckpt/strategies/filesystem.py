@@ -142,7 +142,7 @@ def box_runs(lo, size, shape):
     run = size[k - 1] * inner
     outer_axes = [a for a in range(k - 1) if size[a] != 1]
     strides = [math.prod(shape[a + 1:]) for a in range(ndim)]
-    first = sum(l * st for l, st in zip(lo, strides))
+    first = sum(lo_i * st for lo_i, st in zip(lo, strides))
     if not outer_axes:
         return first, run, 0, 1
     if len(outer_axes) > 1 or any(size[a] != 1 for a in range(k - 1) if a not in outer_axes):

@@ -48,13 +48,6 @@ from torch.distributed.checkpoint.metadata import (
 from distckpt import dist
 from distckpt.core import CheckpointingException, atomic_write_bytes
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
-from distckpt.mapping import (
-    ShardedObject,
-    ShardedStateDict,
-    ShardedTensor,
-    StateDict,
-    is_main_replica,
-)
 from distckpt.manifest import (
     RangeChecksum,
     build_manifest,
@@ -62,6 +55,13 @@ from distckpt.manifest import (
     crc32c,
     read_manifest,
     write_manifest,
+)
+from distckpt.mapping import (
+    ShardedObject,
+    ShardedStateDict,
+    ShardedTensor,
+    StateDict,
+    is_main_replica,
 )
 from distckpt.strategies.base import (
     AsyncSaveShardedStrategy,
@@ -73,9 +73,9 @@ from distckpt.strategies.common import safe_torch_load
 from distckpt.strategies.filesystem import (
     ChecksummingSink,
     box_runs,
-    scatter_read,
     pread_into,
     read_archive_layout,
+    scatter_read,
     write_bytes_item,
     write_tensor_item,
     zip_crc_disabled,
