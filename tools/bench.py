@@ -244,7 +244,12 @@ def _rank_main(rank, world, port, args, queue):
             record(f"{backend} load", _barrier_time(distckpt.load, req, ckpt)[0])
             req = None
             req = empty_like_request(reshard)
-            record(f"{backend} load resharded", _barrier_time(distckpt.load, req, ckpt)[0])
+            if backend == "torch_dist":
+                counting = TorchDistLoadShardedStrategy()
+                record(f"{backend} load resharded", _barrier_time(distckpt.load, req, ckpt, sharded_strategy=counting)[0])
+                results["resharded load: bytes read / bytes requested"] = counting.bytes_read / local_bytes(reshard)
+            else:
+                record(f"{backend} load resharded", _barrier_time(distckpt.load, req, ckpt)[0])
             req = None
             if backend == "torch_dist":
                 req = empty_like_request(full_req)
@@ -347,6 +352,9 @@ def report(results, out_dir: Path) -> str:
         lines.append(f"resharded / same-layout load time: {sec['torch_dist load resharded'] / sec['torch_dist load']:.2f}")
     if "async save (blocking)" in sec and "memcpy" in sec:
         lines.append(f"async blocking / memcpy time: {sec['async save (blocking)'] / sec['memcpy']:.2f}")
+    amplification = results.get("resharded load: bytes read / bytes requested")
+    if amplification is not None:
+        lines.append(f"resharded load read {amplification:.2f} bytes from storage per byte requested (rank 0)")
     rss = results.get("save peak RSS above baseline (x local bytes)")
     if rss is not None:
         lines.append(f"peak RSS during save, above the RSS before the state existed: {rss:.2f}x the rank's local bytes")

@@ -920,6 +920,23 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             hi = tuple(a + b for a, b in zip(lo, inter[1]))
             f_lo = _ravel(lo, chunk)
             f_hi = _ravel([h - 1 for h in hi], chunk) + 1
+            dst = view[_rel_slices(*inter, off)]
+            if f_hi - f_lo == math.prod(inter[1]) and dst.is_contiguous():
+                # The box is one flat range of the stored chunk: read straight into place.
+                flat_dst = dst.reshape(-1)
+                covered = 0
+                for ch in stored.flat_index.get(idx, []):
+                    s = ch.offset[-1]
+                    a, b = max(s, f_lo), min(s + ch.size[-1], f_hi)
+                    if b > a:
+                        covered += b - a
+                        plan.add(ch, _CopyOp(key, (0,) * len(ones) + (a - s,), ones + (b - a,),
+                                             flat_dst[a - f_lo:b - f_lo].view(ones + (b - a,))))
+                if covered != f_hi - f_lo:
+                    raise CheckpointingException(
+                        f"ShardedTensor {key!r}: stored flattened ranges of chunk {list(idx)} do not cover "
+                        f"elements [{f_lo}, {f_hi}) needed for this load")
+                continue
             base = lo[0] * row
             rows = hi[0] - lo[0]
             buf = torch.empty(rows * row, dtype=stored.dtype)
@@ -937,7 +954,6 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                     f"ShardedTensor {key!r}: stored flattened ranges of chunk {list(idx)} do not cover "
                     f"elements [{f_lo}, {f_hi}) needed for this load")
             sub = (slice(0, rows),) + tuple(slice(a, b) for a, b in zip(lo[1:], hi[1:]))
-            dst = view[_rel_slices(*inter, off)]
 
             def fin(dst=dst, buf=buf, sub=sub, rows=rows):
                 dst.copy_(buf.view((rows,) + tuple(chunk[1:]))[sub])
