@@ -22,9 +22,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -39,15 +39,15 @@ class PhaseReport:
     action: str                    # "save" or "load"
     layout: str
     seconds: float                 # between barriers: the slowest rank's time
-    keys: List[str]                # sharded keys involved (tensors and objects)
+    keys: list[str]                # sharded keys involved (tensors and objects)
     nbytes: int                    # save: checkpoint size on disk; load: bytes this rank loaded
-    mismatches: List[str] = field(default_factory=list)
+    mismatches: list[str] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- layouts
 
 
-def choose_layouts(world_size: int, global_batch_size: Optional[int] = None):
+def choose_layouts(world_size: int, global_batch_size: int | None = None):
     """``[save layout, load layout, ...]`` for ``world_size`` ranks.
 
     Saves under TP2 x DP(world/2) when it can (replicas over TP and DP), else TP1 x DP(world);
@@ -73,7 +73,7 @@ def choose_layouts(world_size: int, global_batch_size: Optional[int] = None):
     if not saves:
         raise ValueError(f"the demo model cannot be laid out over {world_size} ranks")
     save = saves[0]
-    loads: List[Layout] = []
+    loads: list[Layout] = []
     for tp, pp in ((4, 1), (1, 1), (2, 2), (1, 2), (2, 1), (4, 2)):
         layout = valid(tp, pp)
         if layout is not None and layout != save and layout not in loads and len(loads) < 2:
@@ -84,10 +84,10 @@ def choose_layouts(world_size: int, global_batch_size: Optional[int] = None):
 # --------------------------------------------------------------------------- reference
 
 
-Piece = Tuple[str, Tuple[int, ...], tuple, Optional[Tuple[int, int]], torch.Tensor]
+Piece = tuple[str, tuple[int, ...], tuple, tuple[int, int] | None, torch.Tensor]
 
 
-def main_replica_pieces(sharded_leaves) -> List[Piece]:
+def main_replica_pieces(sharded_leaves) -> list[Piece]:
     """``(key, global shape, global index, flat range, data)`` of every main-replica tensor."""
     from distckpt import ShardedTensor
     from distckpt.mapping import is_main_replica
@@ -101,13 +101,13 @@ def main_replica_pieces(sharded_leaves) -> List[Piece]:
     return pieces
 
 
-def _region(full: torch.Tensor, index: tuple, flat: Optional[Tuple[int, int]]) -> torch.Tensor:
+def _region(full: torch.Tensor, index: tuple, flat: tuple[int, int] | None) -> torch.Tensor:
     """Copy of the elements at ``index`` (then flat range ``flat``) of ``full``."""
     region = full[index]
     return region.reshape(-1)[flat[0]:flat[1]].clone() if flat is not None else region.clone()
 
 
-def _assign(full: torch.Tensor, index: tuple, flat: Optional[Tuple[int, int]], value: torch.Tensor) -> None:
+def _assign(full: torch.Tensor, index: tuple, flat: tuple[int, int] | None, value: torch.Tensor) -> None:
     if flat is None:
         full[index] = value
         return
@@ -116,10 +116,10 @@ def _assign(full: torch.Tensor, index: tuple, flat: Optional[Tuple[int, int]], v
     full[index] = region
 
 
-def assemble_reference(pieces: Sequence[Piece]) -> Tuple[Dict[str, torch.Tensor], List[str]]:
+def assemble_reference(pieces: Sequence[Piece]) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Whole tensors from main-replica pieces, and the keys not covered exactly once."""
-    full: Dict[str, torch.Tensor] = {}
-    count: Dict[str, torch.Tensor] = {}
+    full: dict[str, torch.Tensor] = {}
+    count: dict[str, torch.Tensor] = {}
     for key, shape, index, flat, data in pieces:
         if key not in full:
             full[key] = torch.zeros(shape, dtype=data.dtype)
@@ -135,7 +135,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).contiguous().view(torch.uint8)
 
 
-def compare_with_reference(sharded_leaves, reference: Dict[str, torch.Tensor]) -> List[str]:
+def compare_with_reference(sharded_leaves, reference: dict[str, torch.Tensor]) -> list[str]:
     """Describe every ShardedTensor whose data differs (bits, dtype or shape) from the reference."""
     from distckpt import ShardedTensor
 
@@ -158,7 +158,7 @@ def compare_with_reference(sharded_leaves, reference: Dict[str, torch.Tensor]) -
 # --------------------------------------------------------------------------- ranks
 
 
-def _rng_object(rank: int, world: int, state: Optional[torch.Tensor]):
+def _rng_object(rank: int, world: int, state: torch.Tensor | None):
     from distckpt import ShardedObject
 
     return ShardedObject("rng_state", state, (world,), (rank,))
@@ -173,17 +173,18 @@ def _applied_leaves(state) -> list:
     return [leaf for leaf in nested_values(state) if isinstance(leaf, ShardedBase)]
 
 
-def _timed(fn):
+def _timed(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` and its time between barriers (the slowest rank's time)."""
     from distckpt import dist
 
     dist.barrier()
     start = time.perf_counter()
-    out = fn()
+    out = fn(*args, **kwargs)
     dist.barrier()
     return out, time.perf_counter() - start
 
 
-def _rank_main(ckpt_dir: str, layouts: list) -> List[PhaseReport]:
+def _rank_main(ckpt_dir: str, layouts: list) -> list[PhaseReport]:
     import distckpt
     from distckpt import dist
     from distckpt.examples.training import (
@@ -211,7 +212,7 @@ def _rank_main(ckpt_dir: str, layouts: list) -> List[PhaseReport]:
     leaves = _applied_leaves(checkpoint_sharded_state_dict(model, optimizer, TRAIN_STEPS))
     gathered = dist.all_gather_object(main_replica_pieces(leaves))
     reference, badly_covered = assemble_reference([p for pieces in gathered for p in pieces])
-    _, seconds = _timed(lambda: save_checkpoint(ckpt_dir, model, optimizer, TRAIN_STEPS, extra=rng))
+    _, seconds = _timed(save_checkpoint, ckpt_dir, model, optimizer, TRAIN_STEPS, extra=rng)
     size = sum(f.stat().st_size for f in Path(ckpt_dir).iterdir() if f.is_file())
     reports.append(PhaseReport("save", str(save_layout), seconds, sorted(reference) + ["rng_state"], size,
                                [f"{k}: saved pieces overlap or leave holes" for k in badly_covered]))
@@ -219,7 +220,7 @@ def _rank_main(ckpt_dir: str, layouts: list) -> List[PhaseReport]:
     for layout in layouts[1:]:
         ps, model, optimizer = build(layout, train_cfg)
         request = {"rng_state": _rng_object(rank, world, None)}
-        state, seconds = _timed(lambda: load_checkpoint(ckpt_dir, model, optimizer, extra=request))
+        state, seconds = _timed(load_checkpoint, ckpt_dir, model, optimizer, extra=request)
         # What the ranks now hold -- parameters and optimizer slices, every replica -- against
         # the reference, by each piece's own position in the global tensors.
         leaves = _applied_leaves(checkpoint_sharded_state_dict(model, optimizer, state["iteration"]))
@@ -238,7 +239,7 @@ def _rank_main(ckpt_dir: str, layouts: list) -> List[PhaseReport]:
 # --------------------------------------------------------------------------- driver
 
 
-def _summarise(per_rank: List[List[PhaseReport]]) -> List[PhaseReport]:
+def _summarise(per_rank: list[list[PhaseReport]]) -> list[PhaseReport]:
     """One report per phase: the slowest time, the keys of all ranks, bytes summed over ranks."""
     rows = []
     for phase in zip(*per_rank):
@@ -250,7 +251,7 @@ def _summarise(per_rank: List[List[PhaseReport]]) -> List[PhaseReport]:
     return rows
 
 
-def _print_table(rows: List[PhaseReport], world_size: int, ckpt_dir: Path, total_s: float) -> None:
+def _print_table(rows: list[PhaseReport], world_size: int, ckpt_dir: Path, total_s: float) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -272,7 +273,7 @@ def _print_table(rows: List[PhaseReport], world_size: int, ckpt_dir: Path, total
     console.print(f"checkpoint: {ckpt_dir}   total: {total_s:.1f} s")
 
 
-def main(world_size: int = 4, out_dir: Optional[Union[str, os.PathLike]] = None) -> int:
+def main(world_size: int = 4, out_dir: str | os.PathLike | None = None) -> int:
     """Run the demo on ``world_size`` ranks; 0 if every reload was bit-exact, else 1.
 
     The checkpoint goes to ``out_dir/ckpt`` (kept), or to a temporary directory (removed).

@@ -22,9 +22,9 @@ The first three functions keep the names and semantics of
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from copy import deepcopy
 from dataclasses import replace
-from typing import Dict, Iterable, Optional, Tuple, Union
 
 import torch
 
@@ -50,15 +50,15 @@ __all__ = [
     "optim_state_to_sharding_state",
 ]
 
-ShardedParam = Union[ShardedTensor, ShardedTensorFactory]
+ShardedParam = ShardedTensor | ShardedTensorFactory
 
 
-def get_optim_param_to_id_map(optim_params_iter: Iterable[torch.Tensor]) -> Dict[int, int]:
+def get_optim_param_to_id_map(optim_params_iter: Iterable[torch.Tensor]) -> dict[int, int]:
     """Map ``id(param)`` to the param's position in the optimizer (its ``state_dict`` id).
 
     A parameter that appears twice keeps its first position, as ``torch.optim`` numbers it.
     """
-    param_to_id: Dict[int, int] = {}
+    param_to_id: dict[int, int] = {}
     for index, param in enumerate(optim_params_iter):
         param_to_id.setdefault(id(param), index)
     return param_to_id
@@ -66,7 +66,7 @@ def get_optim_param_to_id_map(optim_params_iter: Iterable[torch.Tensor]) -> Dict
 
 def get_param_id_to_sharded_param_map(
     model_sharded_state_dict: ShardedStateDict, optim_params_iter: Iterable[torch.Tensor]
-) -> Dict[int, ShardedParam]:
+) -> dict[int, ShardedParam]:
     """Map optimizer state ids to the model's ShardedTensors (or factories) of those params.
 
     A sharded leaf belongs to a parameter when its ``data`` *is* that parameter (the model's
@@ -79,7 +79,7 @@ def get_param_id_to_sharded_param_map(
     """
     sharded, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
     param_to_id = get_optim_param_to_id_map(optim_params_iter)
-    id_to_sharded: Dict[int, ShardedParam] = {}
+    id_to_sharded: dict[int, ShardedParam] = {}
     for leaf in nested_values(sharded):
         param_id = param_to_id.get(id(leaf.data))
         if param_id is None:
@@ -108,10 +108,16 @@ def make_sharded_optimizer_tensor(
 
     Raises:
         CheckpointingException: the state tensor's shape differs from the parameter's local
-            shape (or, for a flattened parameter, its element count from the flat range's).
+            shape (a factory's tensor; for a flattened parameter, the flat range's length).
     """
     key = _state_prefix_key(prefix, model_param.key)
     if isinstance(model_param, ShardedTensorFactory):
+        param = model_param.data
+        if isinstance(param, torch.Tensor) and isinstance(optim_param, torch.Tensor) \
+                and optim_param.shape != param.shape:
+            raise CheckpointingException(
+                f"optimizer state {key!r}: shape {tuple(optim_param.shape)} does not match the model "
+                f"parameter's shape {tuple(param.shape)}")
         return replace(model_param, key=key, data=optim_param)
     if not isinstance(model_param, ShardedTensor):
         raise CheckpointingException(
@@ -143,7 +149,7 @@ def make_sharded_optimizer_tensor_flat(
     optim_slice: torch.Tensor,
     flattened_range: slice,
     prefix: str,
-    replica_id: Optional[ReplicaId] = None,
+    replica_id: ReplicaId | None = None,
 ) -> ShardedParam:
     """Shard a distributed optimizer's flat slice of one parameter's state.
 
@@ -196,7 +202,7 @@ def make_sharded_optimizer_tensor_flat(
     )
 
 
-def _rank_offsets(sharded: ShardedTensor) -> Tuple[Tuple[int, int, int], ...]:
+def _rank_offsets(sharded: ShardedTensor) -> tuple[tuple[int, int, int], ...]:
     """The ``(axis, rank_offset, fragments)`` triples that place ``sharded`` on its grid.
 
     Raises:
@@ -217,8 +223,8 @@ def _rank_offsets(sharded: ShardedTensor) -> Tuple[Tuple[int, int, int], ...]:
 
 def optim_state_to_sharding_state(
     optim_state_dict: StateDict,
-    id_to_sharded_param_map: Dict[int, ShardedParam],
-    exclude_keys: Tuple[str, ...] = (),
+    id_to_sharded_param_map: dict[int, ShardedParam],
+    exclude_keys: tuple[str, ...] = (),
 ) -> None:
     """Turn a ``torch.optim``-style state dict into a sharded state dict, in place.
 
@@ -238,7 +244,7 @@ def optim_state_to_sharding_state(
         CheckpointingException: a parameter with state has no sharded counterpart, or a state
             tensor does not match its parameter's shape.
     """
-    sharded_state: Dict[int, Dict[str, ShardedParam]] = {}
+    sharded_state: dict[int, dict[str, ShardedParam]] = {}
     for param_id, param_state in optim_state_dict["state"].items():
         sharded_param = id_to_sharded_param_map.get(param_id)
         sharded_state[param_id] = {}

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import shutil
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ import torch
 import distckpt
 from distckpt import CheckpointingException, ShardedObject, ShardedTensor, check_is_distributed_checkpoint
 from distckpt import dist as ddist
+from distckpt.manifest import read_manifest, verify_files
 from distckpt.strategies import zarr as zs
 from tests import layouts
 from tests.harness import expect_all_ranks_raise, run_ranks
@@ -38,9 +40,9 @@ def _recorded(method: str):
     paths = []
     original = getattr(zs.RawIO, method)
 
-    def spy(self, jobs):
+    def spy(self, jobs, *args):
         paths.extend(str(j.meta.chunk_path(j.index)) for j in jobs)
-        return original(self, jobs)
+        return original(self, jobs, *args)
 
     setattr(zs.RawIO, method, spy)
     try:
@@ -140,6 +142,14 @@ def test_empty_pieces_write_nothing_and_do_not_split_the_grid(tmp_path):
     assert torch.equal(distckpt.load_plain_tensors(tmp_path)["e"], layouts.full_tensor("e", (4, 2)))
 
 
+def test_empty_tensors_have_an_array_and_no_chunks(tmp_path):
+    distckpt.save({"e": ShardedTensor.from_rank_offsets("e", torch.zeros(0, 3, dtype=torch.bfloat16))}, tmp_path,
+                  sharded_strategy=("zarr", 2))
+    assert _zarr_json(tmp_path, "e")["shape"] == [0, 3] and _chunk_files(tmp_path, "e") == []
+    out = distckpt.load_plain_tensors(tmp_path)["e"]
+    assert out.shape == (0, 3) and out.dtype == torch.bfloat16
+
+
 # --------------------------------------------------------------------------- flattened ranges
 
 
@@ -150,13 +160,33 @@ def test_flattened_ranges_round_trip_resharded_with_one_writer_per_chunk(min_fla
     written = run_ranks(4, _save_layout, str(tmp_path), "flat_optimizer", {"tp": 2},
                         {"min_flat_chunk_bytes": min_flat_chunk_bytes})
     files = [f for w in written for f in w]
-    assert len(files) == len(set(files)) and sorted(files) == _chunk_files(tmp_path, "exp_avg")
+    on_disk = _chunk_files(tmp_path, "exp_avg") + _chunk_files(tmp_path, "exp_avg_bf16")
+    assert len(files) == len(set(files)) and sorted(files) == sorted(on_disk)
     layout, world, params = load
     results = run_ranks(world, _load_layout, str(tmp_path), layout, params)
     assert [wrong for _, wrong, _ in results] == [[]] * world
     assert torch.equal(zs.ZarrLoadShardedStrategy().load(
         {"x": ShardedTensor.from_rank_offsets("exp_avg", torch.zeros(8, 6))}, tmp_path)["x"],
         layouts.full_tensor("exp_avg", (8, 6)))
+
+
+def _async_save_flat_then_mutate(ckpt):
+    from distckpt.strategies.async_utils import AsyncCallsQueue
+
+    sd, _ = layouts.build("flat_optimizer", ddist.get_rank(), ddist.get_world_size(), True, tp=2)
+    queue = AsyncCallsQueue()
+    request = distckpt.save(sd, ckpt, sharded_strategy=("zarr", 2), async_sharded_save=True)
+    for sh in sd.values():
+        sh.data.fill_(0)
+    queue.schedule_async_request(request)
+    queue.close()
+    return check_is_distributed_checkpoint(ckpt)
+
+
+def test_async_save_of_flattened_ranges_with_shared_chunks(tmp_path):
+    assert run_ranks(4, _async_save_flat_then_mutate, str(tmp_path)) == [True] * 4
+    results = run_ranks(2, _load_layout, str(tmp_path), "flat_optimizer", {"tp": 2, "flat": False})
+    assert [wrong for _, wrong, _ in results] == [[]] * 2
 
 
 def test_flattened_ranges_are_stored_in_the_original_shape(tmp_path):
@@ -228,7 +258,7 @@ DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.flo
 
 
 def _random_bits(key, shape, dtype):
-    g = torch.Generator().manual_seed(hash(key) % (1 << 31))
+    g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
     if dtype == torch.bool:
         return torch.randint(0, 2, shape, generator=g).bool()
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -479,3 +509,29 @@ def test_remove_sharded_tensors_drops_the_arrays(tmp_path):
     distckpt.remove_sharded_tensors(tmp_path, "c")
     assert set(distckpt.load_tensors_metadata(tmp_path)) == {"row", "emb", "half", "bias", "mask", "steps"}
     assert not (tmp_path / "col").exists() and not (tmp_path / "count").exists()
+    assert verify_files(tmp_path, read_manifest(tmp_path)) == []
+
+
+# --------------------------------------------------------------------------- integrity manifest
+
+
+@pytest.mark.parametrize("engine", ["raw", "tensorstore"])
+def test_manifest_covers_every_file_and_verify_catches_a_flipped_byte(engine, tmp_path):
+    run_ranks(2, _save_layout, str(tmp_path), "grid", {"rows": 2, "cols": 1})
+    manifest = read_manifest(tmp_path)
+    assert verify_files(tmp_path, manifest) == []
+    assert {"zarr.json", "grid/zarr.json", "grid/c/0/0", "grid/c/1/0", "common.pt"} <= set(manifest.files)
+    chunk = tmp_path / "grid" / "c" / "1" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[5] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    assert any("grid/c/1/0" in p and "CRC32C mismatch" in p for p in verify_files(tmp_path, manifest))
+
+    def request():
+        return {"g": ShardedTensor.from_rank_offsets("grid", torch.zeros(8, 12))}
+
+    strategy = zs.ZarrLoadShardedStrategy(io_engine=engine)
+    assert not torch.equal(distckpt.load(request(), tmp_path, sharded_strategy=strategy)["g"],
+                           layouts.full_tensor("grid", (8, 12)))
+    with pytest.raises(CheckpointingException, match=r"grid/c/1/0 \(rank 0\): CRC32C mismatch against the manifest"):
+        distckpt.load(request(), tmp_path, sharded_strategy=zs.ZarrLoadShardedStrategy(io_engine=engine), verify=True)

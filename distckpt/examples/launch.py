@@ -14,8 +14,9 @@ import queue
 import socket
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable, Dict, List
+from typing import Any
 
 import torch
 import torch.distributed as tdist
@@ -51,7 +52,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, res
         results.put((rank, False, traceback.format_exc()))
 
 
-def launch(world_size: int, fn: Callable, *args: Any, timeout: float = 300) -> List[Any]:
+def launch(world_size: int, fn: Callable, *args: Any, timeout: float = 300) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` fresh gloo ranks; return the per-rank values.
 
     Raises:
@@ -73,8 +74,8 @@ def launch(world_size: int, fn: Callable, *args: Any, timeout: float = 300) -> L
         else:
             os.environ["OMP_NUM_THREADS"] = saved
 
-    values: Dict[int, Any] = {}
-    errors: Dict[int, str] = {}
+    values: dict[int, Any] = {}
+    errors: dict[int, str] = {}
     deadline = time.monotonic() + timeout
     try:
         while len(values) + len(errors) < world_size and time.monotonic() < deadline:

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +43,7 @@ from distckpt.examples.parallel import ParallelState, copy_to_tp, gather_from_tp
 from distckpt.mapping import ShardedStateDict
 from distckpt.utils import replace_prefix_for_sharding
 
-RankOffset = Tuple[int, int, int]
+RankOffset = tuple[int, int, int]
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class GPTConfig:
 # --------------------------------------------------------------------------- sharding helpers
 
 
-def replica_id(ps: ParallelState, tp_replicated: bool) -> Tuple[int, int, int]:
+def replica_id(ps: ParallelState, tp_replicated: bool) -> tuple[int, int, int]:
     """``(0, tp part, dp part)``: copies of a param on other TP/DP ranks are non-main replicas.
 
     The last entry counts data-parallel copies; a distributed optimizer, whose DP ranks hold
@@ -126,7 +126,7 @@ def swiglu_sharded_factory(param: torch.Tensor, key: str, ps: ParallelState,
     chunk_shape = (param.shape[0] // 2,) + tuple(param.shape[1:])
     boundary = math.prod(chunk_shape)
 
-    def build(key: str, data: torch.Tensor, replica, flattened_range: Optional[slice]) -> ShardedStateDict:
+    def build(key: str, data: torch.Tensor, replica, flattened_range: slice | None) -> ShardedStateDict:
         if flattened_range is None:
             w, v = data[: chunk_shape[0]], data[chunk_shape[0]:]
             return {
@@ -145,7 +145,7 @@ def swiglu_sharded_factory(param: torch.Tensor, key: str, ps: ParallelState,
                     flattened_range=slice(a - lo, b - lo), replica_id=replica, prepend_axis_num=p)
         return parts
 
-    def merge(loaded: Dict[str, torch.Tensor]) -> torch.Tensor:
+    def merge(loaded: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.cat([loaded[name] for name in ("w", "v") if name in loaded])
 
     return ShardedTensorFactory(key, param, build, merge, replica_id(ps, tp_replicated=False))

@@ -1,6 +1,6 @@
 """Adam for the example model in two flavours, both checkpointed with distckpt.
 
-* :class:`Adam` -- ``torch.optim.Adam`` over this rank's parameters. Its state tensors have the
+* :class:`Adam` -- Adam over this rank's parameters. Its state tensors have the
   shape of their parameters, so they are sharded exactly like them
   (:func:`distckpt.optimizer.optim_state_to_sharding_state`).
 * :class:`DistributedAdam` -- the distributed optimizer (ZeRO-1): the rank's parameters are
@@ -20,7 +20,7 @@ loop divides the loss by the *global* number of tokens, so the sum is the global
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ from distckpt.optimizer import (
 STATE_NAMES = ("exp_avg", "exp_avg_sq")
 
 
-def _flat_grads(params: List[nn.Parameter], padded_numel: int) -> torch.Tensor:
+def _flat_grads(params: list[nn.Parameter], padded_numel: int) -> torch.Tensor:
     flat = torch.zeros(padded_numel)
     offset = 0
     for p in params:
@@ -47,30 +47,76 @@ def _flat_grads(params: List[nn.Parameter], padded_numel: int) -> torch.Tensor:
     return flat
 
 
-def _torch_adam(params: List[nn.Parameter], lr: float, betas: Tuple[float, float], eps: float) -> torch.optim.Adam:
-    # foreach=False: the same per-tensor arithmetic whatever the tensors' sizes.
-    return torch.optim.Adam(params, lr=lr, betas=betas, eps=eps, foreach=False)
+class AdamKernel:
+    """Adam over a list of tensors with ``torch.optim.Adam``'s arithmetic and ``state_dict`` format.
+
+    The update is torch's default single-tensor Adam (no weight decay, no amsgrad), op for op, so
+    the results are the same bits (tests/test_example_model.py checks it); ``state_dict()`` has
+    torch's layout (``state`` keyed by position, ``param_groups`` with ``params`` positions), which
+    is what :mod:`distckpt.optimizer` works on. torch.optim.Adam itself is not used because its
+    first construction in a process imports ``torch._dynamo`` (about 2.5 s of CPU), which would
+    dominate every rank that this CPU example and ``distckpt demo`` spawn.
+    """
+
+    def __init__(self, params: list[torch.Tensor], lr: float, betas: tuple[float, float], eps: float):
+        self.params = list(params)
+        self.param_groups = [{"params": self.params, "lr": lr, "betas": tuple(betas), "eps": eps}]
+        self.state: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+
+    def init_state(self) -> None:
+        """Create zero state for every tensor that has none (torch creates it at the first step)."""
+        for p in self.params:
+            if p not in self.state:
+                self.state[p] = {"step": torch.tensor(0.0),
+                                 **{name: torch.zeros_like(p, memory_format=torch.preserve_format)
+                                    for name in STATE_NAMES}}
+
+    @torch.no_grad()
+    def step(self) -> None:
+        group = self.param_groups[0]
+        lr, (beta1, beta2), eps = group["lr"], group["betas"], group["eps"]
+        self.init_state()
+        for p in self.params:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            state["step"] += 1
+            exp_avg.lerp_(p.grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+            step = state["step"].item()
+            step_size = lr / (1 - beta1**step)
+            denom = (exp_avg_sq.sqrt() / (1 - beta2**step) ** 0.5).add_(eps)
+            p.addcdiv_(exp_avg, denom, value=-step_size)
+
+    def state_dict(self) -> StateDict:
+        """``{"state": {position: {name: tensor}}, "param_groups": [...]}``; the tensors are shared."""
+        positions = {id(p): i for i, p in enumerate(self.params)}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [positions[id(p)] for p in g["params"]]}
+                  for g in self.param_groups]
+        return {"state": {positions[id(p)]: st for p, st in self.state.items()}, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: StateDict) -> None:
+        """Take hyperparameters and copies of the state tensors from ``state_dict``."""
+        for group, loaded in zip(self.param_groups, state_dict["param_groups"]):
+            group.update({k: (tuple(v) if k == "betas" else v) for k, v in loaded.items() if k != "params"})
+        self.state = {}
+        for i, loaded in state_dict["state"].items():
+            p = self.params[i]
+            # As torch does: the step count keeps its dtype, moments take the parameter's.
+            self.state[p] = {name: t.detach().clone() if name == "step" else t.detach().to(p.dtype, copy=True)
+                             for name, t in loaded.items()}
 
 
-def _init_state(optimizer: torch.optim.Optimizer) -> None:
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            state = optimizer.state[p]
-            if not state:
-                state["step"] = torch.tensor(0.0)
-                for name in STATE_NAMES:
-                    state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-
-def _step_count(optimizer: torch.optim.Optimizer) -> int:
+def _step_count(optimizer: AdamKernel) -> int:
     steps = {int(s["step"]) for s in optimizer.state.values() if "step" in s}
     if len(steps) > 1:
         raise RuntimeError(f"parameters are at different Adam steps {sorted(steps)}")
     return steps.pop() if steps else 0
 
 
-def _torch_state(state_dict: StateDict, id_map: Dict[Any, int]) -> StateDict:
-    """A ``torch.optim`` state dict from a loaded one (``id_map``: loaded id -> torch id)."""
+def _torch_state(state_dict: StateDict, id_map: dict[Any, int]) -> StateDict:
+    """An AdamKernel state dict from a loaded one (``id_map``: loaded id -> kernel position)."""
     step = torch.tensor(float(state_dict["step"]))
     state = {}
     for loaded_id, torch_id in id_map.items():
@@ -80,36 +126,34 @@ def _torch_state(state_dict: StateDict, id_map: Dict[Any, int]) -> StateDict:
 
 
 class Adam:
-    """``torch.optim.Adam`` over the rank's parameters, after a DP all-reduce of the gradients."""
+    """Adam over the rank's parameters, after a DP all-reduce of the gradients."""
 
     def __init__(self, model: nn.Module, ps: ParallelState, lr: float = 1e-2,
-                 betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
         self.ps = ps
         self.params = list(model.parameters())
         self.numel = sum(p.numel() for p in self.params)
-        self.optimizer = _torch_adam(self.params, lr, betas, eps)
+        self.optimizer = AdamKernel(self.params, lr, betas, eps)
 
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
 
-    def reduce_gradients(self) -> torch.Tensor:
-        """All-reduce every gradient over DP in one flat buffer; return the buffer."""
+    def reduce_gradients(self) -> None:
+        """All-reduce every gradient over DP, in one flat buffer that the gradients then view."""
         flat = all_reduce(_flat_grads(self.params, self.numel), self.ps.dp_group)
         offset = 0
         for p in self.params:
             p.grad = flat[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
-        return flat
 
     def step(self) -> None:
         self.reduce_gradients()
         self.optimizer.step()
 
     def init_state(self) -> None:
-        """Create zero state (torch creates it lazily at the first step) so a checkpoint can be
-        loaded into it."""
-        _init_state(self.optimizer)
+        """Create zero state (Adam creates it at the first step) so a checkpoint can be loaded into it."""
+        self.optimizer.init_state()
 
     def reload_model_params(self) -> None:
         """Nothing to do: this optimizer updates the model's parameters themselves."""
@@ -132,12 +176,11 @@ class DistributedAdam:
 
     The flat buffer holds the rank's parameters in ``model.parameters()`` order, padded to a
     multiple of DP; DP rank ``d`` owns elements ``[d * n, (d + 1) * n)``. For each parameter that
-    meets that range the rank keeps an fp32 main copy of its slice, on which ``torch.optim.Adam``
-    steps; the updated slices are then all-gathered into every DP rank's parameters.
+    meets that range the rank keeps an fp32 main copy of its slice, on which Adam steps; the updated slices are then all-gathered into every DP rank's parameters.
     """
 
     def __init__(self, model: nn.Module, ps: ParallelState, lr: float = 1e-2,
-                 betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
         self.ps = ps
         self.params = list(model.parameters())
         self.numel = sum(p.numel() for p in self.params)
@@ -145,8 +188,8 @@ class DistributedAdam:
         lo = ps.dp_rank * self.shard_numel
         hi = min(lo + self.shard_numel, self.numel)
         # (param index, start, stop): elements [start, stop) of the flattened param are ours.
-        self.ranges: List[Tuple[int, int, int]] = []
-        self.main_params: List[nn.Parameter] = []
+        self.ranges: list[tuple[int, int, int]] = []
+        self.main_params: list[nn.Parameter] = []
         offset = 0
         for i, p in enumerate(self.params):
             start, stop = max(offset, lo) - offset, min(offset + p.numel(), hi) - offset
@@ -157,7 +200,7 @@ class DistributedAdam:
         if not self.main_params:
             raise ValueError(f"DP rank {ps.dp_rank} of {ps.dp} owns no element of the {self.numel} parameters; "
                              "use fewer data-parallel ranks for a model this small")
-        self.optimizer = _torch_adam(self.main_params, lr, betas, eps)
+        self.optimizer = AdamKernel(self.main_params, lr, betas, eps)
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -173,7 +216,7 @@ class DistributedAdam:
         self.optimizer.step()
         self._gather_params()
 
-    def _param_offsets(self) -> List[int]:
+    def _param_offsets(self) -> list[int]:
         offsets, total = [], 0
         for p in self.params:
             offsets.append(total)
@@ -190,7 +233,7 @@ class DistributedAdam:
 
     def init_state(self) -> None:
         """Create zero state so that a checkpoint can be loaded into it."""
-        _init_state(self.optimizer)
+        self.optimizer.init_state()
 
     def reload_model_params(self) -> None:
         """Copy the model's (freshly loaded) parameters into the main slices."""
@@ -206,7 +249,7 @@ class DistributedAdam:
         """
         id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, self.params)
         inner = self.optimizer.state_dict()
-        state: Dict[int, Dict[str, Any]] = {}
+        state: dict[int, dict[str, Any]] = {}
         for j, (i, start, stop) in enumerate(self.ranges):
             if j not in inner["state"]:
                 continue  # no step taken and no init_state(): nothing to save yet

@@ -13,8 +13,8 @@ process group when the layout has a single rank.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as tdist
@@ -54,7 +54,7 @@ class Layout:
             raise ValueError(f"cannot read a layout from {text!r}; write e.g. TP2xPP2xDP2 or 2,2,2")
         return cls(**{name: int(value) for name, value in parts})
 
-    def coords(self, rank: int) -> Tuple[int, int, int]:
+    def coords(self, rank: int) -> tuple[int, int, int]:
         """``(tp_rank, pp_rank, dp_rank)`` of global ``rank``."""
         tp_rank = rank % self.tp
         dp_rank = (rank // self.tp) % self.dp
@@ -64,22 +64,23 @@ class Layout:
     def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
         return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
 
-    def tp_groups(self) -> List[List[int]]:
+    def tp_groups(self) -> list[list[int]]:
         return [[self.rank_of(t, p, d) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
 
-    def dp_groups(self) -> List[List[int]]:
+    def dp_groups(self) -> list[list[int]]:
         return [[self.rank_of(t, p, d) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
 
-    def pp_groups(self) -> List[List[int]]:
+    def pp_groups(self) -> list[list[int]]:
         return [[self.rank_of(t, p, d) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
 
 
-# Groups of a layout, created once per process: every rank must create every group, in the same
-# order, so caching them also keeps repeated runs in one process (a test's rank pool) cheap.
-_GROUPS: Dict[Layout, Tuple[Optional[object], Optional[object], Optional[object]]] = {}
+# Groups of a layout, created once per default process group: every rank must create every
+# group, in the same order, and caching them keeps repeated runs in one process (a test's rank
+# pool) cheap. The key holds the default group itself, so a re-initialized world starts afresh.
+_GROUPS: dict[tuple[object | None, Layout], tuple[object | None, object | None, object | None]] = {}
 
 
-def _my_group(groups: List[List[int]], rank: int):
+def _my_group(groups: list[list[int]], rank: int):
     mine = None
     for ranks in groups:
         if len(ranks) == 1:
@@ -99,9 +100,9 @@ class ParallelState:
     tp_rank: int
     pp_rank: int
     dp_rank: int
-    tp_group: Optional[object]
-    pp_group: Optional[object]
-    dp_group: Optional[object]
+    tp_group: object | None
+    pp_group: object | None
+    dp_group: object | None
 
     @classmethod
     def initialize(cls, layout: Layout) -> ParallelState:
@@ -117,13 +118,14 @@ class ParallelState:
         rank = tdist.get_rank() if initialized else 0
         if layout.world_size != world:
             raise ValueError(f"layout {layout} needs {layout.world_size} ranks, the world has {world}")
-        if layout not in _GROUPS:
+        key = (tdist.group.WORLD if initialized else None, layout)
+        if key not in _GROUPS:
             if world == 1:
-                _GROUPS[layout] = (None, None, None)
+                _GROUPS[key] = (None, None, None)
             else:
-                _GROUPS[layout] = (_my_group(layout.tp_groups(), rank), _my_group(layout.pp_groups(), rank),
-                                   _my_group(layout.dp_groups(), rank))
-        tp_group, pp_group, dp_group = _GROUPS[layout]
+                _GROUPS[key] = (_my_group(layout.tp_groups(), rank), _my_group(layout.pp_groups(), rank),
+                                _my_group(layout.dp_groups(), rank))
+        tp_group, pp_group, dp_group = _GROUPS[key]
         tp_rank, pp_rank, dp_rank = layout.coords(rank)
         return cls(layout, rank, tp_rank, pp_rank, dp_rank, tp_group, pp_group, dp_group)
 

@@ -15,14 +15,15 @@ A checkpoint holds::
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
 import distckpt
+from distckpt.dict_utils import dict_list_map_inplace
 from distckpt.examples.model import GPTConfig, GPTModel
 from distckpt.examples.optimizers import Adam, DistributedAdam
 from distckpt.examples.parallel import (
@@ -32,10 +33,9 @@ from distckpt.examples.parallel import (
     recv_from_stage,
     send_to_stage,
 )
-from distckpt.dict_utils import dict_list_map_inplace
 from distckpt.mapping import ShardedStateDict, ShardedTensor, ShardedTensorFactory, StateDict
 
-Optimizer = Union[Adam, DistributedAdam]
+Optimizer = Adam | DistributedAdam
 
 LOSS_RTOL = 1e-5
 """Relative tolerance for losses of runs under different layouts.
@@ -62,8 +62,8 @@ class RunResult:
 
     rank: int
     first_iteration: int
-    losses: Optional[List[float]]
-    resumed_from: Optional[str] = None
+    losses: list[float] | None
+    resumed_from: str | None = None
 
 
 def batch(cfg: GPTConfig, iteration: int, global_batch_size: int) -> torch.Tensor:
@@ -78,7 +78,7 @@ def batch(cfg: GPTConfig, iteration: int, global_batch_size: int) -> torch.Tenso
     return (start + stride * torch.arange(cfg.seq_length + 1)) % cfg.vocab_size
 
 
-def build(layout: Layout, train_cfg: TrainConfig) -> Tuple[ParallelState, GPTModel, Optimizer]:
+def build(layout: Layout, train_cfg: TrainConfig) -> tuple[ParallelState, GPTModel, Optimizer]:
     """This rank's parallel state, model stage and optimizer."""
     if train_cfg.global_batch_size % layout.dp:
         raise ValueError(f"global batch {train_cfg.global_batch_size} cannot be split over DP={layout.dp}")
@@ -88,7 +88,7 @@ def build(layout: Layout, train_cfg: TrainConfig) -> Tuple[ParallelState, GPTMod
     return ps, model, optimizer_cls(model, ps, lr=train_cfg.lr)
 
 
-def train_step(model: GPTModel, optimizer: Optimizer, ps: ParallelState, tokens: torch.Tensor) -> Optional[float]:
+def train_step(model: GPTModel, optimizer: Optimizer, ps: ParallelState, tokens: torch.Tensor) -> float | None:
     """One step on the global batch ``tokens``; returns the mean loss on last-stage ranks.
 
     Pipeline: every stage but the first receives its input activations from the previous stage
@@ -135,8 +135,8 @@ def checkpoint_sharded_state_dict(model: GPTModel, optimizer: Optimizer, iterati
     }
 
 
-def save_checkpoint(ckpt_dir: Union[str, Path], model: GPTModel, optimizer: Optimizer, iteration: int,
-                    extra: Optional[ShardedStateDict] = None) -> None:
+def save_checkpoint(ckpt_dir: str | Path, model: GPTModel, optimizer: Optimizer, iteration: int,
+                    extra: ShardedStateDict | None = None) -> None:
     """Save the training state (plus ``extra`` entries, e.g. RNG states); every rank calls it."""
     state = checkpoint_sharded_state_dict(model, optimizer, iteration)
     state.update(extra or {})
@@ -149,8 +149,8 @@ def _detached(leaf):
     return leaf
 
 
-def load_checkpoint(ckpt_dir: Union[str, Path], model: GPTModel, optimizer: Optimizer,
-                    extra: Optional[ShardedStateDict] = None) -> StateDict:
+def load_checkpoint(ckpt_dir: str | Path, model: GPTModel, optimizer: Optimizer,
+                    extra: ShardedStateDict | None = None) -> StateDict:
     """Restore model and optimizer from a checkpoint saved under any layout; every rank calls it.
 
     Returns the loaded state dict: ``iteration``, the ``layout`` it was saved under, and the
@@ -170,9 +170,9 @@ def load_checkpoint(ckpt_dir: Union[str, Path], model: GPTModel, optimizer: Opti
     return state
 
 
-def run(layout: Union[Layout, str], steps: int, train_cfg: TrainConfig = TrainConfig(),
-        load_dir: Optional[str] = None, save_dir: Optional[str] = None,
-        save_at: Optional[int] = None) -> RunResult:
+def run(layout: Layout | str, steps: int, train_cfg: TrainConfig = TrainConfig(),
+        load_dir: str | None = None, save_dir: str | None = None,
+        save_at: int | None = None) -> RunResult:
     """Every rank: build at ``layout``, resume from ``load_dir`` if given, train ``steps`` steps.
 
     With ``save_dir``, the state is saved after ``save_at`` of those steps (default: after the
@@ -186,7 +186,7 @@ def run(layout: Union[Layout, str], steps: int, train_cfg: TrainConfig = TrainCo
         iteration, resumed_from = state["iteration"], state["layout"]
     first = iteration
     save_at = steps if save_at is None else save_at
-    losses: List[Optional[float]] = []
+    losses: list[float | None] = []
     for step in range(steps + 1):
         if save_dir is not None and step == save_at:
             save_checkpoint(save_dir, model, optimizer, iteration)
@@ -198,7 +198,7 @@ def run(layout: Union[Layout, str], steps: int, train_cfg: TrainConfig = TrainCo
     return RunResult(ps.rank, first, losses if ps.is_last_stage else None, resumed_from)
 
 
-def last_stage_losses(results: Sequence[RunResult]) -> List[float]:
+def last_stage_losses(results: Sequence[RunResult]) -> list[float]:
     """The losses of a run: the last rank is always on the last pipeline stage."""
     return results[-1].losses
 

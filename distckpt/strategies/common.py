@@ -26,7 +26,7 @@ import torch
 from distckpt import dist
 from distckpt.core import CheckpointingException
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
-from distckpt.manifest import check_whole_file
+from distckpt.manifest import check_whole_file, read_manifest
 from distckpt.mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
 from distckpt.strategies.base import (
     LoadCommonStrategy,
@@ -167,9 +167,15 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
 
     def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
         root = Path(checkpoint_dir)
+        manifest = read_manifest(root)
+        if manifest is not None:
+            # The manifest lists every file written; no need to walk (possibly millions of) chunk files.
+            names = [n for n in manifest.files if n.endswith(".pt") and Path(n).name.startswith("shard_")]
+        else:
+            names = [str(p.relative_to(root)) for p in root.rglob("shard_*.pt")]
         found = {}
-        for path in root.rglob("shard_*.pt"):
-            unique_key = str(path.relative_to(root))[: -len(".pt")]
+        for name in names:
+            unique_key = name[: -len(".pt")]
             try:
                 obj = ShardedObject.empty_from_unique_key(unique_key)
             except CheckpointingException:

@@ -69,11 +69,11 @@ class TensorStoreIO:
         self._ts = ts
         self._context = ts.Context({"file_io_concurrency": {"limit": max(1, concurrency)},
                                     "data_copy_concurrency": {"limit": max(1, concurrency)}})
-        self._stores: Dict[Tuple[str, bool], Any] = {}
 
-    def _open(self, meta: "ArrayMeta", write: bool) -> Any:
-        cache_key = (str(meta.path), write)
-        store = self._stores.get(cache_key)
+    def _open(self, meta: "ArrayMeta", write: bool, opened: Dict[str, Any]) -> Any:
+        """Open each array once per batch of jobs (never across batches: a later save into the
+        same folder may have replaced the array)."""
+        store = opened.get(str(meta.path))
         if store is None:
             spec: Dict[str, Any] = {"driver": "zarr3" if meta.zarr_format == 3 else "zarr",
                                     "kvstore": {"driver": "file", "path": str(meta.path) + "/"}}
@@ -85,15 +85,16 @@ class TensorStoreIO:
                 raise CheckpointingException(
                     f"key {meta.key!r}: tensorstore cannot open array {meta.path} (rank {dist.get_rank()}): {e}"
                 ) from None
-            self._stores[cache_key] = store
+            opened[str(meta.path)] = store
         return store
 
     def write(self, jobs: Sequence["ChunkWrite"]) -> List[Tuple[str, int, int, str]]:
         """Write whole chunks; returns (relative path, size, crc32c, key) of each chunk file,
         read back once written (encoded chunks' bytes exist only in the file)."""
         pending: List[Tuple["ChunkWrite", Any]] = []
+        opened: Dict[str, Any] = {}
         for job in jobs:
-            store = self._open(job.meta, write=True)
+            store = self._open(job.meta, True, opened)
             full = tuple(0 for _ in job.index), tuple(job.data.shape)
             box = _box(job.meta, job.index, *full)
             pending.append((job, store[box].write(to_numpy(job.data))))
@@ -121,7 +122,8 @@ class TensorStoreIO:
             expected = None if checksums is None else checksums.get(op.meta.chunk_relpath(op.index))
             if expected is not None and crc32c(path.read_bytes()) != expected[1]:
                 raise CheckpointingException(f"{where}: CRC32C mismatch against the manifest (corrupted data)")
-        pending = [(op, self._open(op.meta, write=False)[_box(op.meta, op.index, op.lo, op.hi)].read())
+        opened: Dict[str, Any] = {}
+        pending = [(op, self._open(op.meta, False, opened)[_box(op.meta, op.index, op.lo, op.hi)].read())
                    for op in ops]
         for op, fut in pending:
             try:
