@@ -31,15 +31,17 @@ Formats:
 Common state and ShardedObjects have no place in these formats and are left out (the summary
 says how many); convert to ``torch_dist`` or ``zarr`` to keep them.
 
-:func:`import_file` goes the other way: a safetensors or ``torch.save`` file into a new
-``torch_dist``/``zarr`` checkpoint, tensor by tensor.
+:func:`convert` is what ``distckpt convert`` runs: any source (checkpoint or file) into any
+format, a checkpoint source through :func:`distckpt.tools.convert.stream_checkpoint`, a file
+source through :func:`stream_tensors` -- so a safetensors or ``torch.save`` file is imported
+into a new ``torch_dist``/``zarr`` checkpoint tensor by tensor. Importing this module registers
+the ``safetensors`` and ``torch`` writers with :func:`distckpt.tools.convert.register_writer`.
 """
 
 from __future__ import annotations
 
 import io
 import json
-import math
 import os
 import pickle
 import shutil
@@ -52,7 +54,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from distckpt.core import CheckpointingException, PathLike, fsync_dir
-from distckpt.tools.inspect import ObjectMeta, Progress, TensorMeta, TensorSource, dtype_name
+from distckpt.tools.inspect import Progress, TensorMeta, TensorSource, dtype_name
 
 INDEX_FNAME = "model.safetensors.index.json"
 SINGLE_FNAME = "model.safetensors"
@@ -159,11 +161,18 @@ def _check_new_output(dst: Path) -> None:
 
 
 def _install(tmp: Path, dst: Path) -> None:
-    """Move a finished output from its temporary name to ``dst`` (an empty folder is replaced)."""
-    if dst.is_dir():
+    """Move a finished output from its temporary name to ``dst``; what was there (an empty
+    folder, or anything with ``overwrite``) goes, after the new output is in place."""
+    old = None
+    if dst.is_dir() and not tmp.is_dir() or dst.is_dir() and any(dst.iterdir()):
+        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+        os.rename(dst, old)
+    elif dst.is_dir():
         dst.rmdir()
     os.replace(tmp, dst)
     fsync_dir(dst.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- safetensors: read
@@ -321,6 +330,27 @@ def _flatten(obj: Any, prefix: str, tensors: Dict[str, torch.Tensor]) -> Any:
 
 
 _REMOVED = object()
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _drop_mapped_pages(t: torch.Tensor) -> None:
+    """Let the kernel drop the file pages behind a memory-mapped tensor once it was copied:
+    without this, every page read stays counted in the process's memory until the whole file
+    is closed. The pages are clean (never written), so a later access reads them back from
+    the file. Best effort (Linux ``madvise(MADV_DONTNEED)``); does nothing elsewhere."""
+    import ctypes
+
+    storage = t.untyped_storage()
+    start, nbytes = storage.data_ptr(), storage.nbytes()
+    if not nbytes or not sys.platform.startswith("linux"):
+        return
+    lo = start // _PAGE * _PAGE
+    hi = -(-(start + nbytes) // _PAGE) * _PAGE
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), 4)  # MADV_DONTNEED
+    except (OSError, AttributeError):
+        pass
 
 
 class TorchFileSource(TensorSource):
@@ -328,7 +358,8 @@ class TorchFileSource(TensorSource):
     ``model.state_dict()`` names them); everything else is its common state.
 
     The file is memory-mapped where its format allows (torch's zip format), so opening it reads
-    only the pickle, and tensors are paged in as they are read. Loading is restricted to
+    only the pickle, and tensors are paged in as they are read (and their pages released once
+    copied); a legacy (non-zip) file is loaded whole. Loading is restricted to
     tensors, plain data and distckpt's allowlist unless ``trusted``.
     """
 
@@ -342,6 +373,7 @@ class TorchFileSource(TensorSource):
             raise CheckpointingException(f"{self.path}: no such file")
         what = f"{self.path}"
         obj = None
+        self._mapped = False
         for mmap in (True, False):
             try:
                 if trusted:
@@ -349,6 +381,7 @@ class TorchFileSource(TensorSource):
                 else:
                     with torch.serialization.safe_globals(list(_SAFE_GLOBALS)):
                         obj = torch.load(self.path, map_location="cpu", mmap=mmap, weights_only=True)
+                self._mapped = mmap
                 break
             except pickle.UnpicklingError as e:
                 first = next((ln for ln in str(e).splitlines() if "GLOBAL" in ln or "Unsupported" in ln), "")
@@ -377,10 +410,12 @@ class TorchFileSource(TensorSource):
 
     def read(self, key: str, offset=None, size=None) -> torch.Tensor:
         self.meta(key)
-        t = self._tensors[key]
-        if offset is not None:
-            t = t[tuple(slice(o, o + n) for o, n in zip(offset, size))]
-        return t.detach().clone()
+        whole = self._tensors[key]
+        t = whole if offset is None else whole[tuple(slice(o, o + n) for o, n in zip(offset, size))]
+        out = t.detach().clone()
+        if self._mapped:  # only file-backed pages may be dropped: anonymous ones would be lost
+            _drop_mapped_pages(whole)
+        return out
 
     def close(self) -> None:
         self._tensors.clear()
@@ -392,9 +427,12 @@ class TorchFileSource(TensorSource):
 class _TensorOnlyWriter:
     """Shared bookkeeping: what was left out, the destination, abort."""
 
-    def __init__(self, dst: PathLike):
+    def __init__(self, dst: PathLike, overwrite: bool = False):
         self.dst = Path(dst)
-        _check_new_output(self.dst)
+        if not overwrite:
+            _check_new_output(self.dst)
+        elif not self.dst.parent.is_dir():
+            raise CheckpointingException(f"{self.dst.parent}: output folder does not exist")
         self.tmp = _partial_name(self.dst)
         self.dropped_common = 0
         self.dropped_objects = 0
@@ -458,9 +496,9 @@ class SafetensorsWriter(_TensorOnlyWriter):
         metadata: the header's ``__metadata__`` (string to string); default ``{"format": "pt"}``.
     """
 
-    def __init__(self, dst: PathLike, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    def __init__(self, dst: PathLike, overwrite: bool = False, *, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
                  metadata: Optional[Dict[str, str]] = None):
-        super().__init__(dst)
+        super().__init__(dst, overwrite)
         if max_shard_size <= 0:
             raise CheckpointingException(f"max_shard_size must be positive, got {max_shard_size}")
         self.single_file = self.dst.name.endswith(".safetensors")
@@ -587,8 +625,8 @@ class TorchFileWriter(_TensorOnlyWriter):
     """Writes ``{key: tensor}`` as one ``torch.save`` file, one storage record per tensor as it
     arrives (see the module docstring)."""
 
-    def __init__(self, dst: PathLike):
-        super().__init__(dst)
+    def __init__(self, dst: PathLike, overwrite: bool = False):
+        super().__init__(dst, overwrite)
         self.refs: Dict[str, _TensorRef] = {}
         self._zip_cm = torch.serialization._open_zipfile_writer(str(self.tmp))
         self._zip = self._zip_cm.__enter__()
@@ -631,12 +669,154 @@ class TorchFileWriter(_TensorOnlyWriter):
         super().abort()
 
 
-def make_file_writer(fmt: str, dst: PathLike, max_shard_size: Optional[int] = None):
+def make_file_writer(fmt: str, dst: PathLike, max_shard_size: Optional[int] = None, overwrite: bool = False):
     """The writer for output format ``"safetensors"`` or ``"torch"``."""
     if fmt == "safetensors":
-        return SafetensorsWriter(dst, max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+        return SafetensorsWriter(dst, overwrite, max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE)
     if fmt == "torch":
         if max_shard_size is not None:
-            raise CheckpointingException("--max-shard-size applies to safetensors output only")
-        return TorchFileWriter(dst)
+            raise CheckpointingException("max_shard_size applies to safetensors output only")
+        return TorchFileWriter(dst, overwrite)
     raise CheckpointingException(f"unknown file format {fmt!r} (safetensors or torch)")
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+FILE_FORMATS = ("safetensors", "torch")
+OPTIMIZER_PREFIX = "optimizer."
+
+
+def _wanted(keys: Optional[str], exclude: Optional[str]) -> Callable[[str], bool]:
+    import re
+
+    try:
+        inc = re.compile(keys) if keys else None
+        exc = re.compile(exclude) if exclude else None
+    except re.error as e:
+        raise CheckpointingException(f"invalid key pattern: {e}") from None
+    return lambda k: (inc is None or inc.search(k) is not None) and (exc is None or exc.search(k) is None)
+
+
+def model_only_exclude(exclude: Optional[str]) -> str:
+    """``exclude`` extended to drop optimizer state (keys starting with ``optimizer.``)."""
+    import re
+
+    ours = "^" + re.escape(OPTIMIZER_PREFIX)
+    return ours if not exclude else f"(?:{exclude})|{ours}"
+
+
+class DropCommonEntries:
+    """Wraps an output writer and leaves the given top-level entries out of the common state
+    (``--model-only`` drops ``optimizer``)."""
+
+    def __init__(self, inner: Any, names: Sequence[str]):
+        self.inner = inner
+        self.names = set(names)
+
+    def begin(self, common: Dict[str, Any], objects: Dict[str, Any]) -> None:
+        self.inner.begin({k: v for k, v in common.items() if k not in self.names}, objects)
+
+    def write_tensor(self, key: str, tensor: torch.Tensor) -> None:
+        self.inner.write_tensor(key, tensor)
+
+    def finish(self) -> Any:
+        return self.inner.finish()
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+
+def stream_tensors(source: TensorSource, writer: Any, *, keys: Optional[str] = None,
+                   exclude: Optional[str] = None, dtype: Optional[torch.dtype] = None,
+                   progress: Optional[Progress] = None, read_budget: Optional[int] = None) -> Dict[str, Any]:
+    """Copy a tensor source (e.g. a safetensors or torch.save file) into ``writer`` (the
+    output-writer protocol), one tensor at a time, with the semantics of
+    :func:`distckpt.tools.convert.stream_checkpoint`: ``keys``/``exclude`` are regular
+    expressions (``re.search``; for objects, on their key), ``dtype`` casts floating-point
+    tensors only. On any error the writer is aborted.
+
+    Returns ``{"tensors", "nbytes", "objects", "skipped"}``.
+    """
+    wanted = _wanted(keys, exclude)
+    metas = source.tensors()
+    chosen = [k for k in metas if wanted(k)]
+    object_keys = [uk for uk in source.objects() if wanted(uk.rpartition("/shard_")[0] or uk)]
+    written = 0
+    try:
+        writer.begin(dict(source.common()), {uk: source.read_object(uk) for uk in object_keys})
+        if progress is not None:
+            progress.start(sum(metas[k].nbytes for k in chosen), f"converting {len(chosen)} tensors")
+        for key, tensor in source.iter_tensors(chosen, budget=read_budget, progress=progress):
+            if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+                tensor = tensor.to(dtype)
+            writer.write_tensor(key, tensor)
+            written += tensor.numel() * tensor.element_size()
+            del tensor
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    return {"tensors": len(chosen), "nbytes": written, "objects": len(object_keys),
+            "skipped": len(metas) - len(chosen)}
+
+
+def convert(src: PathLike, dst: PathLike, to_format: str, *, keys: Optional[str] = None,
+            exclude: Optional[str] = None, dtype: Optional[torch.dtype] = None, model_only: bool = False,
+            max_shard_size: Optional[int] = None, trusted: bool = False, overwrite: bool = False,
+            read_budget: Optional[int] = None, progress: Optional[Progress] = None) -> Dict[str, Any]:
+    """Convert ``src`` (checkpoint, safetensors, torch.save file) into a new ``dst`` of format
+    ``to_format`` (``torch_dist``, ``zarr``, ``safetensors``, ``torch``), tensor by tensor.
+
+    Checkpoint sources stream through :func:`distckpt.tools.convert.stream_checkpoint`; file
+    sources through :func:`stream_tensors`. ``model_only`` drops keys starting with
+    ``optimizer.`` and the common state's ``optimizer`` entry. Memory stays near
+    ``max(read_budget, largest tensor)`` (``read_budget`` default
+    :data:`~distckpt.tools.inspect.DEFAULT_READ_BUDGET`).
+
+    Returns ``{"tensors", "nbytes", "objects", "skipped", "dropped_common_entries",
+    "dropped_objects"}`` (the last two: what a tensor-only output left out).
+    """
+    from distckpt.core import CONFIG_FNAME
+    from distckpt.tools import convert as convert_tool
+    from distckpt.tools.inspect import DEFAULT_READ_BUDGET, open_source
+
+    src, dst = Path(src), Path(dst)
+    if not src.exists():
+        raise CheckpointingException(f"{src}: no such file or directory")
+    if dst.exists() and os.path.samefile(src, dst):
+        raise CheckpointingException(f"{dst}: cannot convert into the source itself")
+    budget = DEFAULT_READ_BUDGET if read_budget is None else read_budget
+    if to_format in FILE_FORMATS:
+        writer = make_file_writer(to_format, dst, max_shard_size, overwrite=overwrite)
+    else:
+        if max_shard_size is not None:
+            raise CheckpointingException("max_shard_size applies to safetensors output only")
+        writer = convert_tool.get_writer(to_format, dst, overwrite=overwrite)
+    if model_only:
+        exclude = model_only_exclude(exclude)
+        writer = DropCommonEntries(writer, ["optimizer"])
+    if src.is_dir() and (src / CONFIG_FNAME).exists():
+        report = convert_tool.stream_checkpoint(src, writer, keys=keys, exclude=exclude, dtype=dtype,
+                                                progress=progress, trusted=trusted, read_budget_bytes=budget,
+                                                dst_name=str(dst), dst_backend=to_format)
+        summary = {"tensors": len(report.tensors), "nbytes": report.tensor_bytes, "objects": len(report.objects),
+                   "skipped": len(report.skipped)}
+    else:
+        with open_source(src, trusted) as source:
+            summary = stream_tensors(source, writer, keys=keys, exclude=exclude, dtype=dtype,
+                                     progress=progress, read_budget=budget)
+    inner = writer.inner if isinstance(writer, DropCommonEntries) else writer
+    summary["dropped_common_entries"] = getattr(inner, "dropped_common", 0)
+    summary["dropped_objects"] = getattr(inner, "dropped_objects", 0)
+    return summary
+
+
+def _register_writers() -> None:
+    from distckpt.tools.convert import register_writer
+
+    register_writer("safetensors", SafetensorsWriter)
+    register_writer("torch", TorchFileWriter)
+
+
+_register_writers()

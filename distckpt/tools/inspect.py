@@ -20,7 +20,7 @@ import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -215,20 +215,25 @@ class TensorSource:
         read alone. The caller should drop each tensor before asking for the next group.
         ``progress.advance`` receives each tensor's value bytes.
         """
-        metas = self.tensors()
-        keys = list(metas) if keys is None else list(keys)
+        for group in self.group_keys(keys, budget):
+            yield from self._read_group(group, progress)
+
+    def group_keys(self, keys: Optional[Iterable[str]] = None, budget: Optional[int] = None) -> List[List[str]]:
+        """Cut ``keys`` (default: all) into consecutive groups of at most ``budget`` value bytes
+        (default :data:`DEFAULT_READ_BUDGET`); a larger tensor forms a group of its own."""
+        keys = list(self.tensors()) if keys is None else list(keys)
         budget = DEFAULT_READ_BUDGET if budget is None else budget
-        group: List[str] = []
+        groups: List[List[str]] = []
         size = 0
         for key in keys:
             nbytes = self.meta(key).nbytes
-            if group and size + nbytes > budget:
-                yield from self._read_group(group, progress)
-                group, size = [], 0
-            group.append(key)
-            size += nbytes
-        if group:
-            yield from self._read_group(group, progress)
+            if groups and groups[-1] and size + nbytes <= budget:
+                groups[-1].append(key)
+                size += nbytes
+            else:
+                groups.append([key])
+                size = nbytes
+        return groups
 
     def _read_group(self, group: List[str], progress: Optional[Progress]) -> Iterator[Tuple[str, torch.Tensor]]:
         loaded = self.read_many(group) if len(group) > 1 else {group[0]: self.read(group[0])}
@@ -273,10 +278,13 @@ class CheckpointSource(TensorSource):
         self.config = config
         self.format = config.sharded_backend
         self.format_version = config.sharded_backend_version
-        self.sharded = get_default_strategy(StrategyAction.LOAD_SHARDED, config.sharded_backend,
-                                            config.sharded_backend_version)
-        self.common_strategy = get_default_strategy(StrategyAction.LOAD_COMMON, config.common_backend,
-                                                    config.common_backend_version)
+        try:
+            self.sharded = get_default_strategy(StrategyAction.LOAD_SHARDED, config.sharded_backend,
+                                                config.sharded_backend_version)
+            self.common_strategy = get_default_strategy(StrategyAction.LOAD_COMMON, config.common_backend,
+                                                        config.common_backend_version)
+        except CheckpointingException as e:
+            raise CheckpointingException(f"{self.path / CONFIG_FNAME}: {e}") from None
         for strategy in (self.sharded, self.common_strategy):
             if hasattr(strategy, "trusted"):
                 strategy.trusted = trusted
@@ -423,7 +431,7 @@ class CheckpointSource(TensorSource):
 def _zarr_chunk_bytes(array_dir: Path) -> int:
     """Bytes of an array's chunk files (metadata and object payloads not counted)."""
     total = 0
-    for dirpath, dirnames, filenames in os.walk(array_dir):
+    for dirpath, _, filenames in os.walk(array_dir):
         for name in filenames:
             if name in ("zarr.json", ".zarray", ".zattrs") or name.endswith(".pt"):
                 continue
@@ -533,7 +541,7 @@ def summarize(obj: Any, max_items: int = 20, max_str: int = 80, depth: int = 6) 
         out_list = [summarize(v, max_items, max_str, depth - 1) for v in seq[:max_items]]
         if len(seq) > max_items:
             out_list.append(f"... {len(seq) - max_items} more items")
-        return out_list
+        return tuple(out_list) if isinstance(obj, tuple) else out_list
     if isinstance(obj, (torch.dtype, torch.device, torch.Size)):
         return str(obj)
     text = repr(obj)
