@@ -95,9 +95,16 @@ def maybe_load_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]
             f"(expected {sorted(known)}, 'sharded_backend' required)"
         )
     try:
-        return CheckpointingConfig(**raw)
+        config = CheckpointingConfig(**raw)
     except TypeError as e:
         raise CheckpointingException(f"{path}: invalid checkpoint config: {e}") from e
+    for name, kind in (("sharded_backend", str), ("common_backend", str),
+                       ("sharded_backend_version", int), ("common_backend_version", int)):
+        value = getattr(config, name)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise CheckpointingException(
+                f"{path}: {name} must be {'a string' if kind is str else 'an integer'}, got {value!r}")
+    return config
 
 
 def check_is_distributed_checkpoint(checkpoint_dir: PathLike) -> bool:

@@ -11,6 +11,7 @@ because each rank reaches the same ``sync_errors`` call whether its own work fai
 
 from __future__ import annotations
 
+import pickle
 import traceback
 from typing import Any, Callable, List, Optional, Sequence, TypeVar
 
@@ -143,12 +144,24 @@ def _error_record(exc: Optional[BaseException], group: ProcessGroup) -> Optional
     return None if exc is None else (get_rank(group), _one_line(exc), describe_error(exc))
 
 
+def _checked_payload(exc: Optional[BaseException], payload: Any) -> tuple:
+    """Turn an unpicklable payload into this rank's error *before* any collective, so the
+    collective itself cannot fail on one rank and leave the others waiting."""
+    if exc is None and payload is not None and is_initialized():
+        try:
+            pickle.dumps(payload)
+        except Exception as e:  # noqa: BLE001 - reported to every rank by the caller
+            return e, None
+    return exc, payload
+
+
 def all_gather_or_raise(stage: str, exc: Optional[BaseException], payload: Any = None,
                         group: ProcessGroup = None) -> List[Any]:
     """All-gather ``payload``; raise the same exception on every rank if any rank passed ``exc``.
 
     Every rank of ``group`` must call this at the same point, whether or not it failed.
     """
+    exc, payload = _checked_payload(exc, payload)
     gathered = all_gather_object((_error_record(exc, group), None if exc is not None else payload), group)
     failures = [err for err, _ in gathered if err is not None]
     if failures:
@@ -169,6 +182,7 @@ def gather_and_decide(stage: str, exc: Optional[BaseException], payload: Any,
     is broadcast and returned on every rank. If any rank failed, or ``decide`` raised, every rank
     raises the same :class:`RankErrors`. Costs one gather and one broadcast.
     """
+    exc, payload = _checked_payload(exc, payload)
     gathered = gather_object((_error_record(exc, group), None if exc is not None else payload),
                              dst=0, group=group)
     outcome: Any = None

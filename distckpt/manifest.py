@@ -118,6 +118,12 @@ def read_manifest(checkpoint_dir: PathLike) -> Optional[Manifest]:
             m.ranges[str(f)] = [RangeChecksum(int(o), int(n), int(c), str(k)) for o, n, c, k in rs]
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointingException(f"{path}: malformed integrity manifest: {e}") from None
+    stray = sorted(set(m.ranges) - set(m.files))
+    unchecked = sorted(f for f, size in m.files.items() if size and not m.ranges.get(f))
+    if stray or unchecked:
+        raise CheckpointingException(
+            f"{path}: manifest is inconsistent (checksums for unlisted files {stray}, listed files "
+            f"without checksums {unchecked}); it may be corrupted")
     return m
 
 
@@ -135,8 +141,11 @@ def add_whole_files(checkpoint_dir: PathLike, entries: Dict[str, Tuple[int, int]
 def check_whole_file(checkpoint_dir: PathLike, name: str, data: bytes) -> None:
     """Raise if the manifest records a checksum for ``name`` and ``data`` does not match it."""
     manifest = read_manifest(checkpoint_dir)
-    if manifest is None or name not in manifest.files:
+    if manifest is None:
         return
+    if name not in manifest.files:
+        raise CheckpointingException(
+            f"{Path(checkpoint_dir) / name}: not covered by the integrity manifest; cannot verify it")
     expected = manifest.ranges.get(name, [])
     if len(data) != manifest.files[name] or (len(expected) == 1 and crc32c(data) != expected[0].crc32c):
         raise CheckpointingException(
@@ -166,6 +175,13 @@ def verify_files(checkpoint_dir: PathLike, manifest: Manifest, *, checksums: boo
             if progress:
                 progress(size)
             continue
+        covered = 0
+        for r in sorted(manifest.ranges.get(name, []), key=lambda r: r.offset):
+            if r.offset != covered:
+                problems.append(f"{name}: bytes [{covered}, {r.offset}) have no checksum in the manifest")
+            covered = max(covered, r.offset + r.length)
+        if covered < size:
+            problems.append(f"{name}: bytes [{covered}, {size}) have no checksum in the manifest")
         with open(path, "rb") as f:
             for r in manifest.ranges.get(name, []):
                 f.seek(r.offset)

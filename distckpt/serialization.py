@@ -103,15 +103,18 @@ def _require_config(checkpoint_dir: PathLike) -> CheckpointingConfig:
 def _load_strategies(checkpoint_dir: PathLike, sharded_strategy: Optional[LoadShardedStrategy],
                      common_strategy: Optional[LoadCommonStrategy]):
     config = _require_config(checkpoint_dir)
-    if sharded_strategy is None:
-        sharded_strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, config.sharded_backend,
-                                                config.sharded_backend_version)
-    else:
-        sharded_strategy.check_backend_compatibility(config.sharded_backend)
-        sharded_strategy.check_version_compatibility(config.sharded_backend_version)
-    if common_strategy is None:
-        common_strategy = get_default_strategy(StrategyAction.LOAD_COMMON, config.common_backend,
-                                               config.common_backend_version)
+    try:
+        if sharded_strategy is None:
+            sharded_strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, config.sharded_backend,
+                                                    config.sharded_backend_version)
+        else:
+            sharded_strategy.check_backend_compatibility(config.sharded_backend)
+            sharded_strategy.check_version_compatibility(config.sharded_backend_version)
+        if common_strategy is None:
+            common_strategy = get_default_strategy(StrategyAction.LOAD_COMMON, config.common_backend,
+                                                   config.common_backend_version)
+    except CheckpointingException as e:
+        raise CheckpointingException(f"{Path(checkpoint_dir) / CONFIG_FNAME}: {e}") from None
     return sharded_strategy, common_strategy
 
 
@@ -164,8 +167,6 @@ def save(
         if checkpoint_dir.exists() and not checkpoint_dir.is_dir():
             raise CheckpointingException(f"checkpoint path {checkpoint_dir} exists and is not a directory")
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        if rank == 0:
-            _remove_commit_files(checkpoint_dir)
         apply_factories(sharded_state_dict)
         _, sharded_state_dict = extract_matching_values(
             sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject))
@@ -187,10 +188,12 @@ def save(
             validate_global_integrity([p[0] for p in payloads])
         if preprocess_common_before_consistancy_check is not None:
             _log_common_differences([p[1] for p in payloads])
+        # Only a save that passed validation touches an existing checkpoint; the broadcast that
+        # follows keeps every rank from writing before the old commit files are gone.
+        _remove_commit_files(checkpoint_dir)
 
-    # Also the barrier that keeps ranks from writing before rank 0 removed the old commit files.
     if validate_access_integrity and preprocess_common_before_consistancy_check is None:
-        _validate_with_cache(exc, payload, check)
+        _validate_with_cache(exc, payload, check, checkpoint_dir)
     else:
         dist.gather_and_decide("validation", exc, payload, check)
 
@@ -244,23 +247,32 @@ _VALIDATED_STRUCTURES: collections.OrderedDict[bytes, None] = collections.Ordere
 _VALIDATED_CAPACITY = 8
 
 
-def _validate_with_cache(exc: Optional[BaseException], payload: Any, check: Callable) -> None:
+def _validate_with_cache(exc: Optional[BaseException], payload: Any, check: Callable,
+                         checkpoint_dir: Path) -> None:
     """Validate the global sharding unless this exact structure passed before.
 
-    Each rank hashes its own shard descriptions; one all-gather of those 16-byte digests tells
-    every rank whether the whole structure was validated already. Only a new structure pays for
-    gathering every rank's shard descriptions to rank 0.
+    Each rank hashes its own shard descriptions; rank 0 gathers the 16-byte digests and, for a
+    structure it validated before, removes the old commit files and answers "done" at once. Only
+    a new structure pays for gathering every rank's shard descriptions.
     """
     local = None if exc is not None else hashlib.blake2b(pickle.dumps(payload[0], protocol=4), digest_size=16).digest()
-    digests = dist.all_gather_or_raise("validation", exc, local)
-    key = hashlib.blake2b(b"".join(digests), digest_size=16).digest()
-    if key in _VALIDATED_STRUCTURES:
+
+    def known(digests):
+        key = hashlib.blake2b(b"".join(digests), digest_size=16).digest()
+        if key not in _VALIDATED_STRUCTURES:
+            return key
         _VALIDATED_STRUCTURES.move_to_end(key)
+        _remove_commit_files(checkpoint_dir)
+        return None
+
+    key = dist.gather_and_decide("validation", exc, local, known)
+    if key is None:
         return
     dist.gather_and_decide("validation", None, payload, check)
-    _VALIDATED_STRUCTURES[key] = None
-    while len(_VALIDATED_STRUCTURES) > _VALIDATED_CAPACITY:
-        _VALIDATED_STRUCTURES.popitem(last=False)
+    if dist.get_rank() == 0:
+        _VALIDATED_STRUCTURES[key] = None
+        while len(_VALIDATED_STRUCTURES) > _VALIDATED_CAPACITY:
+            _VALIDATED_STRUCTURES.popitem(last=False)
 
 
 def _remove_commit_files(checkpoint_dir: Path) -> None:

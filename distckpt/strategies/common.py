@@ -91,12 +91,12 @@ def safe_torch_load(source: Union[str, os.PathLike, BinaryIO, bytes], *, what: s
 
 def _fsynced_torch_save(obj: Any, path: Path) -> Tuple[int, int]:
     """torch.save into ``path``; returns (size, crc32c) computed while writing."""
-    from distckpt.strategies.filesystem import ChecksummingSink
+    from distckpt.strategies.filesystem import ChecksummingSink, save_to_sink
 
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         sink = ChecksummingSink(fd)
-        torch.save(obj, sink)
+        save_to_sink(obj, sink)
         os.fsync(fd)
         return sink.position, sink.crc
     finally:

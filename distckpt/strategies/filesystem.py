@@ -82,14 +82,45 @@ class ChecksummingSink:
         self.position += n
         return n
 
+
     def flush(self) -> None:
         pass
+
+
+class _ErrorRecorder:
+    """What torch.save writes to: forwards to the sink and remembers the exception it raised,
+    because torch.save replaces it with an opaque RuntimeError."""
+
+    def __init__(self, sink) -> None:
+        self.sink = sink
+        self.error: Optional[BaseException] = None
+
+    def write(self, data) -> int:
+        try:
+            return self.sink.write(data)
+        except BaseException as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.sink.flush()
+
+
+def save_to_sink(obj, sink) -> None:
+    """``torch.save(obj)`` into ``sink``; a storage error (ENOSPC, EIO, ...) is raised as itself."""
+    recorder = _ErrorRecorder(sink)
+    try:
+        torch.save(obj, recorder)
+    except Exception:
+        if recorder.error is not None:
+            raise recorder.error from None
+        raise
 
 
 def write_tensor_item(sink: ChecksummingSink, tensor: torch.Tensor) -> Tuple[int, int, int]:
     """Append one tensor archive; returns (offset, length, crc32c) of the item."""
     start, sink.crc = sink.position, 0
-    torch.save(tensor, sink)
+    save_to_sink(tensor, sink)
     return start, sink.position - start, sink.crc
 
 

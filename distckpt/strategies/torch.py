@@ -655,6 +655,8 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[_CopyOp],
         if len(raw) != st.length:
             raise CheckpointingException(f"{what}: file is truncated ({len(raw)} of {st.length} bytes)")
         expected = checksums.get((st.relative_path, st.file_offset)) if checksums is not None else None
+        if checksums is not None and expected is None:
+            raise CheckpointingException(f"{what}: no checksum for this item in the manifest; cannot verify it")
         if expected is not None and (expected.length != st.length or crc32c(raw) != expected.crc32c):
             raise CheckpointingException(f"{what}: CRC32C mismatch against the manifest (corrupted data)")
         buffer = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
@@ -970,6 +972,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         if verify:
             manifest = read_manifest(checkpoint_dir)
             checksums = manifest.range_index() if manifest is not None else None
+            if manifest is None:
+                logger.warning("%s has no integrity manifest: verify=True checks sizes and structure only",
+                               checkpoint_dir)
         rank = dist.get_rank()
         counted = [0]
 
@@ -1016,6 +1021,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         if self.verify:
             manifest = read_manifest(checkpoint_dir)
             expected = manifest.range_index().get((stored.relative_path, stored.file_offset)) if manifest else None
+            if manifest is not None and expected is None:
+                raise CheckpointingException(f"{what}: no checksum for this item in the manifest; cannot verify it")
             if expected is not None and crc32c(raw) != expected.crc32c:
                 raise CheckpointingException(f"{what}: CRC32C mismatch against the manifest (corrupted data)")
         value = safe_torch_load(raw, what=what, trusted=self.trusted)
