@@ -2,6 +2,8 @@
 
     python tools/bench.py --dir /dev/shm/bench --size-gib 2 --ranks 2 --reps 3 --out bench_out
 
+(``pip install -e .[bench]`` adds matplotlib for the chart.)
+
 On N gloo ranks (one process each) it builds a GPT-like sharded state dict of about
 ``--size-gib`` GiB in total: bf16 weights split tensor-parallel over the N ranks (column- and
 row-parallel), replicated layer norms (written by one rank), and fp32 optimizer states as
@@ -217,7 +219,7 @@ def _rank_main(rank, world, port, args, queue):
 
     reshard = build_state(rank, world, hidden, layers, pieces_per_rank=2, with_data=False)
     full_req = build_state(rank, world, hidden, layers, with_data=False, full=True)
-    async_strategy = TorchDistSaveShardedStrategy()
+    async_strategy = TorchDistSaveShardedStrategy(thread_count=args.threads)
     for rep in range(args.reps):
         raw = root / f"raw_{rank}.bin"
         record("raw write", _barrier_time(_raw_write, raw, tensors)[0])
@@ -232,7 +234,7 @@ def _rank_main(rank, world, port, args, queue):
             if rank == 0:
                 _drop(ckpt)
             tdist.barrier()
-            strategy = (backend, 1)
+            strategy = TorchDistSaveShardedStrategy(thread_count=args.threads) if backend == "torch_dist" else (backend, 1)
             if rep == 0 and backend == "torch_dist":
                 with _PeakRss() as rss:
                     seconds, _ = _barrier_time(distckpt.save, sd, ckpt, sharded_strategy=strategy)
@@ -395,6 +397,8 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--backends", default="torch_dist,zarr")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="writer/reader threads per rank (torch_dist thread_count)")
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args()
     args.backends = [b for b in args.backends.split(",") if b]
