@@ -37,11 +37,9 @@ class CheckpointingConfig:
     common_backend_version: int = 1
 
 
-def atomic_write_bytes(path: PathLike, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temp file + fsync + rename (+ fsync of the directory)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+def write_file_durably(path: PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` (created or truncated) and fsync it before returning."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         view = memoryview(data)
         while view:
@@ -49,6 +47,13 @@ def atomic_write_bytes(path: PathLike, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def atomic_write_bytes(path: PathLike, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temp file + fsync + rename (+ fsync of the directory)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    write_file_durably(tmp, data)
     os.replace(tmp, path)
     fsync_dir(path.parent)
 

@@ -17,6 +17,7 @@ from distckpt import ShardedObject, ShardedTensor
 from distckpt import dist as ddist
 from distckpt.core import CheckpointingException
 from distckpt.dict_utils import nested_values
+from distckpt.serialization import get_default_load_sharded_strategy, get_default_save_sharded_strategy
 from distckpt.strategies.async_utils import AsyncCallsQueue
 from distckpt.strategies.base import LoadShardedStrategy, SaveShardedStrategy
 from distckpt.strategies.fully_parallel import (
@@ -24,7 +25,6 @@ from distckpt.strategies.fully_parallel import (
     FullyParallelSaveStrategyWrapper,
     distribute_shards_to_ranks,
 )
-from distckpt.serialization import get_default_load_sharded_strategy, get_default_save_sharded_strategy
 from distckpt.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
 from tests import layouts
 from tests.harness import expect_all_ranks_raise, run_ranks

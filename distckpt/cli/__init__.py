@@ -73,7 +73,7 @@ class _RichProgress:
                             disable=not console.is_terminal)
         self.task = None
 
-    def __enter__(self) -> "_RichProgress":
+    def __enter__(self) -> _RichProgress:
         self.bar.start()
         return self
 

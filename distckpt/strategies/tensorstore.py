@@ -51,7 +51,7 @@ def from_numpy(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(a.reshape(-1).view(np.uint8)).view(dtype).reshape(shape)
 
 
-def _box(meta: "ArrayMeta", index: Sequence[int], lo: Sequence[int], hi: Sequence[int]) -> Tuple[slice, ...]:
+def _box(meta: ArrayMeta, index: Sequence[int], lo: Sequence[int], hi: Sequence[int]) -> Tuple[slice, ...]:
     origin = [i * c for i, c in zip(index, meta.chunks)]
     return tuple(slice(o + a, o + b) for o, a, b in zip(origin, lo, hi))
 
@@ -70,7 +70,7 @@ class TensorStoreIO:
         self._context = ts.Context({"file_io_concurrency": {"limit": max(1, concurrency)},
                                     "data_copy_concurrency": {"limit": max(1, concurrency)}})
 
-    def _open(self, meta: "ArrayMeta", write: bool, opened: Dict[str, Any]) -> Any:
+    def _open(self, meta: ArrayMeta, write: bool, opened: Dict[str, Any]) -> Any:
         """Open each array once per batch of jobs (never across batches: a later save into the
         same folder may have replaced the array)."""
         store = opened.get(str(meta.path))
@@ -88,10 +88,10 @@ class TensorStoreIO:
             opened[str(meta.path)] = store
         return store
 
-    def write(self, jobs: Sequence["ChunkWrite"]) -> List[Tuple[str, int, int, str]]:
+    def write(self, jobs: Sequence[ChunkWrite]) -> List[Tuple[str, int, int, str]]:
         """Write whole chunks; returns (relative path, size, crc32c, key) of each chunk file,
         read back once written (encoded chunks' bytes exist only in the file)."""
-        pending: List[Tuple["ChunkWrite", Any]] = []
+        pending: List[Tuple[ChunkWrite, Any]] = []
         opened: Dict[str, Any] = {}
         for job in jobs:
             store = self._open(job.meta, True, opened)
@@ -111,7 +111,7 @@ class TensorStoreIO:
             records.append((job.meta.chunk_relpath(job.index), len(data), crc32c(data), job.meta.key))
         return records
 
-    def read(self, ops: Sequence["ChunkRead"], checksums: Optional[Dict[str, Tuple[int, int]]] = None) -> None:
+    def read(self, ops: Sequence[ChunkRead], checksums: Optional[Dict[str, Tuple[int, int]]] = None) -> None:
         """Run the reads; with ``checksums`` (relative path -> (size, crc32c)) verify every
         listed chunk file first."""
         for op in {op.meta.chunk_relpath(op.index): op for op in ops}.values():

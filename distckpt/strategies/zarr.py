@@ -681,7 +681,7 @@ class _KeyDecl:
     piece_gcd: List[int]
     shard_gcd: List[int]
 
-    def merge(self, other: "_KeyDecl", key: str) -> None:
+    def merge(self, other: _KeyDecl, key: str) -> None:
         if other.shape != self.shape or other.dtype != self.dtype:
             raise CheckpointingException(
                 f"key {key!r}: ranks disagree on the global shape or dtype "

@@ -39,6 +39,7 @@ from distckpt.core import (
     fsync_dir,
     maybe_load_config,
     save_config,
+    write_file_durably,
 )
 from distckpt.manifest import MANIFEST_FNAME, build_manifest, crc32c, write_manifest
 from distckpt.mapping import ShardedObject, ShardedTensor, StateDict
@@ -117,15 +118,6 @@ def _torch_bytes(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-def _write_file(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class DistckptWriter:
@@ -177,7 +169,7 @@ class DistckptWriter:
     def begin(self, common: StateDict, objects: Dict[str, Any]) -> None:
         self._prepare_destination()
         data = _torch_bytes(common)
-        _write_file(self.dst / "common.pt", data)
+        write_file_durably(self.dst / "common.pt", data)
         self._record_file("common.pt", data, "common.pt")
         self._begin_objects(objects)
 
@@ -240,7 +232,7 @@ class ZarrWriter(DistckptWriter):
             data = _torch_bytes(obj)
             path = self.dst / f"{unique_key}.pt"
             path.parent.mkdir(parents=True, exist_ok=True)
-            _write_file(path, data)
+            write_file_durably(path, data)
             self._record_file(f"{unique_key}.pt", data, unique_key)
 
     def _write_tensor(self, key: str, tensor: torch.Tensor) -> None:

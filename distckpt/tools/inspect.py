@@ -191,7 +191,7 @@ class TensorSource:
     def close(self) -> None:
         pass
 
-    def __enter__(self) -> "TensorSource":
+    def __enter__(self) -> TensorSource:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -43,6 +43,7 @@ from distckpt.core import (
     atomic_write_bytes,
     fsync_dir,
     maybe_load_config,
+    write_file_durably,
 )
 from distckpt.manifest import MANIFEST_FNAME, Manifest, RangeChecksum, crc32c, read_manifest
 from distckpt.tools.inspect import CheckpointSource, NoProgress, Progress, _suggest
@@ -415,14 +416,7 @@ def _materialize(root: Path, dst: Path, path_map: Callable[[str], Optional[str]]
         target = dst / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         made.add(target.parent)
-        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        write_file_durably(target, data)
     for d in made:
         fsync_dir(d)
 
