@@ -475,3 +475,42 @@ def _load_into_parameters(ckpt, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_parameters_that_require_grad_are_filled_in_place(backend, tmp_path):
     assert run_ranks(2, _load_into_parameters, str(tmp_path), backend) == [True, True]
+
+
+def _async_save_with_writer_failure(ckpt, backend):
+    from distckpt.strategies.async_utils import AsyncCallsQueue
+
+    rank = ddist.get_rank()
+    queue = AsyncCallsQueue()
+    sd, _ = layouts.build("tp_dp", rank, ddist.get_world_size(), True, tp=2)
+    request = distckpt.save(sd, f"{ckpt}/bad", sharded_strategy=(backend, 1), async_sharded_save=True)
+    if rank == 1:
+        write = request.async_fn
+
+        def failing_write(*args):
+            write(*args)
+            raise OSError("injected failure in the background writer")
+
+        request.async_fn = failing_write
+    queue.schedule_async_request(request)
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+        first = "no error"
+    except distckpt.CheckpointingException as e:
+        first = str(e)
+    committed_bad = check_is_distributed_checkpoint(f"{ckpt}/bad")
+    sd, _ = layouts.build("tp_dp", rank, ddist.get_world_size(), True, tp=2)
+    queue.schedule_async_request(distckpt.save(sd, f"{ckpt}/good", sharded_strategy=(backend, 1),
+                                               async_sharded_save=True))
+    queue.close()
+    return first, committed_bad, check_is_distributed_checkpoint(f"{ckpt}/good")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_async_writer_failure_on_one_rank_raises_everywhere_and_commits_nothing(backend, tmp_path):
+    results = run_ranks(2, _async_save_with_writer_failure, str(tmp_path), backend)
+    for message, committed_bad, committed_good in results:
+        assert "rank" in message and "injected failure in the background writer" in message
+        assert not committed_bad and committed_good
+    loaded = run_ranks(2, _load_layout, str(tmp_path / "good"), "tp_dp", {"tp": 2})
+    assert [wrong for _, wrong in loaded] == [[], []]
