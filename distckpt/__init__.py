@@ -1,6 +1,6 @@
 """distckpt: save and load tensor/pipeline/data-parallel model state, Megatron-Core style.
 
-The public names match ``megatron.core.dist_checkpointing``: porting is an import change.
+The public names match Megatron-Core's ``dist_checkpointing`` package: porting is an import change.
 """
 
 from distckpt.core import CheckpointingConfig, CheckpointingException

@@ -16,7 +16,7 @@ A distributed optimizer, whose data-parallel ranks each hold a flat slice of eve
 tensor, uses :func:`make_sharded_optimizer_tensor_flat` instead (see docs/guide.md).
 
 The first three functions keep the names and semantics of
-``megatron.core.dist_checkpointing.optimizer``; user errors raise CheckpointingException.
+Megatron-Core's ``dist_checkpointing.optimizer``; user errors raise CheckpointingException.
 """
 
 from __future__ import annotations

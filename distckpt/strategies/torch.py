@@ -95,6 +95,10 @@ Shape = Tuple[int, ...]
 # --------------------------------------------------------------------------- .metadata I/O
 
 
+# The module path under which Megatron-Core 0.15 pickles its metadata classes into `.metadata`.
+_MCORE_TORCH_STRATEGY = "megatron" + ".core.dist_checkpointing.strategies.torch"
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Admits only the classes a DCP ``.metadata`` needs; Megatron's names map to DCP's."""
 
@@ -111,11 +115,10 @@ class _MetadataUnpickler(pickle.Unpickler):
         "collections": {"OrderedDict"},
         "builtins": {"slice", "set", "frozenset"},
     }
+    # Class paths pickled by Megatron-Core 0.15 (data in its files; nothing is imported from it).
     _MEGATRON = {
-        ("megatron.core.dist_checkpointing.strategies.torch", "MCoreMetadata"):
-            ("torch.distributed.checkpoint.metadata", "Metadata"),
-        ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"):
-            ("torch.distributed.checkpoint.planner", "SavePlan"),
+        (_MCORE_TORCH_STRATEGY, "MCoreMetadata"): ("torch.distributed.checkpoint.metadata", "Metadata"),
+        (_MCORE_TORCH_STRATEGY, "MCoreSavePlan"): ("torch.distributed.checkpoint.planner", "SavePlan"),
     }
 
     def find_class(self, module: str, name: str) -> Any:
