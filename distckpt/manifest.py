@@ -19,7 +19,6 @@ structurally.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
@@ -87,13 +86,6 @@ def build_manifest(save_id: str, backend: str,
 
 def write_manifest(checkpoint_dir: PathLike, manifest: Manifest) -> None:
     atomic_write_bytes(Path(checkpoint_dir) / MANIFEST_FNAME, manifest.to_json())
-
-
-def remove_manifest(checkpoint_dir: PathLike) -> None:
-    try:
-        os.remove(Path(checkpoint_dir) / MANIFEST_FNAME)
-    except FileNotFoundError:
-        pass
 
 
 def read_manifest(checkpoint_dir: PathLike) -> Optional[Manifest]:

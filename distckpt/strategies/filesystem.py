@@ -250,7 +250,6 @@ _EOCD = struct.Struct("<IHHHHIIH")
 _ZIP64_LOCATOR = struct.Struct("<IIQI")
 _ZIP64_EOCD = struct.Struct("<IQHHIIQQQQ")
 TAIL_BYTES = 4096
-HEAD_BYTES = 4096
 
 
 def _central_directory(read, length: int) -> Optional[dict]:

@@ -194,7 +194,27 @@ def _replica(original: ReplicaId, main: bool) -> ReplicaId:
 # --------------------------------------------------------------------------- save
 
 
-class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
+class _WrapperState:
+    """What both wrappers keep: the inner strategy, the group and the cached distribution."""
+
+    def _init_wrapper(self, strategy, parallelization_group, do_cache_distribution: bool) -> None:
+        self.base_strategy = strategy
+        self.parallelization_group = parallelization_group
+        self.do_cache_distribution = do_cache_distribution
+        self._cache = _DistributionCache(parallelization_group, do_cache_distribution)
+        self.last_distribution: Optional[ShardDistribution] = None
+
+    @property
+    def can_handle_sharded_objects(self) -> bool:
+        return self.base_strategy.can_handle_sharded_objects
+
+    @property
+    def last_distribution_cached(self) -> bool:
+        """Whether the last call reused the cached assignment (no all-gather)."""
+        return self._cache.last_was_cached
+
+
+class FullyParallelSaveStrategyWrapper(_WrapperState, AsyncSaveShardedStrategy):
     """Save with ``strategy``, each replicated shard written by one rank of the group, balanced.
 
     Args:
@@ -212,20 +232,7 @@ class FullyParallelSaveStrategyWrapper(AsyncSaveShardedStrategy):
     def __init__(self, strategy: SaveShardedStrategy, parallelization_group: dist.ProcessGroup = None,
                  do_cache_distribution: bool = False):
         super().__init__(strategy.backend, strategy.version)
-        self.base_strategy = strategy
-        self.parallelization_group = parallelization_group
-        self.do_cache_distribution = do_cache_distribution
-        self._cache = _DistributionCache(parallelization_group, do_cache_distribution)
-        self.last_distribution: Optional[ShardDistribution] = None
-
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return self.base_strategy.can_handle_sharded_objects
-
-    @property
-    def last_distribution_cached(self) -> bool:
-        """Whether the last save reused the cached assignment (no all-gather)."""
-        return self._cache.last_was_cached
+        self._init_wrapper(strategy, parallelization_group, do_cache_distribution)
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
         self.base_strategy.save(self.apply_saving_parallelization(sharded_state_dict), checkpoint_dir)
@@ -310,7 +317,7 @@ class _Piece:
     nbytes: int
 
 
-class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
+class FullyParallelLoadStrategyWrapper(_WrapperState, LoadShardedStrategy):
     """Load with ``strategy``, each piece requested by several group ranks read once per group.
 
     Args:
@@ -338,23 +345,10 @@ class FullyParallelLoadStrategyWrapper(LoadShardedStrategy):
         if exchange_algo not in EXCHANGE_ALGOS:
             raise CheckpointingException(
                 f"unknown exchange_algo {exchange_algo!r}; expected one of {', '.join(EXCHANGE_ALGOS)}")
-        self.base_strategy = strategy
-        self.parallelization_group = parallelization_group
-        self.do_cache_distribution = do_cache_distribution
+        self._init_wrapper(strategy, parallelization_group, do_cache_distribution)
         self.exchange_algo = exchange_algo
-        self._cache = _DistributionCache(parallelization_group, do_cache_distribution)
-        self.last_distribution: Optional[ShardDistribution] = None
 
     # ----------------------------------------------------------------- delegation
-
-    @property
-    def can_handle_sharded_objects(self) -> bool:
-        return self.base_strategy.can_handle_sharded_objects
-
-    @property
-    def last_distribution_cached(self) -> bool:
-        """Whether the last load reused the cached assignment (no all-gather)."""
-        return self._cache.last_was_cached
 
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         self.base_strategy.check_backend_compatibility(loaded_backend)

@@ -153,6 +153,14 @@ def read_metadata(checkpoint_dir: Path, trusted: bool = False, verify: bool = Fa
     return md
 
 
+def _tensors_metadata(md: Metadata) -> ShardedStateDict:
+    """key -> data-free ShardedTensor of the whole tensor (original shape for flattened keys)."""
+    orig = _orig_shapes(md)
+    return {fqn: ShardedTensor.from_rank_offsets(
+                fqn, torch.empty(orig.get(fqn, tuple(meta.size)), dtype=meta.properties.dtype, device="meta"))
+            for fqn, meta in md.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
+
+
 def _orig_shapes(md: Metadata) -> Dict[str, Shape]:
     mcore = getattr(md, "mcore_data", None) or {}
     return {k: tuple(v[_ORIG_SHAPE]) for k, v in mcore.items() if isinstance(v, dict) and _ORIG_SHAPE in v}
@@ -617,6 +625,25 @@ class _Plan:
         self.ops[stored].append(op)
 
 
+def _plan_flat_slices(plan: _Plan, key: str, stored: _StoredKey, idx: Shape, f_lo: int, f_hi: int,
+                      target: torch.Tensor, origin: int) -> None:
+    """Copy elements ``[f_lo, f_hi)`` of flattened chunk ``idx`` from the stored slices that hold
+    them into the 1-D ``target``, whose element 0 is flat element ``origin``."""
+    ones = (1,) * (len(stored.size) - 1)
+    covered = 0
+    for ch in stored.flat_index.get(idx, []):
+        s = ch.offset[-1]
+        a, b = max(s, f_lo), min(s + ch.size[-1], f_hi)
+        if b > a:
+            covered += b - a
+            plan.add(ch, _CopyOp(key, (0,) * len(ones) + (a - s,), ones + (b - a,),
+                                 target[a - origin:b - origin].view(ones + (b - a,))))
+    if covered != f_hi - f_lo:
+        raise CheckpointingException(
+            f"ShardedTensor {key!r}: stored flattened ranges of chunk {list(idx)} do not cover "
+            f"elements [{f_lo}, {f_hi}) needed for this load")
+
+
 def _index(md: Metadata) -> Dict[str, Any]:
     orig = _orig_shapes(md)
     per_key: Dict[str, List[_Stored]] = defaultdict(list)
@@ -663,6 +690,17 @@ def _contiguous_strides(shape: Shape) -> Shape:
     return tuple(reversed(strides))
 
 
+def _check_item(raw: bytes, st: _Stored, checksums: Optional[Dict], what: str) -> None:
+    """Compare an item's bytes with the manifest (``checksums`` is None without a manifest)."""
+    if checksums is None:
+        return
+    expected = checksums.get((st.relative_path, st.file_offset))
+    if expected is None:
+        raise CheckpointingException(f"{what}: no checksum for this item in the manifest; cannot verify it")
+    if expected.length != st.length or crc32c(raw) != expected.crc32c:
+        raise CheckpointingException(f"{what}: CRC32C mismatch against the manifest (corrupted data)")
+
+
 def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[_CopyOp],
                 checksums: Optional[Dict], rank: int, verify: bool) -> int:
     """Serve every copy of one stored chunk; returns the number of bytes read from storage.
@@ -676,11 +714,7 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[_CopyOp],
         raw = os.pread(fd, st.length, st.file_offset)
         if len(raw) != st.length:
             raise CheckpointingException(f"{what}: file is truncated ({len(raw)} of {st.length} bytes)")
-        expected = checksums.get((st.relative_path, st.file_offset)) if checksums is not None else None
-        if checksums is not None and expected is None:
-            raise CheckpointingException(f"{what}: no checksum for this item in the manifest; cannot verify it")
-        if expected is not None and (expected.length != st.length or crc32c(raw) != expected.crc32c):
-            raise CheckpointingException(f"{what}: CRC32C mismatch against the manifest (corrupted data)")
+        _check_item(raw, st, checksums, what)
         buffer = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
 
         def read(offset: int, n: int) -> bytes:
@@ -786,19 +820,11 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     # ----------------------------------------------------------------- metadata queries
 
     def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
-        md = read_metadata(checkpoint_dir, self.trusted)
-        orig = _orig_shapes(md)
-        out = {}
-        for fqn, meta in md.state_dict_metadata.items():
-            if isinstance(meta, TensorStorageMetadata):
-                shape = orig.get(fqn, tuple(meta.size))
-                out[fqn] = ShardedTensor.from_rank_offsets(
-                    fqn, torch.empty(shape, dtype=meta.properties.dtype, device="meta"))
-        return out
+        return _tensors_metadata(read_metadata(checkpoint_dir, self.trusted))
 
     def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
         md = read_metadata(checkpoint_dir, self.trusted)
-        out = self.load_tensors_metadata(checkpoint_dir)
+        out = _tensors_metadata(md)
         for fqn, meta in md.state_dict_metadata.items():
             if isinstance(meta, BytesStorageMetadata):
                 try:
@@ -919,20 +945,12 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     @staticmethod
     def _plan_flat_to_flat(plan, sh, stored: _StoredKey, dest, full_local, start, stop) -> None:
         grid_index = tuple(o // s for o, s in zip(sh.global_offset, full_local))
-        ones = (1,) * len(full_local)
-        for ch in stored.flat_index.get(grid_index, []):
-            s = ch.offset[-1]
-            e = s + ch.size[-1]
-            lo, hi = max(s, start), min(e, stop)
-            if hi > lo:
-                plan.add(ch, _CopyOp(sh.key, (0,) * len(ones) + (lo - s,), ones + (hi - lo,),
-                                     dest[lo - start:hi - start].view(ones + (hi - lo,))))
+        _plan_flat_slices(plan, sh.key, stored, grid_index, start, stop, dest, start)
 
     @staticmethod
     def _plan_box_from_flat(plan, key, stored: _StoredKey, off, size, view) -> None:
         chunk = stored.chunk_local_shape
         grid = stored.size[:-1]
-        ones = (1,) * len(chunk)
         ranges = [range(o // c, min(g, -(-(o + s) // c))) for o, s, c, g in zip(off, size, chunk, grid)]
         row = math.prod(chunk[1:])
         for idx in itertools.product(*ranges):
@@ -947,36 +965,12 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             dst = view[_rel_slices(*inter, off)]
             if f_hi - f_lo == math.prod(inter[1]) and dst.is_contiguous():
                 # The box is one flat range of the stored chunk: read straight into place.
-                flat_dst = dst.reshape(-1)
-                covered = 0
-                for ch in stored.flat_index.get(idx, []):
-                    s = ch.offset[-1]
-                    a, b = max(s, f_lo), min(s + ch.size[-1], f_hi)
-                    if b > a:
-                        covered += b - a
-                        plan.add(ch, _CopyOp(key, (0,) * len(ones) + (a - s,), ones + (b - a,),
-                                             flat_dst[a - f_lo:b - f_lo].view(ones + (b - a,))))
-                if covered != f_hi - f_lo:
-                    raise CheckpointingException(
-                        f"ShardedTensor {key!r}: stored flattened ranges of chunk {list(idx)} do not cover "
-                        f"elements [{f_lo}, {f_hi}) needed for this load")
+                _plan_flat_slices(plan, key, stored, idx, f_lo, f_hi, dst.reshape(-1), f_lo)
                 continue
             base = lo[0] * row
             rows = hi[0] - lo[0]
             buf = torch.empty(rows * row, dtype=stored.dtype)
-            covered = 0
-            for ch in stored.flat_index.get(idx, []):
-                s = ch.offset[-1]
-                e = s + ch.size[-1]
-                a, b = max(s, f_lo), min(e, f_hi)
-                if b > a:
-                    covered += b - a
-                    plan.add(ch, _CopyOp(key, (0,) * len(ones) + (a - s,), ones + (b - a,),
-                                         buf[a - base:b - base].view(ones + (b - a,))))
-            if covered != f_hi - f_lo:
-                raise CheckpointingException(
-                    f"ShardedTensor {key!r}: stored flattened ranges of chunk {list(idx)} do not cover "
-                    f"elements [{f_lo}, {f_hi}) needed for this load")
+            _plan_flat_slices(plan, key, stored, idx, f_lo, f_hi, buf, base)
             sub = (slice(0, rows),) + tuple(slice(a, b) for a, b in zip(lo[1:], hi[1:]))
 
             def fin(dst=dst, buf=buf, sub=sub, rows=rows):
@@ -986,17 +980,22 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     # ----------------------------------------------------------------- execution
 
-    def _execute(self, plan: _Plan, checkpoint_dir: Path, verify: bool) -> None:
+    def _checksums(self, checkpoint_dir: Path) -> Optional[Dict]:
+        """The manifest's checksums by (file, offset) when verifying; None otherwise."""
+        if not self.verify:
+            return None
+        manifest = read_manifest(checkpoint_dir)
+        if manifest is None:
+            logger.warning("%s has no integrity manifest: verify=True checks sizes and structure only",
+                           checkpoint_dir)
+            return None
+        return manifest.range_index()
+
+    def _execute(self, plan: _Plan, checkpoint_dir: Path, checksums: Optional[Dict]) -> None:
         by_file: Dict[str, List[_Stored]] = defaultdict(list)
         for st in plan.ops:
             by_file[st.relative_path].append(st)
-        checksums = None
-        if verify:
-            manifest = read_manifest(checkpoint_dir)
-            checksums = manifest.range_index() if manifest is not None else None
-            if manifest is None:
-                logger.warning("%s has no integrity manifest: verify=True checks sizes and structure only",
-                               checkpoint_dir)
+        verify = self.verify
         rank = dist.get_rank()
         counted = []  # per-file byte counts; list.append is atomic across reader threads
 
@@ -1028,7 +1027,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         for fin in plan.finalizers:
             fin()
 
-    def _load_object(self, obj: ShardedObject, stored: Optional[_Stored], checkpoint_dir: Path) -> Any:
+    def _load_object(self, obj: ShardedObject, stored: Optional[_Stored], checkpoint_dir: Path,
+                     checksums: Optional[Dict]) -> Any:
         if stored is None:
             raise CheckpointingException(
                 f"ShardedObject {obj.unique_key!r} is not in checkpoint {checkpoint_dir} (rank {dist.get_rank()})")
@@ -1042,13 +1042,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             raise CheckpointingException(f"{what}: data file is missing") from None
         if len(raw) != stored.length:
             raise CheckpointingException(f"{what}: file is truncated")
-        if self.verify:
-            manifest = read_manifest(checkpoint_dir)
-            expected = manifest.range_index().get((stored.relative_path, stored.file_offset)) if manifest else None
-            if manifest is not None and expected is None:
-                raise CheckpointingException(f"{what}: no checksum for this item in the manifest; cannot verify it")
-            if expected is not None and crc32c(raw) != expected.crc32c:
-                raise CheckpointingException(f"{what}: CRC32C mismatch against the manifest (corrupted data)")
+        _check_item(raw, stored, checksums, what)
         value = safe_torch_load(raw, what=what, trusted=self.trusted)
         return value[0] if isinstance(value, list) and len(value) == 1 else value
 
@@ -1080,7 +1074,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             return sh
 
         dict_list_map_inplace(prepare, sharded_state_dict)
-        self._execute(plan, checkpoint_dir, self.verify)
+        checksums = self._checksums(checkpoint_dir)
+        self._execute(plan, checkpoint_dir, checksums)
         with torch.no_grad():
             for commit in commits:
                 commit()
@@ -1089,7 +1084,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             if isinstance(sh, ShardedTensor):
                 return sh.data
             if isinstance(sh, ShardedObject):
-                return self._load_object(sh, index.get(sh.unique_key), checkpoint_dir)
+                return self._load_object(sh, index.get(sh.unique_key), checkpoint_dir, checksums)
             return sh
 
         return dict_list_map_inplace(result, sharded_state_dict)
