@@ -26,6 +26,7 @@ import io
 import itertools
 import logging
 import math
+import mmap
 import os
 import pickle
 import uuid
@@ -74,10 +75,8 @@ from distckpt.strategies.base import (
 from distckpt.strategies.common import safe_torch_load
 from distckpt.strategies.filesystem import (
     ChecksummingSink,
-    box_runs,
     pread_into,
     read_archive_layout,
-    scatter_read,
     write_bytes_item,
     write_tensor_item,
     zip_crc_disabled,
@@ -351,6 +350,7 @@ def _write_file(path: Path, items: List[_WriteItem]) -> Tuple[List[Tuple[_WriteI
                 out.append((it, *write_tensor_item(sink, it.payload)))
             else:
                 out.append((it, *write_bytes_item(sink, it.payload)))
+        sink.drain()
         os.fsync(fd)
         return out, sink.position
     finally:
@@ -606,12 +606,30 @@ class _StoredKey:
 
 @dataclass
 class _CopyOp:
-    """Copy the box ``[lo, lo + size)`` of a stored chunk into ``dst`` (a view of ``size``)."""
+    """Copy elements of a stored item into ``dst`` (a view of shape ``size``): element ``i`` of
+    the box is item element ``start + sum(i[d] * strides[d])`` (row-major item order)."""
 
     key: str
-    lo: Shape
+    start: int
     size: Shape
+    strides: Shape
     dst: torch.Tensor
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.size)
+
+    @property
+    def end(self) -> int:
+        """One past the last item element the box touches."""
+        if self.numel == 0:
+            return self.start
+        return self.start + sum((n - 1) * st for n, st in zip(self.size, self.strides)) + 1
+
+    @property
+    def is_range(self) -> bool:
+        """True if the box is the plain element range ``[start, start + numel)``."""
+        return self.end - self.start == self.numel
 
 
 class _Plan:
@@ -629,15 +647,13 @@ def _plan_flat_slices(plan: _Plan, key: str, stored: _StoredKey, idx: Shape, f_l
                       target: torch.Tensor, origin: int) -> None:
     """Copy elements ``[f_lo, f_hi)`` of flattened chunk ``idx`` from the stored slices that hold
     them into the 1-D ``target``, whose element 0 is flat element ``origin``."""
-    ones = (1,) * (len(stored.size) - 1)
     covered = 0
     for ch in stored.flat_index.get(idx, []):
         s = ch.offset[-1]
         a, b = max(s, f_lo), min(s + ch.size[-1], f_hi)
         if b > a:
             covered += b - a
-            plan.add(ch, _CopyOp(key, (0,) * len(ones) + (a - s,), ones + (b - a,),
-                                 target[a - origin:b - origin].view(ones + (b - a,))))
+            plan.add(ch, _CopyOp(key, a - s, (b - a,), (1,), target[a - origin:b - origin]))
     if covered != f_hi - f_lo:
         raise CheckpointingException(
             f"ShardedTensor {key!r}: stored flattened ranges of chunk {list(idx)} do not cover "
@@ -678,10 +694,6 @@ def _index(md: Metadata) -> Dict[str, Any]:
     return out
 
 
-# Below this run length a covering read plus a strided copy beats one iovec per run.
-_MIN_SCATTER_RUN_BYTES = 512
-
-
 def _contiguous_strides(shape: Shape) -> Shape:
     strides, acc = [], 1
     for s in reversed(shape):
@@ -701,85 +713,90 @@ def _check_item(raw: bytes, st: _Stored, checksums: Optional[Dict], what: str) -
         raise CheckpointingException(f"{what}: CRC32C mismatch against the manifest (corrupted data)")
 
 
+def _copy_boxes(src: torch.Tensor, first: int, ops: List[_CopyOp]) -> None:
+    """Copy each op's box out of ``src``, the 1-D run of item elements starting at ``first``."""
+    for op in ops:
+        op.dst.copy_(src.as_strided(op.size, op.strides, src.storage_offset() + op.start - first))
+
+
+def _copy_from_mapping(fd: int, offset: int, count: int, dtype: torch.dtype, ops: List[_CopyOp],
+                       first: int, what: str) -> None:
+    """Copy the ops' boxes out of ``count`` elements of the file at byte ``offset``, mapped
+    rather than read: only the pages and cache lines the boxes touch are visited, so a box
+    that takes every other run of a chunk does not pull the runs between them through memory."""
+    nbytes = count * dtype.itemsize
+    if os.fstat(fd).st_size < offset + nbytes:  # touching a page past EOF would be SIGBUS
+        raise CheckpointingException(f"{what}: file is truncated (needs {offset + nbytes} bytes)")
+    aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
+    # Private and writable only so torch accepts the buffer; nothing writes, so no page is copied.
+    mapping = mmap.mmap(fd, nbytes + offset - aligned, flags=mmap.MAP_PRIVATE,
+                        prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=aligned)
+    try:
+        _copy_boxes(torch.frombuffer(mapping, dtype=dtype, count=count, offset=offset - aligned), first, ops)
+    finally:
+        try:
+            mapping.close()
+        except BufferError:  # a view is still alive somewhere; the mapping goes with it
+            pass
+
+
 def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[_CopyOp],
                 checksums: Optional[Dict], rank: int, verify: bool) -> int:
-    """Serve every copy of one stored chunk; returns the number of bytes read from storage.
+    """Serve every copy of one stored item; returns the bytes taken from storage.
 
-    Each op's source box is a contiguous byte range of the chunk when it spans whole trailing
-    axes: then it is read straight into a contiguous destination of the same dtype. The other
-    ops share one read of the smallest byte range covering their boxes.
+    A box that is a plain element range lands in a contiguous destination of the same dtype
+    with one ``preadv``. Other boxes (column blocks, strided flat slices, other dtypes or
+    layouts) are copied out of a read-only mapping of the bytes they span.
     """
     what = f"key {ops[0].key!r} in {path} at offset {st.file_offset} (rank {rank})"
+    raw: Optional[bytes] = None
     if verify:
         raw = os.pread(fd, st.length, st.file_offset)
         if len(raw) != st.length:
             raise CheckpointingException(f"{what}: file is truncated ({len(raw)} of {st.length} bytes)")
         _check_item(raw, st, checksums, what)
-        buffer = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
 
         def read(offset: int, n: int) -> bytes:
             return raw[offset:offset + n]
-
-        def fill(dest: torch.Tensor, offset: int) -> None:
-            flat = dest.reshape(-1).view(torch.uint8)
-            if offset + flat.numel() > len(raw):
-                raise CheckpointingException(f"{what}: item is shorter than its tensor")
-            flat.copy_(buffer[offset:offset + flat.numel()])
-        nbytes = st.length
     else:
-        nbytes = 0
-
         def read(offset: int, n: int) -> bytes:
-            nonlocal nbytes
             n = max(0, min(n, st.length - offset))
-            data = os.pread(fd, n, st.file_offset + offset)
-            nbytes += len(data)
-            return data
+            return os.pread(fd, n, st.file_offset + offset)
 
-        def fill(dest: torch.Tensor, offset: int) -> None:
-            nonlocal nbytes
-            pread_into(fd, dest, st.file_offset + offset, what)
-            nbytes += dest.numel() * dest.element_size()
-
+    numel = math.prod(st.size)
     layout = read_archive_layout(read, st.length) if st.length else None
-    if layout is None or not layout.is_contiguous or math.prod(layout.size) != math.prod(st.size):
-        whole = read(0, st.length)
+    if layout is None or not layout.is_contiguous or math.prod(layout.size) != numel:
+        whole = raw if raw is not None else read(0, st.length)
         if len(whole) != st.length:
             raise CheckpointingException(f"{what}: file is truncated ({len(whole)} of {st.length} bytes)")
         tensor = safe_torch_load(whole, what=what)
-        if not isinstance(tensor, torch.Tensor) or tensor.numel() != math.prod(st.size):
+        if not isinstance(tensor, torch.Tensor) or tensor.numel() != numel:
             raise CheckpointingException(f"{what}: stored item is not a tensor of the recorded size")
-        tensor = tensor.reshape(st.size)
-        for op in ops:
-            op.dst.copy_(tensor[tuple(slice(a, a + b) for a, b in zip(op.lo, op.size))])
-        return nbytes
+        _copy_boxes(tensor.reshape(-1).contiguous(), 0, ops)
+        return st.length
     itemsize = layout.dtype.itemsize
     base = layout.data_offset + layout.storage_offset * itemsize
-    if (math.prod(st.size) - 0) * itemsize + layout.storage_offset * itemsize > layout.data_length:
+    if base + numel * itemsize > layout.data_offset + layout.data_length:
         raise CheckpointingException(f"{what}: tensor bytes extend past the item")
-    strides = _contiguous_strides(st.size)
-    shared = []
+    if raw is not None:
+        _copy_boxes(torch.frombuffer(bytearray(raw), dtype=torch.uint8)[base:base + numel * itemsize]
+                    .view(layout.dtype), 0, [op for op in ops if op.numel])
+        return st.length
+    nbytes = 0
+    strided = []
     for op in ops:
-        if math.prod(op.size) == 0:
+        if op.numel == 0:
             continue
-        f0 = _ravel(op.lo, st.size)
-        f1 = _ravel([a + b - 1 for a, b in zip(op.lo, op.size)], st.size) + 1
-        plain_dst = op.dst.dtype == layout.dtype and op.dst.is_contiguous() and op.dst.device.type == "cpu"
-        if plain_dst and f1 - f0 == math.prod(op.size):
-            fill(op.dst, base + f0 * itemsize)
-            continue
-        runs = box_runs(op.lo, op.size, st.size) if plain_dst and not verify else None
-        if runs is not None and runs[1] * itemsize >= _MIN_SCATTER_RUN_BYTES:
-            nbytes += scatter_read(fd, op.dst, base, itemsize, runs, what)
+        if op.is_range and op.dst.dtype == layout.dtype and op.dst.is_contiguous() and op.dst.device.type == "cpu":
+            pread_into(fd, op.dst, st.file_offset + base + op.start * itemsize, what)
         else:
-            shared.append((op, f0, f1))
-    if shared:
-        lo = min(f0 for _, f0, _ in shared)
-        hi = max(f1 for _, _, f1 in shared)
-        tmp = torch.empty(hi - lo, dtype=layout.dtype)
-        fill(tmp, base + lo * itemsize)
-        for op, f0, _ in shared:
-            op.dst.copy_(tmp.as_strided(op.size, strides, f0 - lo))
+            strided.append(op)
+        nbytes += op.numel * itemsize
+    if strided:
+        first = min(op.start for op in strided)
+        last = max(op.end for op in strided)
+        _copy_from_mapping(fd, st.file_offset + base + first * itemsize, last - first, layout.dtype,
+                           strided, first, what)
     return nbytes
 
 
@@ -940,7 +957,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             if inter is None:
                 continue
             lo = tuple(a - b for a, b in zip(inter[0], ch.offset))
-            plan.add(ch, _CopyOp(key, lo, inter[1], view[_rel_slices(*inter, off)]))
+            plan.add(ch, _CopyOp(key, _ravel(lo, ch.size), inter[1], _contiguous_strides(ch.size),
+                                 view[_rel_slices(*inter, off)]))
 
     @staticmethod
     def _plan_flat_to_flat(plan, sh, stored: _StoredKey, dest, full_local, start, stop) -> None:
@@ -951,30 +969,33 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def _plan_box_from_flat(plan, key, stored: _StoredKey, off, size, view) -> None:
         chunk = stored.chunk_local_shape
         grid = stored.size[:-1]
+        strides = _contiguous_strides(chunk)
         ranges = [range(o // c, min(g, -(-(o + s) // c))) for o, s, c, g in zip(off, size, chunk, grid)]
-        row = math.prod(chunk[1:])
         for idx in itertools.product(*ranges):
             chunk_off = tuple(i * c for i, c in zip(idx, chunk))
             inter = _intersect(off, size, chunk_off, chunk)
             if inter is None:
                 continue
             lo = tuple(a - b for a, b in zip(inter[0], chunk_off))
-            hi = tuple(a + b for a, b in zip(lo, inter[1]))
             f_lo = _ravel(lo, chunk)
-            f_hi = _ravel([h - 1 for h in hi], chunk) + 1
+            f_hi = _ravel([a + b - 1 for a, b in zip(lo, inter[1])], chunk) + 1
             dst = view[_rel_slices(*inter, off)]
             if f_hi - f_lo == math.prod(inter[1]) and dst.is_contiguous():
                 # The box is one flat range of the stored chunk: read straight into place.
                 _plan_flat_slices(plan, key, stored, idx, f_lo, f_hi, dst.reshape(-1), f_lo)
                 continue
-            base = lo[0] * row
-            rows = hi[0] - lo[0]
-            buf = torch.empty(rows * row, dtype=stored.dtype)
-            _plan_flat_slices(plan, key, stored, idx, f_lo, f_hi, buf, base)
-            sub = (slice(0, rows),) + tuple(slice(a, b) for a, b in zip(lo[1:], hi[1:]))
+            holder = next((ch for ch in stored.flat_index.get(idx, [])
+                           if ch.offset[-1] <= f_lo and f_hi <= ch.offset[-1] + ch.size[-1]), None)
+            if holder is not None:
+                # One stored slice holds the whole box: copy it out strided, no staging.
+                plan.add(holder, _CopyOp(key, f_lo - holder.offset[-1], inter[1], strides, dst))
+                continue
+            # The box spans several stored slices: gather its flat span, then copy the box out.
+            buf = torch.empty(f_hi - f_lo, dtype=stored.dtype)
+            _plan_flat_slices(plan, key, stored, idx, f_lo, f_hi, buf, f_lo)
 
-            def fin(dst=dst, buf=buf, sub=sub, rows=rows):
-                dst.copy_(buf.view((rows,) + tuple(chunk[1:]))[sub])
+            def fin(dst=dst, buf=buf, box=inter[1]):
+                dst.copy_(buf.as_strided(box, strides))
 
             plan.finalizers.append(fin)
 

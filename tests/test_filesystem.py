@@ -1,0 +1,125 @@
+"""Byte-level I/O of ``.distcp`` items: the archive framer, the gathering sink, mapped reads."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+
+import pytest
+import torch
+
+import distckpt
+from distckpt import ShardedTensor
+from distckpt.core import CheckpointingException
+from distckpt.manifest import crc32c
+from distckpt.strategies import filesystem as fs
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
+          torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64]
+SHAPES = [(), (1,), (7,), (3, 5), (2, 3, 4), (1000, 33), (300_000,)]
+
+
+def _sample(dtype, shape):
+    g = torch.Generator().manual_seed(7)
+    if dtype.is_complex:
+        return torch.randn(shape, dtype=dtype, generator=g)
+    return (torch.randn(shape, generator=g) * 50).to(dtype)
+
+
+def _torch_save_bytes(t):
+    buf = io.BytesIO()
+    with fs.zip_crc_disabled():
+        torch.save(t, buf)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_framed_archive_is_byte_identical_to_torch_save(dtype):
+    for shape in SHAPES:
+        t = _sample(dtype, shape)
+        expected = _torch_save_bytes(t)
+        sid = re.search(rb"serialization_id.*?([0-9]{40})", expected, re.S).group(1).decode()
+        header, trailer = fs.tensor_archive_frame(t, sid)
+        ours = header + t.reshape(-1).view(torch.uint8).numpy().tobytes() + trailer
+        assert ours == expected, (dtype, shape)
+        back = torch.load(io.BytesIO(ours), weights_only=True)
+        assert back.dtype == t.dtype and torch.equal(back, t)
+
+
+@pytest.mark.parametrize("tensor", [
+    torch.zeros(0),                                   # empty: torch frames it differently
+    torch.arange(12.0).reshape(3, 4).t(),             # not contiguous
+    torch.arange(12.0)[2:],                           # a view into a larger storage
+    torch.ones(4).to(torch.float8_e4m3fn),            # no legacy storage class
+], ids=["empty", "transposed", "offset-view", "fp8"])
+def test_tensors_the_framer_declines_are_written_by_torch_save(tensor, tmp_path):
+    assert fs.tensor_archive_frame(tensor, "0" * 40) is None
+    path = tmp_path / "item"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    sink = fs.ChecksummingSink(fd)
+    with fs.zip_crc_disabled():
+        offset, length, crc = fs.write_tensor_item(sink, tensor)
+    sink.drain()
+    os.close(fd)
+    data = path.read_bytes()
+    assert (offset, length, crc) == (0, len(data), crc32c(data))
+    back = torch.load(io.BytesIO(data), weights_only=True)
+    assert torch.equal(back.float(), tensor.float())
+
+
+def test_sink_gathers_small_writes_and_counts_every_byte(tmp_path):
+    """Many items, small and large: the file, the offsets and the per-item CRC32C all match
+    what writing each item on its own produces."""
+    items = [_sample(torch.float32, (n,)) for n in (1, 3, 40_000, 2, 300_000, 5)]
+    path = tmp_path / "file"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    sink = fs.ChecksummingSink(fd)
+    records = [fs.write_tensor_item(sink, t) for t in items]
+    records.append(fs.write_bytes_item(sink, b"tail object"))
+    sink.drain()
+    os.close(fd)
+    data = path.read_bytes()
+    assert len(data) == sink.position
+    for (offset, length, crc), t in zip(records, items):
+        assert crc == crc32c(data[offset:offset + length])
+        assert torch.equal(torch.load(io.BytesIO(data[offset:offset + length]), weights_only=True), t)
+    offset, length, crc = records[-1]
+    assert data[offset:offset + length] == b"tail object"
+
+
+def _column_blocks(rows, cols, parts):
+    """The whole tensor requested as ``parts`` column blocks (each one strided in the stored chunk)."""
+    return {f"w{i}": ShardedTensor.from_rank_offsets("w", torch.zeros(rows, cols // parts), (1, i, parts))
+            for i in range(parts)}
+
+
+def test_column_block_load_is_exact_and_a_truncated_file_is_an_error(tmp_path):
+    """A column block of a row-major chunk is copied out of a mapping of the file; when the
+    file is shorter than the bytes mapped, that is a CheckpointingException, not a SIGBUS."""
+    full = torch.arange(64 * 512, dtype=torch.float32).reshape(64, 512)
+    distckpt.save({"w": ShardedTensor.from_rank_offsets("w", full)}, tmp_path)
+    out = distckpt.load(_column_blocks(64, 512, 4), tmp_path)
+    assert torch.equal(torch.cat([out[f"w{i}"] for i in range(4)], dim=1), full)
+    data = next(tmp_path.glob("*.distcp"))
+    os.truncate(data, data.stat().st_size - 64 * 1024)
+    with pytest.raises(CheckpointingException, match="truncated") as info:
+        distckpt.load(_column_blocks(64, 512, 4), tmp_path)
+    assert "'w'" in str(info.value) and data.name in str(info.value)
+
+
+def test_mapping_past_the_end_of_a_file_is_refused_before_any_page_is_touched(tmp_path):
+    from distckpt.strategies.torch import _copy_from_mapping, _CopyOp
+
+    path = tmp_path / "short"
+    path.write_bytes(bytes(10_000))
+    dst = torch.empty(4, 100)
+    op = _CopyOp("w", 0, (4, 100), (600, 1), dst)  # rows 600 elements apart; ends at 1900
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        _copy_from_mapping(fd, 0, 2500, torch.float32, [op], 0, "key 'w' in short")  # exactly fits
+        assert torch.equal(dst, torch.zeros(4, 100))
+        with pytest.raises(CheckpointingException, match="key 'w' in short: file is truncated"):
+            _copy_from_mapping(fd, 4, 2500, torch.float32, [op], 0, "key 'w' in short")
+    finally:
+        os.close(fd)
