@@ -6,15 +6,20 @@ and is written last, atomically. A directory without it is not a (complete) chec
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import gc
 import json
 import os
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Callable, Iterator, Optional, TypeVar, Union
 
 CONFIG_FNAME = "metadata.json"
 
 PathLike = Union[str, os.PathLike]
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 class CheckpointingException(Exception):
@@ -120,3 +125,45 @@ def check_is_distributed_checkpoint(checkpoint_dir: PathLike) -> bool:
         return maybe_load_config(checkpoint_dir) is not None
     except CheckpointingException:
         return False
+
+
+# --------------------------------------------------------------------------- garbage collection
+
+_gc_lock = threading.Lock()
+_gc_users = 0
+_gc_was_enabled = False
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Keep Python's cyclic GC off for the duration (reference-counted across threads).
+
+    A checkpoint operation allocates many small acyclic objects (metadata, plans). Each burst
+    can set off a full collection, which walks every object of the process (torch alone holds
+    hundreds of thousands): measured at 0.12 s inside a 0.33 s load, and 3-4x the work itself
+    when building the metadata of a thousand ranks.
+    """
+    global _gc_users, _gc_was_enabled
+    with _gc_lock:
+        if _gc_users == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_users += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_users -= 1
+            if _gc_users == 0 and _gc_was_enabled:
+                gc.enable()
+
+
+def with_gc_paused(fn: F) -> F:
+    """Decorator: run ``fn`` under :func:`gc_paused`."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with gc_paused():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]

@@ -25,6 +25,7 @@ from distckpt.core import (
     fsync_dir,
     maybe_load_config,
     save_config,
+    with_gc_paused,
 )
 from distckpt.core import check_is_distributed_checkpoint as _check_is_distributed_checkpoint
 from distckpt.dict_utils import dict_list_map_inplace, diff, extract_matching_values, merge, nested_values
@@ -121,6 +122,7 @@ def _load_strategies(checkpoint_dir: PathLike, sharded_strategy: Optional[LoadSh
 # --------------------------------------------------------------------------- save
 
 
+@with_gc_paused
 def save(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: PathLike,
@@ -300,6 +302,7 @@ def _log_common_differences(views) -> None:
 # --------------------------------------------------------------------------- load
 
 
+@with_gc_paused
 def load(
     sharded_state_dict: ShardedStateDict,
     checkpoint_dir: PathLike,

@@ -165,3 +165,33 @@ def test_shard_ids_identify_stored_pieces():
     assert _sharded_tensor_shard_id(flat) == ("w", (2, 0), (1, 4))
     assert _sharded_tensor_shard_id(st("t")) == ("t", (0,), None)
     assert _sharded_object_id(ShardedObject("o", None, (2, 3), (1, 2))) == ("o", (1, 2), (2, 3))
+
+
+def test_gc_pause_nests_and_load_restores_it_even_after_an_error(tmp_path):
+    import gc
+
+    import distckpt
+    from distckpt import ShardedTensor
+    from distckpt.core import gc_paused
+
+    try:
+        assert gc.isenabled()
+        with gc_paused():
+            with gc_paused():
+                assert not gc.isenabled()
+            assert not gc.isenabled(), "the inner exit must not switch the GC back on"
+        assert gc.isenabled()
+        gc.disable()
+        with gc_paused():
+            pass
+        assert not gc.isenabled(), "a GC the caller switched off stays off"
+        gc.enable()
+        distckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4))}, tmp_path)
+        req = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4))}
+        distckpt.load(req, tmp_path)
+        assert gc.isenabled()
+        with pytest.raises(CheckpointingException):
+            distckpt.load(req, tmp_path / "missing")
+        assert gc.isenabled()
+    finally:
+        gc.enable()

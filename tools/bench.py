@@ -7,7 +7,8 @@
 On N gloo ranks (one process each) it builds a GPT-like sharded state dict of about
 ``--size-gib`` GiB in total: bf16 weights split tensor-parallel over the N ranks (column- and
 row-parallel), replicated layer norms (written by one rank), and fp32 optimizer states as
-flattened slices (distributed-optimizer style). Then, each figure a median of ``--reps`` runs:
+flattened slices (distributed-optimizer style). Then, each figure a median of ``--reps`` runs
+(after ``--warmup`` unrecorded ones):
 
 - raw:   ``os.write`` + fsync / ``os.read`` of the same per-rank bytes: the physical limit
 - save, load (same layout), load resharded (every rank takes two interleaved TP pieces of a
@@ -220,7 +221,19 @@ def _rank_main(rank, world, port, args, queue):
     reshard = build_state(rank, world, hidden, layers, pieces_per_rank=2, with_data=False)
     full_req = build_state(rank, world, hidden, layers, with_data=False, full=True)
     async_strategy = TorchDistSaveShardedStrategy(thread_count=args.threads)
-    for rep in range(args.reps):
+    # Peak RSS first, before any other buffer exists: freed buffers stay in the allocator and
+    # would be counted against the save.
+    ckpt = root / "ckpt_rss"
+    tdist.barrier()
+    with _PeakRss() as rss:
+        distckpt.save(sd, ckpt, sharded_strategy=TorchDistSaveShardedStrategy(thread_count=args.threads))
+    results["save peak RSS above baseline (x local bytes)"] = (rss.peak - rss_before_state) / local_bytes(sd)
+    tdist.barrier()
+    if rank == 0:
+        _drop(ckpt)
+    for rep in range(-args.warmup, args.reps):
+        if rep == 0:
+            times.clear()  # warm-up repetitions are not recorded
         raw = root / f"raw_{rank}.bin"
         record("raw write", _barrier_time(_raw_write, raw, tensors)[0])
         bufs = [torch.zeros_like(t) for t in tensors]
@@ -235,13 +248,7 @@ def _rank_main(rank, world, port, args, queue):
                 _drop(ckpt)
             tdist.barrier()
             strategy = TorchDistSaveShardedStrategy(thread_count=args.threads) if backend == "torch_dist" else (backend, 1)
-            if rep == 0 and backend == "torch_dist":
-                with _PeakRss() as rss:
-                    seconds, _ = _barrier_time(distckpt.save, sd, ckpt, sharded_strategy=strategy)
-                results["save peak RSS above baseline (x local bytes)"] = (rss.peak - rss_before_state) / local_bytes(sd)
-            else:
-                seconds, _ = _barrier_time(distckpt.save, sd, ckpt, sharded_strategy=strategy)
-            record(f"{backend} save", seconds)
+            record(f"{backend} save", _barrier_time(distckpt.save, sd, ckpt, sharded_strategy=strategy)[0])
             req = empty_like_request(sd)
             record(f"{backend} load", _barrier_time(distckpt.load, req, ckpt)[0])
             req = None
@@ -396,6 +403,8 @@ def main() -> int:
     parser.add_argument("--size-gib", type=float, default=2.0)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="unrecorded repetitions first (the first touch of fresh memory is slow)")
     parser.add_argument("--backends", default="torch_dist,zarr")
     parser.add_argument("--threads", type=int, default=2,
                         help="writer/reader threads per rank (torch_dist thread_count)")

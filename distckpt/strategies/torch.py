@@ -19,9 +19,7 @@ with the stored chunks, and each stored chunk is read at most once per rank.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import io
 import itertools
 import logging
@@ -49,7 +47,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from distckpt import dist
-from distckpt.core import CheckpointingException, atomic_write_bytes
+from distckpt.core import CheckpointingException, atomic_write_bytes, gc_paused
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
 from distckpt.manifest import (
     RangeChecksum,
@@ -519,21 +517,9 @@ def _chunk_order(chunk: ChunkStorageMetadata) -> torch.Size:
     return chunk.offsets
 
 
-@contextlib.contextmanager
-def _gc_paused():
-    """Building a million acyclic objects triggers full GC passes that cost 3-4x the work itself."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def build_metadata(payloads: List[Tuple[Dict[str, _KeyDecl], List[_Record]]], checkpoint_id: str) -> Metadata:
     """Assemble DCP Metadata from every rank's key declarations and written records."""
-    with _gc_paused():
+    with gc_paused():
         return _build_metadata(payloads, checkpoint_id)
 
 
