@@ -42,13 +42,18 @@ class CheckpointingConfig:
     common_backend_version: int = 1
 
 
+def write_all(fd: int, data) -> None:
+    """``os.write`` every byte of ``data`` (bytes-like), however short the individual writes."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def write_file_durably(path: PathLike, data: bytes) -> None:
     """Write ``data`` to ``path`` (created or truncated) and fsync it before returning."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        write_all(fd, data)
         os.fsync(fd)
     finally:
         os.close(fd)

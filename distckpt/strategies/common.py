@@ -97,8 +97,7 @@ def _fsynced_torch_save(obj: Any, path: Path) -> Tuple[int, int]:
     try:
         sink = ChecksummingSink(fd)
         save_to_sink(obj, sink)
-        sink.drain()
-        os.fsync(fd)
+        sink.fsync()
         return sink.position, sink.crc
     finally:
         os.close(fd)

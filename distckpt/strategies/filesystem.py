@@ -3,10 +3,11 @@
 Each item of a ``.distcp`` file is a complete ``torch.save`` archive (a stored, uncompressed
 zip), as DCP and Megatron-Core write them, so any of them can read our files and we theirs.
 
-Writing: ``torch.save`` streams the archive into a :class:`ChecksummingSink`, which hands the
-storage bytes to ``os.write`` without a copy and folds them into a CRC32C as they pass. The zip
-format's own CRC32 is switched off while we write (torch.load does not check it, and it would
-cost more than the write itself); our CRC32C in the manifest covers every byte instead.
+Writing: :func:`tensor_archive_frame` builds the zip records around a plain tensor's storage
+(byte-identical to ``torch.save``'s output with its zip CRC32 off; other tensors and objects go
+through ``torch.save``). A :class:`ChecksummingSink` writes the storage straight from the tensor's
+memory, gathers the small writes, and folds every byte into a CRC32C for the manifest. The zip
+format's own CRC32 stays 0 (torch.load does not check it, and it would cost more than the write).
 
 Reading: instead of ``torch.load`` (which copies the bytes twice), :func:`read_archive_layout`
 parses the archive's local zip headers and its ``data.pkl`` with a restricted unpickler to find
@@ -29,7 +30,7 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-from distckpt.core import CheckpointingException
+from distckpt.core import CheckpointingException, write_all
 from distckpt.manifest import crc32c
 
 # --------------------------------------------------------------------------- zip records
@@ -104,7 +105,7 @@ class ChecksummingSink:
                     self._writev([memoryview(self._pending), block])
                     self._pending = bytearray()
                 else:
-                    _write_all(self.fd, block)
+                    write_all(self.fd, block)
         self.position += n
         return n
 
@@ -115,22 +116,22 @@ class ChecksummingSink:
                 if done >= len(v):
                     done -= len(v)
                     continue
-                _write_all(self.fd, v[done:])
+                write_all(self.fd, v[done:])
                 done = 0
 
     def drain(self) -> None:
-        """Write out the gathered small writes (call before fsync/close)."""
+        """Write out the gathered small writes."""
         if self._pending:
-            _write_all(self.fd, memoryview(self._pending))
+            write_all(self.fd, self._pending)
             self._pending = bytearray()
+
+    def fsync(self) -> None:
+        """Drain, then fsync: the file is complete and durable."""
+        self.drain()
+        os.fsync(self.fd)
 
     def flush(self) -> None:
         pass
-
-
-def _write_all(fd: int, view: memoryview) -> None:
-    while view:
-        view = view[os.write(fd, view):]
 
 
 class _ErrorRecorder:
@@ -183,11 +184,7 @@ _FRAMED_DTYPES = {torch.float64: torch.DoubleStorage, torch.float32: torch.Float
 _MAX_FRAMED = 0xFFFFFFFF - (1 << 20)  # beyond this torch.save switches to zip64 records: use it
 
 
-class _StorageMark:
-    pass
-
-
-_STORAGE = _StorageMark()
+_STORAGE = object()  # stands for the tensor's storage in the pickle; becomes a persistent id
 
 
 class _TensorReduce:
@@ -274,11 +271,10 @@ def tensor_archive_frame(tensor: torch.Tensor, serialization_id: str) -> Optiona
     return header, bytes(zf.out)
 
 
-def write_tensor_item(sink: ChecksummingSink, tensor: torch.Tensor,
-                      serialization_id: str = "0" * 40) -> Tuple[int, int, int]:
+def write_tensor_item(sink: ChecksummingSink, tensor: torch.Tensor) -> Tuple[int, int, int]:
     """Append one tensor archive; returns (offset, length, crc32c) of the item."""
     start, sink.crc = sink.position, 0
-    frame = tensor_archive_frame(tensor, serialization_id)
+    frame = tensor_archive_frame(tensor, "0" * 40)
     if frame is None:
         save_to_sink(tensor, sink)
     else:
@@ -299,15 +295,15 @@ def write_bytes_item(sink: ChecksummingSink, data: bytes) -> Tuple[int, int, int
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor (any dtype, 0-dim too)."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    """A writable byte view of a contiguous CPU tensor (any dtype, 0-dim and empty too), no copy."""
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(bytearray())
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
-def pread_into(fd: int, dest: torch.Tensor, offset: int, what: str) -> None:
-    """Fill the contiguous CPU tensor ``dest`` with the bytes at ``offset``; short file = error."""
-    if dest.numel() == 0:
-        return
-    view = byte_view(dest)
+def pread_exact(fd: int, view: memoryview, offset: int, what: str) -> None:
+    """Fill ``view`` with the bytes at ``offset``; a file that ends first is an error naming ``what``."""
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
@@ -315,6 +311,11 @@ def pread_into(fd: int, dest: torch.Tensor, offset: int, what: str) -> None:
             raise CheckpointingException(f"{what}: file is truncated (needed {len(view) - done} more "
                                          f"bytes at offset {offset + done})")
         done += n
+
+
+def pread_into(fd: int, dest: torch.Tensor, offset: int, what: str) -> None:
+    """Fill the contiguous CPU tensor ``dest`` with the bytes at ``offset``."""
+    pread_exact(fd, byte_view(dest), offset, what)
 
 
 @dataclass(frozen=True)

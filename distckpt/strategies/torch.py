@@ -348,8 +348,7 @@ def _write_file(path: Path, items: List[_WriteItem]) -> Tuple[List[Tuple[_WriteI
                 out.append((it, *write_tensor_item(sink, it.payload)))
             else:
                 out.append((it, *write_bytes_item(sink, it.payload)))
-        sink.drain()
-        os.fsync(fd)
+        sink.fsync()
         return out, sink.position
     finally:
         os.close(fd)

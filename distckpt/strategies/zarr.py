@@ -55,7 +55,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import torch
 
 from distckpt import dist
-from distckpt.core import CheckpointingException, atomic_write_bytes
+from distckpt.core import CheckpointingException, atomic_write_bytes, write_all
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
 from distckpt.manifest import RangeChecksum, build_manifest, crc32c, read_manifest, write_manifest
 from distckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
@@ -65,6 +65,7 @@ from distckpt.strategies.base import (
     StrategyAction,
     register_default_strategy,
 )
+from distckpt.strategies.filesystem import byte_view, pread_exact
 from distckpt.strategies.torch import flat_range_boxes
 
 logger = logging.getLogger(__name__)
@@ -451,11 +452,6 @@ class ChunkRead:
     dest: torch.Tensor
 
 
-def _byte_view(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, shared (no copy)."""
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
-
-
 def _padded(meta: ArrayMeta, data: torch.Tensor) -> torch.Tensor:
     """``data`` as a contiguous full chunk: edge chunks are padded with the fill value (0)."""
     if tuple(data.shape) == meta.chunks:
@@ -501,12 +497,11 @@ class RawIO:
             if path.parent not in made:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 made.add(path.parent)
-            view = _byte_view(_padded(job.meta, job.data))
+            view = byte_view(_padded(job.meta, job.data))
             size, crc = len(view), crc32c(view)
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                while view:
-                    view = view[os.write(fd, view):]
+                write_all(fd, view)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -545,8 +540,8 @@ class RawIO:
                         _read_region(fd, meta, op, where)
                     return
                 chunk = torch.empty(meta.chunks, dtype=meta.dtype)
-                _pread_into(fd, _byte_view(chunk), 0, where)
-                if crc32c(_byte_view(chunk)) != expected[1]:
+                pread_exact(fd, byte_view(chunk), 0, where)
+                if crc32c(byte_view(chunk)) != expected[1]:
                     raise CheckpointingException(f"{where}: CRC32C mismatch against the manifest (corrupted data)")
                 for op in file_ops:
                     op.dest.copy_(chunk[tuple(slice(lo, hi) for lo, hi in zip(op.lo, op.hi))])
@@ -554,15 +549,6 @@ class RawIO:
                 os.close(fd)
 
         self._map(read_file, sorted(by_file.items(), key=lambda kv: str(kv[0])))
-
-
-def _pread_into(fd: int, view: memoryview, offset: int, where: str) -> None:
-    while view:
-        n = os.preadv(fd, [view], offset)
-        if n <= 0:
-            raise CheckpointingException(f"{where} ended early at byte {offset}; truncated")
-        view = view[n:]
-        offset += n
 
 
 # A strided region is read run by run (each contiguous run straight into place) unless its runs
@@ -590,7 +576,7 @@ def _read_region(fd: int, meta: ArrayMeta, op: ChunkRead, where: str) -> None:
     direct = dest.is_contiguous() and dest.device.type == "cpu" and dest.dtype == meta.dtype
     if runs == 1:
         target = dest if direct else torch.empty(ext, dtype=meta.dtype)
-        _pread_into(fd, _byte_view(target), _ravel(lo, chunks) * isz, where)
+        pread_exact(fd, byte_view(target), _ravel(lo, chunks) * isz, where)
         if not direct:
             dest.copy_(target)
         return
@@ -599,15 +585,15 @@ def _read_region(fd: int, meta: ArrayMeta, op: ChunkRead, where: str) -> None:
     run_bytes = math.prod(ext[run_axis:]) * isz
     if runs <= _MAX_RUNS and (run_bytes >= _MIN_RUN_BYTES or slab_elems > _SLAB_OVERREAD * math.prod(ext)):
         target = dest if direct else torch.empty(ext, dtype=meta.dtype)
-        flat = _byte_view(target)
+        flat = byte_view(target)
         for i, outer in enumerate(itertools.product(*(range(a, b) for a, b in zip(lo[:run_axis], hi[:run_axis])))):
             start = _ravel(outer + tuple(lo[run_axis:]), chunks) * isz
-            _pread_into(fd, flat[i * run_bytes:(i + 1) * run_bytes], start, where)
+            pread_exact(fd, flat[i * run_bytes:(i + 1) * run_bytes], start, where)
         if not direct:
             dest.copy_(target)
         return
     slab = torch.empty((slab_rows,) + tuple(chunks[1:]), dtype=meta.dtype)
-    _pread_into(fd, _byte_view(slab), lo[0] * math.prod(chunks[1:]) * isz, where)
+    pread_exact(fd, byte_view(slab), lo[0] * math.prod(chunks[1:]) * isz, where)
     dest.copy_(slab[(slice(None),) + tuple(slice(a, b) for a, b in zip(lo[1:], hi[1:]))])
 
 

@@ -288,8 +288,7 @@ class TorchDistWriter(DistckptWriter):
 
     def _close(self) -> None:
         if self._fd is not None:
-            self._sink.drain()
-            os.fsync(self._fd)
+            self._sink.fsync()
             os.close(self._fd)
             self.sizes[self._name] = self._sink.position
             self._fd = None

@@ -53,7 +53,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from distckpt.core import CheckpointingException, PathLike, fsync_dir
+from distckpt.core import CheckpointingException, PathLike, fsync_dir, write_all
+from distckpt.strategies.filesystem import byte_view, pread_exact
 from distckpt.tools.inspect import Progress, TensorMeta, TensorSource, dtype_name
 
 INDEX_FNAME = "model.safetensors.index.json"
@@ -90,28 +91,6 @@ def parse_size(text: str) -> int:
 # --------------------------------------------------------------------------- raw I/O
 
 
-def _byte_view(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, without a copy."""
-    flat = t.reshape(-1)
-    if flat.numel() == 0:
-        return memoryview(b"")
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
-
-
-def _write_all(fd: int, data: memoryview) -> None:
-    while data:
-        data = data[os.write(fd, data):]
-
-
-def _pread_into(fd: int, view: memoryview, offset: int, what: str) -> None:
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            raise CheckpointingException(f"{what}: file is truncated ({done} of {len(view)} bytes readable)")
-        done += n
-
-
 def _cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
     t = tensor.detach()
     if t.device.type != "cpu":
@@ -137,7 +116,7 @@ def _copy_range(src_fd: int, dst_fd: int, length: int) -> None:
         chunk = os.pread(src_fd, min(16 << 20, length - offset), offset)
         if not chunk:
             raise CheckpointingException("short read while assembling a safetensors shard")
-        _write_all(dst_fd, memoryview(chunk))
+        write_all(dst_fd, memoryview(chunk))
         offset += len(chunk)
 
 
@@ -287,7 +266,7 @@ class SafetensorsSource(TensorSource):
         out = torch.empty(meta.shape, dtype=meta.dtype)
         fd = os.open(file, os.O_RDONLY)
         try:
-            _pread_into(fd, _byte_view(out), start + entry["data_offsets"][0], f"{file}: tensor {key!r}")
+            pread_exact(fd, byte_view(out), start + entry["data_offsets"][0], f"{file}: tensor {key!r}")
         finally:
             os.close(fd)
         return out
@@ -467,8 +446,8 @@ class _Shard:
         self.size = 0
 
     def add(self, key: str, t: torch.Tensor) -> None:
-        view = _byte_view(t)
-        _write_all(self.fd, view)
+        view = byte_view(t)
+        write_all(self.fd, view)
         self.header[key] = {"dtype": _ST_NAMES[t.dtype], "shape": list(t.shape),
                             "data_offsets": [self.size, self.size + len(view)]}
         self.size += len(view)
@@ -479,7 +458,7 @@ class _Shard:
         text += b" " * (-len(text) % 8)  # 8-byte aligned data, as the safetensors library writes
         out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            _write_all(out, memoryview(struct.pack("<Q", len(text)) + text))
+            write_all(out, memoryview(struct.pack("<Q", len(text)) + text))
             _copy_range(self.fd, out, self.size)
             os.fsync(out)
         finally:
