@@ -30,6 +30,7 @@ import torch
 
 from distckpt.core import CheckpointingException
 from distckpt.dict_utils import nested_values
+from distckpt.foreign import from_foreign, normalize_sharded_state_dict
 from distckpt.mapping import (
     LocalNonpersistentObject,
     ReplicaId,
@@ -77,6 +78,7 @@ def get_param_id_to_sharded_param_map(
         optim_params_iter: the parameters in optimizer order (group after group), e.g.
             ``itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups)``.
     """
+    normalize_sharded_state_dict(model_sharded_state_dict)
     sharded, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
     param_to_id = get_optim_param_to_id_map(optim_params_iter)
     id_to_sharded: dict[int, ShardedParam] = {}
@@ -110,6 +112,7 @@ def make_sharded_optimizer_tensor(
         CheckpointingException: the state tensor's shape differs from the parameter's local
             shape (a factory's tensor; for a flattened parameter, the flat range's length).
     """
+    model_param = from_foreign(model_param, "model_param")
     key = _state_prefix_key(prefix, model_param.key)
     if isinstance(model_param, ShardedTensorFactory):
         param = model_param.data
@@ -174,6 +177,7 @@ def make_sharded_optimizer_tensor_flat(
         CheckpointingException: the parameter is itself flattened or not on a regular grid, or
             the slice does not fit ``flattened_range``.
     """
+    model_param = from_foreign(model_param, "model_param")
     key = _state_prefix_key(prefix, model_param.key)
     replica_id = model_param.replica_id if replica_id is None else replica_id
     if not isinstance(flattened_range, slice):

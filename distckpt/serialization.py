@@ -29,6 +29,7 @@ from distckpt.core import (
 )
 from distckpt.core import check_is_distributed_checkpoint as _check_is_distributed_checkpoint
 from distckpt.dict_utils import dict_list_map_inplace, diff, extract_matching_values, merge, nested_values
+from distckpt.foreign import normalize_sharded_state_dict
 from distckpt.manifest import add_whole_files
 from distckpt.mapping import (
     LocalNonpersistentObject,
@@ -51,6 +52,7 @@ from distckpt.strategies.base import (
 )
 from distckpt.validation import (
     StrictHandling,
+    check_common_state,
     determine_missing_and_unexpected_keys,
     handle_mismatched_keys,
     parse_strict_flag,
@@ -132,6 +134,8 @@ def save(
     async_sharded_save: bool = False,
     preprocess_common_before_consistancy_check: Optional[Callable[[StateDict], StateDict]] = None,
     content_metadata: Optional[dict] = None,
+    *,
+    max_common_tensor_bytes: Union[int, None, str] = "default",
 ) -> Any:
     """Save a sharded state dict; every rank calls it with its own local pieces.
 
@@ -140,8 +144,10 @@ def save(
 
     Steps:
       1. Create ``checkpoint_dir`` if needed; rank 0 removes an earlier checkpoint's commit files.
-      2. Apply factories, drop LocalNonpersistentObjects, split sharded and common parts.
-      3. Validate: local metadata, then global integrity on rank 0 (same error on every rank).
+      2. Take Megatron-Core's sharded classes as distckpt's, apply factories, drop
+         LocalNonpersistentObjects, split sharded and common parts.
+      3. Validate: local metadata and the common state (nothing sharded, no large tensor), then
+         global integrity on rank 0 (same error on every rank).
       4. Write: common state (rank 0), ShardedObjects, main replicas of every ShardedTensor.
       5. Commit: rank 0 writes ``metadata.json`` last (temp file + fsync + rename).
 
@@ -155,6 +161,13 @@ def save(
         preprocess_common_before_consistancy_check: if given, the common state of every rank
             is passed through it and compared with rank 0's; differences are logged.
         content_metadata: a small dict stored with the common state (``load_content_metadata``).
+        max_common_tensor_bytes: largest torch tensor allowed in the common state (written by
+            rank 0 alone); None allows any size. Default: 1 MiB, or the environment variable
+            ``DISTCKPT_MAX_COMMON_TENSOR_BYTES`` (bytes, or ``none``).
+
+    Raises:
+        CheckpointingException: on every rank, for any rank's invalid sharding, or a common state
+            that holds a sharded object distckpt does not understand or a tensor above the limit.
     """
     checkpoint_dir = Path(checkpoint_dir)
     rank = dist.get_rank()
@@ -169,6 +182,7 @@ def save(
         if checkpoint_dir.exists() and not checkpoint_dir.is_dir():
             raise CheckpointingException(f"checkpoint path {checkpoint_dir} exists and is not a directory")
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        normalize_sharded_state_dict(sharded_state_dict)
         apply_factories(sharded_state_dict)
         _, sharded_state_dict = extract_matching_values(
             sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject))
@@ -178,6 +192,7 @@ def save(
             common_part[CONTENT_METADATA_KEY] = content_metadata
         shards = list(nested_values(sharded_part))
         validate_local_integrity(shards)
+        check_common_state(common_part, max_common_tensor_bytes, rank)
         common_view = None
         if preprocess_common_before_consistancy_check is not None:
             common_view = preprocess_common_before_consistancy_check(common_part)
@@ -343,6 +358,7 @@ def load(
         common_state_dict = common_strategy.load_common(checkpoint_dir)
         common_state_dict.pop(CONTENT_METADATA_KEY, None)
 
+        normalize_sharded_state_dict(sharded_state_dict)
         factories, _ = extract_matching_values(
             sharded_state_dict, lambda v: isinstance(v, ShardedTensorFactory), return_lists_as_dicts=True)
         apply_factories(sharded_state_dict)

@@ -41,6 +41,7 @@ import torch
 from distckpt import dist
 from distckpt.core import CheckpointingException
 from distckpt.dict_utils import dict_list_map_outplace, nested_values
+from distckpt.foreign import normalize_sharded_state_dict
 from distckpt.mapping import (
     ReplicaId,
     ShardedBase,
@@ -250,6 +251,7 @@ class FullyParallelSaveStrategyWrapper(_WrapperState, AsyncSaveShardedStrategy):
         Every rank calls it (collectives: see the module docstring). Without a process group
         the input is returned as it is.
         """
+        normalize_sharded_state_dict(sharded_state_dict)
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return sharded_state_dict
         me = dist.get_rank(self.parallelization_group)
@@ -369,6 +371,7 @@ class FullyParallelLoadStrategyWrapper(_WrapperState, LoadShardedStrategy):
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
         """Every rank calls it; collectives as in the module docstring, then the exchange."""
+        normalize_sharded_state_dict(sharded_state_dict)
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return self.base_strategy.load(sharded_state_dict, checkpoint_dir)
         group = self.parallelization_group
