@@ -19,6 +19,7 @@ common state would be pickled whole, on rank 0 only, and the other ranks' pieces
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -72,8 +73,8 @@ def megatron_class_name(obj: Any) -> Optional[str]:
 def from_foreign(obj: Any, where: str = "") -> Any:
     """The distckpt equivalent of a Megatron-Core sharded leaf, or ``obj`` itself.
 
-    The data tensor is shared, not copied. A factory's ``build_fn`` is wrapped so that what it
-    builds is normalised too.
+    The data tensor is shared, not copied. A factory's ``build_fn`` (Megatron's or distckpt's)
+    is wrapped so that what it builds is normalised too.
 
     Raises:
         CheckpointingException: ``obj`` has Megatron's class path but lacks one of its fields
@@ -81,6 +82,9 @@ def from_foreign(obj: Any, where: str = "") -> Any:
     """
     name = megatron_class_name(obj)
     if name is None:
+        if isinstance(obj, ShardedTensorFactory) and not getattr(obj.build_fn, _NORMALIZING, False):
+            # distckpt's own factory may build Megatron objects (model code mixing both).
+            return replace(obj, build_fn=_normalizing_build(obj.build_fn, obj.key))
         return obj
     cls, required, optional = _FIELDS[name]
     missing = [f for f in required if not hasattr(obj, f)]
@@ -97,6 +101,9 @@ def from_foreign(obj: Any, where: str = "") -> Any:
     return cls(**fields)
 
 
+_NORMALIZING = "_distckpt_normalizes_output"
+
+
 def _normalizing_build(build_fn: Callable, key: str) -> Callable:
     def build(*args: Any) -> Any:
         built = build_fn(*args)
@@ -105,6 +112,7 @@ def _normalizing_build(build_fn: Callable, key: str) -> Callable:
         return from_foreign(built, f"factory {key!r}")
 
     build.__wrapped__ = build_fn  # type: ignore[attr-defined]
+    setattr(build, _NORMALIZING, True)
     return build
 
 
