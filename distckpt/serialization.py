@@ -50,6 +50,7 @@ from distckpt.strategies.base import (
     StrategyAction,
     get_default_strategy,
 )
+from distckpt.strategies.common import MissingFileError
 from distckpt.validation import (
     StrictHandling,
     check_common_state,
@@ -355,7 +356,7 @@ def load(
         sharded_strategy, common_strategy = _load_strategies(checkpoint_dir, sharded_strategy, common_strategy)
         _configure(sharded_strategy, verify, trusted)
         _configure(common_strategy, verify, trusted)
-        common_state_dict = common_strategy.load_common(checkpoint_dir)
+        common_state_dict = read_common_state(checkpoint_dir, sharded_strategy, common_strategy)
         common_state_dict.pop(CONTENT_METADATA_KEY, None)
 
         normalize_sharded_state_dict(sharded_state_dict)
@@ -425,10 +426,27 @@ def _configure(strategy, verify: bool, trusted: bool) -> None:
 # --------------------------------------------------------------------------- queries
 
 
+def read_common_state(checkpoint_dir: PathLike, sharded_strategy: LoadShardedStrategy,
+                      common_strategy: LoadCommonStrategy) -> StateDict:
+    """The stored common state, content metadata included: ``common.pt`` merged with the common
+    values the sharded format holds itself (the non-tensor values of a ``dcp.save``, which
+    writes no ``common.pt``). Runs on any rank, alone."""
+    checkpoint_dir = Path(checkpoint_dir)
+    items = sharded_strategy.load_common_items(checkpoint_dir)
+    try:
+        state = common_strategy.load_common(checkpoint_dir)
+    except MissingFileError:
+        if not items:
+            raise
+        state = {}
+    merge(state, items)
+    return state
+
+
 def load_common_state_dict(checkpoint_dir: PathLike, common_strategy: Optional[LoadCommonStrategy] = None) -> StateDict:
-    """Load only the common (non-sharded) state."""
-    _, common_strategy = _load_strategies(checkpoint_dir, None, common_strategy)
-    state = common_strategy.load_common(Path(checkpoint_dir))
+    """Load only the common (non-sharded) state (with a ``dcp.save``'s non-tensor values)."""
+    sharded_strategy, common_strategy = _load_strategies(checkpoint_dir, None, common_strategy)
+    state = read_common_state(checkpoint_dir, sharded_strategy, common_strategy)
     state.pop(CONTENT_METADATA_KEY, None)
     return state
 
@@ -436,8 +454,8 @@ def load_common_state_dict(checkpoint_dir: PathLike, common_strategy: Optional[L
 def load_content_metadata(checkpoint_dir: PathLike, preloaded_state_dict: Optional[StateDict] = None) -> Optional[dict]:
     """The ``content_metadata`` passed to ``save``, or None."""
     if preloaded_state_dict is None:
-        _, common_strategy = _load_strategies(checkpoint_dir, None, None)
-        preloaded_state_dict = common_strategy.load_common(Path(checkpoint_dir))
+        sharded_strategy, common_strategy = _load_strategies(checkpoint_dir, None, None)
+        preloaded_state_dict = read_common_state(checkpoint_dir, sharded_strategy, common_strategy)
     return preloaded_state_dict.get(CONTENT_METADATA_KEY)
 
 

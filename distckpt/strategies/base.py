@@ -137,6 +137,15 @@ class LoadShardedStrategy(LoadStrategyBase, ABC):
         """Tensors as in load_tensors_metadata plus stored ShardedObjects keyed by unique key."""
         return self.load_tensors_metadata(checkpoint_dir)
 
+    def load_common_items(self, checkpoint_dir: Path) -> StateDict:
+        """Common (non-sharded) values that the sharded format itself holds, nested as saved.
+
+        Empty for checkpoints that keep their common state in ``common.pt`` only; a checkpoint
+        written by PyTorch's ``dcp.save`` keeps its non-tensor values (``step``, nested dicts)
+        here. Called by any rank, alone; needs no collective.
+        """
+        return {}
+
     def remove_sharded_tensors(self, checkpoint_dir: Path, key_prefix: str) -> None:
         raise CheckpointingException(
             f"backend {self.backend!r} does not support removing sharded tensors")

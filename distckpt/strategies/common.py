@@ -103,11 +103,15 @@ def _fsynced_torch_save(obj: Any, path: Path) -> Tuple[int, int]:
         os.close(fd)
 
 
+class MissingFileError(CheckpointingException):
+    """A file the checkpoint should hold is not there (e.g. ``common.pt`` of a ``dcp.save``)."""
+
+
 def _read_checked(path: Path, checkpoint_dir: Path, verify: bool, what: str) -> bytes:
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        raise CheckpointingException(f"{what}: file {path} is missing (rank {dist.get_rank()})") from None
+        raise MissingFileError(f"{what}: file {path} is missing (rank {dist.get_rank()})") from None
     if verify:
         check_whole_file(checkpoint_dir, str(path.relative_to(checkpoint_dir)), data)
     return data

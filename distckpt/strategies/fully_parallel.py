@@ -364,6 +364,9 @@ class FullyParallelLoadStrategyWrapper(_WrapperState, LoadShardedStrategy):
     def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
         return self.base_strategy.load_sharded_metadata(checkpoint_dir)
 
+    def load_common_items(self, checkpoint_dir: Path) -> StateDict:
+        return self.base_strategy.load_common_items(checkpoint_dir)
+
     def remove_sharded_tensors(self, checkpoint_dir: Path, key_prefix: str) -> None:
         self.base_strategy.remove_sharded_tensors(checkpoint_dir, key_prefix)
 

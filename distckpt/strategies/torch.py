@@ -111,7 +111,13 @@ class _MetadataUnpickler(pickle.Unpickler):
         "torch.serialization": {"_get_layout"},
         "collections": {"OrderedDict"},
         "builtins": {"slice", "set", "frozenset"},
+        # dcp.save records its checkpoint_id, a path, in StorageMeta.
+        "pathlib": {"PosixPath", "PurePosixPath", "PureWindowsPath"},
     }
+    # A path of the other OS cannot be instantiated here (WindowsPath on Linux raises): pure paths
+    # carry the same text. Python 3.13 moved the classes to pathlib._local.
+    _RENAMED = {("pathlib", "WindowsPath"): ("pathlib", "PureWindowsPath"),
+                ("pathlib", "PosixPath"): ("pathlib", "PurePosixPath" if os.name == "nt" else "PosixPath")}
     # Class paths pickled by Megatron-Core 0.15 (data in its files; nothing is imported from it).
     _MEGATRON = {
         (_MCORE_TORCH_STRATEGY, "MCoreMetadata"): ("torch.distributed.checkpoint.metadata", "Metadata"),
@@ -120,6 +126,9 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         module, name = self._MEGATRON.get((module, name), (module, name))
+        if module == "pathlib._local":
+            module = "pathlib"
+        module, name = self._RENAMED.get((module, name), (module, name))
         if name in self._DCP.get(module, ()):
             return super().find_class(module, name)
         if module == "torch":
@@ -156,6 +165,54 @@ def _tensors_metadata(md: Metadata) -> ShardedStateDict:
     return {fqn: ShardedTensor.from_rank_offsets(
                 fqn, torch.empty(orig.get(fqn, tuple(meta.size)), dtype=meta.properties.dtype, device="meta"))
             for fqn, meta in md.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
+
+
+def plain_byte_items(md: Metadata) -> Dict[str, Tuple[Any, ...]]:
+    """DCP byte items that are not ShardedObject pieces, each with its place in the nested state dict.
+
+    ``dcp.save`` stores every non-tensor value (``step``, the leaves of nested dicts) as a byte
+    item under its flattened name (``extra.lr``); ``Metadata.planner_data`` maps that name back
+    to its key path (``("extra", "lr")``). They are common state, returned by
+    :meth:`TorchDistLoadShardedStrategy.load_common_items`. Byte items named like a ShardedObject
+    piece (``<key>/shard_<offset>_<shape>``, what distckpt and Megatron-Core write) are not
+    among them.
+    """
+    planner_data = getattr(md, "planner_data", None)
+    planner_data = planner_data if isinstance(planner_data, dict) else {}
+    out = {}
+    for fqn, meta in md.state_dict_metadata.items():
+        if not isinstance(meta, BytesStorageMetadata) or _is_object_key(fqn):
+            continue
+        path = planner_data.get(fqn)
+        out[fqn] = tuple(path) if isinstance(path, (tuple, list)) and path else (fqn,)
+    return out
+
+
+def _is_object_key(fqn: str) -> bool:
+    try:
+        ShardedObject.empty_from_unique_key(fqn)
+    except CheckpointingException:
+        return False
+    return True
+
+
+def _set_at_path(root: Dict[Any, Any], path: Tuple[Any, ...], value: Any) -> None:
+    """Put ``value`` at ``path`` in nested dicts/lists, creating them as PyTorch's
+    ``unflatten_state_dict`` does (an int key makes a list, padded with None)."""
+    node: Any = root
+    for key, nxt in zip(path[:-1], path[1:]):
+        fresh: Any = [] if isinstance(nxt, int) else {}
+        if isinstance(node, list):
+            node.extend([None] * (key + 1 - len(node)))
+            if node[key] is None:
+                node[key] = fresh
+        else:
+            node.setdefault(key, fresh)
+        node = node[key]
+    last = path[-1]
+    if isinstance(node, list):
+        node.extend([None] * (last + 1 - len(node)))
+    node[last] = value
 
 
 def _orig_shapes(md: Metadata) -> Dict[str, Shape]:
@@ -828,11 +885,24 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         md = read_metadata(checkpoint_dir, self.trusted)
         out = _tensors_metadata(md)
         for fqn, meta in md.state_dict_metadata.items():
-            if isinstance(meta, BytesStorageMetadata):
-                try:
-                    out[fqn] = ShardedObject.empty_from_unique_key(fqn)
-                except CheckpointingException:
-                    logger.warning("%s: byte item %r is not a ShardedObject key; skipped", checkpoint_dir, fqn)
+            # Byte items of other names are common values (load_common_items), not sharded.
+            if isinstance(meta, BytesStorageMetadata) and _is_object_key(fqn):
+                out[fqn] = ShardedObject.empty_from_unique_key(fqn)
+        return out
+
+    def load_common_items(self, checkpoint_dir: Path) -> StateDict:
+        """The non-tensor values of a ``dcp.save`` (see :func:`plain_byte_items`), nested as saved."""
+        checkpoint_dir = Path(checkpoint_dir)
+        md = read_metadata(checkpoint_dir, self.trusted, self.verify)
+        items = plain_byte_items(md)
+        out: StateDict = {}
+        if not items:
+            return out
+        index = _index(md)
+        checksums = self._checksums(checkpoint_dir)
+        for fqn, path in items.items():
+            value = self._load_bytes(f"value {fqn!r}", index.get(fqn), checkpoint_dir, checksums)
+            _set_at_path(out, path, value)
         return out
 
     # ----------------------------------------------------------------- surgery
@@ -1035,11 +1105,16 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     def _load_object(self, obj: ShardedObject, stored: Optional[_Stored], checkpoint_dir: Path,
                      checksums: Optional[Dict]) -> Any:
+        value = self._load_bytes(f"ShardedObject {obj.unique_key!r}", stored, checkpoint_dir, checksums)
+        return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+    def _load_bytes(self, name: str, stored: Optional[_Stored], checkpoint_dir: Path,
+                    checksums: Optional[Dict]) -> Any:
+        """Unpickle one byte item (safely unless ``trusted``); ``name`` says what it is."""
         if stored is None:
-            raise CheckpointingException(
-                f"ShardedObject {obj.unique_key!r} is not in checkpoint {checkpoint_dir} (rank {dist.get_rank()})")
+            raise CheckpointingException(f"{name} is not in checkpoint {checkpoint_dir} (rank {dist.get_rank()})")
         path = checkpoint_dir / stored.relative_path
-        what = f"ShardedObject {obj.unique_key!r} in {path} (rank {dist.get_rank()})"
+        what = f"{name} in {path} (rank {dist.get_rank()})"
         try:
             with open(path, "rb") as f:
                 f.seek(stored.file_offset)
@@ -1049,8 +1124,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         if len(raw) != stored.length:
             raise CheckpointingException(f"{what}: file is truncated")
         _check_item(raw, stored, checksums, what)
-        value = safe_torch_load(raw, what=what, trusted=self.trusted)
-        return value[0] if isinstance(value, list) and len(value) == 1 else value
+        return safe_torch_load(raw, what=what, trusted=self.trusted)
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
         checkpoint_dir = Path(checkpoint_dir)

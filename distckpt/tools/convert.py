@@ -43,6 +43,7 @@ from distckpt.core import (
 )
 from distckpt.manifest import MANIFEST_FNAME, build_manifest, crc32c, write_manifest
 from distckpt.mapping import ShardedObject, ShardedTensor, StateDict
+from distckpt.serialization import read_common_state
 from distckpt.strategies.base import StrategyAction, get_default_strategy
 
 __all__ = [
@@ -514,7 +515,7 @@ def _stream(src: _Source, writer: CheckpointWriter, wanted: Callable[[str], bool
             objects[unique_key] = src.load_object(unique_key, obj)
         else:
             report.skipped.append(unique_key)
-    writer.begin(src.common.load_common(src.path), objects)
+    writer.begin(read_common_state(src.path, src.sharded, src.common), objects)
     report.objects = list(objects)
     del objects
 

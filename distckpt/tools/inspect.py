@@ -317,7 +317,10 @@ class CheckpointSource(TensorSource):
     def _torch_dist_metas(self) -> Tuple[Dict[str, TensorMeta], Dict[str, ObjectMeta]]:
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+        from distckpt.strategies.torch import plain_byte_items
+
         md = self.dcp_metadata()
+        values = plain_byte_items(md)  # a dcp.save's non-tensor values: common state, not objects
         mcore = getattr(md, "mcore_data", None) or {}
         disk: Dict[str, int] = {}
         where: Dict[str, str] = {}
@@ -333,7 +336,7 @@ class CheckpointSource(TensorSource):
                 tensors[fqn] = TensorMeta(fqn, shape, meta.properties.dtype,
                                           stored if orig is not None else None, len(meta.chunks), None,
                                           disk.get(fqn, 0))
-            elif isinstance(meta, BytesStorageMetadata):
+            elif isinstance(meta, BytesStorageMetadata) and fqn not in values:
                 objects[fqn] = ObjectMeta(fqn, disk.get(fqn), where.get(fqn))
         return tensors, objects
 
@@ -363,10 +366,10 @@ class CheckpointSource(TensorSource):
         return self._objects
 
     def common(self) -> Dict[str, Any]:
-        from distckpt.serialization import CONTENT_METADATA_KEY
+        from distckpt.serialization import CONTENT_METADATA_KEY, read_common_state
 
         if self._common is None:
-            self._common = self.common_strategy.load_common(self.path)
+            self._common = read_common_state(self.path, self.sharded, self.common_strategy)
         return {k: v for k, v in self._common.items() if k != CONTENT_METADATA_KEY}
 
     def content_metadata(self) -> Optional[dict]:

@@ -94,14 +94,15 @@ def verify_checkpoint(path: PathLike, *, checksums: bool = True, deep: bool = Fa
 
     backend = config.sharded_backend if config else (manifest.backend if manifest else _guess_backend(root))
     report.backend = backend
+    dcp_values = 0
     if backend == "torch_dist":
-        _check_torch_dist(root, trusted, report)
+        dcp_values = _check_torch_dist(root, trusted, report)
     elif backend == "zarr":
         _check_zarr(root, report)
     elif backend is not None:
         report.notes.append(f"backend {backend!r}: no structural checks available")
     if config is not None and config.common_backend == "torch":
-        _check_common_files(root, config.sharded_backend, report)
+        _check_common_files(root, config.sharded_backend, report, dcp_values)
 
     if manifest is not None:
         if manifest.backend != backend and backend is not None:
@@ -182,16 +183,18 @@ def _guess_backend(root: Path) -> Optional[str]:
 # --------------------------------------------------------------------------- torch_dist
 
 
-def _check_torch_dist(root: Path, trusted: bool, report: VerifyReport) -> None:
+def _check_torch_dist(root: Path, trusted: bool, report: VerifyReport) -> int:
+    """Structural checks of ``.metadata`` and the data files; returns the number of DCP values
+    (non-tensor values of a ``dcp.save``, the common state of such a checkpoint)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    from distckpt.strategies.torch import METADATA_FNAME, read_metadata
+    from distckpt.strategies.torch import METADATA_FNAME, plain_byte_items, read_metadata
 
     try:
         md = read_metadata(root, trusted)
     except CheckpointingException as e:
         report.problems.append(str(e))
-        return
+        return 0
     sizes: Dict[str, Optional[int]] = {}
 
     def size_of(name: str) -> Optional[int]:
@@ -221,12 +224,14 @@ def _check_torch_dist(root: Path, trusted: bool, report: VerifyReport) -> None:
         report.problems.append(f"{name}: missing (holds {len(keys)} key(s): "
                                f"{', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''})")
 
+    values = plain_byte_items(md)  # non-tensor values of a dcp.save: common state
     n_tensors = n_objects = 0
     for fqn, meta in md.state_dict_metadata.items():
         if isinstance(meta, BytesStorageMetadata):
-            n_objects += 1
+            n_objects += fqn not in values
             if fqn not in records:
-                report.problems.append(f"{METADATA_FNAME}: object {fqn!r} has no storage record")
+                what = "value" if fqn in values else "object"
+                report.problems.append(f"{METADATA_FNAME}: {what} {fqn!r} has no storage record")
             continue
         if not isinstance(meta, TensorStorageMetadata):
             continue
@@ -240,8 +245,10 @@ def _check_torch_dist(root: Path, trusted: bool, report: VerifyReport) -> None:
         if problem:
             report.problems.append(f"{METADATA_FNAME}: key {fqn!r}: {problem}")
     files = len({info.relative_path for info in md.storage_data.values()})
-    report.checked.append(f"{n_tensors} tensors and {n_objects} objects in {METADATA_FNAME}: chunk coverage, "
-                          f"storage records and the extents of {files} data files")
+    dcp_values = f", {len(values)} DCP values" if values else ""
+    report.checked.append(f"{n_tensors} tensors{dcp_values} and {n_objects} objects in {METADATA_FNAME}: chunk "
+                          f"coverage, storage records and the extents of {files} data files")
+    return len(values)
 
 
 def coverage_problem(shape: Sequence[int], boxes: Sequence[Tuple[Sequence[int], Sequence[int]]]) -> Optional[str]:
@@ -322,10 +329,11 @@ def _product(ranges):
 # --------------------------------------------------------------------------- common state, objects
 
 
-def _check_common_files(root: Path, backend: str, report: VerifyReport) -> None:
+def _check_common_files(root: Path, backend: str, report: VerifyReport, dcp_values: int = 0) -> None:
     from distckpt.strategies.common import COMMON_STATE_FNAME
 
-    if not (root / COMMON_STATE_FNAME).is_file():
+    # A dcp.save keeps its common state as byte items (DCP values) and writes no common.pt.
+    if not (root / COMMON_STATE_FNAME).is_file() and not dcp_values:
         report.problems.append(f"{COMMON_STATE_FNAME}: missing (the common state)")
     if backend == "torch_dist":
         return  # objects are byte items of the .distcp files, checked with the records
