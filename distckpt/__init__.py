@@ -1,6 +1,7 @@
 """distckpt: save and load tensor/pipeline/data-parallel model state, Megatron-Core style.
 
-The public names match Megatron-Core's ``dist_checkpointing`` package: porting is an import change.
+The public names match Megatron-Core's ``dist_checkpointing`` package, and Megatron-Core's own
+sharded objects are accepted as they are (docs/megatron-compat.md): model code need not change.
 """
 
 from distckpt.core import CheckpointingConfig, CheckpointingException
