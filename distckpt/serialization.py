@@ -193,7 +193,7 @@ def save(
             common_part[CONTENT_METADATA_KEY] = content_metadata
         shards = list(nested_values(sharded_part))
         validate_local_integrity(shards)
-        check_common_state(common_part, max_common_tensor_bytes, rank)
+        check_common_state(common_part, max_common_tensor_bytes)
         common_view = None
         if preprocess_common_before_consistancy_check is not None:
             common_view = preprocess_common_before_consistancy_check(common_part)

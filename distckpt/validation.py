@@ -403,8 +403,7 @@ def common_tensor_limit(value: Union[int, None, str] = "default") -> Optional[in
     return value
 
 
-def check_common_state(common_state: object, max_tensor_bytes: Union[int, None, str] = "default",
-                       rank: int = 0) -> None:
+def check_common_state(common_state: object, max_tensor_bytes: Union[int, None, str] = "default") -> None:
     """Refuse common state that would silently lose sharded data.
 
     Every value is visited: containers (dict, list, tuple, set), and the attributes of plain
@@ -413,7 +412,8 @@ def check_common_state(common_state: object, max_tensor_bytes: Union[int, None, 
     ``max_tensor_bytes`` bytes (see :func:`common_tensor_limit`).
 
     Raises:
-        CheckpointingException: naming the key path of the first offending value.
+        CheckpointingException: naming the key path of the first offending value (``save``
+            runs it on every rank and shares the error, which then names the ranks).
     """
     max_tensor_bytes = common_tensor_limit(max_tensor_bytes)
     seen: Set[int] = set()
@@ -427,7 +427,7 @@ def check_common_state(common_state: object, max_tensor_bytes: Union[int, None, 
         problem = sharded_lookalike(value)
         if problem is not None:
             raise CheckpointingException(
-                f"common state {where} is {problem} (rank {rank}); it would be pickled whole into the "
+                f"common state {where} is {problem}; it would be pickled whole into the "
                 f"common state, from rank 0 only, and the other ranks' pieces lost. Put distckpt or "
                 f"Megatron-Core sharded objects directly in dicts or lists of the sharded state dict")
         if isinstance(value, torch.Tensor):
@@ -435,7 +435,7 @@ def check_common_state(common_state: object, max_tensor_bytes: Union[int, None, 
             if max_tensor_bytes is not None and nbytes > max_tensor_bytes and value.device.type != "meta":
                 raise CheckpointingException(
                     f"common state {where} is a torch tensor of {nbytes} bytes (shape "
-                    f"{list(value.shape)}, rank {rank}), above the {max_tensor_bytes}-byte limit for "
+                    f"{list(value.shape)}), above the {max_tensor_bytes}-byte limit for "
                     f"common tensors: common state is saved by rank 0 alone. Wrap it in a ShardedTensor, "
                     f"or allow it with save(..., max_common_tensor_bytes=None)")
             continue
