@@ -13,6 +13,8 @@ and fully parallel paths would need; nothing of it is used here).
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 
@@ -49,6 +51,18 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
 
 
+def _deep_equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_deep_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_deep_equal, a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, io.BytesIO):
+        return isinstance(b, io.BytesIO) and a.getvalue() == b.getvalue()
+    return type(a) is type(b) and a == b
+
+
 def _round_trip(ckpt: str) -> dict:
     from megatron.core import dist_checkpointing, parallel_state
 
@@ -70,9 +84,12 @@ def _round_trip(ckpt: str) -> dict:
 
         # TP=2 -> TP=1: distckpt and Megatron-Core each load into a fresh model.
         ours = _gpt(tp=1, seed=2)
-        ours.load_state_dict(distckpt.load(ours.sharded_state_dict(), ckpt, strict="raise_all"), strict=True)
+        ours_loaded = distckpt.load(ours.sharded_state_dict(), ckpt, strict="raise_all")
         theirs = _gpt(tp=1, seed=3)
-        theirs.load_state_dict(dist_checkpointing.load(theirs.sharded_state_dict(), ckpt), strict=True)
+        theirs_loaded = dist_checkpointing.load(theirs.sharded_state_dict(), ckpt)
+        same_result = _deep_equal(ours_loaded, theirs_loaded)
+        ours.load_state_dict(ours_loaded, strict=True)
+        theirs.load_state_dict(theirs_loaded, strict=True)
         tp1_equal = _same(_tensors(ours), _tensors(theirs))
 
         # Every TP=2 piece of both ranks sits where Megatron said, inside the TP=1 tensors.
@@ -91,6 +108,7 @@ def _round_trip(ckpt: str) -> dict:
             "plain_keys": len(distckpt.load_plain_tensors(ckpt)),
             "tp2_equal": tp2_equal,
             "tp1_equal": tp1_equal,
+            "same_result": same_result,
             "pieces_ok": bool(pieces_ok),
             "changed": not _same(_tensors(_gpt(tp=1, seed=4)), _tensors(ours)),
         }
@@ -108,6 +126,7 @@ def test_megatron_gpt_model_round_trips_through_distckpt_at_tp2_and_tp1(tmp_path
         # ... plus the 4 extra-state ShardedObjects of each of the 2 layers.
         assert r["all_keys"] == 17 + 8
         assert r["tp2_equal"] and r["tp1_equal"] and r["pieces_ok"]
+        assert r["same_result"], "distckpt.load returns what Megatron's load returns"
         assert r["changed"], "a freshly initialised model differs, so equality above means loaded"
     assert results[0]["leaves"] == results[1]["leaves"] == 37
     # Nothing sharded went to the common state.
