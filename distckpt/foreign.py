@@ -61,17 +61,29 @@ _FIELDS: Dict[str, Tuple[type, Tuple[str, ...], Tuple[str, ...]]] = {
 }
 
 
+# type -> Megatron class name or None: every leaf of every save and load is looked up here.
+_NAME_BY_TYPE: Dict[type, Optional[str]] = {}
+
+
 def megatron_class_name(obj: Any) -> Optional[str]:
     """The name of the Megatron-Core sharded class ``obj`` is an instance of (subclasses
     included), or None. Only the class path is compared: nothing is imported."""
-    for cls in type(obj).__mro__:
-        if cls.__module__ == MEGATRON_MAPPING_MODULE and cls.__name__ in _FIELDS:
-            return cls.__name__
-    return None
+    cls = type(obj)
+    try:
+        return _NAME_BY_TYPE[cls]
+    except KeyError:
+        pass
+    name = next((c.__name__ for c in cls.__mro__
+                 if c.__module__ == MEGATRON_MAPPING_MODULE and c.__name__ in _FIELDS), None)
+    if len(_NAME_BY_TYPE) < 4096:  # bounded: classes made on the fly must not grow it forever
+        _NAME_BY_TYPE[cls] = name
+    return name
 
 
 def from_foreign(obj: Any, where: str = "") -> Any:
     """The distckpt equivalent of a Megatron-Core sharded leaf, or ``obj`` itself.
+
+    ``where`` prefixes error messages (e.g. ``"factory 'k': "``).
 
     The data tensor is shared, not copied. A factory's ``build_fn`` (Megatron's or distckpt's)
     is wrapped so that what it builds is normalised too.
@@ -89,9 +101,11 @@ def from_foreign(obj: Any, where: str = "") -> Any:
     cls, required, optional = _FIELDS[name]
     missing = [f for f in required if not hasattr(obj, f)]
     if missing:
+        key = getattr(obj, "key", None)
         raise CheckpointingException(
-            f"{where or 'state dict leaf'}: Megatron-Core {name} without field(s) {missing}; this "
-            f"version of Megatron-Core's sharded classes is not supported")
+            f"{where}{'leaf' if where else 'Leaf'} {key if isinstance(key, str) else '?'!r}: Megatron-Core "
+            f"{name} without field(s) {missing}; this version of Megatron-Core's sharded classes is not "
+            f"supported")
     if cls is LocalNonpersistentObject:
         return LocalNonpersistentObject(obj.obj)
     fields = {f: getattr(obj, f) for f in required}
@@ -109,7 +123,7 @@ def _normalizing_build(build_fn: Callable, key: str) -> Callable:
         built = build_fn(*args)
         if isinstance(built, (dict, list)):
             return normalize_sharded_state_dict(built, f"factory {key!r}")
-        return from_foreign(built, f"factory {key!r}")
+        return from_foreign(built, f"factory {key!r}: ")
 
     build.__wrapped__ = build_fn  # type: ignore[attr-defined]
     setattr(build, _NORMALIZING, True)
@@ -120,13 +134,8 @@ def normalize_sharded_state_dict(sharded_state_dict: ShardedStateDict, where: st
     """Replace, in place, every Megatron-Core sharded leaf by distckpt's equivalent; returns the
     same dict. Leaves of any other kind are left alone (cheap when there is nothing to do)."""
     prefix = f"{where}: " if where else ""
-    dict_list_map_inplace(lambda x: from_foreign(x, f"{prefix}leaf {_describe(x)}"), sharded_state_dict)
+    dict_list_map_inplace(lambda x: from_foreign(x, prefix), sharded_state_dict)
     return sharded_state_dict
-
-
-def _describe(x: Any) -> str:
-    key = getattr(x, "key", None)
-    return repr(key) if isinstance(key, str) else type(x).__name__
 
 
 # --------------------------------------------------------------------------- lookalikes

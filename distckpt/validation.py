@@ -420,6 +420,8 @@ def check_common_state(common_state: object, max_tensor_bytes: Union[int, None, 
     stack: List[Tuple[object, Tuple[object, ...], int]] = [(common_state, (), 0)]
     while stack:
         value, path, depth = stack.pop()
+        if type(value) in _ATOMS:
+            continue
         if id(value) in seen:
             continue
         seen.add(id(value))
@@ -440,13 +442,16 @@ def check_common_state(common_state: object, max_tensor_bytes: Union[int, None, 
                     f"or allow it with save(..., max_common_tensor_bytes=None)")
             continue
         if isinstance(value, dict):
-            stack.extend((v, path + (k,), depth) for k, v in value.items())
+            stack.extend((v, path + (k,), depth) for k, v in value.items() if type(v) not in _ATOMS)
         elif isinstance(value, (list, tuple)):
-            stack.extend((v, path + (i,), depth) for i, v in enumerate(value))
+            stack.extend((v, path + (i,), depth) for i, v in enumerate(value) if type(v) not in _ATOMS)
         elif isinstance(value, (set, frozenset)):
             stack.extend((v, path + ("{}",), depth) for v in value)
         elif depth < _MAX_OBJECT_DEPTH and _is_plain_object(value):
             stack.extend((v, path + (f".{k}",), depth + 1) for k, v in vars(value).items())
+
+
+_ATOMS = frozenset({int, float, complex, bool, str, bytes, type(None)})
 
 
 def _is_plain_object(value: object) -> bool:
