@@ -268,3 +268,24 @@ def test_optimizer_helpers_take_megatron_model_state():
     optim_sd = {"state": {0: {"exp_avg": torch.zeros(2, 6)}}, "param_groups": [{"params": [0]}]}
     optim_state_to_sharding_state(optim_sd, {0: mlk.ShardedTensor.split("w", param, 0, 1, 2)})
     assert optim_sd["state"][0]["exp_avg"].key == "optimizer.state.exp_avg.w"
+
+
+def test_a_megatron_class_without_a_field_distckpt_needs_is_a_clear_error():
+    class ShardedObject:  # an unknown Megatron version: no global_offset
+        def __init__(self):
+            self.key, self.data, self.global_shape, self.replica_id = "rng", None, (1,), 0
+
+    ShardedObject.__module__ = mlk.MEGATRON_MAPPING
+    with pytest.raises(CheckpointingException, match=r"Leaf 'rng': Megatron-Core ShardedObject without "
+                                                     r"field\(s\) \['global_offset'\]"):
+        normalize_sharded_state_dict({"x": [ShardedObject()]})
+
+
+def test_an_unknown_sharded_class_under_megatrons_path_is_refused_in_the_common_state():
+    class ShardedTensorV2:
+        pass
+
+    ShardedTensorV2.__module__ = mlk.MEGATRON_MAPPING
+    with pytest.raises(CheckpointingException, match=r"key \['x'\] is an instance of .*ShardedTensorV2, a sharded "
+                                                     r"class distckpt does not know"):
+        check_common_state({"x": ShardedTensorV2()})
