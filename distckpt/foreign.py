@@ -19,7 +19,6 @@ common state would be pickled whole, on rank 0 only, and the other ranks' pieces
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
@@ -95,8 +94,9 @@ def from_foreign(obj: Any, where: str = "") -> Any:
     name = megatron_class_name(obj)
     if name is None:
         if isinstance(obj, ShardedTensorFactory) and not getattr(obj.build_fn, _NORMALIZING, False):
-            # distckpt's own factory may build Megatron objects (model code mixing both).
-            return replace(obj, build_fn=_normalizing_build(obj.build_fn, obj.key))
+            # distckpt's own factory may build Megatron objects (model code mixing both). Wrapped
+            # in place: callers keep the very factory they passed (e.g. in optimizer maps).
+            obj.build_fn = _normalizing_build(obj.build_fn, obj.key)
         return obj
     cls, required, optional = _FIELDS[name]
     missing = [f for f in required if not hasattr(obj, f)]
