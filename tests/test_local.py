@@ -1,0 +1,270 @@
+"""The local tier: node-local checkpoints replicated to peers, recovered on real gloo ranks.
+
+Four ranks on simulated nodes of two ranks each (node ``n`` = ranks ``2n, 2n+1``, each node its
+own directory ``<tmp>/node<n>``), replication factor 2: cliques {0, 2} and {1, 3}, so node 0
+holds the pieces of ranks 0, 1 (own) and 2, 3 (replicas), node 1 the other way round.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from distckpt import LocalNonpersistentObject, ShardedTensor, ShardedTensorFactory
+from distckpt import dist as ddist
+from distckpt.core import CheckpointingException
+from distckpt.local import CliqueReplication, LocalCheckpointManager
+from distckpt.local import manager as local_manager
+from distckpt.local.manager import iteration_dir, piece_name
+from distckpt.local.piece import write_piece
+from distckpt.strategies.async_utils import AsyncCallsQueue
+from tests import faults, layouts
+from tests.faults import flip_byte
+from tests.harness import RankFailure, expect_all_ranks_raise, run_ranks
+
+WORLD = 4
+NODE = 2
+TIMEOUT = 60
+
+
+# --------------------------------------------------------------------------- the state
+
+
+def _generation(piece: layouts.Piece, generation: int) -> torch.Tensor:
+    return dataclasses.replace(piece, key=f"{piece.key}@{generation}").expected()
+
+
+def _split_rows(key, data, replica_id, flattened_range):
+    half = data.shape[0] // 2
+    return {name: ShardedTensor.from_rank_offsets(f"{key}.{name}", part, replica_id=replica_id)
+            for name, part in (("a", data[:half]), ("b", data[half:]))}
+
+
+def _merge_rows(loaded):
+    return torch.cat([loaded["a"], loaded["b"]])
+
+
+def state(rank: int, world: int, generation: int, with_data: bool = True) -> dict:
+    """A TP/DP model, distributed-optimizer flat slices, a factory, an object, a non-persistent
+    value and common state, every value depending on ``generation`` (keys do not)."""
+    sd = faults.generation_state(rank, world, generation, with_data)
+    for piece in layouts.flat_optimizer(rank, world, tp=2):
+        sh = piece.sharded(with_data=False)
+        if with_data:
+            sh.data = _generation(piece, generation)
+        sd[f"opt.{piece.name}"] = sh
+    fused = torch.arange(12, dtype=torch.float32).reshape(4, 3) + 100 * generation + rank
+    sd["fused"] = ShardedTensorFactory(f"fused{rank}", fused if with_data else torch.zeros(4, 3),
+                                       _split_rows, _merge_rows)
+    sd["scratch"] = LocalNonpersistentObject({"not": "saved", "rank": rank})
+    return sd
+
+
+def mismatches(loaded: dict, rank: int, world: int, generation: int) -> list:
+    wrong = faults.generation_mismatches(loaded, rank, world, generation)
+    for piece in layouts.flat_optimizer(rank, world, tp=2):
+        if not layouts.bitwise_equal(loaded[f"opt.{piece.name}"], _generation(piece, generation)):
+            wrong.append(f"opt.{piece.name}")
+    if not torch.equal(loaded["fused"], torch.arange(12, dtype=torch.float32).reshape(4, 3) + 100 * generation + rank):
+        wrong.append("fused")
+    if loaded["scratch"] != {"not": "saved", "rank": rank}:
+        wrong.append("scratch")
+    return wrong
+
+
+# --------------------------------------------------------------------------- rank functions
+
+
+def _manager(root: str, **kwargs) -> LocalCheckpointManager:
+    rank = ddist.get_rank()
+    kwargs.setdefault("chunk_bytes", 1000)  # several chunks per piece: the chunked path is exercised
+    return LocalCheckpointManager(Path(root) / f"node{rank // NODE}", node_size=NODE, replication_factor=2, **kwargs)
+
+
+def _save(root: str, generations, is_async: bool = False) -> None:
+    rank, world = ddist.get_rank(), ddist.get_world_size()
+    manager = _manager(root)
+    queue = AsyncCallsQueue() if is_async else None
+    for g in generations:
+        request = manager.save(state(rank, world, g), g, is_async=is_async)
+        if queue is not None:
+            queue.schedule_async_request(request)
+            queue.maybe_finalize_async_calls(blocking=True)
+    if queue is not None:
+        queue.close()
+
+
+def _restore(root: str):
+    """(latest, source, mismatches, filled in place) on this rank; latest None if nothing.
+
+    The request's tensors are zeros (``with_data=False``): the loaded ones must be those very
+    tensors, filled in place."""
+    rank, world = ddist.get_rank(), ddist.get_world_size()
+    manager = _manager(root)
+    latest = manager.find_latest()
+    if latest is None:
+        return None, None, [], False
+    request = state(rank, world, 0, with_data=False)
+    target = request["col"].data
+    loaded = manager.load(request)
+    return latest, manager.last_load.source, mismatches(loaded, rank, world, latest), loaded["col"] is target
+
+
+def _load_without_find(root: str):
+    manager = _manager(root)
+    return manager.load(state(ddist.get_rank(), ddist.get_world_size(), 0, with_data=False))
+
+
+def _load_with_extra_key(root: str):
+    rank, world = ddist.get_rank(), ddist.get_world_size()
+    request = state(rank, world, 0, with_data=False)
+    request["unknown"] = ShardedTensor.from_rank_offsets("unknown", torch.zeros(2), replica_id=rank)
+    return _manager(root).load(request)
+
+
+def _save_and_die(root: str, victim: int) -> None:
+    """Save generation 2 while ``victim`` is SIGKILLed halfway through writing its piece."""
+    rank, world = ddist.get_rank(), ddist.get_world_size()
+
+    def half_then_die(piece, path):
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(piece.header)
+            f.flush()
+            os.fsync(f.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    manager = _manager(root)
+    with faults.patched(local_manager, "write_piece", half_then_die if rank == victim else write_piece):
+        manager.save(state(rank, world, 2), 2)
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def _node(tmp_path: Path, n: int) -> Path:
+    return tmp_path / f"node{n}"
+
+
+def test_clique_plan_spreads_copies_over_nodes():
+    plan = CliqueReplication(factor=2, jump=2)
+    plan.check(8, node_size=2)
+    assert [plan.clique_of(r) for r in range(8)] == [(0, 2), (1, 3), (0, 2), (1, 3), (4, 6), (5, 7), (4, 6), (5, 7)]
+    assert plan.peers(2) == [(0, 0)]
+    three = CliqueReplication(factor=3, jump=2)
+    assert three.clique_of(3) == (1, 3, 5)
+    assert three.peers(3) == [(5, 1), (1, 5)]
+    with pytest.raises(CheckpointingException, match="not divisible"):
+        plan.check(6, node_size=2)
+    with pytest.raises(CheckpointingException, match="two copies on one node"):
+        CliqueReplication(factor=2, jump=1).check(4, node_size=2)
+
+
+def test_saves_keep_only_the_last_iteration_with_a_replica_of_every_peer(tmp_path):
+    run_ranks(WORLD, _save, str(tmp_path), [1, 2], timeout=TIMEOUT)
+    for n, own, replicas in ((0, (0, 1), (2, 3)), (1, (2, 3), (0, 1))):
+        node = _node(tmp_path, n)
+        assert sorted(p.name for p in node.iterdir()) == ["iter_0000000002"]
+        expected = {piece_name(r, r) for r in own} | {piece_name(o, h) for o, h in zip(replicas, own)}
+        expected |= {f"holder{r:05d}.json" for r in own}
+        assert sorted(p.name for p in iteration_dir(node, 2).iterdir()) == sorted(expected)
+        for o, h in zip(replicas, own):  # a replica is the owner's file, byte for byte
+            other = _node(tmp_path, 1 - n)
+            assert (iteration_dir(node, 2) / piece_name(o, h)).read_bytes() == \
+                (iteration_dir(other, 2) / piece_name(o, o)).read_bytes()
+
+
+def test_restores_bit_exactly_from_own_copies_in_place(tmp_path):
+    run_ranks(WORLD, _save, str(tmp_path), [1, 2], timeout=TIMEOUT)
+    results = run_ranks(WORLD, _restore, str(tmp_path), timeout=TIMEOUT)
+    assert results == [(2, "local", [], True)] * WORLD
+
+
+def test_async_save_through_the_queue_restores(tmp_path):
+    run_ranks(WORLD, _save, str(tmp_path), [3, 5], True, timeout=TIMEOUT)
+    assert run_ranks(WORLD, _restore, str(tmp_path), timeout=TIMEOUT) == [(5, "local", [], True)] * WORLD
+
+
+def test_replaced_node_recovers_bit_exactly_from_peers_and_is_healed(tmp_path):
+    run_ranks(WORLD, _save, str(tmp_path), [1], timeout=TIMEOUT)
+    shutil.rmtree(_node(tmp_path, 1))
+    results = run_ranks(WORLD, _restore, str(tmp_path), timeout=TIMEOUT)
+    assert results == [(1, "local", [], True), (1, "local", [], True),
+                       (1, "rank 0", [], True), (1, "rank 1", [], True)]
+    healed = iteration_dir(_node(tmp_path, 1), 1)
+    for r in (2, 3):
+        assert (healed / piece_name(r, r)).read_bytes() == (iteration_dir(_node(tmp_path, 0), 1) / piece_name(r, r - 2)).read_bytes()
+    # Healed copies are committed: the next recovery needs no peer.
+    assert [r[1] for r in run_ranks(WORLD, _restore, str(tmp_path), timeout=TIMEOUT)] == ["local"] * WORLD
+
+
+def test_corrupt_own_copy_is_detected_by_crc32c_and_replaced_by_a_peers(tmp_path):
+    run_ranks(WORLD, _save, str(tmp_path), [1], timeout=TIMEOUT)
+    own = iteration_dir(_node(tmp_path, 0), 1) / piece_name(1, 1)
+    replica = iteration_dir(_node(tmp_path, 1), 1) / piece_name(1, 3)
+    flip_byte(own, own.stat().st_size // 2)
+    assert own.read_bytes() != replica.read_bytes()
+    results = run_ranks(WORLD, _restore, str(tmp_path), timeout=TIMEOUT)
+    assert [r[:3] for r in results] == [(1, "local", []), (1, "rank 3", []), (1, "local", []), (1, "local", [])]
+    assert own.read_bytes() == replica.read_bytes()
+
+
+def _rejected(root: str):
+    manager = _manager(root)
+    manager.load(state(ddist.get_rank(), ddist.get_world_size(), 0, with_data=False))
+    return manager.last_load.rejected
+
+
+def test_corruption_report_names_the_file_and_the_crc32c(tmp_path):
+    run_ranks(WORLD, _save, str(tmp_path), [1], timeout=TIMEOUT)
+    own = iteration_dir(_node(tmp_path, 1), 1) / piece_name(2, 2)
+    flip_byte(own, own.stat().st_size - 5)
+    rejected = run_ranks(WORLD, _rejected, str(tmp_path), timeout=TIMEOUT)
+    assert rejected[0] == rejected[1] == rejected[3] == []
+    assert len(rejected[2]) == 1 and "CRC32C mismatch" in rejected[2][0] and str(own) in rejected[2][0]
+
+
+def test_every_copy_corrupt_gives_every_rank_the_same_clear_error(tmp_path):
+    run_ranks(WORLD, _save, str(tmp_path), [1], timeout=TIMEOUT)
+    for path in (iteration_dir(_node(tmp_path, 0), 1) / piece_name(0, 0),
+                 iteration_dir(_node(tmp_path, 1), 1) / piece_name(0, 2)):
+        flip_byte(path, 100)
+    failure = expect_all_ranks_raise(WORLD, _load_without_find, str(tmp_path),
+                                     match=r"NoLocalCheckpointError: iteration 1: no intact copy of the piece of "
+                                           r"rank\(s\) \[0\]", timeout=TIMEOUT)
+    assert len({text.strip().splitlines()[-1] for text in failure.errors.values()}) == 1
+
+
+def test_no_checkpoint_at_all_is_the_same_answer_everywhere(tmp_path):
+    assert run_ranks(WORLD, _restore, str(tmp_path), timeout=TIMEOUT) == [(None, None, [], False)] * WORLD
+    expect_all_ranks_raise(WORLD, _load_without_find, str(tmp_path),
+                           match="NoLocalCheckpointError: no iteration restored from the local checkpoints of all 4 "
+                                 "ranks .* fall back to the persistent checkpoint", timeout=TIMEOUT)
+
+
+def test_losing_both_copies_of_a_piece_leaves_nothing_restorable(tmp_path):
+    run_ranks(WORLD, _save, str(tmp_path), [1], timeout=TIMEOUT)
+    shutil.rmtree(_node(tmp_path, 0))
+    os.remove(iteration_dir(_node(tmp_path, 1), 1) / piece_name(0, 2))   # rank 0's last copy
+    assert run_ranks(WORLD, _restore, str(tmp_path), timeout=TIMEOUT) == [(None, None, [], False)] * WORLD
+
+
+def test_a_request_that_differs_from_the_saved_layout_fails_on_every_rank(tmp_path):
+    run_ranks(WORLD, _save, str(tmp_path), [1], timeout=TIMEOUT)
+    expect_all_ranks_raise(WORLD, _load_with_extra_key, str(tmp_path), match="holds no tensor 'unknown'",
+                           timeout=TIMEOUT)
+
+
+def test_sigkill_during_a_save_leaves_the_previous_iteration_restorable(tmp_path):
+    run_ranks(WORLD, _save, str(tmp_path), [1], timeout=TIMEOUT)
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(WORLD, _save_and_die, str(tmp_path), 3, timeout=TIMEOUT)
+    assert "killed by signal SIGKILL" in failure.value.errors[3]
+    assert (iteration_dir(_node(tmp_path, 1), 2) / f".{piece_name(3, 3)}.tmp").exists()
+    assert run_ranks(WORLD, _restore, str(tmp_path), timeout=TIMEOUT) == [(1, "local", [], True)] * WORLD
