@@ -268,3 +268,17 @@ def test_sigkill_during_a_save_leaves_the_previous_iteration_restorable(tmp_path
     assert "killed by signal SIGKILL" in failure.value.errors[3]
     assert (iteration_dir(_node(tmp_path, 1), 2) / f".{piece_name(3, 3)}.tmp").exists()
     assert run_ranks(WORLD, _restore, str(tmp_path), timeout=TIMEOUT) == [(1, "local", [], True)] * WORLD
+
+
+def test_training_restarts_from_the_newer_tier_bitwise_after_losing_a_node(tmp_path):
+    from distckpt.examples.training import CheckpointPlan, TrainConfig, last_stage_losses, run_with_recovery
+
+    layout, cfg, total = "TP2xPP1xDP2", TrainConfig(distributed_optimizer=True), 4
+    plan = CheckpointPlan(str(tmp_path / "local"), 1, str(tmp_path / "persistent"), 2, node_size=NODE)
+    reference = last_stage_losses(run_ranks(WORLD, run_with_recovery, layout, total, cfg, CheckpointPlan(),
+                                            timeout=TIMEOUT))
+    run_ranks(WORLD, run_with_recovery, layout, total, cfg, plan, 3, timeout=TIMEOUT)   # "crash" at 3
+    shutil.rmtree(tmp_path / "local" / "node1")
+    results = run_ranks(WORLD, run_with_recovery, layout, total, cfg, plan, timeout=TIMEOUT)
+    assert {(r.first_iteration, r.resumed_from) for r in results} == {(3, "local")}
+    assert last_stage_losses(results) == reference[3:]
