@@ -22,7 +22,6 @@ from distckpt.core import CheckpointingException
 from distckpt.local import CliqueReplication, LocalCheckpointManager
 from distckpt.local import manager as local_manager
 from distckpt.local.manager import iteration_dir, piece_name
-from distckpt.local.piece import write_piece
 from distckpt.strategies.async_utils import AsyncCallsQueue
 from tests import faults, layouts
 from tests.faults import flip_byte
@@ -128,8 +127,9 @@ def _load_with_extra_key(root: str):
     return _manager(root).load(request)
 
 
-def _save_and_die(root: str, victim: int) -> None:
-    """Save generation 2 while ``victim`` is SIGKILLed halfway through writing its piece."""
+def _save_and_die(root: str, victim: int, window: str) -> None:
+    """Save generation 2 while ``victim`` is SIGKILLed: halfway through writing its piece
+    (``window="write"``), or after replication, just before its commit marker (``"commit"``)."""
     rank, world = ddist.get_rank(), ddist.get_world_size()
 
     def half_then_die(piece, path):
@@ -140,8 +140,17 @@ def _save_and_die(root: str, victim: int) -> None:
             os.fsync(f.fileno())
         os.kill(os.getpid(), signal.SIGKILL)
 
+    def die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
     manager = _manager(root)
-    with faults.patched(local_manager, "write_piece", half_then_die if rank == victim else write_piece):
+    if rank != victim:
+        manager.save(state(rank, world, 2), 2)
+    elif window == "write":
+        with faults.patched(local_manager, "write_piece", half_then_die):
+            manager.save(state(rank, world, 2), 2)
+    else:
+        manager._write_marker = die
         manager.save(state(rank, world, 2), 2)
 
 
@@ -261,13 +270,28 @@ def test_a_request_that_differs_from_the_saved_layout_fails_on_every_rank(tmp_pa
                            timeout=TIMEOUT)
 
 
-def test_sigkill_during_a_save_leaves_the_previous_iteration_restorable(tmp_path):
+def test_sigkill_while_writing_a_piece_leaves_the_previous_iteration_restorable(tmp_path):
     run_ranks(WORLD, _save, str(tmp_path), [1], timeout=TIMEOUT)
     with pytest.raises(RankFailure) as failure:
-        run_ranks(WORLD, _save_and_die, str(tmp_path), 3, timeout=TIMEOUT)
+        run_ranks(WORLD, _save_and_die, str(tmp_path), 3, "write", timeout=TIMEOUT)
     assert "killed by signal SIGKILL" in failure.value.errors[3]
     assert (iteration_dir(_node(tmp_path, 1), 2) / f".{piece_name(3, 3)}.tmp").exists()
     assert run_ranks(WORLD, _restore, str(tmp_path), timeout=TIMEOUT) == [(1, "local", [], True)] * WORLD
+
+
+def test_sigkill_before_a_commit_marker_keeps_the_old_iteration_and_the_new_one_whole_from_replicas(tmp_path):
+    """Every byte of iteration 2 was written and replicated when rank 3 died: its peer's marker
+    covers rank 3's piece, so 2 is restorable (rank 3 fetches its piece), and iteration 1 was
+    not removed anywhere, because nobody got past the last agreement."""
+    run_ranks(WORLD, _save, str(tmp_path), [1], timeout=TIMEOUT)
+    with pytest.raises(RankFailure) as failure:
+        run_ranks(WORLD, _save_and_die, str(tmp_path), 3, "commit", timeout=TIMEOUT)
+    assert "killed by signal SIGKILL" in failure.value.errors[3]
+    for n in (0, 1):
+        assert (iteration_dir(_node(tmp_path, n), 1) / f"holder{2 * n:05d}.json").exists()
+    assert not (iteration_dir(_node(tmp_path, 1), 2) / "holder00003.json").exists()
+    results = run_ranks(WORLD, _restore, str(tmp_path), timeout=TIMEOUT)
+    assert results == [(2, "local", [], True)] * 3 + [(2, "rank 1", [], True)]
 
 
 def test_training_restarts_from_the_newer_tier_bitwise_after_losing_a_node(tmp_path):
