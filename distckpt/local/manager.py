@@ -165,6 +165,7 @@ class LocalCheckpointManager:
         self._found: Optional[Found] = None
         self.last_saved: Optional[int] = None
         self.last_load: Optional[LoadReport] = None
+        self._in_flight: set = set()  # iterations staged by this manager, not committed yet
 
     # ------------------------------------------------------------------ save
 
@@ -191,13 +192,15 @@ class LocalCheckpointManager:
             if self.last_saved is not None and iteration <= self.last_saved:
                 raise CheckpointingException(
                     f"iteration {iteration} is not after the last saved one ({self.last_saved})")
-            self._staging.release_all()
+            if iteration in self._in_flight:
+                raise CheckpointingException(f"iteration {iteration} is being saved already")
             piece = stage_piece(sharded_state_dict, self._staging if is_async else None)
             directory.mkdir(parents=True, exist_ok=True)
             self._remove(directory / marker_name(self.rank))
         except Exception as e:  # noqa: BLE001 - shared with every rank below
             exc = e
         self._agree("local save (staging)", exc)
+        self._in_flight.add(iteration)
 
         written: Dict[str, Tuple[int, int]] = {}
         own = directory / piece_name(self.rank, self.rank)
@@ -215,11 +218,22 @@ class LocalCheckpointManager:
             write()
         except Exception as e:  # noqa: BLE001 - shared with every rank below
             exc = e
-        self._agree("local save (write)", exc)
+        try:
+            self._agree("local save (write)", exc)
+        except CheckpointingException:
+            self._in_flight.discard(iteration)
+            raise
         finalize()
         return None
 
     def _commit(self, iteration: int, save_id: str, directory: Path, own: Path, own_meta: Tuple[int, int]) -> None:
+        try:
+            self._replicate_and_commit(iteration, save_id, directory, own, own_meta)
+        finally:
+            self._in_flight.discard(iteration)
+
+    def _replicate_and_commit(self, iteration: int, save_id: str, directory: Path, own: Path,
+                              own_meta: Tuple[int, int]) -> None:
         files = {own.name: {"owner": self.rank, "size": own_meta[0], "crc32c": own_meta[1]}}
         rounds = self.replication.peers(self.rank)
         sends = [Outgoing(to, own, own_meta[0], own_meta[1]) for to, _ in rounds]
@@ -237,8 +251,7 @@ class LocalCheckpointManager:
         except Exception as e:  # noqa: BLE001
             exc = e
         self._agree("local save (commit)", exc)
-        self.last_saved = iteration
-        self._staging.release_all()
+        self.last_saved = iteration if self.last_saved is None else max(self.last_saved, iteration)
         self._remove_other_iterations(iteration)
 
     def _write_marker(self, directory: Path, iteration: int, save_id: str, files: Dict[str, dict]) -> None:
@@ -247,9 +260,11 @@ class LocalCheckpointManager:
             "world": self.world, "holder": self.rank, "files": files}, sort_keys=True).encode())
 
     def _remove_other_iterations(self, keep: int) -> None:
+        """Remove this rank's files of every iteration but ``keep`` and those still being saved
+        (older ones, and newer ones left by an earlier run that restarted from further back)."""
         mine = f"holder{self.rank:05d}"
         for directory in self._iteration_dirs():
-            if directory[0] == keep:
+            if directory[0] == keep or directory[0] in self._in_flight:
                 continue
             path = directory[1]
             # The marker goes first: a half-removed iteration never looks complete.

@@ -58,7 +58,7 @@ from distckpt.mapping import (
     apply_factories,
     apply_factory_merges,
 )
-from distckpt.strategies.async_utils import StagingBuffers
+from distckpt.strategies.async_utils import StagedBatch, StagingBuffers
 from distckpt.strategies.common import safe_torch_load
 from distckpt.strategies.filesystem import ChecksummingSink, byte_view, pread_exact
 from distckpt.validation import validate_local_integrity
@@ -126,6 +126,7 @@ class StagedPiece:
     tensors: List[torch.Tensor]
     objects: bytes
     nbytes: int
+    staged: Optional[StagedBatch] = None  # pooled buffers to give back once written
 
 
 def stage_piece(sharded_state_dict: ShardedStateDict, staging: Optional[StagingBuffers] = None) -> StagedPiece:
@@ -172,8 +173,7 @@ def stage_piece(sharded_state_dict: ShardedStateDict, staging: Optional[StagingB
                         "nbytes": nbytes})
         tensors.append(host)
         position += nbytes
-    if staging is not None:
-        staging.seal()
+    batch = staging.seal() if staging is not None else None
     buffer = io.BytesIO()
     torch.save({"common": split.common, "objects": objects}, buffer)
     blob = buffer.getvalue()
@@ -181,25 +181,31 @@ def stage_piece(sharded_state_dict: ShardedStateDict, staging: Optional[StagingB
     header = json.dumps({"version": VERSION, "tensors": records, "objects": {"at": position, "nbytes": len(blob)}},
                         separators=(",", ":")).encode()
     prefix = _PREFIX.pack(MAGIC, len(header), crc32c(header))
-    return StagedPiece(prefix + header, tensors, blob, len(prefix) + len(header) + position + len(blob))
+    return StagedPiece(prefix + header, tensors, blob, len(prefix) + len(header) + position + len(blob), batch)
 
 
 def write_piece(piece: StagedPiece, path: Path) -> Tuple[int, int]:
     """Write ``piece`` to ``path`` atomically (temp file, fsync, rename); return (size, crc32c).
 
-    Uses no process group: it may run in a background thread.
+    Uses no process group: it may run in a background thread. Gives the staged buffers back to
+    their pool when done (written or not).
     """
     tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        sink = ChecksummingSink(fd)
-        sink.write(piece.header)
-        for t in piece.tensors:
-            sink.write(byte_view(t))
-        sink.write(piece.objects)
-        sink.fsync()
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            sink = ChecksummingSink(fd)
+            sink.write(piece.header)
+            for t in piece.tensors:
+                sink.write(byte_view(t))
+            sink.write(piece.objects)
+            sink.fsync()
+        finally:
+            os.close(fd)
     finally:
-        os.close(fd)
+        piece.tensors = []
+        if piece.staged is not None:
+            piece.staged.release()
     if sink.position != piece.nbytes:
         raise CheckpointingException(f"{path}: wrote {sink.position} bytes, expected {piece.nbytes}")
     os.replace(tmp, path)
