@@ -156,6 +156,41 @@ def _save_and_die(root: str, victim: int, window: str) -> None:
 # --------------------------------------------------------------------------- tests
 
 
+def _stream(root: str):
+    """Rank 0 sends rank 1 three files in chunks of 1000 bytes: an intact one, one announced with
+    a wrong CRC32C, one it cannot read. Rank 1 returns (ok, error) of each and what it kept."""
+    from distckpt.local.replication import Incoming, Outgoing, stream_files
+    from distckpt.manifest import crc32c
+
+    base = Path(root)
+    data = bytes(range(256)) * 20
+    sends = [Outgoing(1, base / "good", len(data), crc32c(data)),
+             Outgoing(1, base / "good", len(data), crc32c(data) ^ 1),
+             Outgoing(1, base / "missing", 5000, 0)]
+    out = []
+    if ddist.get_rank() == 0:
+        (base / "good").write_bytes(data)
+    ddist.barrier()
+    for i, send in enumerate(sends):
+        if ddist.get_rank() == 0:
+            stream_files([send], [], chunk_bytes=1000)
+        else:
+            (got,) = stream_files([], [Incoming(0, base / "in" / f"copy{i}")], chunk_bytes=1000)
+            out.append((got.ok, got.error))
+    if ddist.get_rank() == 1:
+        kept = sorted(p.name for p in (base / "in").iterdir())
+        return out, kept, (base / "in" / "copy0").read_bytes() == data
+    return None
+
+
+def test_streamed_files_are_kept_only_when_complete_and_matching_their_crc32c(tmp_path):
+    _, (results, kept, same) = run_ranks(2, _stream, str(tmp_path), timeout=TIMEOUT)
+    assert results[0] == (True, "")
+    assert results[1][0] is False and "does not match its CRC32C" in results[1][1]
+    assert results[2] == (False, "rank 0 has no readable copy to send")
+    assert kept == ["copy0"] and same
+
+
 def _node(tmp_path: Path, n: int) -> Path:
     return tmp_path / f"node{n}"
 
