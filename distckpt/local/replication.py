@@ -31,7 +31,7 @@ from distckpt.strategies.filesystem import byte_view, pread_exact
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_BYTES = 64 << 20
+DEFAULT_CHUNK_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
