@@ -209,6 +209,17 @@ def test_clique_plan_spreads_copies_over_nodes():
         CliqueReplication(factor=2, jump=1).check(4, node_size=2)
 
 
+def test_a_single_process_saves_and_restores_without_a_process_group(tmp_path):
+    manager = LocalCheckpointManager(tmp_path, replication_factor=1)
+    manager.save(state(0, 1, 7), 7)
+    with pytest.raises(CheckpointingException, match="iteration 6 is not after the last one saved"):
+        manager.save(state(0, 1, 6), 6)
+    request = state(0, 1, 0, with_data=False)
+    assert manager.find_latest() == 7
+    assert mismatches(manager.load(request), 0, 1, 7) == []
+    assert manager.last_load.source == "local"
+
+
 def test_saves_keep_only_the_last_iteration_with_a_replica_of_every_peer(tmp_path):
     run_ranks(WORLD, _save, str(tmp_path), [1, 2], timeout=TIMEOUT)
     for n, own, replicas in ((0, (0, 1), (2, 3)), (1, (2, 3), (0, 1))):

@@ -176,7 +176,8 @@ class LocalCheckpointManager:
         one removed). ``is_async``: returns an ``AsyncRequest`` once the tensors are staged;
         schedule it on an ``AsyncCallsQueue`` (the piece is written in the background; the
         replication and the commit run when the queue finalizes it) or call ``execute_sync()``.
-        Do not start another save before this one is finalized.
+        Several async saves may be in flight; the queue finalizes them in order. Iterations
+        must increase from one save to the next.
 
         Raises:
             CheckpointingException (the same on every rank): staging, writing, replication or
@@ -189,11 +190,10 @@ class LocalCheckpointManager:
         try:
             if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
                 raise CheckpointingException(f"iteration must be a non-negative int, got {iteration!r}")
-            if self.last_saved is not None and iteration <= self.last_saved:
+            before = max([*self._in_flight, *([] if self.last_saved is None else [self.last_saved])], default=None)
+            if before is not None and iteration <= before:
                 raise CheckpointingException(
-                    f"iteration {iteration} is not after the last saved one ({self.last_saved})")
-            if iteration in self._in_flight:
-                raise CheckpointingException(f"iteration {iteration} is being saved already")
+                    f"iteration {iteration} is not after the last one saved or being saved ({before})")
             piece = stage_piece(sharded_state_dict, self._staging if is_async else None)
             directory.mkdir(parents=True, exist_ok=True)
             self._remove(directory / marker_name(self.rank))
