@@ -86,16 +86,22 @@ def _manager(root: str, **kwargs) -> LocalCheckpointManager:
     return LocalCheckpointManager(Path(root) / f"node{rank // NODE}", node_size=NODE, replication_factor=2, **kwargs)
 
 
-def _save(root: str, generations, is_async: bool = False) -> None:
+def _save(root: str, generations, is_async: bool = False, background: bool = False, failing: int = -1) -> None:
+    """Save ``generations`` in turn; ``background``: async saves replicate in the worker thread
+    over a group of their own; ``failing``: that rank's piece writes raise ENOSPC."""
     rank, world = ddist.get_rank(), ddist.get_world_size()
-    manager = _manager(root)
+    manager = _manager(root, replication_group=torch.distributed.new_group(backend="gloo") if background else None)
     queue = AsyncCallsQueue() if is_async else None
-    for g in generations:
-        request = manager.save(state(rank, world, g), g, is_async=is_async)
+    def no_space(piece, path):
+        raise OSError(28, f"No space left on device (injected on rank {rank})")
+
+    with faults.patched(local_manager, "write_piece", no_space if rank == failing else local_manager.write_piece):
+        for g in generations:
+            request = manager.save(state(rank, world, g), g, is_async=is_async)
+            if queue is not None:
+                queue.schedule_async_request(request)  # not finalized yet: saves overlap
         if queue is not None:
-            queue.schedule_async_request(request)  # not finalized yet: saves overlap
-    if queue is not None:
-        queue.close()  # finalizes them in order
+            queue.close()  # finalizes them in order
 
 
 def _restore(root: str):
@@ -244,6 +250,18 @@ def test_overlapping_async_saves_through_the_queue_keep_the_newest(tmp_path):
     run_ranks(WORLD, _save, str(tmp_path), [3, 5], True, timeout=TIMEOUT)
     assert sorted(p.name for p in _node(tmp_path, 0).iterdir()) == ["iter_0000000005"]
     assert run_ranks(WORLD, _restore, str(tmp_path), timeout=TIMEOUT) == [(5, "local", [], True)] * WORLD
+
+
+def test_async_saves_replicating_in_the_background_restore(tmp_path):
+    run_ranks(WORLD, _save, str(tmp_path), [3, 5], True, True, timeout=TIMEOUT)
+    assert run_ranks(WORLD, _restore, str(tmp_path), timeout=TIMEOUT) == [(5, "local", [], True)] * WORLD
+
+
+def test_a_failed_background_write_fails_every_rank_and_keeps_the_previous_iteration(tmp_path):
+    run_ranks(WORLD, _save, str(tmp_path), [1], timeout=TIMEOUT)
+    expect_all_ranks_raise(WORLD, _save, str(tmp_path), [2], True, True, 1,
+                           match=r"rank\(s\) 1: OSError: \[Errno 28\] No space left on device", timeout=TIMEOUT)
+    assert run_ranks(WORLD, _restore, str(tmp_path), timeout=TIMEOUT) == [(1, "local", [], True)] * WORLD
 
 
 def test_replaced_node_recovers_bit_exactly_from_peers_and_is_healed(tmp_path):

@@ -19,10 +19,12 @@ Save of iteration ``i`` (every rank):
    one tiny all-reduce agrees that staging worked everywhere;
 2. write (background thread when async, no process group): the piece goes to
    ``owner<r>.holder<r>.dlc`` via temp file + fsync + rename, its CRC32C computed on the way;
-3. finalize (training thread, every rank): send the piece to the other members of the clique
-   and receive theirs (chunked, CRC32C-checked), write the marker ``holder<r>.json`` (atomic)
-   naming every file with its size and CRC32C, agree with one all-reduce that every rank
-   committed, and only then remove this rank's files of all other iterations.
+3. replicate: send the piece to the other members of the clique and receive theirs (chunked,
+   CRC32C-checked) -- in the background thread over ``replication_group`` when the manager has
+   one, else at finalization over ``group``;
+4. finalize (training thread, every rank): write the marker ``holder<r>.json`` (atomic) naming
+   every file with its size and CRC32C, agree with one all-reduce that every rank committed, and
+   only then remove this rank's files of all other iterations.
 
 A crash anywhere before the last agreement leaves the previous iteration whole on every node:
 nothing of it is touched before every rank's marker of the new one is durable.
@@ -63,6 +65,7 @@ from distckpt.local.replication import (
     CliqueReplication,
     Incoming,
     Outgoing,
+    Received,
     stream_files,
 )
 from distckpt.mapping import ShardedStateDict, StateDict
@@ -142,13 +145,19 @@ class LocalCheckpointManager:
             :class:`~distckpt.local.replication.CliqueReplication`.
         chunk_bytes: largest piece of a file sent or received at once (memory per transfer).
         trusted: unpickle common state and objects without the allowlist.
+        replication_group: a process group of the same ranks reserved for the local tier
+            (e.g. ``torch.distributed.new_group(backend="gloo")``). With it, an async save
+            replicates in the background thread too, over this group, and only the commit
+            runs at finalization. Without it replication runs at finalization over ``group``
+            (a background thread must not share a process group with the training thread).
 
     Construction runs one broadcast (a run id that tells saves of different runs apart).
     """
 
     def __init__(self, root_dir: PathLike, group: dist.ProcessGroup = None, replication_factor: int = 2,
                  node_size: Optional[int] = None, replication_jump: Optional[int] = None,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, trusted: bool = False):
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, trusted: bool = False,
+                 replication_group: dist.ProcessGroup = None):
         self.root = Path(root_dir)
         self.group = group
         self.rank = dist.get_rank(group)
@@ -157,6 +166,9 @@ class LocalCheckpointManager:
         self.replication = CliqueReplication(int(replication_factor), int(replication_jump or self.node_size))
         self.chunk_bytes = int(chunk_bytes)
         self.trusted = trusted
+        self.replication_group = replication_group
+        if replication_group is not None and dist.get_world_size(replication_group) != self.world:
+            raise CheckpointingException("replication_group must hold the same ranks as group")
         if self.chunk_bytes < 1:
             raise CheckpointingException(f"chunk_bytes must be positive, got {chunk_bytes}")
         self.replication.check(self.world, self.node_size)
@@ -202,14 +214,28 @@ class LocalCheckpointManager:
         self._agree("local save (staging)", exc)
         self._in_flight.add(iteration)
 
-        written: Dict[str, Tuple[int, int]] = {}
         own = directory / piece_name(self.rank, self.rank)
+        background = is_async and self.replication_group is not None
+        written: Dict[str, Any] = {}
 
         def write() -> None:
-            written["own"] = write_piece(piece, own)
+            try:
+                written["own"] = write_piece(piece, own)
+            except BaseException:
+                if background:  # still take part, announcing nothing: no peer waits forever
+                    self._replicate(directory, own, None, self.replication_group)
+                raise
+            if background:
+                written["replicas"] = self._replicate(directory, own, written["own"], self.replication_group)
 
         def finalize() -> None:
-            self._commit(iteration, save_id, directory, own, written["own"])
+            try:
+                replicas = written.get("replicas")
+                if replicas is None:
+                    replicas = self._replicate(directory, own, written["own"], self.group)
+                self._commit(iteration, save_id, directory, own, written["own"], replicas)
+            finally:
+                self._in_flight.discard(iteration)
 
         if is_async:
             return AsyncRequest(write, (), [finalize])
@@ -226,25 +252,26 @@ class LocalCheckpointManager:
         finalize()
         return None
 
-    def _commit(self, iteration: int, save_id: str, directory: Path, own: Path, own_meta: Tuple[int, int]) -> None:
-        try:
-            self._replicate_and_commit(iteration, save_id, directory, own, own_meta)
-        finally:
-            self._in_flight.discard(iteration)
-
-    def _replicate_and_commit(self, iteration: int, save_id: str, directory: Path, own: Path,
-                              own_meta: Tuple[int, int]) -> None:
-        files = {own.name: {"owner": self.rank, "size": own_meta[0], "crc32c": own_meta[1]}}
+    def _replicate(self, directory: Path, own: Path, own_meta: Optional[Tuple[int, int]],
+                   group: dist.ProcessGroup) -> List[Received]:
+        """Send the own piece to the clique (nothing, announced as such, if ``own_meta`` is None)
+        and receive the other members' pieces. Every rank of ``group`` calls it."""
         rounds = self.replication.peers(self.rank)
-        sends = [Outgoing(to, own, own_meta[0], own_meta[1]) for to, _ in rounds]
+        size, crc = own_meta if own_meta is not None else (-1, 0)
+        sends = [Outgoing(to, own if own_meta is not None else None, size, crc) for to, _ in rounds]
         recvs = [Incoming(frm, directory / piece_name(frm, self.rank)) for _, frm in rounds]
-        received = stream_files(sends, recvs, self.group, self.chunk_bytes)
+        return stream_files(sends, recvs, group, self.chunk_bytes)
+
+    def _commit(self, iteration: int, save_id: str, directory: Path, own: Path, own_meta: Tuple[int, int],
+                received: List[Received]) -> None:
+        """Write this rank's marker once every replica arrived; agree; remove other iterations."""
         exc: Optional[BaseException] = None
         try:
             failed = [r.error for r in received if not r.ok]
             if failed:
                 raise CheckpointingException(f"replication of iteration {iteration} to rank {self.rank} failed: "
                                              + "; ".join(failed))
+            files = {own.name: {"owner": self.rank, "size": own_meta[0], "crc32c": own_meta[1]}}
             for r in received:
                 files[r.path.name] = {"owner": r.peer, "size": r.size, "crc32c": r.crc}
             self._write_marker(directory, iteration, save_id, files)
