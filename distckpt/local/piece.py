@@ -67,6 +67,7 @@ MAGIC = b"DCKLOCAL"
 VERSION = 1
 _PREFIX = struct.Struct("<8sQI")
 _SCRATCH = 16 << 20  # bytes read at a time from stored tensors that the caller did not ask for
+_BLOCK = 1 << 20  # bytes read and checksummed at a time
 
 TensorId = Tuple[str, Tuple[int, ...], Optional[Tuple[int, int]]]
 
@@ -314,8 +315,11 @@ def read_piece(path: Path, split: SplitState, size: int, crc: int,
                 if len(view) != record["nbytes"]:
                     raise CorruptPieceError(f"{what}: tensor {record['key']!r} holds {record['nbytes']} "
                                             f"bytes, its shape needs {len(view)}")
-                pread_exact(fd, view, position, what)
-                running = crc32c(view, running)
+                for start in range(0, len(view), _BLOCK):
+                    # Block by block: the checksum reads bytes the read just left in the cache.
+                    block = view[start:start + _BLOCK]
+                    pread_exact(fd, block, position + start, what)
+                    running = crc32c(block, running)
                 if dest is not None and not direct:
                     dest.copy_(target)
                     target = dest
