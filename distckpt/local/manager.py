@@ -279,6 +279,9 @@ class LocalCheckpointManager:
             exc = e
         self._agree("local save (commit)", exc)
         self.last_saved = iteration if self.last_saved is None else max(self.last_saved, iteration)
+        # The queue finalizes in order: an earlier save still "in flight" now is one whose write
+        # failed (the queue dropped it), so its files are left-overs like any other.
+        self._in_flight = {i for i in self._in_flight if i > iteration}
         self._remove_other_iterations(iteration)
 
     def _write_marker(self, directory: Path, iteration: int, save_id: str, files: Dict[str, dict]) -> None:
