@@ -14,6 +14,8 @@ File layout (version 1)::
     tensor bytes         one tensor after the other, at the offsets the header gives
                          (counted from the end of the header, like every "at" below)
     object bytes         torch.save({"common": ..., "objects": {unique_key: data}})
+    b"DCKLEND1"          8 bytes
+    CRC32C               4 bytes, little-endian: of every byte before this trailer
 
     header = {"version": 1,
               "tensors": [{"key": str, "offset": [int], "flat": [start, stop] | null,
@@ -26,9 +28,10 @@ caller's tensors. The object part is read back with the allowlisted ``torch.load
 of :func:`distckpt.strategies.common.safe_torch_load`: nothing is unpickled beyond plain data,
 tensors and the allowlist unless ``trusted``.
 
-The CRC32C of the whole file is computed while it is written and kept in the holder's commit
-marker (see :mod:`distckpt.local.manager`); reading checks it in the same pass that fills the
-tensors, so a corrupt piece is detected before anything is returned.
+The file carries its own CRC32C (the trailer), so a piece can be checked on its own; the CRC32C
+of the whole file, trailer included, is also kept in the holder's commit marker (see
+:mod:`distckpt.local.manager`). Reading checks both in the same pass that fills the tensors, so
+a corrupt piece is detected before anything is returned.
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ from distckpt.validation import validate_local_integrity
 MAGIC = b"DCKLOCAL"
 VERSION = 1
 _PREFIX = struct.Struct("<8sQI")
+END_MAGIC = b"DCKLEND1"
+_TRAILER = struct.Struct("<8sI")
 _SCRATCH = 16 << 20  # bytes read at a time from stored tensors that the caller did not ask for
 _BLOCK = 1 << 20  # bytes read and checksummed at a time
 
@@ -182,7 +187,8 @@ def stage_piece(sharded_state_dict: ShardedStateDict, staging: Optional[StagingB
     header = json.dumps({"version": VERSION, "tensors": records, "objects": {"at": position, "nbytes": len(blob)}},
                         separators=(",", ":")).encode()
     prefix = _PREFIX.pack(MAGIC, len(header), crc32c(header))
-    return StagedPiece(prefix + header, tensors, blob, len(prefix) + len(header) + position + len(blob), batch)
+    nbytes = len(prefix) + len(header) + position + len(blob) + _TRAILER.size
+    return StagedPiece(prefix + header, tensors, blob, nbytes, batch)
 
 
 def write_piece(piece: StagedPiece, path: Path) -> Tuple[int, int]:
@@ -200,6 +206,7 @@ def write_piece(piece: StagedPiece, path: Path) -> Tuple[int, int]:
             for t in piece.tensors:
                 sink.write(byte_view(t))
             sink.write(piece.objects)
+            sink.write(_TRAILER.pack(END_MAGIC, sink.crc))
             sink.fsync()
         finally:
             os.close(fd)
@@ -326,12 +333,19 @@ def read_piece(path: Path, split: SplitState, size: int, crc: int,
                 values[id(sh)] = target
             position += record["nbytes"]
         objects = header["objects"]
-        if base + objects["at"] != position or position + objects["nbytes"] != size:
+        if base + objects["at"] != position or position + objects["nbytes"] + _TRAILER.size != size:
             raise CorruptPieceError(f"{what}: object bytes at [{base + objects['at']}, +{objects['nbytes']}) do not "
                                     f"end the {size}-byte file")
         blob = bytearray(objects["nbytes"])
         pread_exact(fd, memoryview(blob), position, what)
         running = crc32c(blob, running)
+        trailer = bytearray(_TRAILER.size)
+        pread_exact(fd, memoryview(trailer), size - _TRAILER.size, what)
+        end, own_crc = _TRAILER.unpack(trailer)
+        if end != END_MAGIC or own_crc != running:
+            raise CorruptPieceError(f"{what}: CRC32C mismatch (the file's trailer says {own_crc:#010x}, "
+                                    f"its bytes give {running:#010x})")
+        running = crc32c(trailer, running)
     finally:
         os.close(fd)
     if running != crc:
