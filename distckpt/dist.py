@@ -211,3 +211,26 @@ def _raise_failures(stage: str, failures: list, exc: Optional[BaseException], wo
                                     and len(set(errors.values())) == 1):
             raise exc
     raise RankErrors(stage, errors, tracebacks) from exc
+
+
+# --------------------------------------------------------------------------- point to point
+
+
+def send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group: ProcessGroup = None) -> None:
+    """Post every send and receive at once, then wait for all of them.
+
+    ``sends`` and ``recvs`` hold ``(tensor, peer)`` pairs, ``peer`` a rank of ``group``. Tensors
+    live on :func:`collective_device` (CPU for gloo, CUDA for NCCL). Messages between two ranks
+    are matched in the order they were posted, so both sides must list their exchanges with one
+    another in the same order. Posting everything before waiting is what makes a ring or any
+    other pattern of simultaneous exchanges free of deadlock. Without a process group only the
+    empty exchange is allowed.
+    """
+    if not sends and not recvs:
+        return
+    if not is_initialized():
+        raise CheckpointingException("point-to-point transfer needs an initialized process group")
+    ops = [tdist.P2POp(tdist.isend, t, global_rank_of(peer, group), group) for t, peer in sends]
+    ops += [tdist.P2POp(tdist.irecv, t, global_rank_of(peer, group), group) for t, peer in recvs]
+    for work in tdist.batch_isend_irecv(ops):
+        work.wait()

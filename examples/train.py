@@ -11,11 +11,22 @@ and trains ``--resume-steps`` steps. Their losses must agree: bitwise when the l
 optimizers) are the same, else within a relative 1e-5 (TP and DP change the order of
 floating-point sums). Each run spawns its own gloo ranks on this machine (CPU).
 Exit status: 0 when the losses agree, 1 when they do not.
+
+With ``--local-every N`` it shows fast recovery instead (docs/local-recovery.md): the run saves
+to the local tier (node-local directories, each piece replicated to a peer on another node)
+every N iterations and a persistent checkpoint every ``--persistent-every`` M, "crashes" at
+``--crash-at``, optionally loses a node's local directory (``--lose-node``), and restarts under
+the same layout from the newer of the two tiers; the losses from there on must match an
+uninterrupted run bitwise::
+
+    python examples/train.py --layout TP2xPP1xDP2 --local-every 2 --persistent-every 5 \
+        --crash-at 7 --node-size 2 --lose-node 1
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 import time
@@ -23,7 +34,15 @@ from pathlib import Path
 
 from distckpt.examples.launch import launch
 from distckpt.examples.parallel import Layout
-from distckpt.examples.training import LOSS_RTOL, TrainConfig, last_stage_losses, losses_match, run
+from distckpt.examples.training import (
+    LOSS_RTOL,
+    CheckpointPlan,
+    TrainConfig,
+    last_stage_losses,
+    losses_match,
+    run,
+    run_with_recovery,
+)
 
 OPTIMIZERS = {"adam": False, "distributed": True}
 
@@ -42,11 +61,59 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--resume-steps", type=int, default=3, help="steps after it (default: %(default)s)")
     parser.add_argument("--dir", type=Path, default=None,
                         help="checkpoint directory (default: a temporary one, removed afterwards)")
+    local = parser.add_argument_group("fast recovery (local tier + persistent checkpoints, same layout)")
+    local.add_argument("--local-every", type=int, default=0,
+                       help="save to the local tier every N iterations (turns this mode on)")
+    local.add_argument("--persistent-every", type=int, default=0,
+                       help="persistent checkpoint every M iterations (default: off)")
+    local.add_argument("--crash-at", type=int, default=None,
+                       help="iteration at which the first run stops (default: --steps)")
+    local.add_argument("--node-size", type=int, default=1, help="ranks per simulated node (default: %(default)s)")
+    local.add_argument("--replication-factor", type=int, default=2,
+                       help="copies of every rank's piece, own included (default: %(default)s)")
+    local.add_argument("--lose-node", type=int, default=None,
+                       help="delete this node's local directory before restarting (a replaced node)")
     return parser.parse_args(argv)
+
+
+def main_local(args: argparse.Namespace) -> int:
+    """Train, crash, lose a node, restart from the newest checkpoint of either tier, compare."""
+    layout, total = args.layout, args.steps + args.resume_steps
+    crash_at = args.steps if args.crash_at is None else args.crash_at
+    cfg = TrainConfig(distributed_optimizer=OPTIMIZERS[args.optimizer])
+    with tempfile.TemporaryDirectory(prefix="distckpt-train-") as tmp:
+        root = args.dir if args.dir is not None else Path(tmp)
+        plan = CheckpointPlan(str(root / "local"), args.local_every, str(root / "persistent"),
+                              args.persistent_every, args.node_size, args.replication_factor)
+        reference = last_stage_losses(launch(layout.world_size, run_with_recovery, layout, total, cfg,
+                                             CheckpointPlan()))
+        print(f"{layout}: {total} steps uninterrupted")
+        launch(layout.world_size, run_with_recovery, layout, total, cfg, plan, crash_at)
+        print(f"{layout}: local tier every {args.local_every}, persistent every {args.persistent_every or '-'}; "
+              f"crashed at iteration {crash_at}")
+        if args.lose_node is not None:
+            shutil.rmtree(Path(plan.local_root) / f"node{args.lose_node}", ignore_errors=True)
+            print(f"node {args.lose_node} replaced: its local directory is gone")
+        start = time.perf_counter()
+        results = launch(layout.world_size, run_with_recovery, layout, total, cfg, plan)
+        first, source = results[0].first_iteration, results[0].resumed_from
+        print(f"restarted from the {source or 'no'} checkpoint at iteration {first}, trained to {total} "
+              f"({time.perf_counter() - start:.1f} s)")
+    after, resumed = reference[first:], last_stage_losses(results)
+    print(f"\n{'step':>4}  {'uninterrupted':>14}  {'resumed':>14}")
+    for i, (a, b) in enumerate(zip(after, resumed)):
+        print(f"{first + i + 1:>4}  {a:>14.9f}  {b:>14.9f}")
+    if after == resumed:
+        print("losses match bitwise")
+        return 0
+    print("MISMATCH: the resumed losses differ from the uninterrupted run")
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.local_every:
+        return main_local(args)
     with tempfile.TemporaryDirectory(prefix="distckpt-train-") as tmp:
         ckpt = str(args.dir if args.dir is not None else Path(tmp) / "ckpt")
         save_cfg = TrainConfig(distributed_optimizer=OPTIMIZERS[args.optimizer])

@@ -181,3 +181,14 @@ def test_example_adam_computes_the_same_bits_as_torch_adam():
     ours_sd, theirs_sd = kernel.state_dict(), reference.state_dict()
     assert set(ours_sd["state"]) == set(theirs_sd["state"])
     assert ours_sd["param_groups"][0]["params"] == theirs_sd["param_groups"][0]["params"]
+
+
+def test_train_script_restarts_from_the_local_tier(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("train_script", Path(__file__).parents[1] / "examples" / "train.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    argv = ["--layout", "1,1,1", "--optimizer", "adam", "--steps", "3", "--resume-steps", "1",
+            "--local-every", "1", "--persistent-every", "2", "--replication-factor", "1", "--dir", str(tmp_path)]
+    assert script.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "restarted from the local checkpoint at iteration 3" in out and "losses match bitwise" in out

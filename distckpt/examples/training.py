@@ -10,12 +10,17 @@ A checkpoint holds::
     {"model": GPTModel.sharded_state_dict(),             # sharded
      "optimizer": optimizer.sharded_state_dict(model_sd), # sharded (+ param_groups, step: common)
      "iteration": int, "config": {...}, "layout": "TP2xPP2xDP2"}   # common
+
+``run_with_recovery`` trains with two checkpoint tiers, as a long job would: the local tier
+(:class:`distckpt.local.LocalCheckpointManager`, node-local and replicated to peers) every few
+iterations, a persistent checkpoint every many; on start it resumes from whichever is newer.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -33,6 +38,7 @@ from distckpt.examples.parallel import (
     recv_from_stage,
     send_to_stage,
 )
+from distckpt.local import LocalCheckpointManager
 from distckpt.mapping import ShardedStateDict, ShardedTensor, ShardedTensorFactory, StateDict
 
 Optimizer = Adam | DistributedAdam
@@ -156,6 +162,17 @@ def load_checkpoint(ckpt_dir: str | Path, model: GPTModel, optimizer: Optimizer,
     Returns the loaded state dict: ``iteration``, the ``layout`` it was saved under, and the
     entries that ``extra`` asked for.
     """
+    return _restore(lambda request: distckpt.load(request, ckpt_dir), model, optimizer, extra)
+
+
+def load_local_checkpoint(manager: LocalCheckpointManager, model: GPTModel, optimizer: Optimizer,
+                          iteration: int | None = None) -> StateDict:
+    """Restore model and optimizer from the local tier (same layout as saved); every rank calls it."""
+    return _restore(lambda request: manager.load(request, iteration), model, optimizer, None)
+
+
+def _restore(load: Callable[[ShardedStateDict], StateDict], model: GPTModel, optimizer: Optimizer,
+             extra: ShardedStateDict | None) -> StateDict:
     optimizer.init_state()
     request = checkpoint_sharded_state_dict(model, optimizer, iteration=-1)
     request.update(extra or {})
@@ -163,7 +180,7 @@ def load_checkpoint(ckpt_dir: str | Path, model: GPTModel, optimizer: Optimizer,
     # its parameters); distckpt fills them in place, which autograd forbids on a leaf that
     # requires grad, so it gets detached views of the same storage.
     dict_list_map_inplace(_detached, request)
-    state = distckpt.load(request, ckpt_dir)
+    state = load(request)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     optimizer.reload_model_params()
@@ -195,6 +212,71 @@ def run(layout: Layout | str, steps: int, train_cfg: TrainConfig = TrainConfig()
         tokens = batch(train_cfg.model, iteration, train_cfg.global_batch_size)
         losses.append(train_step(model, optimizer, ps, tokens))
         iteration += 1
+    return RunResult(ps.rank, first, losses if ps.is_last_stage else None, resumed_from)
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    """Two checkpoint tiers (see docs/local-recovery.md).
+
+    ``local_root/node<rank // node_size>`` is each rank's node-local directory; the local tier
+    saves every ``local_every`` iterations. Persistent checkpoints go to
+    ``persistent_dir/iter_<NNNNNNN>`` every ``persistent_every`` iterations. 0 turns a tier off.
+    """
+
+    local_root: str | None = None
+    local_every: int = 0
+    persistent_dir: str | None = None
+    persistent_every: int = 0
+    node_size: int = 1
+    replication_factor: int = 2
+
+    def manager(self, rank: int) -> LocalCheckpointManager | None:
+        if self.local_root is None:
+            return None
+        return LocalCheckpointManager(Path(self.local_root) / f"node{rank // self.node_size}",
+                                      node_size=self.node_size, replication_factor=self.replication_factor)
+
+    def latest_persistent(self) -> int | None:
+        """Newest committed persistent checkpoint (shared storage: the same on every rank)."""
+        if self.persistent_dir is None or not Path(self.persistent_dir).is_dir():
+            return None
+        found = [int(m.group(1)) for p in Path(self.persistent_dir).iterdir()
+                 if (m := re.fullmatch(r"iter_(\d{7})", p.name)) and distckpt.check_is_distributed_checkpoint(p)]
+        return max(found, default=None)
+
+    def persistent_path(self, iteration: int) -> Path:
+        return Path(self.persistent_dir) / f"iter_{iteration:07d}"
+
+
+def run_with_recovery(layout: Layout | str, until: int, train_cfg: TrainConfig, plan: CheckpointPlan,
+                      stop_at: int | None = None) -> RunResult:
+    """Every rank: resume from the newer of the local tier and the persistent checkpoints (if
+    any), then train up to iteration ``until`` saving as ``plan`` says; ``stop_at`` ends the
+    run early, as a crash would. ``resumed_from`` is ``"local"``, ``"persistent"`` or None.
+    """
+    layout = Layout.parse(layout) if isinstance(layout, str) else layout
+    ps, model, optimizer = build(layout, train_cfg)
+    manager = plan.manager(ps.rank)
+    local = manager.find_latest() if manager is not None else None
+    persistent = plan.latest_persistent()
+    iteration, resumed_from = 0, None
+    if local is not None and (persistent is None or local >= persistent):
+        iteration, resumed_from = load_local_checkpoint(manager, model, optimizer, local)["iteration"], "local"
+    elif persistent is not None:
+        iteration = load_checkpoint(plan.persistent_path(persistent), model, optimizer)["iteration"]
+        resumed_from = "persistent"
+    first = iteration
+    losses: list[float | None] = []
+    end = until if stop_at is None else min(until, stop_at)
+    while iteration < end:
+        tokens = batch(train_cfg.model, iteration, train_cfg.global_batch_size)
+        losses.append(train_step(model, optimizer, ps, tokens))
+        iteration += 1
+        if manager is not None and plan.local_every and iteration % plan.local_every == 0:
+            manager.save(checkpoint_sharded_state_dict(model, optimizer, iteration), iteration)
+        if plan.persistent_dir is not None and plan.persistent_every and iteration % plan.persistent_every == 0:
+            save_checkpoint(plan.persistent_path(iteration), model, optimizer, iteration)
     return RunResult(ps.rank, first, losses if ps.is_last_stage else None, resumed_from)
 
 
