@@ -149,6 +149,20 @@ def _v2_dtype(typestr: Any) -> Tuple[Optional[torch.dtype], bool]:
 # --------------------------------------------------------------------------- array metadata
 
 
+
+def _local_root(checkpoint_dir) -> Path:
+    """The zarr backend writes and reads local directories only (for now)."""
+    from distckpt import storage
+
+    root = storage.local_dir(checkpoint_dir)
+    if root is None:
+        raise CheckpointingException(
+            f"{checkpoint_dir}: the zarr backend does not support object stores yet; save to an "
+            f"object store with the default torch_dist backend, or convert the checkpoint "
+            f"(distckpt convert ... --to torch_dist)")
+    return root
+
+
 @dataclass(frozen=True)
 class ArrayMeta:
     """What a reader or writer needs to know about one stored array.
@@ -862,7 +876,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
     def prepare(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path, stage: bool = False) -> _SavePlan:
         """Plan and create the arrays; collective. A planning error raises on every rank; a
         later local error is kept in the plan and raised everywhere by ``finalize``."""
-        root = Path(checkpoint_dir)
+        root = _local_root(checkpoint_dir)
         exc: Optional[BaseException] = None
         decls: Optional[Dict[str, _KeyDecl]] = None
         pieces: List[_Piece] = []
@@ -1030,7 +1044,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         return meta
 
     def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
-        root = Path(checkpoint_dir)
+        root = _local_root(checkpoint_dir)
         out = {}
         for key in list_array_keys(root):
             meta = self._meta(root, key)
@@ -1038,7 +1052,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         return out
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
-        root = Path(checkpoint_dir)
+        root = _local_root(checkpoint_dir)
         metas: Dict[str, ArrayMeta] = {}
         ops: List[ChunkRead] = []
         commits: List[Callable[[], None]] = []
@@ -1084,7 +1098,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
     def remove_sharded_tensors(self, checkpoint_dir: Path, key_prefix: str) -> None:
         """Drop every array whose key starts with ``key_prefix``: the root group's listing and
         the manifest first (atomically rewritten), then the array folders."""
-        root = Path(checkpoint_dir)
+        root = _local_root(checkpoint_dir)
         keys = list_array_keys(root)
         gone = [k for k in keys if k.startswith(key_prefix)]
         if not gone:
