@@ -153,3 +153,50 @@ def test_an_interrupted_multipart_upload_is_aborted(s3_url):
     bucket = s3_url.split("/")[2]
     listing = urllib.request.urlopen(f"{os.environ['AWS_ENDPOINT_URL']}/{bucket}?uploads", timeout=10).read()
     assert b"partial.distcp" not in listing  # no multipart upload left behind
+
+
+def _save_zarr(url):
+    sd, _ = layouts.build("tp_dp", ddist.get_rank(), ddist.get_world_size(), True, tp=2)
+    distckpt.save(sd, url, sharded_strategy=("zarr", 1))
+
+
+def test_zarr_on_an_object_store_is_a_clear_error_on_every_rank(s3_url):
+    expect_all_ranks_raise(2, _save_zarr, s3_url, match="zarr backend does not support object stores")
+    assert not check_is_distributed_checkpoint(s3_url)
+
+
+def test_an_unknown_scheme_is_a_clear_error():
+    with pytest.raises(CheckpointingException, match="unsupported storage scheme 'ftp'"):
+        distckpt.load({}, "ftp://host/ckpt")
+
+
+# --------------------------------------------------------------------------- async, fully parallel
+
+
+def _async_fully_parallel_save_then_load(url):
+    from distckpt.strategies.async_utils import AsyncCallsQueue
+    from distckpt.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+        FullyParallelSaveStrategyWrapper,
+    )
+    from distckpt.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
+
+    rank, world = ddist.get_rank(), ddist.get_world_size()
+    sd, _ = layouts.build("tp_dp", rank, world, True, tp=2)
+    queue = AsyncCallsQueue()
+    request = distckpt.save(sd, url, FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy()),
+                            async_sharded_save=True)
+    queue.schedule_async_request(request)
+    committed_early = check_is_distributed_checkpoint(url)
+    finalized = queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    sd, pieces = layouts.build("tp_dp", rank, world, False, tp=1)
+    loaded = distckpt.load(sd, url, FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy()))
+    wrong = [n for n, p in pieces.items() if not layouts.bitwise_equal(loaded[n], p.expected())]
+    return committed_early, finalized, wrong
+
+
+def test_async_and_fully_parallel_save_and_load_on_s3(s3_url):
+    results = run_ranks(4, _async_fully_parallel_save_then_load, s3_url)
+    assert [(early, fin, wrong) for early, fin, wrong in results] == [(False, [0], [])] * 4
+    assert check_is_distributed_checkpoint(s3_url)

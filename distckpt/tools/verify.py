@@ -23,11 +23,13 @@ Nothing is modified. :func:`verify_checkpoint` returns a :class:`VerifyReport`; 
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from distckpt.core import CONFIG_FNAME, CheckpointingException, PathLike, maybe_load_config
+from distckpt import storage
+from distckpt.core import CONFIG_FNAME, CheckpointingException, PathLike, maybe_load_config, parse_config
 from distckpt.manifest import MANIFEST_FNAME, read_manifest, verify_files
 from distckpt.tools.inspect import CheckpointSource, NoProgress, Progress
 
@@ -64,16 +66,17 @@ def verify_checkpoint(path: PathLike, *, checksums: bool = True, deep: bool = Fa
     Raises:
         CheckpointingException: ``path`` does not exist or is not a directory (nothing to verify).
     """
-    root = Path(path)
+    root = storage.resolve(path)
     progress = progress or NoProgress()
-    if not root.exists():
-        raise CheckpointingException(f"{root}: no such file or directory")
-    if not root.is_dir():
-        raise CheckpointingException(f"{root}: not a checkpoint directory")
+    if isinstance(root, Path):
+        if not root.exists():
+            raise CheckpointingException(f"{root}: no such file or directory")
+        if not root.is_dir():
+            raise CheckpointingException(f"{root}: not a checkpoint directory")
     report = VerifyReport(str(root))
 
     try:
-        config = maybe_load_config(root)
+        config = _load_config(root)
     except CheckpointingException as e:
         report.problems.append(str(e))
         config = None
@@ -171,7 +174,42 @@ def _check_backends_known(config, report: VerifyReport) -> None:
             report.problems.append(f"{CONFIG_FNAME}: backend {backend!r} version {version!r} is unusable: {e}")
 
 
-def _guess_backend(root: Path) -> Optional[str]:
+def _load_config(root):
+    if isinstance(root, Path):
+        return maybe_load_config(root)
+    try:
+        raw = bytes(root.get(CONFIG_FNAME))
+    except FileNotFoundError:
+        return None
+    return parse_config(raw, root.where(CONFIG_FNAME))
+
+
+def _listing(root) -> Dict[str, int]:
+    """Object store: every object of the checkpoint with its size (one LIST per store object)."""
+    listing = _LISTINGS.get(root)
+    if listing is None:
+        listing = _LISTINGS[root] = root.list()
+    return listing
+
+
+_LISTINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _file_size(root, name: str) -> Optional[int]:
+    if isinstance(root, Path):
+        try:
+            return (root / name).stat().st_size
+        except FileNotFoundError:
+            return None
+    return _listing(root).get(name)
+
+
+def _guess_backend(root) -> Optional[str]:
+    if not isinstance(root, Path):
+        names = _listing(root)
+        if ".metadata" in names or any(n.endswith(".distcp") for n in names):
+            return "torch_dist"
+        return None
     if (root / ".metadata").exists() or any(root.glob("*.distcp")):
         return "torch_dist"
     if (root / "zarr.json").exists() or any(root.glob("*/.zarray")) or any(root.glob("*/zarr.json")):
@@ -196,10 +234,7 @@ def _check_torch_dist(root: Path, trusted: bool, report: VerifyReport) -> None:
 
     def size_of(name: str) -> Optional[int]:
         if name not in sizes:
-            try:
-                sizes[name] = (root / name).stat().st_size
-            except FileNotFoundError:
-                sizes[name] = None
+            sizes[name] = _file_size(root, name)
         return sizes[name]
 
     records: Dict[str, Dict[Tuple[int, ...], object]] = {}
@@ -325,7 +360,7 @@ def _product(ranges):
 def _check_common_files(root: Path, backend: str, report: VerifyReport) -> None:
     from distckpt.strategies.common import COMMON_STATE_FNAME
 
-    if not (root / COMMON_STATE_FNAME).is_file():
+    if _file_size(root, COMMON_STATE_FNAME) is None:
         report.problems.append(f"{COMMON_STATE_FNAME}: missing (the common state)")
     if backend == "torch_dist":
         return  # objects are byte items of the .distcp files, checked with the records
@@ -339,6 +374,8 @@ def _check_common_files(root: Path, backend: str, report: VerifyReport) -> None:
 def _unlisted_data_files(root: Path, listed: Dict[str, int], backend: Optional[str]) -> List[str]:
     if backend != "torch_dist":
         return []
+    if not isinstance(root, Path):
+        return sorted(n for n in _listing(root) if n.endswith(".distcp") and "/" not in n and n not in listed)
     return sorted(p.name for p in root.glob("*.distcp") if p.name not in listed)
 
 
