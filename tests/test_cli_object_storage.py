@@ -77,3 +77,15 @@ def test_rm_prefix_and_rename_work_in_place_on_s3(s3_url):
     plain = distckpt.load_plain_tensors(url)
     assert "row" not in plain and torch.equal(plain["renamed_row"], expected_tensors()["row"])
     assert json.loads(cli("verify", url, "--json").stdout)["ok"]
+
+
+def test_zarr_checkpoints_convert_to_s3_and_are_inspected_verified_and_diffed_there(s3_url, tmp_path):
+    local = tmp_path / "ckpt"
+    run_ranks(WORLD, _save_model_and_optimizer, str(local), "zarr")
+    cli("convert", local, s3_url, "--to", "zarr")
+    info = json.loads(cli("inspect", s3_url, "--json").stdout)
+    assert info["format"] == "zarr" and {t["key"] for t in info["tensors"]} == set(expected_tensors())
+    assert json.loads(cli("verify", s3_url, "--json").stdout)["ok"]
+    cli("diff", local, s3_url)
+    plain = distckpt.load_plain_tensors(s3_url)
+    assert all(torch.equal(plain[k], v) for k, v in expected_tensors().items())

@@ -30,10 +30,7 @@ from tests.harness import expect_all_ranks_raise, run_ranks
 
 BACKENDS = ["torch_dist", "zarr"]
 STORES = ["local", "s3"]
-# Object stores the backend cannot use yet (it raises a clear CheckpointingException there;
-# tests/test_object_storage.py checks that).
-UNSUPPORTED = {("zarr", "s3")}
-BACKEND_STORES = [(b, s) for b in BACKENDS for s in STORES if (b, s) not in UNSUPPORTED]
+BACKEND_STORES = [(b, s) for b in BACKENDS for s in STORES]
 
 
 @pytest.fixture

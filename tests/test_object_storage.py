@@ -9,6 +9,7 @@ import distckpt
 from distckpt import CheckpointingException, check_is_distributed_checkpoint
 from distckpt import dist as ddist
 from distckpt.storage import open_store
+from distckpt.strategies.zarr import ZarrSaveShardedStrategy
 from tests import layouts
 from tests.harness import expect_all_ranks_raise, run_ranks
 
@@ -155,14 +156,19 @@ def test_an_interrupted_multipart_upload_is_aborted(s3_url):
     assert b"partial.distcp" not in listing  # no multipart upload left behind
 
 
-def _save_zarr(url):
+def _save_zarr(url, compression):
     sd, _ = layouts.build("tp_dp", ddist.get_rank(), ddist.get_world_size(), True, tp=2)
-    distckpt.save(sd, url, sharded_strategy=("zarr", 1))
+    distckpt.save(sd, url, sharded_strategy=ZarrSaveShardedStrategy(compression=compression))
 
 
-def test_zarr_on_an_object_store_is_a_clear_error_on_every_rank(s3_url):
-    expect_all_ranks_raise(2, _save_zarr, s3_url, match="zarr backend does not support object stores")
-    assert not check_is_distributed_checkpoint(s3_url)
+def test_zarr_on_s3_writes_a_zarr_hierarchy_and_refuses_compression(s3_url):
+    run_ranks(2, _save_zarr, s3_url, None)
+    names = set(open_store(s3_url).list())
+    assert {"zarr.json", "row/zarr.json", "metadata.json"} <= names
+    assert any(n.startswith("row/c/") for n in names)  # chunks are objects of their own
+    other = s3_url + "-zstd"
+    expect_all_ranks_raise(2, _save_zarr, other, "zstd", match="uncompressed arrays only")
+    assert not check_is_distributed_checkpoint(other)
 
 
 def test_an_unknown_scheme_is_a_clear_error():

@@ -238,9 +238,9 @@ class ZarrWriter(DistckptWriter):
         from distckpt.strategies.zarr import FORMAT_VERSION, ZarrTensorWriter
 
         super().__init__(dst_dir, overwrite)
-        if self.remote:
+        if self.remote and compression is not None:
             raise CheckpointingException(
-                f"{self.dst}: the zarr backend does not support object stores yet; convert to torch_dist")
+                f"{self.dst}: on object stores the zarr backend writes uncompressed arrays only")
         self.version = FORMAT_VERSION
         self.arrays = ZarrTensorWriter(self.dst, io_engine=io_engine, thread_count=thread_count,
                                        compression=compression, max_chunk_bytes=max_chunk_bytes)
@@ -248,9 +248,12 @@ class ZarrWriter(DistckptWriter):
     def _begin_objects(self, objects: Dict[str, Any]) -> None:
         for unique_key, obj in objects.items():
             data = _torch_bytes(obj)
-            path = self.dst / f"{unique_key}.pt"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_file_durably(path, data)
+            if self.remote:
+                self.dst.put(f"{unique_key}.pt", data)
+            else:
+                path = self.dst / f"{unique_key}.pt"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_file_durably(path, data)
             self._record_file(f"{unique_key}.pt", data, unique_key)
 
     def _write_tensor(self, key: str, tensor: torch.Tensor) -> None:

@@ -350,13 +350,19 @@ class CheckpointSource(TensorSource):
         from distckpt.strategies import zarr as zarr_strategy
 
         out = {}
+        listing = None if isinstance(self.path, Path) else self.path.list()  # one LIST: chunk sizes
         for key in zarr_strategy.list_array_keys(self.path):
             meta = zarr_strategy.read_array_meta(self.path, key)
             if meta is None:
                 raise CheckpointingException(f"{self.path}: key {key!r} is listed but has no array metadata")
             grid = [-(-s // c) if c else 0 for s, c in zip(meta.shape, meta.chunks)]
+            if listing is None:
+                disk = _zarr_chunk_bytes(meta.path)
+            else:
+                disk = sum(n for name, n in listing.items() if name.startswith(f"{key}/")
+                           and not name.endswith(("zarr.json", ".zarray", ".zattrs", ".pt")))
             out[key] = TensorMeta(key, tuple(meta.shape), meta.dtype, None, math.prod(grid),
-                                  tuple(meta.chunks), _zarr_chunk_bytes(meta.path))
+                                  tuple(meta.chunks), disk)
         return out
 
     def objects(self) -> Dict[str, ObjectMeta]:
@@ -366,8 +372,11 @@ class CheckpointSource(TensorSource):
             else:
                 self._objects = {}
                 for uk in sorted(self.common_strategy.load_sharded_metadata(self.path)):
-                    path = self.path / f"{uk}.pt"
-                    size = path.stat().st_size if path.is_file() else None
+                    if isinstance(self.path, Path):
+                        path = self.path / f"{uk}.pt"
+                        size = path.stat().st_size if path.is_file() else None
+                    else:
+                        size = self.path.size(f"{uk}.pt") if self.path.exists(f"{uk}.pt") else None
                     self._objects[uk] = ObjectMeta(uk, size, f"{uk}.pt")
         return self._objects
 

@@ -209,6 +209,8 @@ def _guess_backend(root) -> Optional[str]:
         names = _listing(root)
         if ".metadata" in names or any(n.endswith(".distcp") for n in names):
             return "torch_dist"
+        if "zarr.json" in names or any(n.endswith(("/.zarray", "/zarr.json")) for n in names):
+            return "zarr"
         return None
     if (root / ".metadata").exists() or any(root.glob("*.distcp")):
         return "torch_dist"
@@ -331,14 +333,19 @@ def _check_zarr(root: Path, report: VerifyReport) -> None:
         missing, wrong = [], []
         for index in _product(grid):
             chunk_files += 1
-            path = meta.chunk_path(index)
-            try:
-                actual = path.stat().st_size
-            except (FileNotFoundError, NotADirectoryError):
-                missing.append(path.relative_to(root).as_posix())
+            rel = meta.chunk_relpath(index)
+            if isinstance(root, Path):
+                try:
+                    actual = meta.chunk_path(index).stat().st_size
+                except (FileNotFoundError, NotADirectoryError):
+                    actual = None
+            else:
+                actual = _file_size(root, rel)
+            if actual is None:
+                missing.append(rel)
                 continue
             if meta.raw and actual != meta.chunk_nbytes:
-                wrong.append(f"{path.relative_to(root).as_posix()} ({actual} bytes, expected {meta.chunk_nbytes})")
+                wrong.append(f"{rel} ({actual} bytes, expected {meta.chunk_nbytes})")
         if missing:
             report.problems.append(f"{key}: {len(missing)} chunk file(s) missing: "
                                    f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
@@ -364,8 +371,11 @@ def _check_common_files(root: Path, backend: str, report: VerifyReport) -> None:
         report.problems.append(f"{COMMON_STATE_FNAME}: missing (the common state)")
     if backend == "torch_dist":
         return  # objects are byte items of the .distcp files, checked with the records
-    objects = sorted(p.relative_to(root).as_posix() for p in root.rglob("shard_*.pt"))
-    empty = [o for o in objects if (root / o).stat().st_size == 0]
+    if isinstance(root, Path):
+        objects = sorted(p.relative_to(root).as_posix() for p in root.rglob("shard_*.pt"))
+    else:
+        objects = sorted(n for n in _listing(root) if n.rsplit("/", 1)[-1].startswith("shard_") and n.endswith(".pt"))
+    empty = [o for o in objects if _file_size(root, o) == 0]
     if empty:
         report.problems.append(f"{len(empty)} object file(s) are empty: {', '.join(empty[:3])}")
     report.checked.append(f"{COMMON_STATE_FNAME} and {len(objects)} object files present")
