@@ -24,8 +24,8 @@ flattened slices (distributed-optimizer style). Then, each figure a median of ``
 It prints a table (GiB/s of the whole state, and each figure's ratio to its limit), writes
 ``bench.json`` and draws ``bench.png`` in ``--out``.
 
-Object stores: ``--dir s3://bucket/prefix`` (any URL distckpt opens) measures ``torch_dist``
-save, load and resharded load there against raw ``obstore.put``/``obstore.get`` of the same
+Object stores: ``--dir s3://bucket/prefix`` (any URL distckpt opens) measures save, load and
+resharded load of each backend there against raw ``obstore.put``/``obstore.get`` of the same
 per-rank bytes (one object per rank, multipart with the same part size and concurrency) in the
 same run. ``--moto`` first starts a local moto S3 server and creates the bucket::
 
@@ -244,22 +244,27 @@ def _rank_main_object_store(rank, world, port, args, queue):
         bufs = [torch.zeros_like(t) for t in tensors]
         record("raw obstore.get", _barrier_time(raw_get, bufs)[0])
         bufs = None
-        url = f"{args.dir.rstrip('/')}/ckpt_{rep + args.warmup}"
-        strategy = TorchDistSaveShardedStrategy(thread_count=args.threads)
-        record("torch_dist save", _barrier_time(distckpt.save, sd, url, sharded_strategy=strategy)[0])
-        req = empty_like_request(sd)
-        record("torch_dist load", _barrier_time(distckpt.load, req, url)[0])
-        req = empty_like_request(reshard)
-        counting = TorchDistLoadShardedStrategy()
-        record("torch_dist load resharded", _barrier_time(distckpt.load, req, url, sharded_strategy=counting)[0])
-        results["resharded load: bytes read / bytes requested"] = counting.bytes_read / local_bytes(reshard)
-        req = None
-        tdist.barrier()
-        if rank == 0:
-            ckpt = open_store(url)
-            for name in ckpt.list():
-                ckpt.delete(name)
-        tdist.barrier()
+        for backend in args.backends:
+            url = f"{args.dir.rstrip('/')}/ckpt_{backend}_{rep + args.warmup}"
+            strategy = (TorchDistSaveShardedStrategy(thread_count=args.threads) if backend == "torch_dist"
+                        else (backend, 1))
+            record(f"{backend} save", _barrier_time(distckpt.save, sd, url, sharded_strategy=strategy)[0])
+            req = empty_like_request(sd)
+            record(f"{backend} load", _barrier_time(distckpt.load, req, url)[0])
+            req = empty_like_request(reshard)
+            if backend == "torch_dist":
+                counting = TorchDistLoadShardedStrategy()
+                record(f"{backend} load resharded", _barrier_time(distckpt.load, req, url, sharded_strategy=counting)[0])
+                results["resharded load: bytes read / bytes requested"] = counting.bytes_read / local_bytes(reshard)
+            else:
+                record(f"{backend} load resharded", _barrier_time(distckpt.load, req, url)[0])
+            req = None
+            tdist.barrier()
+            if rank == 0:
+                ckpt = open_store(url)
+                for name in ckpt.list():
+                    ckpt.delete(name)
+            tdist.barrier()
     root.delete(f"raw_{rank}.bin")
     if rank == 0:
         results["seconds"] = {k: statistics.median(v) for k, v in times.items()}
@@ -427,8 +432,8 @@ LIMITS = {
     "raw obstore.put": None, "raw obstore.get": None,
 }
 # On an object store the limits are the raw obstore calls.
-OBJECT_STORE_LIMITS = {"torch_dist save": "raw obstore.put", "torch_dist load": "raw obstore.get",
-                       "torch_dist load resharded": "raw obstore.get"}
+OBJECT_STORE_LIMITS = {f"{b} {what}": "raw obstore.put" if what == "save" else "raw obstore.get"
+                       for b in ("torch_dist", "zarr") for what in ("save", "load", "load resharded")}
 
 
 def report(results, out_dir: Path) -> str:
