@@ -206,3 +206,63 @@ def test_async_and_fully_parallel_save_and_load_on_s3(s3_url):
     results = run_ranks(4, _async_fully_parallel_save_then_load, s3_url)
     assert [(early, fin, wrong) for early, fin, wrong in results] == [(False, [0], [])] * 4
     assert check_is_distributed_checkpoint(s3_url)
+
+
+# --------------------------------------------------------------------------- killed saves, request counts
+
+_KILLED_SAVE = """
+import pathlib, sys, time
+import torch
+import distckpt
+from distckpt.storage import object as object_store
+url, marker, window = sys.argv[1:4]
+
+def stall(*args, **kwargs):
+    pathlib.Path(marker).write_text(window)
+    time.sleep(600)
+
+if window == "commit":
+    object_store.ObjectStore.commit = stall          # every data object written, commit pending
+else:
+    object_store._ObjectWriter.close = stall         # a data object's upload not completed
+distckpt.save({"w": distckpt.ShardedTensor.from_rank_offsets("w", torch.arange(4096.0))}, url)
+"""
+
+
+@pytest.mark.parametrize("window", ["mid_upload", "commit"])
+def test_a_save_killed_before_its_commit_is_not_a_checkpoint_on_s3(s3_url, tmp_path, window):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    marker = tmp_path / "marker"
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, s3_url, str(marker), window], env=dict(os.environ))
+    try:
+        deadline = time.monotonic() + 90
+        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marker.exists(), f"the save never reached its {window} window (exit {proc.poll()})"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(30)
+    names = set(open_store(s3_url).list())
+    assert "metadata.json" not in names
+    assert ("common.pt" in names) and (("__0_0.distcp" in names) == (window == "commit"))
+    assert not check_is_distributed_checkpoint(s3_url)
+    with pytest.raises(CheckpointingException, match="not a distributed checkpoint"):
+        distckpt.load_tensors_metadata(s3_url)
+
+
+def test_a_load_addresses_everything_from_the_metadata_without_listing(s3_url, caplog):
+    import logging
+
+    run_ranks(4, _save_layout, s3_url, "tp_dp", {"tp": 2})
+    with caplog.at_level(logging.INFO, logger="werkzeug"):  # moto's server logs every request it serves
+        results = run_ranks(2, _load_layout, s3_url, "tp_dp", {"tp": 1})
+    assert [wrong for _, wrong, _ in results] == [[], []]
+    requests = [r.getMessage() for r in caplog.records if r.name == "werkzeug"]
+    assert any(".distcp" in m for m in requests)  # the log does reach us
+    assert not [m for m in requests if "list-type" in m or "?prefix" in m]
