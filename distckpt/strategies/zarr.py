@@ -77,6 +77,9 @@ ARRAY_META = "zarr.json"
 LEGACY_ARRAY_META = ".zarray"
 DEFAULT_MIN_FLAT_CHUNK_BYTES = 1 << 20
 IO_ENGINES = ("auto", "raw", "tensorstore")
+# Chunk requests in flight per rank on an object store: each waits on the network (obstore
+# releases the GIL), so more of them than CPU threads hide the per-request latency.
+OBJECT_STORE_REQUESTS = 16
 
 # Names that would collide with the checkpoint's own files at the top level.
 _RESERVED_TOP = {"zarr.json", "metadata.json", "common.pt", ".metadata", ".distckpt_manifest.json"}
@@ -523,10 +526,11 @@ class RawIO:
         self.thread_count = max(1, thread_count)
         self.fsync = fsync
 
-    def _map(self, fn: Callable[[Any], Any], jobs: Sequence[Any]) -> List[Any]:
-        if len(jobs) <= 1 or self.thread_count == 1:
+    def _map(self, fn: Callable[[Any], Any], jobs: Sequence[Any], threads: Optional[int] = None) -> List[Any]:
+        threads = threads or self.thread_count
+        if len(jobs) <= 1 or threads == 1:
             return [fn(job) for job in jobs]
-        with ThreadPoolExecutor(max_workers=min(self.thread_count, len(jobs))) as pool:
+        with ThreadPoolExecutor(max_workers=min(threads, len(jobs))) as pool:
             return [fut.result() for fut in [pool.submit(fn, job) for job in jobs]]
 
     # ----------------------------------------------------------------- write
@@ -605,7 +609,7 @@ class RawIO:
             job.meta.store.put(rel, view)
             return rel, len(view), crc32c(view), job.meta.key
 
-        return self._map(write_one, sorted(jobs, key=lambda j: -j.data.numel()))
+        return self._map(write_one, sorted(jobs, key=lambda j: -j.data.numel()), OBJECT_STORE_REQUESTS)
 
     def read_objects(self, ops: Sequence[ChunkRead], checksums: Optional[Dict[str, Tuple[int, int]]]) -> None:
         """Object store: each needed chunk fetched once, whole, and checked against its CRC32C
@@ -633,7 +637,7 @@ class RawIO:
             for op in file_ops:
                 op.dest.copy_(chunk[tuple(slice(lo, hi) for lo, hi in zip(op.lo, op.hi))])
 
-        self._map(read_file, sorted(by_file.items()))
+        self._map(read_file, sorted(by_file.items()), OBJECT_STORE_REQUESTS)
 
 
 # A strided region is read run by run (each contiguous run straight into place) unless its runs
@@ -1144,6 +1148,11 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         metas: Dict[str, ArrayMeta] = {}
         ops: List[ChunkRead] = []
         commits: List[Callable[[], None]] = []
+        if _is_store(root):
+            # One GET per array's zarr.json: issue them together instead of one after another.
+            keys = sorted({sh.key for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedTensor)})
+            found = self.engines.raw._map(lambda k: (k, self._meta(root, k)), keys, OBJECT_STORE_REQUESTS)
+            metas.update(found)
 
         def prepare(sh: Any) -> Any:
             if isinstance(sh, ShardedObject):
