@@ -266,3 +266,14 @@ def test_a_load_addresses_everything_from_the_metadata_without_listing(s3_url, c
     requests = [r.getMessage() for r in caplog.records if r.name == "werkzeug"]
     assert any(".distcp" in m for m in requests)  # the log does reach us
     assert not [m for m in requests if "list-type" in m or "?prefix" in m]
+
+
+def test_zarr_python_reads_a_zarr_checkpoint_straight_from_s3(s3_url):
+    import numpy as np
+    import zarr
+    from obstore.store import from_url
+
+    w = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    distckpt.save({"w": distckpt.ShardedTensor.from_rank_offsets("layer/w", w)}, s3_url, sharded_strategy=("zarr", 1))
+    group = zarr.open_group(zarr.storage.ObjectStore(from_url(s3_url), read_only=True), mode="r")
+    assert np.array_equal(group["layer/w"][:], w.numpy())
