@@ -193,16 +193,12 @@ def save(
             False: refuse everywhere. True: replace.
     """
     rank = dist.get_rank()
-    exc: Optional[BaseException] = None
-    try:
-        checkpoint_dir = storage.resolve(checkpoint_dir, storage_options)
-    except CheckpointingException as e:
-        exc = e
-    dist.sync_errors("checkpoint location", exc)
 
     exc: Optional[BaseException] = None
     payload = None
     try:
+        # A bad location raises here and reaches every rank with the validation below.
+        checkpoint_dir = storage.resolve(checkpoint_dir, storage_options)
         if isinstance(sharded_strategy, tuple) or sharded_strategy is None:
             sharded_strategy = get_default_save_sharded_strategy(*(sharded_strategy or ("torch_dist", 1)))
         if isinstance(common_strategy, tuple) or common_strategy is None:
