@@ -1081,8 +1081,12 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             return None
         manifest = read_manifest(checkpoint_dir)
         if manifest is None:
-            logger.warning("%s has no integrity manifest: verify=True checks sizes and structure only",
-                           checkpoint_dir)
+            if self.verify:
+                logger.warning("%s has no integrity manifest: verify=True checks sizes and structure only",
+                               checkpoint_dir)
+            else:
+                logger.info("%s has no integrity manifest: its ranged reads are checked structurally only",
+                            checkpoint_dir)
             return None
         return manifest.range_index()
 
