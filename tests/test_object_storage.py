@@ -277,3 +277,18 @@ def test_zarr_python_reads_a_zarr_checkpoint_straight_from_s3(s3_url):
     distckpt.save({"w": distckpt.ShardedTensor.from_rank_offsets("layer/w", w)}, s3_url, sharded_strategy=("zarr", 1))
     group = zarr.open_group(zarr.storage.ObjectStore(from_url(s3_url), read_only=True), mode="r")
     assert np.array_equal(group["layer/w"][:], w.numpy())
+
+
+@pytest.mark.parametrize("name", ["flat_dp4_torch_dist", "tp2_zarr"])
+def test_megatron_checkpoints_copied_to_s3_load_bit_exactly(s3_url, name):
+    from tests.test_tools import FIXTURES, fixture_tensors
+
+    root, store = FIXTURES[name] / "ckpt", open_store(s3_url)
+    for path in root.rglob("*"):
+        if path.is_file():
+            store.put(path.relative_to(root).as_posix(), path.read_bytes())
+    assert check_is_distributed_checkpoint(s3_url)
+    plain = distckpt.load_plain_tensors(s3_url)
+    want = fixture_tensors(name)
+    assert set(want) <= set(plain)
+    assert all(torch.equal(plain[k], v) for k, v in want.items())
