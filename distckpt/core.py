@@ -97,8 +97,17 @@ def maybe_load_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]
     if not path.is_file():
         return None
     try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+        text = path.read_bytes()
+    except OSError as e:
+        raise CheckpointingException(f"{path}: cannot read checkpoint config: {e}") from e
+    return parse_config(text, path)
+
+
+def parse_config(text: bytes, path: Any) -> CheckpointingConfig:
+    """Parse the bytes of a ``metadata.json`` (read from ``path``, named in errors)."""
+    try:
+        raw = json.loads(text)
+    except ValueError as e:
         raise CheckpointingException(f"{path}: cannot read checkpoint config: {e}") from e
     if not isinstance(raw, dict):
         raise CheckpointingException(f"{path}: checkpoint config must be a JSON object")

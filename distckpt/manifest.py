@@ -25,7 +25,8 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import crc32c as _crc32c
 
-from distckpt.core import CheckpointingException, PathLike, atomic_write_bytes
+from distckpt import storage
+from distckpt.core import CheckpointingException, PathLike
 
 MANIFEST_FNAME = ".distckpt_manifest.json"
 FORMAT = "distckpt-manifest"
@@ -84,19 +85,25 @@ def build_manifest(save_id: str, backend: str,
     return m
 
 
-def write_manifest(checkpoint_dir: PathLike, manifest: Manifest) -> None:
-    atomic_write_bytes(Path(checkpoint_dir) / MANIFEST_FNAME, manifest.to_json())
+def _location(checkpoint_dir):
+    return checkpoint_dir if isinstance(checkpoint_dir, storage.Store) else Path(checkpoint_dir)
 
 
-def read_manifest(checkpoint_dir: PathLike) -> Optional[Manifest]:
-    """The checkpoint's manifest, or None if it has none.
+def write_manifest(checkpoint_dir, manifest: Manifest) -> None:
+    """Write the manifest (local: temp file + rename; object store: one atomic put)."""
+    storage.write_bytes(_location(checkpoint_dir), MANIFEST_FNAME, manifest.to_json())
+
+
+def read_manifest(checkpoint_dir) -> Optional[Manifest]:
+    """The checkpoint's manifest (local directory or Store), or None if it has none.
 
     Raises:
         CheckpointingException: the manifest exists but is malformed.
     """
-    path = Path(checkpoint_dir) / MANIFEST_FNAME
+    location = _location(checkpoint_dir)
+    path = storage.join(location, MANIFEST_FNAME)
     try:
-        raw = json.loads(path.read_bytes())
+        raw = json.loads(storage.read_bytes(location, MANIFEST_FNAME))
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
@@ -137,11 +144,11 @@ def check_whole_file(checkpoint_dir: PathLike, name: str, data: bytes) -> None:
         return
     if name not in manifest.files:
         raise CheckpointingException(
-            f"{Path(checkpoint_dir) / name}: not covered by the integrity manifest; cannot verify it")
+            f"{storage.join(_location(checkpoint_dir), name)}: not covered by the integrity manifest; cannot verify it")
     expected = manifest.ranges.get(name, [])
     if len(data) != manifest.files[name] or (len(expected) == 1 and crc32c(data) != expected[0].crc32c):
         raise CheckpointingException(
-            f"{Path(checkpoint_dir) / name}: contents do not match the integrity manifest "
+            f"{storage.join(_location(checkpoint_dir), name)}: contents do not match the integrity manifest "
             f"({len(data)} bytes, manifest says {manifest.files[name]}); the file is corrupted")
 
 
@@ -152,12 +159,11 @@ def verify_files(checkpoint_dir: PathLike, manifest: Manifest, *, checksums: boo
 
     ``progress(nbytes)`` is called as bytes are checked.
     """
-    root = Path(checkpoint_dir)
+    store = storage.open_store(checkpoint_dir)
     problems: List[str] = []
     for name, size in manifest.files.items():
-        path = root / name
         try:
-            actual = path.stat().st_size
+            actual = store.size(name)
         except FileNotFoundError:
             problems.append(f"{name}: missing (expected {size} bytes)")
             continue
@@ -174,16 +180,25 @@ def verify_files(checkpoint_dir: PathLike, manifest: Manifest, *, checksums: boo
             covered = max(covered, r.offset + r.length)
         if covered < size:
             problems.append(f"{name}: bytes [{covered}, {size}) have no checksum in the manifest")
-        with open(path, "rb") as f:
-            for r in manifest.ranges.get(name, []):
-                f.seek(r.offset)
-                data = f.read(r.length)
+        ranges = manifest.ranges.get(name, [])
+        # Read in batches of about 64 MiB: ranged reads (concurrent on object stores), bounded memory.
+        batch: List[RangeChecksum] = []
+        batches, batch_bytes = [batch], 0
+        for r in ranges:
+            if batch and batch_bytes + r.length > (64 << 20):
+                batch, batch_bytes = [], 0
+                batches.append(batch)
+            batch.append(r)
+            batch_bytes += r.length
+        for group in batches:
+            lengths = [max(0, min(r.length, actual - r.offset)) for r in group]
+            for r, data in zip(group, store.get_ranges(name, [r.offset for r in group], lengths)):
                 if len(data) != r.length:
                     problems.append(f"{name}: key {r.key!r} at offset {r.offset}: truncated "
-                                    f"({len(data)} of {r.length} bytes)")
+                                        f"({len(data)} of {r.length} bytes)")
                 elif crc32c(data) != r.crc32c:
                     problems.append(f"{name}: key {r.key!r} at offset {r.offset}: CRC32C mismatch "
-                                    f"(stored {r.crc32c:#010x}, computed {crc32c(data):#010x})")
+                                        f"(stored {r.crc32c:#010x}, computed {crc32c(data):#010x})")
                 if progress:
                     progress(r.length)
     return problems

@@ -8,7 +8,9 @@ failure anywhere raises the same CheckpointingException everywhere instead of a 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
+import json
 import logging
 import os
 import pickle
@@ -16,14 +18,14 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional, Set, Tuple, Union
 
-from distckpt import dist
+from distckpt import dist, storage
 from distckpt.core import (
     CONFIG_FNAME,
     CheckpointingConfig,
     CheckpointingException,
-    PathLike,
     fsync_dir,
     maybe_load_config,
+    parse_config,
     save_config,
     with_gc_paused,
 )
@@ -70,10 +72,28 @@ CONTENT_METADATA_KEY = "content_metadata"
 # an interrupted save can never be mistaken for a complete checkpoint.
 _COMMIT_FILES = (CONFIG_FNAME, ".metadata", ".distckpt_manifest.json")
 
+# A checkpoint location: a local path, a URL (s3://, gs://, az://, memory://, file://) or a Store.
+Location = storage.Location
+StorageOptions = Optional[dict]
 
-def check_is_distributed_checkpoint(checkpoint_dir: PathLike) -> bool:
+
+def check_is_distributed_checkpoint(checkpoint_dir: Location, storage_options: StorageOptions = None) -> bool:
     """True iff ``checkpoint_dir`` holds a committed checkpoint (``metadata.json`` is valid)."""
-    return _check_is_distributed_checkpoint(checkpoint_dir)
+    location = storage.resolve(checkpoint_dir, storage_options)
+    if isinstance(location, Path):
+        return _check_is_distributed_checkpoint(location)
+    try:
+        return _read_remote_config(location) is not None
+    except CheckpointingException:
+        return False
+
+
+def _read_remote_config(store: storage.Store) -> Optional[CheckpointingConfig]:
+    try:
+        raw = store.get(CONFIG_FNAME)
+    except FileNotFoundError:
+        return None
+    return parse_config(bytes(raw), store.where(CONFIG_FNAME))
 
 
 def get_default_save_sharded_strategy(backend: str = "torch_dist", version: int = 1) -> SaveShardedStrategy:
@@ -84,13 +104,20 @@ def get_default_save_common_strategy(backend: str = "torch", version: int = 1) -
     return get_default_strategy(StrategyAction.SAVE_COMMON, backend, version)
 
 
-def get_default_load_sharded_strategy(checkpoint_dir: PathLike) -> LoadShardedStrategy:
-    config = _require_config(checkpoint_dir)
+def get_default_load_sharded_strategy(checkpoint_dir: Location, storage_options: StorageOptions = None) -> LoadShardedStrategy:
+    config = _require_config(storage.resolve(checkpoint_dir, storage_options))
     return get_default_strategy(StrategyAction.LOAD_SHARDED, config.sharded_backend,
                                 config.sharded_backend_version)
 
 
-def _require_config(checkpoint_dir: PathLike) -> CheckpointingConfig:
+def _require_config(checkpoint_dir) -> CheckpointingConfig:
+    if isinstance(checkpoint_dir, storage.Store):
+        config = _read_remote_config(checkpoint_dir)
+        if config is None:
+            raise CheckpointingException(
+                f"{checkpoint_dir} is not a distributed checkpoint: {CONFIG_FNAME} is missing, so it is "
+                f"either not a checkpoint or an interrupted save (rank {dist.get_rank()})")
+        return config
     path = Path(checkpoint_dir)
     if not path.exists():
         raise CheckpointingException(f"checkpoint directory {path} does not exist (rank {dist.get_rank()})")
@@ -104,7 +131,7 @@ def _require_config(checkpoint_dir: PathLike) -> CheckpointingConfig:
     return config
 
 
-def _load_strategies(checkpoint_dir: PathLike, sharded_strategy: Optional[LoadShardedStrategy],
+def _load_strategies(checkpoint_dir, sharded_strategy: Optional[LoadShardedStrategy],
                      common_strategy: Optional[LoadCommonStrategy]):
     config = _require_config(checkpoint_dir)
     try:
@@ -118,7 +145,7 @@ def _load_strategies(checkpoint_dir: PathLike, sharded_strategy: Optional[LoadSh
             common_strategy = get_default_strategy(StrategyAction.LOAD_COMMON, config.common_backend,
                                                    config.common_backend_version)
     except CheckpointingException as e:
-        raise CheckpointingException(f"{Path(checkpoint_dir) / CONFIG_FNAME}: {e}") from None
+        raise CheckpointingException(f"{storage.join(checkpoint_dir, CONFIG_FNAME)}: {e}") from None
     return sharded_strategy, common_strategy
 
 
@@ -128,7 +155,7 @@ def _load_strategies(checkpoint_dir: PathLike, sharded_strategy: Optional[LoadSh
 @with_gc_paused
 def save(
     sharded_state_dict: ShardedStateDict,
-    checkpoint_dir: PathLike,
+    checkpoint_dir: Location,
     sharded_strategy: Union[SaveShardedStrategy, Tuple[str, int], None] = None,
     common_strategy: Union[SaveCommonStrategy, Tuple[str, int], None] = None,
     validate_access_integrity: bool = True,
@@ -137,6 +164,8 @@ def save(
     content_metadata: Optional[dict] = None,
     *,
     max_common_tensor_bytes: Union[int, None, str] = "default",
+    storage_options: StorageOptions = None,
+    overwrite: Optional[bool] = None,
 ) -> Any:
     """Save a sharded state dict; every rank calls it with its own local pieces.
 
@@ -144,13 +173,15 @@ def save(
         None, or the ``AsyncRequest`` when ``async_sharded_save`` is set.
 
     Steps:
-      1. Create ``checkpoint_dir`` if needed; rank 0 removes an earlier checkpoint's commit files.
+      1. Create ``checkpoint_dir`` if needed; rank 0 removes an earlier checkpoint's commit files
+         (on an object store it refuses to replace a committed checkpoint unless ``overwrite``).
       2. Take Megatron-Core's sharded classes as distckpt's, apply factories, drop
          LocalNonpersistentObjects, split sharded and common parts.
       3. Validate: local metadata and the common state (nothing sharded, no large tensor), then
          global integrity on rank 0 (same error on every rank).
       4. Write: common state (rank 0), ShardedObjects, main replicas of every ShardedTensor.
-      5. Commit: rank 0 writes ``metadata.json`` last (temp file + fsync + rename).
+      5. Commit: rank 0 writes ``metadata.json`` last (local: temp file + fsync + rename; object
+         store: a conditional put that fails if another save committed first).
 
     Args:
         sharded_strategy: a strategy, a ``(backend, version)`` tuple or None (``torch_dist``).
@@ -165,24 +196,31 @@ def save(
         max_common_tensor_bytes: largest torch tensor allowed in the common state (written by
             rank 0 alone); None allows any size. Default: 1 MiB, or the environment variable
             ``DISTCKPT_MAX_COMMON_TENSOR_BYTES`` (bytes, or ``none``).
+        storage_options: options of an object store URL (endpoint, credentials, part size ...;
+            see docs/storage.md). The environment (``AWS_ENDPOINT_URL`` ...) is read too.
+        overwrite: replace a committed checkpoint at ``checkpoint_dir``. None: the store's
+            default (a local directory is replaced, as always; an object store refuses).
+            False: refuse everywhere. True: replace.
 
     Raises:
         CheckpointingException: on every rank, for any rank's invalid sharding, or a common state
             that holds a sharded object distckpt does not understand or a tensor above the limit.
     """
-    checkpoint_dir = Path(checkpoint_dir)
     rank = dist.get_rank()
 
     exc: Optional[BaseException] = None
     payload = None
     try:
+        # A bad location raises here and reaches every rank with the validation below.
+        checkpoint_dir = storage.resolve(checkpoint_dir, storage_options)
         if isinstance(sharded_strategy, tuple) or sharded_strategy is None:
             sharded_strategy = get_default_save_sharded_strategy(*(sharded_strategy or ("torch_dist", 1)))
         if isinstance(common_strategy, tuple) or common_strategy is None:
             common_strategy = get_default_save_common_strategy(*(common_strategy or ("torch", 1)))
-        if checkpoint_dir.exists() and not checkpoint_dir.is_dir():
-            raise CheckpointingException(f"checkpoint path {checkpoint_dir} exists and is not a directory")
-        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        if isinstance(checkpoint_dir, Path):
+            if checkpoint_dir.exists() and not checkpoint_dir.is_dir():
+                raise CheckpointingException(f"checkpoint path {checkpoint_dir} exists and is not a directory")
+            checkpoint_dir.mkdir(parents=True, exist_ok=True)
         normalize_sharded_state_dict(sharded_state_dict)
         apply_factories(sharded_state_dict)
         _, sharded_state_dict = extract_matching_values(
@@ -208,10 +246,10 @@ def save(
             _log_common_differences([p[1] for p in payloads])
         # Only a save that passed validation touches an existing checkpoint; the broadcast that
         # follows keeps every rank from writing before the old commit files are gone.
-        _remove_commit_files(checkpoint_dir)
+        _begin_save(checkpoint_dir, overwrite)
 
     if validate_access_integrity and preprocess_common_before_consistancy_check is None:
-        _validate_with_cache(exc, payload, check, checkpoint_dir)
+        _validate_with_cache(exc, payload, check, checkpoint_dir, overwrite)
     else:
         dist.gather_and_decide("validation", exc, payload, check)
 
@@ -234,7 +272,7 @@ def save(
             entries = {name: v for p in payloads for name, v in p.items()}
             if entries:
                 add_whole_files(checkpoint_dir, entries, config.sharded_backend, save_id=str(uuid.uuid4()))
-            save_config(config, checkpoint_dir)
+            _write_config(config, checkpoint_dir)
 
         dist.gather_and_decide("commit", exc, written, decide)
 
@@ -266,7 +304,7 @@ _VALIDATED_CAPACITY = 8
 
 
 def _validate_with_cache(exc: Optional[BaseException], payload: Any, check: Callable,
-                         checkpoint_dir: Path) -> None:
+                         checkpoint_dir, overwrite: Optional[bool] = None) -> None:
     """Validate the global sharding unless this exact structure passed before.
 
     Each rank hashes its own shard descriptions; rank 0 gathers the 16-byte digests and, for a
@@ -280,7 +318,7 @@ def _validate_with_cache(exc: Optional[BaseException], payload: Any, check: Call
         if key not in _VALIDATED_STRUCTURES:
             return key
         _VALIDATED_STRUCTURES.move_to_end(key)
-        _remove_commit_files(checkpoint_dir)
+        _begin_save(checkpoint_dir, overwrite)
         return None
 
     key = dist.gather_and_decide("validation", exc, local, known)
@@ -291,6 +329,24 @@ def _validate_with_cache(exc: Optional[BaseException], payload: Any, check: Call
         _VALIDATED_STRUCTURES[key] = None
         while len(_VALIDATED_STRUCTURES) > _VALIDATED_CAPACITY:
             _VALIDATED_STRUCTURES.popitem(last=False)
+
+
+def _begin_save(checkpoint_dir, overwrite: Optional[bool]) -> None:
+    """Rank 0, before any rank writes: no earlier checkpoint here may pass for the new one."""
+    if isinstance(checkpoint_dir, storage.Store):
+        checkpoint_dir.begin_save(_COMMIT_FILES, overwrite)
+        return
+    if overwrite is False and (checkpoint_dir / CONFIG_FNAME).exists():
+        raise CheckpointingException(f"{checkpoint_dir} already holds a committed checkpoint and overwrite=False")
+    _remove_commit_files(checkpoint_dir)
+
+
+def _write_config(config: CheckpointingConfig, checkpoint_dir) -> None:
+    """The commit: local, temp file + fsync + rename; a store, its commit (a conditional put)."""
+    if isinstance(checkpoint_dir, storage.Store):
+        checkpoint_dir.commit(CONFIG_FNAME, json.dumps(dataclasses.asdict(config)).encode())
+    else:
+        save_config(config, checkpoint_dir)
 
 
 def _remove_commit_files(checkpoint_dir: Path) -> None:
@@ -321,13 +377,14 @@ def _log_common_differences(views) -> None:
 @with_gc_paused
 def load(
     sharded_state_dict: ShardedStateDict,
-    checkpoint_dir: PathLike,
+    checkpoint_dir: Location,
     sharded_strategy: Optional[LoadShardedStrategy] = None,
     common_strategy: Optional[LoadCommonStrategy] = None,
     validate_access_integrity: bool = True,
     strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
     verify: bool = False,
     trusted: bool = False,
+    storage_options: StorageOptions = None,
 ) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
     """Load the pieces described by ``sharded_state_dict``; every rank calls it.
 
@@ -340,18 +397,19 @@ def load(
             a manifest entry are checked structurally only).
         trusted: unpickle common state, objects and metadata without the allowlist. Only for
             checkpoints whose origin you trust.
+        storage_options: options of an object store URL (see ``save``).
 
     Returns:
         the state dict, or ``(state_dict, missing_keys, unexpected_keys)`` for the
         ``return_unexpected`` and ``return_all`` strict modes.
     """
     strict_mode = StrictHandling.ASSUME_OK_UNEXPECTED
-    checkpoint_dir = Path(checkpoint_dir)
     missing: Set[str] = set()
     unexpected: Set[str] = set()
     exc: Optional[BaseException] = None
     payload = None
     try:
+        checkpoint_dir = storage.resolve(checkpoint_dir, storage_options)
         strict_mode = parse_strict_flag(strict)
         sharded_strategy, common_strategy = _load_strategies(checkpoint_dir, sharded_strategy, common_strategy)
         _configure(sharded_strategy, verify, trusted)
@@ -426,12 +484,11 @@ def _configure(strategy, verify: bool, trusted: bool) -> None:
 # --------------------------------------------------------------------------- queries
 
 
-def read_common_state(checkpoint_dir: PathLike, sharded_strategy: LoadShardedStrategy,
+def read_common_state(checkpoint_dir: Location, sharded_strategy: LoadShardedStrategy,
                       common_strategy: LoadCommonStrategy) -> StateDict:
     """The stored common state, content metadata included: ``common.pt`` merged with the common
     values the sharded format holds itself (the non-tensor values of a ``dcp.save``, which
-    writes no ``common.pt``). Runs on any rank, alone."""
-    checkpoint_dir = Path(checkpoint_dir)
+    writes no ``common.pt``). Runs on any rank, alone; ``checkpoint_dir`` is resolved."""
     items = sharded_strategy.load_common_items(checkpoint_dir)
     try:
         state = common_strategy.load_common(checkpoint_dir)
@@ -443,50 +500,57 @@ def read_common_state(checkpoint_dir: PathLike, sharded_strategy: LoadShardedStr
     return state
 
 
-def load_common_state_dict(checkpoint_dir: PathLike, common_strategy: Optional[LoadCommonStrategy] = None) -> StateDict:
+def load_common_state_dict(checkpoint_dir: Location, common_strategy: Optional[LoadCommonStrategy] = None,
+                           storage_options: StorageOptions = None) -> StateDict:
     """Load only the common (non-sharded) state (with a ``dcp.save``'s non-tensor values)."""
+    checkpoint_dir = storage.resolve(checkpoint_dir, storage_options)
     sharded_strategy, common_strategy = _load_strategies(checkpoint_dir, None, common_strategy)
     state = read_common_state(checkpoint_dir, sharded_strategy, common_strategy)
     state.pop(CONTENT_METADATA_KEY, None)
     return state
 
 
-def load_content_metadata(checkpoint_dir: PathLike, preloaded_state_dict: Optional[StateDict] = None) -> Optional[dict]:
+def load_content_metadata(checkpoint_dir: Location, preloaded_state_dict: Optional[StateDict] = None, storage_options: StorageOptions = None) -> Optional[dict]:
     """The ``content_metadata`` passed to ``save``, or None."""
+    checkpoint_dir = storage.resolve(checkpoint_dir, storage_options)
     if preloaded_state_dict is None:
         sharded_strategy, common_strategy = _load_strategies(checkpoint_dir, None, None)
         preloaded_state_dict = read_common_state(checkpoint_dir, sharded_strategy, common_strategy)
     return preloaded_state_dict.get(CONTENT_METADATA_KEY)
 
 
-def load_tensors_metadata(checkpoint_dir: PathLike, sharded_strategy: Optional[LoadShardedStrategy] = None) -> ShardedStateDict:
+def load_tensors_metadata(checkpoint_dir: Location, sharded_strategy: Optional[LoadShardedStrategy] = None, storage_options: StorageOptions = None) -> ShardedStateDict:
     """Describe every stored tensor: key -> data-free ShardedTensor of the whole global tensor
     (data is a ``meta`` tensor with the global shape and dtype)."""
+    checkpoint_dir = storage.resolve(checkpoint_dir, storage_options)
     sharded_strategy, _ = _load_strategies(checkpoint_dir, sharded_strategy, None)
-    return sharded_strategy.load_tensors_metadata(Path(checkpoint_dir))
+    return sharded_strategy.load_tensors_metadata(checkpoint_dir)
 
 
-def load_sharded_metadata(checkpoint_dir: PathLike, sharded_strategy: Optional[LoadShardedStrategy] = None,
-                          common_strategy: Optional[LoadCommonStrategy] = None) -> ShardedStateDict:
+def load_sharded_metadata(checkpoint_dir: Location, sharded_strategy: Optional[LoadShardedStrategy] = None,
+                          common_strategy: Optional[LoadCommonStrategy] = None, storage_options: StorageOptions = None) -> ShardedStateDict:
     """Like load_tensors_metadata, plus the stored ShardedObjects keyed by their unique key."""
+    checkpoint_dir = storage.resolve(checkpoint_dir, storage_options)
     sharded_strategy, common_strategy = _load_strategies(checkpoint_dir, sharded_strategy, common_strategy)
-    out = dict(sharded_strategy.load_sharded_metadata(Path(checkpoint_dir)))
+    out = dict(sharded_strategy.load_sharded_metadata(checkpoint_dir))
     if not sharded_strategy.can_handle_sharded_objects:
-        out.update(common_strategy.load_sharded_metadata(Path(checkpoint_dir)))
+        out.update(common_strategy.load_sharded_metadata(checkpoint_dir))
     return out
 
 
-def load_plain_tensors(checkpoint_dir: PathLike, sharded_strategy: Optional[LoadShardedStrategy] = None) -> StateDict:
+def load_plain_tensors(checkpoint_dir: Location, sharded_strategy: Optional[LoadShardedStrategy] = None, storage_options: StorageOptions = None) -> StateDict:
     """Load every stored tensor whole, on this rank alone (no collectives)."""
+    checkpoint_dir = storage.resolve(checkpoint_dir, storage_options)
     sharded_strategy, _ = _load_strategies(checkpoint_dir, sharded_strategy, None)
-    request = sharded_strategy.load_tensors_metadata(Path(checkpoint_dir))
+    request = sharded_strategy.load_tensors_metadata(checkpoint_dir)
     for sh in request.values():
         sh.data = None
-    return sharded_strategy.load(request, Path(checkpoint_dir))
+    return sharded_strategy.load(request, checkpoint_dir)
 
 
-def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
+def remove_sharded_tensors(checkpoint_dir: Location, key_prefix: str, storage_options: StorageOptions = None) -> None:
     """Remove every tensor whose key starts with ``key_prefix`` from a checkpoint."""
+    checkpoint_dir = storage.resolve(checkpoint_dir, storage_options)
     sharded_strategy, _ = _load_strategies(checkpoint_dir, None, None)
-    sharded_strategy.remove_sharded_tensors(Path(checkpoint_dir), key_prefix)
+    sharded_strategy.remove_sharded_tensors(checkpoint_dir, key_prefix)
 

@@ -191,7 +191,9 @@ def _worker_main(rank: int, world_size: int, init_method: str, conn, stack_file:
         environ = dict(os.environ)
         default_dtype = torch.get_default_dtype()
         try:
-            fn, args, kwargs = pickle.loads(payload)
+            fn, args, kwargs, *env = pickle.loads(payload)
+            if env:
+                os.environ.update(env[0])
             answer = (task_id, rank, True, fn(*args, **kwargs))
         except BaseException:
             answer = (task_id, rank, False, traceback.format_exc())
@@ -325,7 +327,7 @@ class RankPool:
             self._kill()
             self._start()
         try:
-            payload = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+            payload = pickle.dumps((fn, args, kwargs, dict(WORKER_ENV)), protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:
             raise TypeError(
                 f"cannot send {_describe(fn)} and its arguments to the ranks ({e}); the function must be "
@@ -486,6 +488,10 @@ class RankPool:
 # --------------------------------------------------------------------------------------------
 
 _POOLS: dict[int, RankPool] = {}
+
+WORKER_ENV: dict[str, str] = {}
+"""Environment variables set in the workers for every task (e.g. the test S3 endpoint): a pool
+spawned before a fixture set them still sees them, and a task's changes never outlive it."""
 
 
 def get_pool(world_size: int) -> RankPool:

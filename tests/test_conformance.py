@@ -1,13 +1,14 @@
-"""Conformance suite: every registered sharded strategy must pass these tests.
+"""Conformance suite: every registered sharded strategy must pass these tests, on every store.
 
 Each test saves with real gloo ranks under one parallel layout and loads under another; a new
-strategy is added to BACKENDS and gets the whole suite.
+strategy is added to BACKENDS and gets the whole suite. Tests that take the ``location`` fixture
+run on a local directory and on S3 (the moto server of the ``s3_server`` fixture): one suite,
+strategy x store.
 """
 
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,11 +23,23 @@ from distckpt import (
 )
 from distckpt import dist as ddist
 from distckpt.serialization import get_default_save_sharded_strategy
+from distckpt.storage import open_store
 from distckpt.strategies.base import SaveShardedStrategy
 from tests import layouts
 from tests.harness import expect_all_ranks_raise, run_ranks
 
 BACKENDS = ["torch_dist", "zarr"]
+STORES = ["local", "s3"]
+BACKEND_STORES = [(b, s) for b in BACKENDS for s in STORES]
+
+
+@pytest.fixture
+def location(request, tmp_path):
+    """Where the test's checkpoint goes, after the test's ``store`` parameter: a local directory
+    or a fresh S3 prefix (a str)."""
+    if request.node.callspec.params["store"] == "local":
+        return str(tmp_path)
+    return request.getfixturevalue("s3_url")
 
 
 # --------------------------------------------------------------------------- rank functions
@@ -82,13 +95,19 @@ ROUND_TRIPS = [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", ROUND_TRIPS, ids=lambda c: f"{c[0]}-w{c[1]}-{c[3]}-w{c[4]}-{c[5]}")
-def test_round_trip_reshards_bit_exactly(backend, case, tmp_path):
+# On S3 (slow through moto) every third case runs: each layout family and flat <-> regular.
+S3_ROUND_TRIPS = ROUND_TRIPS[::3]
+ROUND_TRIP_PARAMS = [
+    pytest.param(b, st, c, id=f"{b}-{st}-{c[0]}-w{c[1]}-{c[3]}-w{c[4]}-{c[5]}")
+    for b, st in BACKEND_STORES for c in (ROUND_TRIPS if st == "local" else S3_ROUND_TRIPS)]
+
+
+@pytest.mark.parametrize("backend,store,case", ROUND_TRIP_PARAMS)
+def test_round_trip_reshards_bit_exactly(backend, store, case, location):
     save_layout, save_world, save_params, load_layout, load_world, load_params = case
-    run_ranks(save_world, _save_layout, str(tmp_path), backend, save_layout, save_params)
-    assert check_is_distributed_checkpoint(tmp_path)
-    results = run_ranks(load_world, _load_layout, str(tmp_path), load_layout, load_params)
+    run_ranks(save_world, _save_layout, location, backend, save_layout, save_params)
+    assert check_is_distributed_checkpoint(location)
+    results = run_ranks(load_world, _load_layout, location, load_layout, load_params)
     assert all(n > 0 for n, _ in results)
     assert [wrong for _, wrong in results] == [[]] * load_world
 
@@ -123,10 +142,10 @@ def _load_objects(ckpt, cols):
                                                    for kk, vv in v.items()}) for k, v in out.items()}
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_objects_and_common_state_round_trip_on_another_world_size(backend, tmp_path):
-    run_ranks(4, _save_objects, str(tmp_path), backend, 2)
-    results = run_ranks(2, _load_objects, str(tmp_path), 2)
+@pytest.mark.parametrize("backend,store", BACKEND_STORES)
+def test_objects_and_common_state_round_trip_on_another_world_size(backend, store, location):
+    run_ranks(4, _save_objects, location, backend, 2)
+    results = run_ranks(2, _load_objects, location, 2)
     for out in results:
         assert out["iteration"] == 7
         assert out["args"] == {"lr": 0.5, "layers": [1, 2]}
@@ -159,9 +178,9 @@ def _factory_round_trip(ckpt, backend):
     return torch.equal(out["fc1"], x), torch.equal(separately["w"], x[:3])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_factory_builds_on_save_and_merges_on_load(backend, tmp_path):
-    assert run_ranks(2, _factory_round_trip, str(tmp_path), backend) == [(True, True)] * 2
+@pytest.mark.parametrize("backend,store", BACKEND_STORES)
+def test_factory_builds_on_save_and_merges_on_load(backend, store, location):
+    assert run_ranks(2, _factory_round_trip, location, backend) == [(True, True)] * 2
 
 
 def _content_metadata(ckpt, backend):
@@ -171,23 +190,23 @@ def _content_metadata(ckpt, backend):
     return distckpt.load_content_metadata(ckpt), distckpt.load_common_state_dict(ckpt)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_content_metadata_is_stored_apart_from_common_state(backend, tmp_path):
-    assert run_ranks(2, _content_metadata, str(tmp_path), backend) == [({"format": "v2"}, {"iteration": 3})] * 2
+@pytest.mark.parametrize("backend,store", BACKEND_STORES)
+def test_content_metadata_is_stored_apart_from_common_state(backend, store, location):
+    assert run_ranks(2, _content_metadata, location, backend) == [({"format": "v2"}, {"iteration": 3})] * 2
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_metadata_queries_describe_the_checkpoint(backend, tmp_path):
-    run_ranks(4, _save_layout, str(tmp_path), backend, "tp_dp", {"tp": 2}, {"iteration": 11})
-    meta = distckpt.load_tensors_metadata(tmp_path)
+@pytest.mark.parametrize("backend,store", BACKEND_STORES)
+def test_metadata_queries_describe_the_checkpoint(backend, store, location):
+    run_ranks(4, _save_layout, location, backend, "tp_dp", {"tp": 2}, {"iteration": 11})
+    meta = distckpt.load_tensors_metadata(location)
     assert {k: (tuple(v.global_shape), v.dtype) for k, v in meta.items()} == {
         "col": ((8, 6), torch.float32), "row": ((6, 8), torch.float32), "emb": ((16, 4), torch.bfloat16),
         "half": ((4, 8), torch.float16), "bias": ((6,), torch.float32), "count": ((5,), torch.int64),
         "mask": ((3, 3), torch.bool), "steps": ((), torch.int32)}
-    assert distckpt.load_common_state_dict(tmp_path) == {"common": {"iteration": 11}}
-    plain = distckpt.load_plain_tensors(tmp_path)
+    assert distckpt.load_common_state_dict(location) == {"common": {"iteration": 11}}
+    plain = distckpt.load_plain_tensors(location)
     assert torch.equal(plain["row"], layouts.full_tensor("row", (6, 8)))
-    assert set(distckpt.load_sharded_metadata(tmp_path)) == set(meta)
+    assert set(distckpt.load_sharded_metadata(location)) == set(meta)
 
 
 # --------------------------------------------------------------------------- strict modes
@@ -212,7 +231,7 @@ def _load_with_unexpected(ckpt, strict):
     return sorted(out), None, None, float(out["a"][0, 0])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,store", BACKEND_STORES)
 @pytest.mark.parametrize("strict,expected_rank1", [
     ("log_unexpected", (["a"], None, None, 1.0)),
     ("log_all", (["a"], None, None, 1.0)),
@@ -220,22 +239,22 @@ def _load_with_unexpected(ckpt, strict):
     ("return_unexpected", (["a"], [], ["c"], 1.0)),
     ("return_all", (["a"], ["b"], ["c"], 1.0)),
 ])
-def test_strict_modes_that_skip_the_absent_key(backend, strict, expected_rank1, tmp_path):
-    run_ranks(2, _save_ab, str(tmp_path), backend)
-    results = run_ranks(2, _load_with_unexpected, str(tmp_path), strict)
+def test_strict_modes_that_skip_the_absent_key(backend, store, strict, expected_rank1, location):
+    run_ranks(2, _save_ab, location, backend)
+    results = run_ranks(2, _load_with_unexpected, location, strict)
     assert results[1] == expected_rank1
     assert results[0][0] == ["a"] and results[0][3] == 0.0
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,store", BACKEND_STORES)
 @pytest.mark.parametrize("strict,match", [
     ("assume_ok_unexpected", r"'c' is not in checkpoint"),
     ("raise_unexpected", r"requested but not in the checkpoint: \['c'\]"),
     ("raise_all", r"requested but not in the checkpoint: \['c'\].*not requested by any rank: \['b'\]"),
 ])
-def test_strict_modes_that_raise_do_so_on_every_rank(backend, strict, match, tmp_path):
-    run_ranks(2, _save_ab, str(tmp_path), backend)
-    expect_all_ranks_raise(2, _load_with_unexpected, str(tmp_path), strict, match=match)
+def test_strict_modes_that_raise_do_so_on_every_rank(backend, store, strict, match, location):
+    run_ranks(2, _save_ab, location, backend)
+    expect_all_ranks_raise(2, _load_with_unexpected, location, strict, match=match)
 
 
 def test_unknown_strict_mode_is_a_clear_error(tmp_path):
@@ -337,20 +356,20 @@ class _FailAfterWrite(SaveShardedStrategy):
 
 def _interrupted_save(ckpt, backend):
     sd, _ = layouts.build("tp_dp", ddist.get_rank(), ddist.get_world_size(), True, tp=2)
-    distckpt.save(sd, ckpt, sharded_strategy=_FailAfterWrite(backend, fail_rank=1))
+    distckpt.save(sd, ckpt, sharded_strategy=_FailAfterWrite(backend, fail_rank=1), overwrite=True)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,store", BACKEND_STORES)
 @pytest.mark.parametrize("over_existing", [False, True])
-def test_interrupted_save_is_never_taken_as_a_checkpoint(backend, over_existing, tmp_path):
+def test_interrupted_save_is_never_taken_as_a_checkpoint(backend, store, over_existing, location):
     if over_existing:
-        run_ranks(2, _save_layout, str(tmp_path), backend, "tp_dp", {"tp": 2})
-        assert check_is_distributed_checkpoint(tmp_path)
-    expect_all_ranks_raise(2, _interrupted_save, str(tmp_path), backend,
+        run_ranks(2, _save_layout, location, backend, "tp_dp", {"tp": 2})
+        assert check_is_distributed_checkpoint(location)
+    expect_all_ranks_raise(2, _interrupted_save, location, backend,
                            match="injected failure after the data files were written")
-    assert any(Path(tmp_path).iterdir()), "data files were written before the failure"
-    assert not check_is_distributed_checkpoint(tmp_path)
-    expect_all_ranks_raise(2, _load_from, str(tmp_path), match="is not a distributed checkpoint")
+    assert open_store(location).list(), "data files were written before the failure"
+    assert not check_is_distributed_checkpoint(location)
+    expect_all_ranks_raise(2, _load_from, location, match="is not a distributed checkpoint")
 
 
 # --------------------------------------------------------------------------- targets and shapes
@@ -370,9 +389,9 @@ def _fp8_subclass_round_trip(ckpt, backend):
             torch.equal(target.payload, original.payload), int(target.payload.sum()) > 0)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_fp8_subclass_target_is_filled_in_place_not_replaced(backend, tmp_path):
-    assert run_ranks(2, _fp8_subclass_round_trip, str(tmp_path), backend) == [
+@pytest.mark.parametrize("backend,store", BACKEND_STORES)
+def test_fp8_subclass_target_is_filled_in_place_not_replaced(backend, store, location):
+    assert run_ranks(2, _fp8_subclass_round_trip, location, backend) == [
         (True, "ScaledFp8Tensor", True, True)] * 2
 
 
@@ -385,9 +404,9 @@ def _load_into_transposed_view(ckpt, backend):
     return out["w"] is target and torch.equal(base.t(), full)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_non_contiguous_target_is_filled_through_a_staging_copy(backend, tmp_path):
-    assert run_ranks(1, _load_into_transposed_view, str(tmp_path), backend) == [True]
+@pytest.mark.parametrize("backend,store", BACKEND_STORES)
+def test_non_contiguous_target_is_filled_through_a_staging_copy(backend, store, location):
+    assert run_ranks(1, _load_into_transposed_view, location, backend) == [True]
 
 
 def _load_other_shape(ckpt, backend, rows, allow):
@@ -404,15 +423,15 @@ def _load_other_shape(ckpt, backend, rows, allow):
     return torch.equal(out, want[rank * local:(rank + 1) * local])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend,store", BACKEND_STORES)
 @pytest.mark.parametrize("rows", [2, 6])
-def test_allow_shape_mismatch_loads_the_overlap_and_zeroes_the_rest(backend, rows, tmp_path):
-    assert run_ranks(2, _load_other_shape, str(tmp_path), backend, rows, True) == [True, True]
+def test_allow_shape_mismatch_loads_the_overlap_and_zeroes_the_rest(backend, store, rows, location):
+    assert run_ranks(2, _load_other_shape, location, backend, rows, True) == [True, True]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_global_shape_mismatch_names_key_and_both_shapes_on_every_rank(backend, tmp_path):
-    expect_all_ranks_raise(2, _load_other_shape, str(tmp_path), backend, 6, False,
+@pytest.mark.parametrize("backend,store", BACKEND_STORES)
+def test_global_shape_mismatch_names_key_and_both_shapes_on_every_rank(backend, store, location):
+    expect_all_ranks_raise(2, _load_other_shape, location, backend, 6, False,
                            match=r"'w': global shape \[6, 6\] was requested but the checkpoint stores \[4, 6\]")
 
 

@@ -23,6 +23,13 @@ flattened slices (distributed-optimizer style). Then, each figure a median of ``
 
 It prints a table (GiB/s of the whole state, and each figure's ratio to its limit), writes
 ``bench.json`` and draws ``bench.png`` in ``--out``.
+
+Object stores: ``--dir s3://bucket/prefix`` (any URL distckpt opens) measures save, load and
+resharded load of each backend there against raw ``obstore.put``/``obstore.get`` of the same
+per-rank bytes (one object per rank, multipart with the same part size and concurrency) in the
+same run. ``--moto`` first starts a local moto S3 server and creates the bucket::
+
+    python tools/bench.py --dir s3://bench/run --moto --size-gib 0.25 --ranks 2 --reps 2
 """
 
 from __future__ import annotations
@@ -192,6 +199,100 @@ class _PeakRss:
         self.peak = max(self.peak, self.proc.memory_info().rss)
 
 
+def _rank_main_object_store(rank, world, port, args, queue):
+    """The object-store run: raw obstore put/get against distckpt save/load of the same bytes."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import obstore
+    import torch.distributed as tdist
+
+    import distckpt
+    from distckpt.storage import open_store
+    from distckpt.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
+
+    tdist.init_process_group("gloo", rank=rank, world_size=world)
+    hidden, layers = model_dims(args.size_gib)
+    sd = build_state(rank, world, hidden, layers)
+    mine = local_bytes(sd, main_only=True)
+    tensors = [sh.data for sh in sd.values() if sh.replica_id == 0]
+    total = sum(tdist_all_reduce_sum(tdist, mine))
+    results = {"bytes_total": total, "bytes_per_rank_max": max(all_gather(tdist, mine)),
+               "hidden": hidden, "layers": layers, "tensors": len(sd), "ranks": world}
+    times = {}
+    reshard = build_state(rank, world, hidden, layers, pieces_per_rank=2, with_data=False)
+    root = open_store(args.dir)
+    raw_store, raw_name = root._store, root._key(f"raw_{rank}.bin")
+
+    def raw_put():
+        views = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in tensors]
+        obstore.put(raw_store, raw_name, iter(views), chunk_size=root.part_size, max_concurrency=root.max_concurrency)
+
+    def raw_get(bufs):
+        data = obstore.get(raw_store, raw_name).bytes()
+        view, offset = memoryview(data), 0
+        for b in bufs:
+            n = b.numel() * b.element_size()
+            b.reshape(-1).view(torch.uint8).numpy()[:] = view[offset:offset + n]
+            offset += n
+
+    def record(name, seconds):
+        times.setdefault(name, []).append(seconds)
+
+    for rep in range(-args.warmup, args.reps):
+        if rep == 0:
+            times.clear()
+        record("raw obstore.put", _barrier_time(raw_put)[0])
+        bufs = [torch.zeros_like(t) for t in tensors]
+        record("raw obstore.get", _barrier_time(raw_get, bufs)[0])
+        bufs = None
+        for backend in args.backends:
+            url = f"{args.dir.rstrip('/')}/ckpt_{backend}_{rep + args.warmup}"
+            strategy = (TorchDistSaveShardedStrategy(thread_count=args.threads) if backend == "torch_dist"
+                        else (backend, 1))
+            record(f"{backend} save", _barrier_time(distckpt.save, sd, url, sharded_strategy=strategy)[0])
+            req = empty_like_request(sd)
+            record(f"{backend} load", _barrier_time(distckpt.load, req, url)[0])
+            req = empty_like_request(reshard)
+            if backend == "torch_dist":
+                counting = TorchDistLoadShardedStrategy()
+                record(f"{backend} load resharded", _barrier_time(distckpt.load, req, url, sharded_strategy=counting)[0])
+                results["resharded load: bytes read / bytes requested"] = counting.bytes_read / local_bytes(reshard)
+            else:
+                record(f"{backend} load resharded", _barrier_time(distckpt.load, req, url)[0])
+            req = None
+            tdist.barrier()
+            if rank == 0:
+                ckpt = open_store(url)
+                for name in ckpt.list():
+                    ckpt.delete(name)
+            tdist.barrier()
+    root.delete(f"raw_{rank}.bin")
+    if rank == 0:
+        results["seconds"] = {k: statistics.median(v) for k, v in times.items()}
+        results["all_seconds"] = times
+        queue.put(results)
+    tdist.barrier()
+    tdist.destroy_process_group()
+
+
+def _start_moto(url: str):
+    """A local moto S3 server with the URL's bucket; the endpoint goes into the environment."""
+    import logging
+    import urllib.request
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    os.environ.update(AWS_ENDPOINT_URL=f"http://{host}:{port}", AWS_ACCESS_KEY_ID="bench",
+                      AWS_SECRET_ACCESS_KEY="bench", AWS_REGION="us-east-1", AWS_ALLOW_HTTP="true")
+    bucket = url.split("://", 1)[1].split("/", 1)[0]
+    urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/{bucket}", method="PUT"), timeout=10)
+    return server
+
+
 def _rank_main(rank, world, port, args, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     import psutil
@@ -328,7 +429,11 @@ LIMITS = {
     "torch_dist load resharded": "raw read", "zarr load resharded": "raw read",
     "async save (blocking)": "memcpy", "async save (total)": "raw write",
     "torch_dist load TP1xDP (plain)": None, "torch_dist load TP1xDP (fully parallel)": None,
+    "raw obstore.put": None, "raw obstore.get": None,
 }
+# On an object store the limits are the raw obstore calls.
+OBJECT_STORE_LIMITS = {f"{b} {what}": "raw obstore.put" if what == "save" else "raw obstore.get"
+                       for b in ("torch_dist", "zarr") for what in ("save", "load", "load resharded")}
 
 
 def report(results, out_dir: Path) -> str:
@@ -339,8 +444,9 @@ def report(results, out_dir: Path) -> str:
              f"| {'measurement':42s} | {'seconds':>8s} | {'GiB/s':>7s} | ratio to limit |",
              f"|{'-' * 44}|{'-' * 10}|{'-' * 9}|{'-' * 16}|"]
     ratios = {}
+    object_store = "raw obstore.put" in sec
     for name, seconds in sec.items():
-        limit = LIMITS.get(name)
+        limit = OBJECT_STORE_LIMITS.get(name) if object_store else LIMITS.get(name)
         nbytes = results["bytes_total"]
         if name.startswith("torch_dist load TP1xDP"):
             nbytes = results["bytes_total"] * results["ranks"]
@@ -413,19 +519,28 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2,
                         help="writer/reader threads per rank (torch_dist thread_count)")
     parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--moto", action="store_true",
+                        help="with an s3:// --dir: start a local moto S3 server (and the bucket) first")
     args = parser.parse_args()
     args.backends = [b for b in args.backends.split(",") if b]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    Path(args.dir).mkdir(parents=True, exist_ok=True)
+    remote = "://" in args.dir
+    server = _start_moto(args.dir) if remote and args.moto else None
+    if not remote:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     queue = mp.get_context("spawn").SimpleQueue()
     try:
-        mp.spawn(_rank_main, args=(args.ranks, port, args, queue), nprocs=args.ranks)
+        mp.spawn(_rank_main_object_store if remote else _rank_main, args=(args.ranks, port, args, queue),
+                 nprocs=args.ranks)
     finally:
-        shutil.rmtree(args.dir, ignore_errors=True)
+        if not remote:
+            shutil.rmtree(args.dir, ignore_errors=True)
+        if server is not None:
+            server.stop()
     results = queue.get()
     results["machine"] = {"cpus": os.cpu_count(), "dir": args.dir, "torch": torch.__version__}
     print(report(results, out))

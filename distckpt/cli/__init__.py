@@ -155,7 +155,22 @@ _trust = click.option("--trust", is_flag=True,
                       help="Unpickle metadata, common state and objects without the safety allowlist "
                            "(only for checkpoints whose origin you trust).")
 _as_json = click.option("--json", "as_json", is_flag=True, help="Print a JSON document instead of tables.")
-_path = click.Path(path_type=Path)
+
+
+class _Location(click.ParamType):
+    """A checkpoint location: a local path (a ``Path``) or an object-store URL (kept as a str)."""
+
+    name = "path|url"
+
+    def convert(self, value, param, ctx):
+        from distckpt import storage
+
+        if isinstance(value, (Path, str)) and storage.is_remote(str(value)):
+            return str(value)
+        return Path(value)
+
+
+_path = _Location()
 
 
 # --------------------------------------------------------------------------- inspect

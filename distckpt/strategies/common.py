@@ -23,7 +23,7 @@ from typing import Any, BinaryIO, Callable, Dict, List, Tuple, Union
 import numpy as np
 import torch
 
-from distckpt import dist
+from distckpt import dist, storage
 from distckpt.core import CheckpointingException
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
 from distckpt.manifest import check_whole_file, read_manifest
@@ -107,14 +107,36 @@ class MissingFileError(CheckpointingException):
     """A file the checkpoint should hold is not there (e.g. ``common.pt`` of a ``dcp.save``)."""
 
 
-def _read_checked(path: Path, checkpoint_dir: Path, verify: bool, what: str) -> bytes:
+def _save_whole(obj: Any, location, name: str) -> Tuple[int, int]:
+    """torch.save ``obj`` as ``name``; returns (size, crc32c). Local: written and fsynced in place;
+    object store: serialized in memory, then one atomic put (multipart when large)."""
+    if isinstance(location, storage.Store):
+        from distckpt.manifest import crc32c
+        from distckpt.strategies.filesystem import save_to_sink
+
+        buf = io.BytesIO()
+        save_to_sink(obj, buf)
+        data = buf.getbuffer()
+        location.put(name, data)
+        return len(data), crc32c(data)
+    path = Path(location) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return _fsynced_torch_save(obj, path)
+
+
+def _read_checked(location, name: str, verify: bool, what: str) -> bytes:
     try:
-        data = path.read_bytes()
+        data = storage.read_bytes(location, name)
     except FileNotFoundError:
-        raise MissingFileError(f"{what}: file {path} is missing (rank {dist.get_rank()})") from None
+        raise MissingFileError(
+            f"{what}: file {storage.join(location, name)} is missing (rank {dist.get_rank()})") from None
     if verify:
-        check_whole_file(checkpoint_dir, str(path.relative_to(checkpoint_dir)), data)
+        check_whole_file(location, name, data)
     return data
+
+
+def _location(checkpoint_dir):
+    return checkpoint_dir if isinstance(checkpoint_dir, storage.Store) else Path(checkpoint_dir)
 
 
 class TorchCommonSaveStrategy(SaveCommonStrategy):
@@ -130,17 +152,16 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
     def save_common(self, common_state_dict: StateDict, checkpoint_dir: Path) -> None:
         self.written_files = {}
         if dist.get_rank() == 0:
-            self.written_files[COMMON_STATE_FNAME] = _fsynced_torch_save(
-                common_state_dict, Path(checkpoint_dir) / COMMON_STATE_FNAME)
+            self.written_files[COMMON_STATE_FNAME] = _save_whole(
+                common_state_dict, _location(checkpoint_dir), COMMON_STATE_FNAME)
 
     def save_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict,
                              checkpoint_dir: Path) -> None:
         for obj in nested_values(sharded_objects_state_dict):
             if not isinstance(obj, ShardedObject) or not is_main_replica(obj.replica_id):
                 continue
-            path = Path(checkpoint_dir) / f"{obj.unique_key}.pt"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.written_files[f"{obj.unique_key}.pt"] = _fsynced_torch_save(obj.data, path)
+            name = f"{obj.unique_key}.pt"
+            self.written_files[name] = _save_whole(obj.data, _location(checkpoint_dir), name)
 
 
 class TorchCommonLoadStrategy(LoadCommonStrategy):
@@ -152,29 +173,30 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         self.verify = verify
 
     def load_common(self, checkpoint_dir: Path) -> StateDict:
-        checkpoint_dir = Path(checkpoint_dir)
-        path = checkpoint_dir / COMMON_STATE_FNAME
-        data = _read_checked(path, checkpoint_dir, self.verify, "common state")
-        return safe_torch_load(data, what=str(path), trusted=self.trusted)
+        location = _location(checkpoint_dir)
+        data = _read_checked(location, COMMON_STATE_FNAME, self.verify, "common state")
+        return safe_torch_load(data, what=storage.join(location, COMMON_STATE_FNAME), trusted=self.trusted)
 
     def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict,
                              checkpoint_dir: Path) -> StateDict:
         def load_one(obj: Any) -> Any:
             if not isinstance(obj, ShardedObject):
                 return obj
-            path = Path(checkpoint_dir) / f"{obj.unique_key}.pt"
-            what = f"ShardedObject {obj.unique_key!r} in {path}"
-            data = _read_checked(path, Path(checkpoint_dir), self.verify, what)
+            location, name = _location(checkpoint_dir), f"{obj.unique_key}.pt"
+            what = f"ShardedObject {obj.unique_key!r} in {storage.join(location, name)}"
+            data = _read_checked(location, name, self.verify, what)
             return safe_torch_load(data, what=what, trusted=self.trusted)
 
         return dict_list_map_inplace(load_one, sharded_objects_state_dict)
 
     def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
-        root = Path(checkpoint_dir)
+        root = _location(checkpoint_dir)
         manifest = read_manifest(root)
         if manifest is not None:
             # The manifest lists every file written; no need to walk (possibly millions of) chunk files.
             names = [n for n in manifest.files if n.endswith(".pt") and Path(n).name.startswith("shard_")]
+        elif isinstance(root, storage.Store):
+            names = [n for n in root.list() if n.endswith(".pt") and Path(n).name.startswith("shard_")]
         else:
             names = [str(p.relative_to(root)) for p in root.rglob("shard_*.pt")]
         found = {}

@@ -105,9 +105,12 @@ class ChecksummingSink:
                     self._writev([memoryview(self._pending), block])
                     self._pending = bytearray()
                 else:
-                    write_all(self.fd, block)
+                    self._out(block)
         self.position += n
         return n
+
+    def _out(self, view) -> None:
+        write_all(self.fd, view)
 
     def _writev(self, views) -> None:
         done, total = os.writev(self.fd, views), sum(len(v) for v in views)
@@ -122,7 +125,7 @@ class ChecksummingSink:
     def drain(self) -> None:
         """Write out the gathered small writes."""
         if self._pending:
-            write_all(self.fd, self._pending)
+            self._out(self._pending)
             self._pending = bytearray()
 
     def fsync(self) -> None:
@@ -132,6 +135,26 @@ class ChecksummingSink:
 
     def flush(self) -> None:
         pass
+
+
+class WriterSink(ChecksummingSink):
+    """A :class:`ChecksummingSink` over a storage :class:`~distckpt.storage.Writer` (an object
+    store's multipart upload): same gathering and checksums; durability comes with the writer's
+    ``close``."""
+
+    def __init__(self, writer):
+        super().__init__(-1)
+        self.writer = writer
+
+    def _out(self, view) -> None:
+        self.writer.write(view)
+
+    def _writev(self, views) -> None:
+        for v in views:
+            self.writer.write(v)
+
+    def fsync(self) -> None:
+        self.drain()
 
 
 class _ErrorRecorder:

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from distckpt import dist
+from distckpt import dist, storage
 from distckpt.core import CheckpointingException, atomic_write_bytes, gc_paused
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
 from distckpt.manifest import (
@@ -73,6 +73,7 @@ from distckpt.strategies.base import (
 from distckpt.strategies.common import safe_torch_load
 from distckpt.strategies.filesystem import (
     ChecksummingSink,
+    WriterSink,
     pread_into,
     read_archive_layout,
     write_bytes_item,
@@ -84,6 +85,8 @@ logger = logging.getLogger(__name__)
 
 METADATA_FNAME = ".metadata"
 DATA_SUFFIX = ".distcp"
+# Bytes one reader thread fetches from an object store at a time (ranged GETs of whole items).
+REMOTE_READ_BATCH = 256 << 20
 _ORIG_SHAPE = "nd_reformulated_orig_global_shape"
 
 Shape = Tuple[int, ...]
@@ -138,12 +141,18 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"class {module}.{name} is not allowed in checkpoint metadata")
 
 
-def read_metadata(checkpoint_dir: Path, trusted: bool = False, verify: bool = False) -> Metadata:
+def _location(checkpoint_dir):
+    """A local directory as a Path, a store as itself."""
+    return checkpoint_dir if isinstance(checkpoint_dir, storage.Store) else Path(checkpoint_dir)
+
+
+def read_metadata(checkpoint_dir, trusted: bool = False, verify: bool = False) -> Metadata:
     """Read ``.metadata`` with a restricted unpickler (any class if ``trusted``); with ``verify``
     check it against the manifest first."""
-    path = Path(checkpoint_dir) / METADATA_FNAME
+    checkpoint_dir = _location(checkpoint_dir)
+    path = storage.join(checkpoint_dir, METADATA_FNAME)
     try:
-        raw = path.read_bytes()
+        raw = storage.read_bytes(checkpoint_dir, METADATA_FNAME)
     except FileNotFoundError:
         raise CheckpointingException(
             f"{path}: DCP metadata file is missing; not a torch_dist checkpoint") from None
@@ -411,11 +420,32 @@ def _write_file(path: Path, items: List[_WriteItem]) -> Tuple[List[Tuple[_WriteI
         os.close(fd)
 
 
+def _write_object(store: storage.Store, name: str, items: List[_WriteItem]) -> Tuple[List[Tuple[_WriteItem, int, int, int]], int]:
+    """Write one ``.distcp`` object through a store's streaming writer (a multipart upload with
+    bounded memory on object stores); an error aborts the upload, so nothing is left behind."""
+    with store.open_writer(name) as writer:
+        sink = WriterSink(writer)
+        out = []
+        for it in items:
+            if isinstance(it.payload, torch.Tensor):
+                out.append((it, *write_tensor_item(sink, it.payload)))
+            else:
+                out.append((it, *write_bytes_item(sink, it.payload)))
+        sink.drain()
+    return out, sink.position
+
+
 def write_plan(plan: SavePlan, thread_count: int = 2) -> SavePlan:
     """Write every file of ``plan`` (threads, one per file up to ``thread_count``); no collectives."""
     records: List[_Record] = []
+    if isinstance(plan.checkpoint_dir, storage.Store):
+        def submit(pool, name, bucket):
+            return pool.submit(_write_object, plan.checkpoint_dir, name, bucket)
+    else:
+        def submit(pool, name, bucket):
+            return pool.submit(_write_file, plan.checkpoint_dir / name, bucket)
     with zip_crc_disabled(), ThreadPoolExecutor(max_workers=max(1, min(thread_count, len(plan.jobs)))) as pool:
-        futures = [(name, pool.submit(_write_file, plan.checkpoint_dir / name, bucket)) for name, bucket in plan.jobs]
+        futures = [(name, submit(pool, name, bucket)) for name, bucket in plan.jobs]
         for name, fut in futures:
             written, size = fut.result()
             plan.file_sizes[name] = size
@@ -470,7 +500,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     def prepare(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path, stage: bool = False) -> SavePlan:
         """Collect this rank's main replicas into files; ``stage`` copies them into staging
         buffers first (the blocking part of an async save)."""
-        checkpoint_dir = Path(checkpoint_dir)
+        checkpoint_dir = _location(checkpoint_dir)
         rank = dist.get_rank()
         staging = None
         if stage:
@@ -512,7 +542,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             plan = write_plan(self.prepare(sharded_state_dict, checkpoint_dir), self.thread_count)
         except Exception as e:  # noqa: BLE001 - shared with every rank in finalize
             exc = e
-        self.finalize(plan, Path(checkpoint_dir), exc)
+        self.finalize(plan, _location(checkpoint_dir), exc)
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path):
         """Stage the local bytes now; return an AsyncRequest that writes them in the background
@@ -521,7 +551,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
 
         plan = self.prepare(sharded_state_dict, checkpoint_dir, stage=True)
         return AsyncRequest(write_plan, (plan, self.thread_count),
-                            [lambda: self.finalize(plan, Path(checkpoint_dir), None)])
+                            [lambda: self.finalize(plan, _location(checkpoint_dir), None)])
 
     def finalize(self, plan: Optional[SavePlan], checkpoint_dir: Path, exc: Optional[BaseException]) -> None:
         """Gather every rank's records to rank 0, which writes ``.metadata`` and the manifest.
@@ -554,7 +584,10 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             else:
                 md = build_metadata([(d, r) for d, r, _ in per_rank], str(checkpoint_dir))
             md_bytes = pickle.dumps(md)
-            atomic_write_bytes(checkpoint_dir / METADATA_FNAME, md_bytes)
+            if isinstance(checkpoint_dir, storage.Store):
+                checkpoint_dir.put(METADATA_FNAME, md_bytes)
+            else:
+                atomic_write_bytes(checkpoint_dir / METADATA_FNAME, md_bytes)
             ranges = [(r.relative_path, r.offset, r.length, r.crc32c, r.fqn) for _, rs, _ in per_rank for r in rs]
             ranges.append((METADATA_FNAME, 0, len(md_bytes), crc32c(md_bytes), METADATA_FNAME))
             sizes = {name: size for _, _, sz in per_rank for name, size in sz.items()}
@@ -783,7 +816,7 @@ def _copy_from_mapping(fd: int, offset: int, count: int, dtype: torch.dtype, ops
 
 
 def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[_CopyOp],
-                checksums: Optional[Dict], rank: int, verify: bool) -> int:
+                checksums: Optional[Dict], rank: int, verify: bool, raw: Optional[bytes] = None) -> int:
     """Serve every copy of one stored item; returns the bytes taken from storage.
 
     A box that is a plain element range lands in a contiguous destination of the same dtype
@@ -791,9 +824,9 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[_CopyOp],
     layouts) are copied out of a read-only mapping of the bytes they span.
     """
     what = f"key {ops[0].key!r} in {path} at offset {st.file_offset} (rank {rank})"
-    raw: Optional[bytes] = None
-    if verify:
-        raw = os.pread(fd, st.length, st.file_offset)
+    if raw is not None or verify:
+        if raw is None:
+            raw = os.pread(fd, st.length, st.file_offset)
         if len(raw) != st.length:
             raise CheckpointingException(f"{what}: file is truncated ({len(raw)} of {st.length} bytes)")
         _check_item(raw, st, checksums, what)
@@ -821,7 +854,7 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[_CopyOp],
     if base + numel * itemsize > layout.data_offset + layout.data_length:
         raise CheckpointingException(f"{what}: tensor bytes extend past the item")
     if raw is not None:
-        _copy_boxes(torch.frombuffer(bytearray(raw), dtype=torch.uint8)[base:base + numel * itemsize]
+        _copy_boxes(torch.frombuffer(raw if isinstance(raw, bytearray) else bytearray(raw), dtype=torch.uint8)[base:base + numel * itemsize]
                     .view(layout.dtype), 0, [op for op in ops if op.numel])
         return st.length
     nbytes = 0
@@ -892,7 +925,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     def load_common_items(self, checkpoint_dir: Path) -> StateDict:
         """The non-tensor values of a ``dcp.save`` (see :func:`plain_byte_items`), nested as saved."""
-        checkpoint_dir = Path(checkpoint_dir)
+        checkpoint_dir = _location(checkpoint_dir)
         md = read_metadata(checkpoint_dir, self.trusted, self.verify)
         items = plain_byte_items(md)
         out: StateDict = {}
@@ -915,6 +948,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         Saving with ``separation_hint=key_prefix`` puts such keys in files of their own, so no
         byte has to be rewritten.
         """
+        if isinstance(checkpoint_dir, storage.Store):
+            return self._remove_on_store(checkpoint_dir, key_prefix)
         checkpoint_dir = Path(checkpoint_dir)
         md = read_metadata(checkpoint_dir, self.trusted)
         doomed = {k for k in md.state_dict_metadata if k.startswith(key_prefix)}
@@ -974,6 +1009,59 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         atomic_write_bytes(checkpoint_dir / METADATA_FNAME, md_bytes)
         for name in to_delete:
             os.remove(checkpoint_dir / name)
+
+    def _remove_on_store(self, store: storage.Store, key_prefix: str) -> None:
+        """``remove_sharded_tensors`` on an object store, in the same crash-safe order: kept items
+        that shared an object with removed ones are copied into new objects (ranged GETs, one put
+        each), then ``.metadata`` and the manifest are replaced, then the old objects deleted."""
+        md = read_metadata(store, self.trusted)
+        doomed = {k for k in md.state_dict_metadata if k.startswith(key_prefix)}
+        if not doomed:
+            raise CheckpointingException(f"{store}: no key starts with {key_prefix!r}")
+        by_file: Dict[str, List[Tuple[MetadataIndex, _StorageInfo]]] = defaultdict(list)
+        for index, info in md.storage_data.items():
+            by_file[info.relative_path].append((index, info))
+        manifest = read_manifest(store)
+        old = manifest.range_index() if manifest is not None else {}
+        to_delete: List[str] = []
+        new_storage = {i: info for i, info in md.storage_data.items() if i.fqn not in doomed}
+        for name, entries in sorted(by_file.items()):
+            kept = sorted([(i, info) for i, info in entries if i.fqn not in doomed], key=lambda e: e[1].offset)
+            if len(kept) == len(entries):
+                continue
+            to_delete.append(name)
+            if manifest is not None:
+                manifest.files.pop(name, None)
+                manifest.ranges.pop(name, None)
+            if not kept:
+                continue
+            stem = name[: -len(DATA_SUFFIX)] if name.endswith(DATA_SUFFIX) else name
+            new_name = f"{stem}.r{uuid.uuid4().hex[:8]}{DATA_SUFFIX}"
+            views = store.get_ranges(name, [info.offset for _, info in kept], [info.length for _, info in kept])
+            position = 0
+            for index, info in kept:
+                new_storage[index] = _StorageInfo(new_name, position, info.length)
+                prev = old.get((name, info.offset))
+                if manifest is not None and prev is not None:
+                    manifest.ranges.setdefault(new_name, []).append(
+                        RangeChecksum(position, info.length, prev.crc32c, index.fqn))
+                position += info.length
+            store.put(new_name, b"".join(bytes(v) for v in views))
+            if manifest is not None:
+                manifest.files[new_name] = position
+        md.state_dict_metadata = {k: v for k, v in md.state_dict_metadata.items() if k not in doomed}
+        md.storage_data = new_storage
+        mcore = getattr(md, "mcore_data", None)
+        if mcore:
+            md.mcore_data = {k: v for k, v in mcore.items() if k not in doomed}
+        md_bytes = pickle.dumps(md)
+        if manifest is not None:
+            manifest.files[METADATA_FNAME] = len(md_bytes)
+            manifest.ranges[METADATA_FNAME] = [RangeChecksum(0, len(md_bytes), crc32c(md_bytes), METADATA_FNAME)]
+            write_manifest(store, manifest)
+        store.put(METADATA_FNAME, md_bytes)
+        for name in to_delete:
+            store.delete(name)
 
     # ----------------------------------------------------------------- planning
 
@@ -1056,24 +1144,58 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     # ----------------------------------------------------------------- execution
 
-    def _checksums(self, checkpoint_dir: Path) -> Optional[Dict]:
-        """The manifest's checksums by (file, offset) when verifying; None otherwise."""
-        if not self.verify:
+    def _checksums(self, checkpoint_dir) -> Optional[Dict]:
+        """The manifest's checksums by (file, offset) when verifying, and always on an object store
+        (its own checksums do not cover ranged reads); None otherwise."""
+        if not self.verify and not isinstance(checkpoint_dir, storage.Store):
             return None
         manifest = read_manifest(checkpoint_dir)
         if manifest is None:
-            logger.warning("%s has no integrity manifest: verify=True checks sizes and structure only",
-                           checkpoint_dir)
+            if self.verify:
+                logger.warning("%s has no integrity manifest: verify=True checks sizes and structure only",
+                               checkpoint_dir)
+            else:
+                logger.info("%s has no integrity manifest: its ranged reads are checked structurally only",
+                            checkpoint_dir)
             return None
         return manifest.range_index()
 
-    def _execute(self, plan: _Plan, checkpoint_dir: Path, checksums: Optional[Dict]) -> None:
+    def _execute(self, plan: _Plan, checkpoint_dir, checksums: Optional[Dict]) -> None:
         by_file: Dict[str, List[_Stored]] = defaultdict(list)
         for st in plan.ops:
             by_file[st.relative_path].append(st)
         verify = self.verify
         rank = dist.get_rank()
         counted = []  # per-file byte counts; list.append is atomic across reader threads
+
+        def read_object(name: str) -> None:
+            """Object store: ranged GETs of exactly the items this rank needs (whole items, so
+            each is checked against its CRC32C), coalesced and concurrent, in batches of at most
+            REMOTE_READ_BATCH bytes."""
+            items = sorted(by_file[name], key=lambda c: c.file_offset)
+            batches, batch, size = [], [], 0
+            for st in items:
+                if batch and size + st.length > REMOTE_READ_BATCH:
+                    batches.append(batch)
+                    batch, size = [], 0
+                batch.append(st)
+                size += st.length
+            batches.append(batch)
+            nbytes = 0
+            for group in batches:
+                try:
+                    views = checkpoint_dir.get_ranges(name, [st.file_offset for st in group],
+                                                      [st.length for st in group])
+                except FileNotFoundError:
+                    keys = sorted({op.key for st in group for op in plan.ops[st]})
+                    raise CheckpointingException(
+                        f"{checkpoint_dir.where(name)}: data object is missing (needed for keys {keys}, "
+                        f"rank {rank})") from None
+                for st, view in zip(group, views):
+                    _read_chunk(-1, checkpoint_dir.where(name), st, plan.ops[st], checksums, rank, True,
+                                bytearray(view))
+                    nbytes += st.length
+            counted.append(nbytes)
 
         def read_file(name: str) -> None:
             path = checkpoint_dir / name
@@ -1092,6 +1214,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 os.close(fd)
 
         names = sorted(by_file)
+        if isinstance(checkpoint_dir, storage.Store):
+            read_file = read_object  # noqa: F811 - the object-store reader replaces the POSIX one
         if len(names) <= 1 or self.thread_count <= 1:
             for n in names:
                 read_file(n)
@@ -1113,12 +1237,15 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         """Unpickle one byte item (safely unless ``trusted``); ``name`` says what it is."""
         if stored is None:
             raise CheckpointingException(f"{name} is not in checkpoint {checkpoint_dir} (rank {dist.get_rank()})")
-        path = checkpoint_dir / stored.relative_path
+        path = storage.join(checkpoint_dir, stored.relative_path)
         what = f"{name} in {path} (rank {dist.get_rank()})"
         try:
-            with open(path, "rb") as f:
-                f.seek(stored.file_offset)
-                raw = f.read(stored.length)
+            if isinstance(checkpoint_dir, storage.Store):
+                raw = bytes(checkpoint_dir.get_ranges(stored.relative_path, [stored.file_offset], [stored.length])[0])
+            else:
+                with open(path, "rb") as f:
+                    f.seek(stored.file_offset)
+                    raw = f.read(stored.length)
         except FileNotFoundError:
             raise CheckpointingException(f"{what}: data file is missing") from None
         if len(raw) != stored.length:
@@ -1127,7 +1254,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         return safe_torch_load(raw, what=what, trusted=self.trusted)
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
-        checkpoint_dir = Path(checkpoint_dir)
+        checkpoint_dir = _location(checkpoint_dir)
         md = read_metadata(checkpoint_dir, self.trusted, self.verify)
         index = _index(md)
         plan = _Plan()

@@ -48,13 +48,13 @@ import shutil
 import sys
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from distckpt import dist
+from distckpt import dist, storage
 from distckpt.core import CheckpointingException, atomic_write_bytes, write_all
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
 from distckpt.manifest import RangeChecksum, build_manifest, crc32c, read_manifest, write_manifest
@@ -77,6 +77,9 @@ ARRAY_META = "zarr.json"
 LEGACY_ARRAY_META = ".zarray"
 DEFAULT_MIN_FLAT_CHUNK_BYTES = 1 << 20
 IO_ENGINES = ("auto", "raw", "tensorstore")
+# Chunk requests in flight per rank on an object store: each waits on the network (obstore
+# releases the GIL), so more of them than CPU threads hide the per-request latency.
+OBJECT_STORE_REQUESTS = 16
 
 # Names that would collide with the checkpoint's own files at the top level.
 _RESERVED_TOP = {"zarr.json", "metadata.json", "common.pt", ".metadata", ".distckpt_manifest.json"}
@@ -149,6 +152,17 @@ def _v2_dtype(typestr: Any) -> Tuple[Optional[torch.dtype], bool]:
 # --------------------------------------------------------------------------- array metadata
 
 
+
+def _root(checkpoint_dir):
+    """A local directory as a Path; an object store as its Store (chunks, zarr.json and objects
+    become objects under the checkpoint's prefix)."""
+    return checkpoint_dir if isinstance(checkpoint_dir, storage.Store) else Path(checkpoint_dir)
+
+
+def _is_store(root) -> bool:
+    return isinstance(root, storage.Store)
+
+
 @dataclass(frozen=True)
 class ArrayMeta:
     """What a reader or writer needs to know about one stored array.
@@ -166,6 +180,7 @@ class ArrayMeta:
     raw: bool
     key_prefix: str                # "c" for the v3 default encoding, "" otherwise
     separator: str
+    store: Any = None              # the object store holding the array (None: local ``path``)
 
     @property
     def itemsize(self) -> int:
@@ -264,6 +279,20 @@ def read_array_meta(root: Path, key: str) -> Optional[ArrayMeta]:
     Raises:
         CheckpointingException: the metadata file exists but is unreadable or unsupported.
     """
+    if _is_store(root):
+        path = Path(key)
+        for name, parse in ((ARRAY_META, _meta_from_v3), (LEGACY_ARRAY_META, _meta_from_v2)):
+            try:
+                text = bytes(root.get(f"{key}/{name}"))
+            except FileNotFoundError:
+                continue
+            try:
+                return replace(parse(key, path, json.loads(text)), store=root)
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise CheckpointingException(
+                    f"{root.where(key + '/' + name)}: unreadable Zarr metadata of key {key!r} "
+                    f"(rank {dist.get_rank()}): {e}") from None
+        return None
     path = root / key
     for name, parse in ((ARRAY_META, _meta_from_v3), (LEGACY_ARRAY_META, _meta_from_v2)):
         f = path / name
@@ -282,11 +311,11 @@ def read_array_meta(root: Path, key: str) -> Optional[ArrayMeta]:
 def _root_keys(root: Path) -> Optional[List[str]]:
     """The tensor keys listed in the root group's ``zarr.json`` (None: no such list)."""
     try:
-        md = json.loads((root / ARRAY_META).read_text())
+        md = json.loads(bytes(root.get(ARRAY_META)) if _is_store(root) else (root / ARRAY_META).read_text())
     except FileNotFoundError:
         return None
     except ValueError as e:
-        raise CheckpointingException(f"{root / ARRAY_META}: unreadable root group metadata: {e}") from None
+        raise CheckpointingException(f"{storage.join(root, ARRAY_META)}: unreadable root group metadata: {e}") from None
     keys = ((md.get("attributes") or {}).get("distckpt") or {}).get("keys")
     return list(keys) if isinstance(keys, list) else None
 
@@ -294,6 +323,16 @@ def _root_keys(root: Path) -> Optional[List[str]]:
 def _scan_keys(root: Path) -> List[str]:
     """Find arrays by walking the tree (legacy layout): folders holding ``zarr.json`` of an array
     or ``.zarray``. Megatron's ``*.sync`` lock folders hold an empty ``.zarray`` and are skipped."""
+    if _is_store(root):
+        keys = []
+        for name in root.list():  # a legacy checkpoint without a root listing: one LIST
+            folder, _, base = name.rpartition("/")
+            if not folder or any(part.endswith(".sync") for part in folder.split("/")):
+                continue
+            if base == LEGACY_ARRAY_META or (
+                    base == ARRAY_META and json.loads(bytes(root.get(name))).get("node_type") == "array"):
+                keys.append(folder)
+        return sorted(k for k in set(keys) if not any(k.startswith(o + "/") for o in keys))
     keys = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if not d.endswith(".sync"))
@@ -338,13 +377,16 @@ def _check_key_paths(keys: Iterable[str]) -> None:
                 f"array folder of one would contain the other")
 
 
-def _write_json(path: Path, md: Dict[str, Any], root: Path, key: str, atomic: bool = False) -> FileRecord:
+def _write_json(rel: str, md: Dict[str, Any], root, key: str, atomic: bool = False) -> FileRecord:
+    """Write ``md`` as ``rel`` under ``root`` (a put on an object store, atomic by itself)."""
     data = json.dumps(md).encode()
-    if atomic:
-        atomic_write_bytes(path, data)
+    if _is_store(root):
+        root.put(rel, data)
+    elif atomic:
+        atomic_write_bytes(root / rel, data)
     else:
-        path.write_bytes(data)
-    return path.relative_to(root).as_posix(), len(data), crc32c(data), key
+        (root / rel).write_bytes(data)
+    return rel, len(data), crc32c(data), key
 
 
 def write_root_group(root: Path, keys: Iterable[str]) -> List[FileRecord]:
@@ -353,11 +395,12 @@ def write_root_group(root: Path, keys: Iterable[str]) -> List[FileRecord]:
     parents = {str(Path(k).parent.as_posix()) for k in keys} - {"."}
     records = []
     for g in sorted({p for parent in parents for p in _prefixes(parent)}):
-        (root / g).mkdir(parents=True, exist_ok=True)
-        records.append(_write_json(root / g / ARRAY_META, {"zarr_format": 3, "node_type": "group"}, root, g))
+        if not _is_store(root):
+            (root / g).mkdir(parents=True, exist_ok=True)
+        records.append(_write_json(f"{g}/{ARRAY_META}", {"zarr_format": 3, "node_type": "group"}, root, g))
     md = {"zarr_format": 3, "node_type": "group",
           "attributes": {"distckpt": {"format": BACKEND, "format_version": FORMAT_VERSION, "keys": keys}}}
-    records.append(_write_json(root / ARRAY_META, md, root, ARRAY_META, atomic=True))
+    records.append(_write_json(ARRAY_META, md, root, ARRAY_META, atomic=True))
     return records
 
 
@@ -370,9 +413,12 @@ def create_array(root: Path, key: str, shape: Shape, chunks: Shape, dtype: torch
                  compression: Optional[str] = None) -> Tuple[ArrayMeta, FileRecord]:
     """Write ``<root>/<key>/zarr.json``; return the array's metadata and the file's record."""
     md = array_metadata_json(key, shape, chunks, dtype, compression)
+    record = _write_json(f"{key}/{ARRAY_META}", md, root, key) if _is_store(root) else None
+    if record is not None:
+        return replace(_meta_from_v3(key, Path(key), md), store=root), record
     path = root / key
     path.mkdir(parents=True, exist_ok=True)
-    record = _write_json(path / ARRAY_META, md, root, key)
+    record = _write_json(f"{key}/{ARRAY_META}", md, root, key)
     return _meta_from_v3(key, path, md), record
 
 
@@ -480,10 +526,11 @@ class RawIO:
         self.thread_count = max(1, thread_count)
         self.fsync = fsync
 
-    def _map(self, fn: Callable[[Any], Any], jobs: Sequence[Any]) -> List[Any]:
-        if len(jobs) <= 1 or self.thread_count == 1:
+    def _map(self, fn: Callable[[Any], Any], jobs: Sequence[Any], threads: Optional[int] = None) -> List[Any]:
+        threads = threads or self.thread_count
+        if len(jobs) <= 1 or threads == 1:
             return [fn(job) for job in jobs]
-        with ThreadPoolExecutor(max_workers=min(self.thread_count, len(jobs))) as pool:
+        with ThreadPoolExecutor(max_workers=min(threads, len(jobs))) as pool:
             return [fut.result() for fut in [pool.submit(fn, job) for job in jobs]]
 
     # ----------------------------------------------------------------- write
@@ -549,6 +596,48 @@ class RawIO:
                 os.close(fd)
 
         self._map(read_file, sorted(by_file.items(), key=lambda kv: str(kv[0])))
+
+
+    # ----------------------------------------------------------------- object stores
+
+    def write_objects(self, jobs: Sequence[ChunkWrite]) -> List[FileRecord]:
+        """Object store: one put per chunk (each rank its own chunks), straight from tensor memory."""
+
+        def write_one(job: ChunkWrite) -> FileRecord:
+            view = byte_view(_padded(job.meta, job.data))
+            rel = job.meta.chunk_relpath(job.index)
+            job.meta.store.put(rel, view)
+            return rel, len(view), crc32c(view), job.meta.key
+
+        return self._map(write_one, sorted(jobs, key=lambda j: -j.data.numel()), OBJECT_STORE_REQUESTS)
+
+    def read_objects(self, ops: Sequence[ChunkRead], checksums: Optional[Dict[str, Tuple[int, int]]]) -> None:
+        """Object store: each needed chunk fetched once, whole, and checked against its CRC32C
+        (``checksums``: the manifest's, when there is one) before its regions are copied out."""
+        by_file: Dict[str, List[ChunkRead]] = {}
+        for op in ops:
+            by_file.setdefault(op.meta.chunk_relpath(op.index), []).append(op)
+
+        def read_file(item: Tuple[str, List[ChunkRead]]) -> None:
+            rel, file_ops = item
+            meta = file_ops[0].meta
+            where = f"key {meta.key!r}: chunk {meta.store.where(rel)} (rank {dist.get_rank()})"
+            try:
+                raw = meta.store.get(rel)
+            except FileNotFoundError:
+                raise CheckpointingException(f"{where} is missing") from None
+            if len(raw) != meta.chunk_nbytes:
+                raise CheckpointingException(
+                    f"{where} holds {len(raw)} bytes, expected {meta.chunk_nbytes} of an uncompressed "
+                    f"chunk of shape {list(meta.chunks)} ({meta.dtype}); truncated or corrupt")
+            expected = None if checksums is None else checksums.get(rel)
+            if expected is not None and crc32c(raw) != expected[1]:
+                raise CheckpointingException(f"{where}: CRC32C mismatch against the manifest (corrupted data)")
+            chunk = torch.frombuffer(bytearray(raw), dtype=meta.dtype).reshape(meta.chunks)
+            for op in file_ops:
+                op.dest.copy_(chunk[tuple(slice(lo, hi) for lo, hi in zip(op.lo, op.hi))])
+
+        self._map(read_file, sorted(by_file.items()), OBJECT_STORE_REQUESTS)
 
 
 # A strided region is read run by run (each contiguous run straight into place) unless its runs
@@ -621,6 +710,12 @@ class _Engines:
         return self._ts
 
     def uses_tensorstore(self, meta: ArrayMeta) -> bool:
+        if meta.store is not None:
+            if not meta.raw:
+                raise CheckpointingException(
+                    f"key {meta.key!r}: array at {meta.store.where(meta.key)} is compressed or otherwise "
+                    f"encoded; on object stores the zarr backend reads and writes uncompressed arrays only")
+            return False
         if self.io_engine == "tensorstore":
             return True
         if not meta.raw:
@@ -632,16 +727,24 @@ class _Engines:
         return False
 
     def write(self, jobs: Sequence[ChunkWrite]) -> List[FileRecord]:
+        store_jobs = [j for j in jobs if j.meta.store is not None and not self.uses_tensorstore(j.meta)]
+        jobs = [j for j in jobs if j.meta.store is None]
         ts_jobs = [j for j in jobs if self.uses_tensorstore(j.meta)]
         raw_jobs = [j for j in jobs if not self.uses_tensorstore(j.meta)]
         records = self.tensorstore.write(ts_jobs) if ts_jobs else []
+        if store_jobs:
+            records += self.raw.write_objects(store_jobs)
         return records + self.raw.write(raw_jobs)
 
     def read(self, ops: Sequence[ChunkRead], checksums: Optional[Dict[str, Tuple[int, int]]] = None) -> None:
+        store_ops = [o for o in ops if o.meta.store is not None and not self.uses_tensorstore(o.meta)]
+        ops = [o for o in ops if o.meta.store is None]
         ts_ops = [o for o in ops if self.uses_tensorstore(o.meta)]
         raw_ops = [o for o in ops if not self.uses_tensorstore(o.meta)]
         if ts_ops:
             self.tensorstore.read(ts_ops, checksums)
+        if store_ops:
+            self.raw.read_objects(store_ops, checksums)
         self.raw.read(raw_ops, checksums)
 
 
@@ -854,7 +957,10 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
                 records.append(record)
             else:
                 md = array_metadata_json(key, d.shape, chunks, d.dtype, self.compression)
-                metas[key] = _meta_from_v3(key, root / key, md)
+                if _is_store(root):
+                    metas[key] = replace(_meta_from_v3(key, Path(key), md), store=root)
+                else:
+                    metas[key] = _meta_from_v3(key, root / key, md)
         if rank == 0:
             records += write_root_group(root, decls)
         return metas, records
@@ -862,7 +968,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
     def prepare(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path, stage: bool = False) -> _SavePlan:
         """Plan and create the arrays; collective. A planning error raises on every rank; a
         later local error is kept in the plan and raised everywhere by ``finalize``."""
-        root = Path(checkpoint_dir)
+        root = _root(checkpoint_dir)
         exc: Optional[BaseException] = None
         decls: Optional[Dict[str, _KeyDecl]] = None
         pieces: List[_Piece] = []
@@ -1030,7 +1136,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         return meta
 
     def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
-        root = Path(checkpoint_dir)
+        root = _root(checkpoint_dir)
         out = {}
         for key in list_array_keys(root):
             meta = self._meta(root, key)
@@ -1038,10 +1144,15 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         return out
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
-        root = Path(checkpoint_dir)
+        root = _root(checkpoint_dir)
         metas: Dict[str, ArrayMeta] = {}
         ops: List[ChunkRead] = []
         commits: List[Callable[[], None]] = []
+        if _is_store(root):
+            # One GET per array's zarr.json: issue them together instead of one after another.
+            keys = sorted({sh.key for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedTensor)})
+            found = self.engines.raw._map(lambda k: (k, self._meta(root, k)), keys, OBJECT_STORE_REQUESTS)
+            metas.update(found)
 
         def prepare(sh: Any) -> Any:
             if isinstance(sh, ShardedObject):
@@ -1074,7 +1185,8 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             return sh
 
         dict_list_map_inplace(prepare, sharded_state_dict)
-        self.engines.read(ops, self._checksums(root) if self.verify else None)
+        # On an object store every chunk read is checked (storage checksums do not reach us).
+        self.engines.read(ops, self._checksums(root) if self.verify or _is_store(root) else None)
         with torch.no_grad():
             for commit in commits:
                 commit()
@@ -1084,7 +1196,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
     def remove_sharded_tensors(self, checkpoint_dir: Path, key_prefix: str) -> None:
         """Drop every array whose key starts with ``key_prefix``: the root group's listing and
         the manifest first (atomically rewritten), then the array folders."""
-        root = Path(checkpoint_dir)
+        root = _root(checkpoint_dir)
         keys = list_array_keys(root)
         gone = [k for k in keys if k.startswith(key_prefix)]
         if not gone:
@@ -1102,7 +1214,11 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
                 manifest.ranges[path] = [RangeChecksum(0, size, crc, key)]
             write_manifest(root, manifest)
         for key in gone:
-            shutil.rmtree(self._meta(root, key).path)
+            if _is_store(root):
+                for name in root.list(f"{key}/"):
+                    root.delete(name)
+            else:
+                shutil.rmtree(self._meta(root, key).path)
 
 
 # --------------------------------------------------------------------------- whole-tensor writer
@@ -1123,7 +1239,7 @@ class ZarrTensorWriter:
     def __init__(self, checkpoint_dir: Path, *, io_engine: str = "auto", thread_count: int = 4,
                  compression: Optional[str] = None, max_chunk_bytes: Optional[int] = None,
                  fsync: bool = True):
-        self.root = Path(checkpoint_dir)
+        self.root = _root(checkpoint_dir)
         self.engines = _Engines(io_engine, thread_count, fsync)
         self.compression = compression
         self.max_chunk_bytes = max_chunk_bytes

@@ -18,18 +18,20 @@ and ``metadata.json`` is written last, atomically.
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
 import re
 import shutil
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Pattern, Protocol, Tuple, Union
 
 import torch
 
+from distckpt import storage
 from distckpt.core import (
     CONFIG_FNAME,
     CheckpointingConfig,
@@ -38,6 +40,7 @@ from distckpt.core import (
     atomic_write_bytes,
     fsync_dir,
     maybe_load_config,
+    parse_config,
     save_config,
     write_file_durably,
 )
@@ -107,7 +110,7 @@ def get_writer(name: str, dst_dir: PathLike, **options: Any) -> CheckpointWriter
     except KeyError:
         raise CheckpointingException(
             f"no checkpoint writer {name!r}; known: {', '.join(sorted(_WRITERS))}") from None
-    return factory(Path(dst_dir), **options)
+    return factory(dst_dir if storage.is_remote(dst_dir) else Path(dst_dir), **options)
 
 
 # --------------------------------------------------------------------------- distckpt writers
@@ -138,7 +141,8 @@ class DistckptWriter:
     version: int = 1
 
     def __init__(self, dst_dir: PathLike, overwrite: bool = False):
-        self.dst = Path(dst_dir)
+        self.dst = storage.resolve(dst_dir)
+        self.remote = isinstance(self.dst, storage.Store)
         self.overwrite = overwrite
         # (relative path, offset, length, crc32c, key) of every byte range written.
         self.ranges: List[Tuple[str, int, int, int, str]] = []
@@ -148,6 +152,10 @@ class DistckptWriter:
         self._created = False
 
     def _prepare_destination(self) -> None:
+        if self.remote:
+            # An object store: refuse a committed checkpoint unless overwrite; un-commit it first.
+            self.dst.begin_save(_COMMIT_FILES, self.overwrite)
+            return
         if self.dst.exists() and not self.dst.is_dir():
             raise CheckpointingException(f"{self.dst}: exists and is not a directory")
         if self.dst.is_dir() and any(self.dst.iterdir()):
@@ -170,7 +178,10 @@ class DistckptWriter:
     def begin(self, common: StateDict, objects: Dict[str, Any]) -> None:
         self._prepare_destination()
         data = _torch_bytes(common)
-        write_file_durably(self.dst / "common.pt", data)
+        if self.remote:
+            self.dst.put("common.pt", data)
+        else:
+            write_file_durably(self.dst / "common.pt", data)
         self._record_file("common.pt", data, "common.pt")
         self._begin_objects(objects)
 
@@ -195,7 +206,11 @@ class DistckptWriter:
         """Write the backend's index and the manifest, then commit (``metadata.json`` last)."""
         self._finish_data()
         write_manifest(self.dst, build_manifest(str(uuid.uuid4()), self.backend, self.ranges, self.sizes))
-        save_config(CheckpointingConfig(self.backend, self.version, "torch", 1), self.dst)
+        config = CheckpointingConfig(self.backend, self.version, "torch", 1)
+        if self.remote:
+            self.dst.commit(CONFIG_FNAME, json.dumps(asdict(config)).encode())
+        else:
+            save_config(config, self.dst)
         return {"path": str(self.dst), "backend": self.backend, "tensors": self.tensor_count,
                 "nbytes": self.tensor_bytes, "files": len(self.sizes) + 2}
 
@@ -203,7 +218,7 @@ class DistckptWriter:
         """Drop the output: a folder this writer created goes entirely; in a folder that
         existed the files stay, uncommitted (no ``metadata.json``), so never taken as a checkpoint."""
         self._release()
-        if self._created:
+        if self._created and not self.remote:
             shutil.rmtree(self.dst, ignore_errors=True)
 
 
@@ -224,6 +239,9 @@ class ZarrWriter(DistckptWriter):
         from distckpt.strategies.zarr import FORMAT_VERSION, ZarrTensorWriter
 
         super().__init__(dst_dir, overwrite)
+        if self.remote and compression is not None:
+            raise CheckpointingException(
+                f"{self.dst}: on object stores the zarr backend writes uncompressed arrays only")
         self.version = FORMAT_VERSION
         self.arrays = ZarrTensorWriter(self.dst, io_engine=io_engine, thread_count=thread_count,
                                        compression=compression, max_chunk_bytes=max_chunk_bytes)
@@ -231,9 +249,12 @@ class ZarrWriter(DistckptWriter):
     def _begin_objects(self, objects: Dict[str, Any]) -> None:
         for unique_key, obj in objects.items():
             data = _torch_bytes(obj)
-            path = self.dst / f"{unique_key}.pt"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_file_durably(path, data)
+            if self.remote:
+                self.dst.put(f"{unique_key}.pt", data)
+            else:
+                path = self.dst / f"{unique_key}.pt"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_file_durably(path, data)
             self._record_file(f"{unique_key}.pt", data, unique_key)
 
     def _write_tensor(self, key: str, tensor: torch.Tensor) -> None:
@@ -279,18 +300,25 @@ class TorchDistWriter(DistckptWriter):
         self._items: List[Tuple[str, Optional[Tuple[int, ...]], str, int, int]] = []
 
     def _open_next(self) -> None:
-        from distckpt.strategies.filesystem import ChecksummingSink
+        from distckpt.strategies.filesystem import ChecksummingSink, WriterSink
 
         self._close()
         self._file_index += 1
         self._name = f"__0_{self._file_index}.distcp"
-        self._fd = os.open(self.dst / self._name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._sink = ChecksummingSink(self._fd)
+        if self.remote:
+            self._fd = self.dst.open_writer(self._name)  # a multipart upload
+            self._sink = WriterSink(self._fd)
+        else:
+            self._fd = os.open(self.dst / self._name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self._sink = ChecksummingSink(self._fd)
 
     def _close(self) -> None:
         if self._fd is not None:
             self._sink.fsync()
-            os.close(self._fd)
+            if self.remote:
+                self._fd.close()
+            else:
+                os.close(self._fd)
             self.sizes[self._name] = self._sink.position
             self._fd = None
 
@@ -310,7 +338,10 @@ class TorchDistWriter(DistckptWriter):
 
     def _release(self) -> None:
         if self._fd is not None:
-            os.close(self._fd)
+            if self.remote:
+                self._fd.abort()
+            else:
+                os.close(self._fd)
             self._fd = None
 
     def _write_tensor(self, key: str, tensor: torch.Tensor) -> None:
@@ -360,7 +391,10 @@ class TorchDistWriter(DistckptWriter):
                       storage_meta=StorageMeta(checkpoint_id=str(self.dst), save_id=str(uuid.uuid4())))
         md.mcore_data = {}
         data = pickle.dumps(md)
-        atomic_write_bytes(self.dst / ".metadata", data)
+        if self.remote:
+            self.dst.put(".metadata", data)
+        else:
+            atomic_write_bytes(self.dst / ".metadata", data)
         self._record_file(".metadata", data, ".metadata")
 
 
@@ -374,8 +408,14 @@ register_writer("zarr", ZarrWriter)
 class _Source:
     """A committed checkpoint read through the registered load strategies, key by key."""
 
-    def __init__(self, path: Path, trusted: bool):
-        config = maybe_load_config(path) if path.is_dir() else None
+    def __init__(self, path, trusted: bool):
+        if isinstance(path, storage.Store):
+            try:
+                config = parse_config(bytes(path.get(CONFIG_FNAME)), path.where(CONFIG_FNAME))
+            except FileNotFoundError:
+                config = None
+        else:
+            config = maybe_load_config(path) if path.is_dir() else None
         if config is None:
             raise CheckpointingException(
                 f"{path}: not a committed checkpoint ({CONFIG_FNAME} is missing or the path is not a folder)")
@@ -491,7 +531,7 @@ def stream_checkpoint(src_dir: PathLike, writer: CheckpointWriter, *, keys: KeyF
     (:class:`distckpt.tools.inspect.Progress`).
     """
     started = time.perf_counter()
-    src = _Source(Path(src_dir), trusted)
+    src = _Source(storage.resolve(src_dir), trusted)
     wanted = _matcher(keys, exclude)
     report = ConversionReport(str(src_dir), dst_name, src.config.sharded_backend, dst_backend)
     try:
@@ -573,8 +613,8 @@ def convert_checkpoint(src_dir: PathLike, dst_dir: PathLike, to_backend: str, *,
         CheckpointingException: the source is not a committed checkpoint, the destination is the
             source or not empty, or reading or writing failed (naming key and file).
     """
-    src, dst = Path(src_dir), Path(dst_dir)
-    if dst.exists() and src.exists() and os.path.samefile(src, dst):
+    src, dst = storage.resolve(src_dir), storage.resolve(dst_dir)
+    if isinstance(src, Path) and isinstance(dst, Path) and dst.exists() and src.exists() and os.path.samefile(src, dst):
         raise CheckpointingException(f"{dst}: cannot convert a checkpoint into its own folder")
     writer = get_writer(to_backend, dst, overwrite=overwrite, **(writer_options or {}))
     return stream_checkpoint(src, writer, keys=keys, exclude=exclude, dtype=dtype, progress=progress,

@@ -756,15 +756,21 @@ def convert(src: PathLike, dst: PathLike, to_format: str, *, keys: Optional[str]
     Returns ``{"tensors", "nbytes", "objects", "skipped", "dropped_common_entries",
     "dropped_objects"}`` (the last two: what a tensor-only output left out).
     """
+    from distckpt import storage
     from distckpt.core import CONFIG_FNAME
     from distckpt.tools import convert as convert_tool
     from distckpt.tools.inspect import DEFAULT_READ_BUDGET, open_source
 
-    src, dst = Path(src), Path(dst)
-    if not src.exists():
+    src_remote, dst_remote = storage.is_remote(src), storage.is_remote(dst)
+    src = src if src_remote else Path(src)
+    dst = dst if dst_remote else Path(dst)
+    if not src_remote and not src.exists():
         raise CheckpointingException(f"{src}: no such file or directory")
-    if dst.exists() and os.path.samefile(src, dst):
+    if not (src_remote or dst_remote) and dst.exists() and os.path.samefile(src, dst):
         raise CheckpointingException(f"{dst}: cannot convert into the source itself")
+    if dst_remote and to_format in FILE_FORMATS:
+        raise CheckpointingException(
+            f"{dst}: {to_format} output goes to a local path; object stores take checkpoints (torch_dist)")
     budget = DEFAULT_READ_BUDGET if read_budget is None else read_budget
     if to_format in FILE_FORMATS:
         writer = make_file_writer(to_format, dst, max_shard_size, overwrite=overwrite)
@@ -775,7 +781,7 @@ def convert(src: PathLike, dst: PathLike, to_format: str, *, keys: Optional[str]
     if model_only:
         exclude = model_only_exclude(exclude)
         writer = DropCommonEntries(writer, ["optimizer"])
-    if src.is_dir() and (src / CONFIG_FNAME).exists():
+    if src_remote or (src.is_dir() and (src / CONFIG_FNAME).exists()):
         report = convert_tool.stream_checkpoint(src, writer, keys=keys, exclude=exclude, dtype=dtype,
                                                 progress=progress, trusted=trusted, read_budget_bytes=budget,
                                                 dst_name=str(dst), dst_backend=to_format)

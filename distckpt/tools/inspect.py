@@ -24,7 +24,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Protocol, Sequ
 
 import torch
 
-from distckpt.core import CONFIG_FNAME, CheckpointingException, PathLike, maybe_load_config
+from distckpt.core import CONFIG_FNAME, CheckpointingException, PathLike, maybe_load_config, parse_config
 from distckpt.mapping import ShardedObject, ShardedTensor
 
 Shape = Tuple[int, ...]
@@ -262,15 +262,24 @@ class CheckpointSource(TensorSource):
     """
 
     def __init__(self, path: PathLike, trusted: bool = False):
+        from distckpt import storage
         from distckpt.strategies.base import StrategyAction, get_default_strategy
 
-        self.path = Path(path)
+        self.path = storage.resolve(path)
         self.trusted = trusted
-        if not self.path.exists():
-            raise CheckpointingException(f"{self.path}: no such file or directory")
-        if not self.path.is_dir():
-            raise CheckpointingException(f"{self.path}: not a checkpoint directory")
-        config = maybe_load_config(self.path)
+        if isinstance(self.path, storage.Store):
+            try:
+                raw = bytes(self.path.get(CONFIG_FNAME))
+            except FileNotFoundError:
+                config = None
+            else:
+                config = parse_config(raw, self.path.where(CONFIG_FNAME))
+        else:
+            if not self.path.exists():
+                raise CheckpointingException(f"{self.path}: no such file or directory")
+            if not self.path.is_dir():
+                raise CheckpointingException(f"{self.path}: not a checkpoint directory")
+            config = maybe_load_config(self.path)
         if config is None:
             raise CheckpointingException(
                 f"{self.path}: not a committed checkpoint ({CONFIG_FNAME} is missing: an interrupted "
@@ -284,7 +293,7 @@ class CheckpointSource(TensorSource):
             self.common_strategy = get_default_strategy(StrategyAction.LOAD_COMMON, config.common_backend,
                                                         config.common_backend_version)
         except CheckpointingException as e:
-            raise CheckpointingException(f"{self.path / CONFIG_FNAME}: {e}") from None
+            raise CheckpointingException(f"{self.path}/{CONFIG_FNAME}: {e}") from None
         for strategy in (self.sharded, self.common_strategy):
             if hasattr(strategy, "trusted"):
                 strategy.trusted = trusted
@@ -344,13 +353,19 @@ class CheckpointSource(TensorSource):
         from distckpt.strategies import zarr as zarr_strategy
 
         out = {}
+        listing = None if isinstance(self.path, Path) else self.path.list()  # one LIST: chunk sizes
         for key in zarr_strategy.list_array_keys(self.path):
             meta = zarr_strategy.read_array_meta(self.path, key)
             if meta is None:
                 raise CheckpointingException(f"{self.path}: key {key!r} is listed but has no array metadata")
             grid = [-(-s // c) if c else 0 for s, c in zip(meta.shape, meta.chunks)]
+            if listing is None:
+                disk = _zarr_chunk_bytes(meta.path)
+            else:
+                disk = sum(n for name, n in listing.items() if name.startswith(f"{key}/")
+                           and not name.endswith(("zarr.json", ".zarray", ".zattrs", ".pt")))
             out[key] = TensorMeta(key, tuple(meta.shape), meta.dtype, None, math.prod(grid),
-                                  tuple(meta.chunks), _zarr_chunk_bytes(meta.path))
+                                  tuple(meta.chunks), disk)
         return out
 
     def objects(self) -> Dict[str, ObjectMeta]:
@@ -360,8 +375,11 @@ class CheckpointSource(TensorSource):
             else:
                 self._objects = {}
                 for uk in sorted(self.common_strategy.load_sharded_metadata(self.path)):
-                    path = self.path / f"{uk}.pt"
-                    size = path.stat().st_size if path.is_file() else None
+                    if isinstance(self.path, Path):
+                        path = self.path / f"{uk}.pt"
+                        size = path.stat().st_size if path.is_file() else None
+                    else:
+                        size = self.path.size(f"{uk}.pt") if self.path.exists(f"{uk}.pt") else None
                     self._objects[uk] = ObjectMeta(uk, size, f"{uk}.pt")
         return self._objects
 
@@ -391,7 +409,10 @@ class CheckpointSource(TensorSource):
             if meta is not None and getattr(meta, "save_id", None):
                 out["save_id"] = meta.save_id
         files, size = 0, 0
-        for dirpath, _, filenames in os.walk(self.path):
+        if not isinstance(self.path, Path):
+            listing = self.path.list()  # one LIST, in the tool's single process
+            files, size = len(listing), sum(listing.values())
+        for dirpath, _, filenames in os.walk(self.path) if isinstance(self.path, Path) else ():
             for name in filenames:
                 files += 1
                 size += os.path.getsize(os.path.join(dirpath, name))
@@ -448,8 +469,11 @@ def open_source(path: PathLike, trusted: bool = False) -> TensorSource:
     Raises:
         CheckpointingException: the path does not exist or is none of these.
     """
+    from distckpt import storage
     from distckpt.tools import export
 
+    if storage.is_remote(path):
+        return CheckpointSource(path, trusted)
     path = Path(path)
     if not path.exists():
         raise CheckpointingException(f"{path}: no such file or directory")

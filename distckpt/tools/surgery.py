@@ -71,6 +71,7 @@ def remove_prefix(checkpoint: PathLike, prefix: str, out: Optional[PathLike] = N
     before = set(load_sharded_metadata(root))
     if not any(k.startswith(prefix) for k in before):
         raise CheckpointingException(f"{root}: no key starts with {prefix!r}{_suggest(prefix, before)}")
+    _local_output_only(root, out)
     if out is None:
         remove_sharded_tensors(root, prefix)
         target = root
@@ -191,6 +192,7 @@ def rename_keys(checkpoint: PathLike, mapping: Sequence[Tuple[str, str]] = (),
     plan = plan_renames(list(src.tensors()), list(src.objects()), mapping, regexes)
     if dry_run:
         return plan
+    _local_output_only(root, out)
     if out is not None:
         _check_new_output(Path(out))
     if src.format == "torch_dist":
@@ -225,6 +227,12 @@ def _rename_torch_dist(root: Path, plan: RenamePlan, trusted: bool, out: Optiona
         contents[MANIFEST_FNAME] = _renamed_manifest(manifest, {}, contents, name).to_json()
     if out is not None:
         _write_copy(root, Path(out), lambda rel: rel, contents, progress)
+        return
+    if not isinstance(root, Path):
+        # An object store: one atomic put per object, manifest first (as below).
+        for rel in (MANIFEST_FNAME, METADATA_FNAME):
+            if rel in contents:
+                root.put(rel, contents[rel])
         return
     try:
         _swap_in_place(root, lambda rel: rel, contents)
@@ -357,13 +365,33 @@ class _NoLinks(Exception):
     """Hard links or the directory exchange are not available here."""
 
 
-def _committed(checkpoint: PathLike) -> Path:
+def _committed(checkpoint: PathLike):
+    from distckpt import storage
+    from distckpt.core import parse_config
+
+    if storage.is_remote(checkpoint):
+        store = storage.open_store(checkpoint)
+        try:
+            parse_config(bytes(store.get(CONFIG_FNAME)), store.where(CONFIG_FNAME))
+        except FileNotFoundError:
+            raise CheckpointingException(f"{store}: not a committed checkpoint ({CONFIG_FNAME} is missing)") from None
+        return store
     root = Path(checkpoint)
     if not root.is_dir():
         raise CheckpointingException(f"{root}: no such checkpoint directory")
     if maybe_load_config(root) is None:
         raise CheckpointingException(f"{root}: not a committed checkpoint ({CONFIG_FNAME} is missing)")
     return root.resolve()
+
+
+def _local_output_only(root, out: Optional[PathLike]) -> None:
+    """``--out`` copies are made on local disk; on an object store surgery works in place."""
+    from distckpt import storage
+
+    if out is not None and (storage.is_remote(out) or not isinstance(root, Path)):
+        raise CheckpointingException(
+            f"{out}: --out is for local checkpoints; on an object store the change is made in place "
+            f"(or convert to a new location first: distckpt convert SRC DST --to torch_dist)")
 
 
 def _check_new_output(out: Path) -> None:

@@ -23,11 +23,13 @@ Nothing is modified. :func:`verify_checkpoint` returns a :class:`VerifyReport`; 
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from distckpt.core import CONFIG_FNAME, CheckpointingException, PathLike, maybe_load_config
+from distckpt import storage
+from distckpt.core import CONFIG_FNAME, CheckpointingException, PathLike, maybe_load_config, parse_config
 from distckpt.manifest import MANIFEST_FNAME, read_manifest, verify_files
 from distckpt.tools.inspect import CheckpointSource, NoProgress, Progress
 
@@ -64,16 +66,17 @@ def verify_checkpoint(path: PathLike, *, checksums: bool = True, deep: bool = Fa
     Raises:
         CheckpointingException: ``path`` does not exist or is not a directory (nothing to verify).
     """
-    root = Path(path)
+    root = storage.resolve(path)
     progress = progress or NoProgress()
-    if not root.exists():
-        raise CheckpointingException(f"{root}: no such file or directory")
-    if not root.is_dir():
-        raise CheckpointingException(f"{root}: not a checkpoint directory")
+    if isinstance(root, Path):
+        if not root.exists():
+            raise CheckpointingException(f"{root}: no such file or directory")
+        if not root.is_dir():
+            raise CheckpointingException(f"{root}: not a checkpoint directory")
     report = VerifyReport(str(root))
 
     try:
-        config = maybe_load_config(root)
+        config = _load_config(root)
     except CheckpointingException as e:
         report.problems.append(str(e))
         config = None
@@ -172,7 +175,44 @@ def _check_backends_known(config, report: VerifyReport) -> None:
             report.problems.append(f"{CONFIG_FNAME}: backend {backend!r} version {version!r} is unusable: {e}")
 
 
-def _guess_backend(root: Path) -> Optional[str]:
+def _load_config(root):
+    if isinstance(root, Path):
+        return maybe_load_config(root)
+    try:
+        raw = bytes(root.get(CONFIG_FNAME))
+    except FileNotFoundError:
+        return None
+    return parse_config(raw, root.where(CONFIG_FNAME))
+
+
+def _listing(root) -> Dict[str, int]:
+    """Object store: every object of the checkpoint with its size (one LIST per store object)."""
+    listing = _LISTINGS.get(root)
+    if listing is None:
+        listing = _LISTINGS[root] = root.list()
+    return listing
+
+
+_LISTINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _file_size(root, name: str) -> Optional[int]:
+    if isinstance(root, Path):
+        try:
+            return (root / name).stat().st_size
+        except FileNotFoundError:
+            return None
+    return _listing(root).get(name)
+
+
+def _guess_backend(root) -> Optional[str]:
+    if not isinstance(root, Path):
+        names = _listing(root)
+        if ".metadata" in names or any(n.endswith(".distcp") for n in names):
+            return "torch_dist"
+        if "zarr.json" in names or any(n.endswith(("/.zarray", "/zarr.json")) for n in names):
+            return "zarr"
+        return None
     if (root / ".metadata").exists() or any(root.glob("*.distcp")):
         return "torch_dist"
     if (root / "zarr.json").exists() or any(root.glob("*/.zarray")) or any(root.glob("*/zarr.json")):
@@ -199,10 +239,7 @@ def _check_torch_dist(root: Path, trusted: bool, report: VerifyReport) -> int:
 
     def size_of(name: str) -> Optional[int]:
         if name not in sizes:
-            try:
-                sizes[name] = (root / name).stat().st_size
-            except FileNotFoundError:
-                sizes[name] = None
+            sizes[name] = _file_size(root, name)
         return sizes[name]
 
     records: Dict[str, Dict[Tuple[int, ...], object]] = {}
@@ -303,14 +340,19 @@ def _check_zarr(root: Path, report: VerifyReport) -> None:
         missing, wrong = [], []
         for index in _product(grid):
             chunk_files += 1
-            path = meta.chunk_path(index)
-            try:
-                actual = path.stat().st_size
-            except (FileNotFoundError, NotADirectoryError):
-                missing.append(path.relative_to(root).as_posix())
+            rel = meta.chunk_relpath(index)
+            if isinstance(root, Path):
+                try:
+                    actual = meta.chunk_path(index).stat().st_size
+                except (FileNotFoundError, NotADirectoryError):
+                    actual = None
+            else:
+                actual = _file_size(root, rel)
+            if actual is None:
+                missing.append(rel)
                 continue
             if meta.raw and actual != meta.chunk_nbytes:
-                wrong.append(f"{path.relative_to(root).as_posix()} ({actual} bytes, expected {meta.chunk_nbytes})")
+                wrong.append(f"{rel} ({actual} bytes, expected {meta.chunk_nbytes})")
         if missing:
             report.problems.append(f"{key}: {len(missing)} chunk file(s) missing: "
                                    f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
@@ -333,12 +375,15 @@ def _check_common_files(root: Path, backend: str, report: VerifyReport, dcp_valu
     from distckpt.strategies.common import COMMON_STATE_FNAME
 
     # A dcp.save keeps its common state as byte items (DCP values) and writes no common.pt.
-    if not (root / COMMON_STATE_FNAME).is_file() and not dcp_values:
+    if _file_size(root, COMMON_STATE_FNAME) is None and not dcp_values:
         report.problems.append(f"{COMMON_STATE_FNAME}: missing (the common state)")
     if backend == "torch_dist":
         return  # objects are byte items of the .distcp files, checked with the records
-    objects = sorted(p.relative_to(root).as_posix() for p in root.rglob("shard_*.pt"))
-    empty = [o for o in objects if (root / o).stat().st_size == 0]
+    if isinstance(root, Path):
+        objects = sorted(p.relative_to(root).as_posix() for p in root.rglob("shard_*.pt"))
+    else:
+        objects = sorted(n for n in _listing(root) if n.rsplit("/", 1)[-1].startswith("shard_") and n.endswith(".pt"))
+    empty = [o for o in objects if _file_size(root, o) == 0]
     if empty:
         report.problems.append(f"{len(empty)} object file(s) are empty: {', '.join(empty[:3])}")
     report.checked.append(f"{COMMON_STATE_FNAME} and {len(objects)} object files present")
@@ -347,6 +392,8 @@ def _check_common_files(root: Path, backend: str, report: VerifyReport, dcp_valu
 def _unlisted_data_files(root: Path, listed: Dict[str, int], backend: Optional[str]) -> List[str]:
     if backend != "torch_dist":
         return []
+    if not isinstance(root, Path):
+        return sorted(n for n in _listing(root) if n.endswith(".distcp") and "/" not in n and n not in listed)
     return sorted(p.name for p in root.glob("*.distcp") if p.name not in listed)
 
 

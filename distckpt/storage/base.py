@@ -1,0 +1,140 @@
+"""The storage protocol: where a checkpoint's bytes live, and what that place can do.
+
+A :class:`Store` is rooted at one checkpoint location (a directory, or a key prefix in a bucket)
+and addresses objects by their name relative to it (``"__0_0.distcp"``, ``"metadata.json"``).
+Callers ask for *capabilities* instead of testing types:
+
+=========================  ================================================================
+``supports_rename``        an atomic rename exists (local: temp file + ``rename`` commits)
+``supports_mmap``          objects are files that can be mapped and ``pread`` (the local fast
+                           paths: ``pwritev`` writes, strided copies out of a mapping)
+``supports_conditional_put``  :meth:`Store.put_if_absent` is atomic against concurrent writers
+                           (S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``, Azure
+                           ``If-None-Match``; local ``link`` of a complete temp file)
+``supports_ranged_read``   :meth:`Store.get_ranges` reads byte ranges without the whole object
+=========================  ================================================================
+
+Which rank calls what (the strategies and ``serialization`` follow this):
+
+- every rank: :meth:`put`/:meth:`open_writer` for *its own* objects only (its ``.distcp`` files,
+  its object files); :meth:`get`/:meth:`get_ranges`/:meth:`size` for what a load addresses from
+  the metadata. No rank lists a checkpoint to load it.
+- rank 0 only: :meth:`begin_save` (before any rank writes), the strategy index and manifest
+  (:meth:`put`), and :meth:`commit` last. :meth:`list` is for tools and at most rank 0, once.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Dict, List, Optional, Sequence
+
+
+class Writer(ABC):
+    """A streaming writer of one object with bounded memory. The object appears (durably, whole)
+    only on :meth:`close`; :meth:`abort` (or an exception inside ``with``) leaves nothing behind —
+    an object store's multipart upload is aborted, a local temp file removed."""
+
+    @abstractmethod
+    def write(self, data) -> int:
+        """Append a bytes-like ``data`` (may be kept until the next part is full)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Finish the object: every byte written is stored durably when this returns."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Drop the object being written."""
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class Store(ABC):
+    """One checkpoint location. Names are ``/``-separated and relative to the location."""
+
+    supports_rename: bool = False
+    supports_mmap: bool = False
+    supports_conditional_put: bool = False
+    supports_ranged_read: bool = True
+
+    @property
+    @abstractmethod
+    def url(self) -> str:
+        """The location as a URL (or a plain path for local directories)."""
+
+    def where(self, name: str) -> str:
+        """``name`` as a full location, for messages."""
+        return f"{self.url.rstrip('/')}/{name}"
+
+    def __str__(self) -> str:
+        return self.url
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    @abstractmethod
+    def child(self, name: str) -> Store:
+        """The store rooted at ``name`` below this one."""
+
+    # ---------------------------------------------------------------- whole objects
+
+    @abstractmethod
+    def put(self, name: str, data) -> None:
+        """Store ``data`` (bytes-like) as ``name``, replacing it; atomic and durable on return."""
+
+    @abstractmethod
+    def put_if_absent(self, name: str, data) -> bool:
+        """Store ``data`` as ``name`` only if no object of that name exists; False if one did.
+        Atomic against concurrent callers where ``supports_conditional_put``."""
+
+    @abstractmethod
+    def get(self, name: str) -> bytes:
+        """The whole object. Raises FileNotFoundError if it does not exist."""
+
+    @abstractmethod
+    def get_ranges(self, name: str, starts: Sequence[int], lengths: Sequence[int]) -> List[memoryview]:
+        """The byte ranges ``[start, start + length)`` of ``name``; close ranges are coalesced and
+        requests run concurrently. Raises FileNotFoundError, or CheckpointingException when the
+        object is shorter than a range."""
+
+    @abstractmethod
+    def size(self, name: str) -> int:
+        """Size in bytes. Raises FileNotFoundError."""
+
+    def exists(self, name: str) -> bool:
+        try:
+            self.size(name)
+            return True
+        except FileNotFoundError:
+            return False
+
+    @abstractmethod
+    def delete(self, name: str) -> None:
+        """Remove ``name``; a missing object is not an error."""
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> Dict[str, int]:
+        """Every object under ``prefix`` (relative names -> sizes). One listing; tools and at most
+        rank 0 call it."""
+
+    @abstractmethod
+    def open_writer(self, name: str) -> Writer:
+        """A streaming :class:`Writer` for ``name`` (multipart upload on object stores)."""
+
+    # ---------------------------------------------------------------- commit protocol
+
+    @abstractmethod
+    def begin_save(self, commit_names: Sequence[str], overwrite: Optional[bool]) -> None:
+        """Rank 0, before any rank writes: make sure no earlier checkpoint here can be mistaken for
+        the one being written. ``commit_names[0]`` is the commit marker (``metadata.json``)."""
+
+    @abstractmethod
+    def commit(self, name: str, data: bytes) -> None:
+        """Rank 0, last: write the commit marker. Afterwards the checkpoint is complete."""

@@ -1,0 +1,263 @@
+"""Object stores (S3, GCS, Azure, memory) as a :class:`~distckpt.storage.base.Store`, via obstore.
+
+obstore is a Rust client (``object_store``) that releases the GIL, signs requests itself and
+retries throttling, 5xx and dropped connections with exponential backoff and jitter. Nothing here
+speaks HTTP.
+
+Configuration, lowest precedence first:
+
+1. the usual environment, read by obstore: ``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``,
+   ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``, ``AWS_REGION``, ``AWS_ALLOW_HTTP``;
+   ``GOOGLE_APPLICATION_CREDENTIALS``, ``GOOGLE_SERVICE_ACCOUNT``; ``AZURE_STORAGE_ACCOUNT_NAME``,
+   ``AZURE_STORAGE_ACCOUNT_KEY``, ``AZURE_STORAGE_SAS_TOKEN`` ... An AWS profile
+   (``AWS_PROFILE`` or the ``profile`` option) is resolved through boto3 when it is installed.
+2. ``storage_options``: any key of obstore's per-store config (``endpoint``, ``region``,
+   ``access_key_id``, ``allow_http`` is a client option ...), plus
+   ``client_options`` (dict), ``retry_config`` (dict), and distckpt's own knobs:
+   ``part_size`` (multipart part size, default 16 MiB), ``max_concurrency`` (parts in flight per
+   upload, default 4), ``coalesce`` (ranged reads closer than this many bytes become one request,
+   default 1 MiB).
+
+Memory per upload stays below ``part_size * (max_concurrency + 1)``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from datetime import timedelta
+from typing import Any, Dict, List, Optional, Sequence
+from urllib.parse import urlparse
+
+import obstore
+from obstore import exceptions as obe
+from obstore.store import MemoryStore, from_url
+
+from distckpt.core import CheckpointingException
+from distckpt.storage.base import Store, Writer
+
+DEFAULT_PART_SIZE = 16 << 20
+DEFAULT_MAX_CONCURRENCY = 4
+DEFAULT_COALESCE = 1 << 20
+DEFAULT_RETRY = {
+    "max_retries": 10,
+    "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=15), "base": 2},
+    "retry_timeout": timedelta(minutes=3),
+}
+_OWN_OPTIONS = ("part_size", "max_concurrency", "coalesce", "client_options", "retry_config", "profile")
+
+# memory:// stores live as long as the process: one per bucket name, shared by every open_store.
+_MEMORY: Dict[str, MemoryStore] = {}
+_MEMORY_LOCK = threading.Lock()
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+class _ObjectWriter(Writer):
+    def __init__(self, store: ObjectStore, name: str):
+        self.where = store.where(name)
+        self._file = obstore.open_writer(store._store, store._key(name), buffer_size=store.part_size,
+                                         max_concurrency=store.max_concurrency)
+        self._done = False
+
+    def write(self, data) -> int:
+        try:
+            return self._file.write(data)
+        except Exception as e:  # noqa: BLE001 - every client error becomes ours, with the object
+            self.abort()
+            raise CheckpointingException(f"{self.where}: upload failed ({_short(e)})") from e
+
+    def close(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._file.close()
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointingException(f"{self.where}: upload failed ({_short(e)})") from e
+
+    def abort(self) -> None:
+        """Abort: obstore aborts the multipart upload when its writer exits with an exception."""
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._file.__exit__(RuntimeError, RuntimeError("aborted"), None)
+        except Exception:  # noqa: BLE001 - nothing more to clean up
+            pass
+
+
+class ObjectStore(Store):
+    """A key prefix in a bucket (``s3://bucket/run/iter_100``, ``gs://``, ``az://``, ``memory://``).
+
+    There is no rename and no mmap; a put is atomic (an object is never seen half-written), and
+    a conditional put (``If-None-Match: *``) makes ``metadata.json`` the commit.
+    """
+
+    supports_rename = False
+    supports_mmap = False
+    supports_conditional_put = True
+    supports_ranged_read = True
+
+    def __init__(self, url: str, storage_options: Optional[Dict[str, Any]] = None):
+        self._url = url.rstrip("/")
+        self.options = dict(storage_options or {})
+        opts = dict(self.options)
+        self.part_size = int(opts.pop("part_size", DEFAULT_PART_SIZE))
+        self.max_concurrency = int(opts.pop("max_concurrency", DEFAULT_MAX_CONCURRENCY))
+        self.coalesce = int(opts.pop("coalesce", DEFAULT_COALESCE))
+        client_options = opts.pop("client_options", None)
+        retry_config = opts.pop("retry_config", None) or DEFAULT_RETRY
+        profile = opts.pop("profile", None)
+        parsed = urlparse(self._url)
+        self.scheme = parsed.scheme
+        self._prefix = ""
+        if self.scheme == "memory":
+            with _MEMORY_LOCK:
+                self._store = _MEMORY.setdefault(parsed.netloc, MemoryStore())
+            self._prefix = parsed.path.strip("/")
+            return
+        kwargs: Dict[str, Any] = {}
+        provider = _aws_profile_provider(profile) if self.scheme in ("s3", "s3a") else None
+        if provider is not None:
+            kwargs["credential_provider"] = provider
+        try:
+            self._store = from_url(self._url, config=opts or None, client_options=client_options,
+                                   retry_config=retry_config, **kwargs)
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointingException(f"{self._url}: cannot open object store ({_short(e)})") from e
+
+    def __getstate__(self):
+        return {"url": self._url, "options": self.options}
+
+    def __setstate__(self, state):
+        self.__init__(state["url"], state["options"])
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    def _key(self, name: str) -> str:
+        return f"{self._prefix}/{name}" if self._prefix else name
+
+    def child(self, name: str) -> ObjectStore:
+        return ObjectStore(f"{self._url}/{name.strip('/')}", self.options)
+
+    def _fail(self, name: str, what: str, e: BaseException):
+        if isinstance(e, (obe.NotFoundError, FileNotFoundError)):
+            raise FileNotFoundError(self.where(name)) from None
+        raise CheckpointingException(f"{self.where(name)}: {what} failed ({_short(e)})") from e
+
+    def put(self, name: str, data) -> None:
+        try:
+            obstore.put(self._store, self._key(name), data, chunk_size=self.part_size,
+                        max_concurrency=self.max_concurrency)
+        except Exception as e:  # noqa: BLE001
+            self._fail(name, "put", e)
+
+    def put_if_absent(self, name: str, data) -> bool:
+        try:
+            obstore.put(self._store, self._key(name), data, mode="create")
+            return True
+        except obe.AlreadyExistsError:
+            return False
+        except obe.PreconditionError:
+            return False
+        except Exception as e:  # noqa: BLE001
+            self._fail(name, "conditional put", e)
+
+    def get(self, name: str) -> bytes:
+        try:
+            return memoryview(obstore.get(self._store, self._key(name)).bytes())
+        except Exception as e:  # noqa: BLE001
+            self._fail(name, "get", e)
+
+    def get_ranges(self, name: str, starts: Sequence[int], lengths: Sequence[int]) -> List[memoryview]:
+        wanted = [i for i, n in enumerate(lengths) if n > 0]
+        out: List[memoryview] = [memoryview(b"")] * len(starts)
+        if not wanted:
+            return out
+        try:
+            got = obstore.get_ranges(self._store, self._key(name), starts=[starts[i] for i in wanted],
+                                     lengths=[lengths[i] for i in wanted], coalesce=self.coalesce)
+        except Exception as e:  # noqa: BLE001
+            if "range" in str(e).lower() and not isinstance(e, obe.NotFoundError):
+                raise CheckpointingException(
+                    f"{self.where(name)}: object is truncated (a needed byte range lies past its end)") from None
+            self._fail(name, "ranged get", e)
+        for i, b in zip(wanted, got):
+            view = memoryview(b)
+            if len(view) != lengths[i]:
+                raise CheckpointingException(
+                    f"{self.where(name)}: object is truncated (got {len(view)} of {lengths[i]} bytes "
+                    f"at offset {starts[i]})")
+            out[i] = view
+        return out
+
+    def size(self, name: str) -> int:
+        try:
+            return int(obstore.head(self._store, self._key(name))["size"])
+        except Exception as e:  # noqa: BLE001
+            self._fail(name, "head", e)
+
+    def delete(self, name: str) -> None:
+        try:
+            obstore.delete(self._store, self._key(name))
+        except obe.NotFoundError:
+            pass
+        except Exception as e:  # noqa: BLE001
+            self._fail(name, "delete", e)
+
+    def list(self, prefix: str = "") -> Dict[str, int]:
+        base = self._key(prefix) if prefix else (self._prefix + "/" if self._prefix else None)
+        try:
+            metas = [m for batch in obstore.list(self._store, prefix=base) for m in batch]
+        except Exception as e:  # noqa: BLE001
+            self._fail(prefix, "list", e)
+        cut = len(self._prefix) + 1 if self._prefix else 0
+        return dict(sorted((m["path"][cut:], int(m["size"])) for m in metas))
+
+    def open_writer(self, name: str) -> Writer:
+        try:
+            return _ObjectWriter(self, name)
+        except Exception as e:  # noqa: BLE001
+            self._fail(name, "open upload", e)
+
+    def begin_save(self, commit_names: Sequence[str], overwrite: Optional[bool]) -> None:
+        """Refuse to write over a committed checkpoint unless ``overwrite=True``; then un-commit
+        it first (``metadata.json`` goes before any byte of the new save is written)."""
+        marker = commit_names[0]
+        if self.exists(marker):
+            if not overwrite:
+                raise CheckpointingException(
+                    f"{self.url} already holds a committed checkpoint ({marker} exists); object "
+                    f"stores are never overwritten silently: save elsewhere, remove it, or pass "
+                    f"overwrite=True")
+        for name in commit_names:
+            self.delete(name)
+
+    def commit(self, name: str, data: bytes) -> None:
+        if not self.put_if_absent(name, data):
+            raise CheckpointingException(
+                f"{self.where(name)} appeared while this save was running: another save committed "
+                f"to {self.url} concurrently; this save did not commit (its objects may have been "
+                f"mixed with the other save's: verify or remove that checkpoint)")
+
+
+def _aws_profile_provider(profile: Optional[str]):
+    """A boto3 credential provider for a named profile, when one is asked for and no static key
+    is set in the environment."""
+    profile = profile or (os.environ.get("AWS_PROFILE") if "AWS_ACCESS_KEY_ID" not in os.environ else None)
+    if not profile:
+        return None
+    try:
+        import boto3
+        from obstore.auth.boto3 import Boto3CredentialProvider
+    except ImportError:
+        raise CheckpointingException(
+            f"AWS profile {profile!r} requested but boto3 is not installed (pip install boto3), or "
+            f"set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY") from None
+    return Boto3CredentialProvider(boto3.Session(profile_name=profile))

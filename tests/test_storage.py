@@ -1,0 +1,96 @@
+"""The Store protocol: one set of behaviours every store must show (local, memory, S3)."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from distckpt import CheckpointingException
+from distckpt.storage import LocalStore, is_remote, open_store, resolve
+
+STORES = ["local", "memory", "s3"]
+
+
+@pytest.fixture(params=STORES)
+def store(request, tmp_path):
+    if request.param == "local":
+        return open_store(str(tmp_path / "ckpt"))
+    if request.param == "memory":
+        return open_store(f"memory://unit-{uuid.uuid4().hex[:8]}/ckpt")
+    return open_store(request.getfixturevalue("s3_url"))
+
+
+def test_put_get_size_exists_delete(store):
+    store.put("a/b.bin", b"hello")
+    assert bytes(store.get("a/b.bin")) == b"hello"
+    assert store.size("a/b.bin") == 5 and store.exists("a/b.bin") and not store.exists("a/c.bin")
+    store.delete("a/b.bin")
+    store.delete("a/b.bin")  # deleting a missing object is not an error
+    assert not store.exists("a/b.bin")
+    with pytest.raises(FileNotFoundError):
+        store.get("a/b.bin")
+    with pytest.raises(FileNotFoundError):
+        store.size("a/b.bin")
+
+
+def test_ranged_reads_return_exactly_the_ranges_and_refuse_past_the_end(store):
+    data = bytes(range(256)) * 64
+    store.put("x", data)
+    got = store.get_ranges("x", [0, 100, 5000, 7], [10, 0, 3000, 1])
+    assert [bytes(g) for g in got] == [data[:10], b"", data[5000:8000], data[7:8]]
+    with pytest.raises(CheckpointingException, match="truncated"):
+        store.get_ranges("x", [len(data) - 4], [8])
+
+
+def test_list_names_every_object_below_the_location_relative_to_it(store):
+    for name in ("m.json", "d/1", "d/2"):
+        store.put(name, b"12")
+    assert store.list() == {"d/1": 2, "d/2": 2, "m.json": 2}
+    assert store.list("d/") == {"d/1": 2, "d/2": 2}
+    assert store.child("d").list() == {"1": 2, "2": 2}
+
+
+def test_put_if_absent_writes_once(store):
+    assert store.put_if_absent("marker", b"first")
+    assert not store.put_if_absent("marker", b"second")
+    assert bytes(store.get("marker")) == b"first"
+
+
+def test_a_writer_publishes_on_close_and_leaves_nothing_on_abort(store):
+    with store.open_writer("w") as w:
+        w.write(b"ab")
+        w.write(memoryview(b"cd"))
+    assert bytes(store.get("w")) == b"abcd"
+    with pytest.raises(RuntimeError):
+        with store.open_writer("gone") as w:
+            w.write(b"x" * 1000)
+            raise RuntimeError("stop")
+    assert not store.exists("gone")
+    assert set(store.list()) == {"w"}
+
+
+def test_commit_markers_follow_the_store_s_overwrite_rule(store):
+    names = ("metadata.json", ".metadata")
+    store.begin_save(names, None)
+    store.commit("metadata.json", b"{}")
+    with pytest.raises(CheckpointingException, match="committed checkpoint"):
+        store.begin_save(names, False)
+    if store.supports_rename:
+        store.begin_save(names, None)  # local directories are replaced by default
+    else:
+        with pytest.raises(CheckpointingException, match="overwrite=True"):
+            store.begin_save(names, None)
+        assert store.exists("metadata.json")
+        store.begin_save(names, True)
+    assert not store.exists("metadata.json")
+
+
+def test_locations_resolve_to_local_paths_or_stores(tmp_path):
+    assert resolve(str(tmp_path)) == tmp_path
+    assert resolve(f"file://{tmp_path}") == tmp_path
+    assert resolve(LocalStore(tmp_path)) == tmp_path
+    assert is_remote("s3://b/x") and is_remote("gs://b/x") and is_remote("az://c/x")
+    assert not is_remote(str(tmp_path)) and not is_remote(f"file://{tmp_path}")
+    with pytest.raises(CheckpointingException, match="unsupported storage scheme"):
+        resolve("ftp://host/x")
