@@ -23,11 +23,11 @@ from distckpt.core import (
     CheckpointingException,
     PathLike,
     fsync_dir,
-    maybe_load_config,
     save_config,
     with_gc_paused,
 )
 from distckpt.core import check_is_distributed_checkpoint as _check_is_distributed_checkpoint
+from distckpt.dcp_native import checkpoint_config, describe_missing_config, is_dcp_native
 from distckpt.dict_utils import dict_list_map_inplace, diff, extract_matching_values, merge, nested_values
 from distckpt.foreign import normalize_sharded_state_dict
 from distckpt.manifest import add_whole_files
@@ -41,6 +41,7 @@ from distckpt.mapping import (
     apply_factories,
     apply_factory_merges,
 )
+from distckpt.megatron_api import check_save_options
 from distckpt.strategies.base import (
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,
@@ -72,8 +73,10 @@ _COMMIT_FILES = (CONFIG_FNAME, ".metadata", ".distckpt_manifest.json")
 
 
 def check_is_distributed_checkpoint(checkpoint_dir: PathLike) -> bool:
-    """True iff ``checkpoint_dir`` holds a committed checkpoint (``metadata.json`` is valid)."""
-    return _check_is_distributed_checkpoint(checkpoint_dir)
+    """True iff ``checkpoint_dir`` holds a checkpoint ``load`` reads: a committed one (valid
+    ``metadata.json``) or a plain PyTorch DCP one (``.metadata`` only; see distckpt.dcp_native).
+    False for an interrupted save."""
+    return _check_is_distributed_checkpoint(checkpoint_dir) or is_dcp_native(checkpoint_dir)
 
 
 def get_default_save_sharded_strategy(backend: str = "torch_dist", version: int = 1) -> SaveShardedStrategy:
@@ -84,7 +87,11 @@ def get_default_save_common_strategy(backend: str = "torch", version: int = 1) -
     return get_default_strategy(StrategyAction.SAVE_COMMON, backend, version)
 
 
-def get_default_load_sharded_strategy(checkpoint_dir: PathLike) -> LoadShardedStrategy:
+def get_default_load_sharded_strategy(checkpoint_dir: Optional[PathLike] = None) -> LoadShardedStrategy:
+    """A fresh load strategy: the one for ``checkpoint_dir``'s backend, or ``torch_dist``'s when
+    no directory is given (Megatron-Core 0.19's form)."""
+    if checkpoint_dir is None:
+        return get_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1)
     config = _require_config(checkpoint_dir)
     return get_default_strategy(StrategyAction.LOAD_SHARDED, config.sharded_backend,
                                 config.sharded_backend_version)
@@ -96,11 +103,9 @@ def _require_config(checkpoint_dir: PathLike) -> CheckpointingConfig:
         raise CheckpointingException(f"checkpoint directory {path} does not exist (rank {dist.get_rank()})")
     if not path.is_dir():
         raise CheckpointingException(f"checkpoint path {path} is not a directory (rank {dist.get_rank()})")
-    config = maybe_load_config(path)
+    config = checkpoint_config(path)
     if config is None:
-        raise CheckpointingException(
-            f"{path} is not a distributed checkpoint: {CONFIG_FNAME} is missing, so it is either "
-            f"not a checkpoint or an interrupted save (rank {dist.get_rank()})")
+        raise CheckpointingException(f"{describe_missing_config(path)} (rank {dist.get_rank()})")
     return config
 
 
@@ -137,6 +142,8 @@ def save(
     content_metadata: Optional[dict] = None,
     *,
     max_common_tensor_bytes: Union[int, None, str] = "default",
+    async_strategy: Optional[str] = None,
+    verify_integrity: bool = False,
 ) -> Any:
     """Save a sharded state dict; every rank calls it with its own local pieces.
 
@@ -165,11 +172,17 @@ def save(
         max_common_tensor_bytes: largest torch tensor allowed in the common state (written by
             rank 0 alone); None allows any size. Default: 1 MiB, or the environment variable
             ``DISTCKPT_MAX_COMMON_TENSOR_BYTES`` (bytes, or ``none``).
+        async_strategy: Megatron-Core 0.19's choice of async engine (``"nvrx"``, ``"mcore"``);
+            distckpt has one engine, so any of them (or ``"distckpt"``) selects it; another value
+            is an error (distckpt.megatron_api).
+        verify_integrity: Megatron-Core 0.19's request for an integrity manifest; distckpt writes
+            one (CRC32C of every item and file) on every save, so True changes nothing.
 
     Raises:
         CheckpointingException: on every rank, for any rank's invalid sharding, or a common state
             that holds a sharded object distckpt does not understand or a tensor above the limit.
     """
+    check_save_options(async_strategy, verify_integrity)
     checkpoint_dir = Path(checkpoint_dir)
     rank = dist.get_rank()
 
@@ -328,6 +341,9 @@ def load(
     strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
     verify: bool = False,
     trusted: bool = False,
+    *,
+    verify_integrity: bool = False,
+    process_group: Optional[Any] = None,
 ) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
     """Load the pieces described by ``sharded_state_dict``; every rank calls it.
 
@@ -340,12 +356,18 @@ def load(
             a manifest entry are checked structurally only).
         trusted: unpickle common state, objects and metadata without the allowlist. Only for
             checkpoints whose origin you trust.
+        verify_integrity: Megatron-Core 0.19's name for ``verify``.
+        process_group: every collective of this call runs on this group (Megatron-Core 0.19);
+            only its members call ``load``, ranks outside it are not involved. Default: the
+            whole world.
 
     Returns:
         the state dict, or ``(state_dict, missing_keys, unexpected_keys)`` for the
         ``return_unexpected`` and ``return_all`` strict modes.
     """
     strict_mode = StrictHandling.ASSUME_OK_UNEXPECTED
+    verify = verify or bool(verify_integrity)
+    group = process_group
     checkpoint_dir = Path(checkpoint_dir)
     missing: Set[str] = set()
     unexpected: Set[str] = set()
@@ -378,12 +400,12 @@ def load(
                 ckpt_meta.update(common_strategy.load_sharded_metadata(checkpoint_dir))
             ckpt_keys = {v.key for v in ckpt_meta.values()}
         local_keys = {s.key for s in shards}
-        payload = (local_keys, [shard_meta(s, dist.get_rank()) for s in shards] if validate_access_integrity else None)
+        payload = (local_keys, [shard_meta(s, dist.get_rank(group)) for s in shards] if validate_access_integrity else None)
     except Exception as e:  # noqa: BLE001 - shared with every rank below
         exc = e
 
     need_global = validate_access_integrity or StrictHandling.requires_global_app_metadata(strict_mode)
-    gathered = dist.all_gather_or_raise("load preparation", exc, payload if need_global else None)
+    gathered = dist.all_gather_or_raise("load preparation", exc, payload if need_global else None, group=group)
     global_keys = set().union(*(p[0] for p in gathered)) if need_global else None
 
     exc = None
@@ -406,7 +428,7 @@ def load(
         common_state_dict = apply_factory_merges(common_state_dict, factories)
     except Exception as e:  # noqa: BLE001
         exc = e
-    dist.sync_errors("load", exc)
+    dist.sync_errors("load", exc, group=group)
 
     if StrictHandling.requires_returning_mismatch_keys(strict_mode):
         return common_state_dict, missing, unexpected
@@ -436,7 +458,7 @@ def read_common_state(checkpoint_dir: PathLike, sharded_strategy: LoadShardedStr
     try:
         state = common_strategy.load_common(checkpoint_dir)
     except MissingFileError:
-        if not items:
+        if not items and not is_dcp_native(checkpoint_dir):
             raise
         state = {}
     merge(state, items)

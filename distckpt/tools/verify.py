@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from distckpt.core import CONFIG_FNAME, CheckpointingException, PathLike, maybe_load_config
+from distckpt.dcp_native import DCP_METADATA_FNAME, implied_config, is_dcp_native
 from distckpt.manifest import MANIFEST_FNAME, read_manifest, verify_files
 from distckpt.tools.inspect import CheckpointSource, NoProgress, Progress
 
@@ -74,6 +75,10 @@ def verify_checkpoint(path: PathLike, *, checksums: bool = True, deep: bool = Fa
 
     try:
         config = maybe_load_config(root)
+        if config is None and is_dcp_native(root):
+            config = implied_config()
+            report.notes.append(f"plain PyTorch DCP checkpoint: no {CONFIG_FNAME}, {DCP_METADATA_FNAME} is "
+                                f"its commit marker; read as torch_dist (read-only)")
     except CheckpointingException as e:
         report.problems.append(str(e))
         config = None
@@ -82,7 +87,7 @@ def verify_checkpoint(path: PathLike, *, checksums: bool = True, deep: bool = Fa
                                f"(an interrupted save) or this is not a checkpoint")
     if config is not None:
         report.backend = config.sharded_backend
-        report.checked.append(f"commit marker ({CONFIG_FNAME})")
+        report.checked.append(f"commit marker ({DCP_METADATA_FNAME if is_dcp_native(root) else CONFIG_FNAME})")
         _check_backends_known(config, report)
 
     try:
@@ -333,7 +338,7 @@ def _check_common_files(root: Path, backend: str, report: VerifyReport, dcp_valu
     from distckpt.strategies.common import COMMON_STATE_FNAME
 
     # A dcp.save keeps its common state as byte items (DCP values) and writes no common.pt.
-    if not (root / COMMON_STATE_FNAME).is_file() and not dcp_values:
+    if not (root / COMMON_STATE_FNAME).is_file() and not dcp_values and not is_dcp_native(root):
         report.problems.append(f"{COMMON_STATE_FNAME}: missing (the common state)")
     if backend == "torch_dist":
         return  # objects are byte items of the .distcp files, checked with the records
