@@ -26,7 +26,17 @@ from distckpt.strategies.base import SaveShardedStrategy
 from tests import layouts
 from tests.harness import expect_all_ranks_raise, run_ranks
 
-BACKENDS = ["torch_dist", "zarr"]
+BACKENDS = ["torch_dist", "zarr", "torch_dcp"]  # torch_dcp: DCP's own engine, torch_dist format
+
+
+def _load_strategy(backend):
+    """The load strategy a test of ``backend`` reads with: DCP's engine for ``torch_dcp``, the
+    checkpoint's default otherwise."""
+    if backend != "torch_dcp":
+        return None
+    from distckpt.strategies.base import StrategyAction, get_default_strategy
+
+    return get_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dcp", 1)
 
 
 # --------------------------------------------------------------------------- rank functions
@@ -39,9 +49,9 @@ def _save_layout(ckpt, backend, layout, params, common=None):
     distckpt.save(sd, ckpt, sharded_strategy=(backend, 1))
 
 
-def _load_layout(ckpt, layout, params):
+def _load_layout(ckpt, layout, params, backend=None):
     sd, pieces = layouts.build(layout, ddist.get_rank(), ddist.get_world_size(), False, **params)
-    loaded = distckpt.load(sd, ckpt)
+    loaded = distckpt.load(sd, ckpt, sharded_strategy=_load_strategy(backend))
     wrong = []
     for name, piece in pieces.items():
         got, want = loaded[name], piece.expected()
@@ -88,7 +98,7 @@ def test_round_trip_reshards_bit_exactly(backend, case, tmp_path):
     save_layout, save_world, save_params, load_layout, load_world, load_params = case
     run_ranks(save_world, _save_layout, str(tmp_path), backend, save_layout, save_params)
     assert check_is_distributed_checkpoint(tmp_path)
-    results = run_ranks(load_world, _load_layout, str(tmp_path), load_layout, load_params)
+    results = run_ranks(load_world, _load_layout, str(tmp_path), load_layout, load_params, backend)
     assert all(n > 0 for n, _ in results)
     assert [wrong for _, wrong in results] == [[]] * load_world
 
@@ -508,6 +518,13 @@ def _async_save_with_writer_failure(ckpt, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_async_writer_failure_on_one_rank_raises_everywhere_and_commits_nothing(backend, tmp_path):
+    from distckpt.strategies.base import AsyncSaveShardedStrategy
+
+    if not isinstance(get_default_save_sharded_strategy(backend), AsyncSaveShardedStrategy):
+        # A synchronous strategy refuses an async save on every rank, before writing anything.
+        expect_all_ranks_raise(2, _async_save_with_writer_failure, str(tmp_path), backend,
+                               match="cannot save asynchronously")
+        return
     results = run_ranks(2, _async_save_with_writer_failure, str(tmp_path), backend)
     for message, committed_bad, committed_good in results:
         assert "rank" in message and "injected failure in the background writer" in message
