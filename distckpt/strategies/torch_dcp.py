@@ -186,7 +186,8 @@ def to_torch_state_dict(sharded_state_dict: ShardedStateDict, device_mesh: Any =
     from distckpt.foreign import normalize_sharded_state_dict
 
     normalize_sharded_state_dict(sharded_state_dict)
-    by_key: Dict[str, List[Tuple[Shape, torch.Tensor]]] = defaultdict(list)
+    # key -> [(offset, view, is main replica)]; every piece of this rank, replicas included.
+    by_key: Dict[str, List[Tuple[Shape, torch.Tensor, bool]]] = defaultdict(list)
     shapes: Dict[str, Tuple[Shape, torch.dtype]] = {}
     out: Dict[str, Any] = {}
     for sh in nested_values(sharded_state_dict):
@@ -198,21 +199,22 @@ def to_torch_state_dict(sharded_state_dict: ShardedStateDict, device_mesh: Any =
             continue
         if sh.data is None:
             sh.init_data("cpu")
-        if for_save and not is_main_replica(sh.replica_id):
-            shapes.setdefault(sh.key, (_dcp_view(sh, sh.data)[0], sh.dtype))
-            continue
         shape, offset, view, _ = _dcp_view(sh, sh.data)
         shapes[sh.key] = (shape, sh.dtype)
         if view.numel():
-            by_key[sh.key].append((offset, view))
-    placements = {k: _dtensor_or_none(shapes[k][0], by_key.get(k, []), device_mesh) for k in shapes}
+            by_key[sh.key].append((offset, view, is_main_replica(sh.replica_id)))
+    placements = {k: _dtensor_or_none(shapes[k][0], [(o, t) for o, t, _ in by_key.get(k, [])], device_mesh)
+                  for k in shapes}
     if device_mesh is not None:
         agreed = dist.all_gather_object({k: repr(p) for k, p in placements.items()})
         for k in placements:
             if any(a.get(k) != repr(placements[k]) for a in agreed):
                 placements[k] = None
     for key, (shape, dtype) in shapes.items():
-        pieces = by_key.get(key, [])
+        if placements[key] is not None:  # DCP itself writes a replicated DTensor once
+            pieces = [(o, t) for o, t, _ in by_key[key]]
+        else:
+            pieces = [(o, t) for o, t, main in by_key.get(key, []) if main or not for_save]
         if placements[key] is not None:
             from torch.distributed.tensor import DTensor
 
