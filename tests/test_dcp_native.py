@@ -138,9 +138,10 @@ def _load_on_two_ranks(path: str):
     return {k: v for k, v in out.items()}
 
 
-def test_dtensors_saved_on_two_ranks_load_resharded_on_one_and_two(run_ranks, tmp_path):
+@pytest.mark.parametrize("save_world", [1, 2])
+def test_dtensors_saved_on_one_or_two_ranks_load_resharded_on_one_and_two(run_ranks, tmp_path, save_world):
     ckpt = tmp_path / "dtensor"
-    run_ranks(2, _save_dtensors, str(ckpt), timeout=120)
+    run_ranks(save_world, _save_dtensors, str(ckpt), timeout=120)
     assert is_dcp_native(ckpt)
     md = distckpt.load_tensors_metadata(ckpt)
     assert sorted(md) == ["model.e", "model.r", "model.w"]
