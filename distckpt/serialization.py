@@ -508,7 +508,12 @@ def load_plain_tensors(checkpoint_dir: PathLike, sharded_strategy: Optional[Load
 
 
 def remove_sharded_tensors(checkpoint_dir: PathLike, key_prefix: str) -> None:
-    """Remove every tensor whose key starts with ``key_prefix`` from a checkpoint."""
+    """Remove every tensor whose key starts with ``key_prefix`` from a checkpoint (not from a
+    plain PyTorch DCP directory: those are read-only)."""
+    if is_dcp_native(checkpoint_dir):
+        raise CheckpointingException(
+            f"{checkpoint_dir}: a plain PyTorch DCP checkpoint (no metadata.json) is read-only to distckpt; "
+            f"convert it to torch_dist first")
     sharded_strategy, _ = _load_strategies(checkpoint_dir, None, None)
     sharded_strategy.remove_sharded_tensors(Path(checkpoint_dir), key_prefix)
 

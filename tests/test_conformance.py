@@ -92,8 +92,19 @@ ROUND_TRIPS = [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", ROUND_TRIPS, ids=lambda c: f"{c[0]}-w{c[1]}-{c[3]}-w{c[4]}-{c[5]}")
+# DCP's engine goes through the same layouts once each (and flat <-> regular both ways): the
+# whole list again would add a minute to the suite for no new path.
+_DCP_ROUND_TRIPS = {0, 4, 7, 9, 11, 15, 18, 20, 22, 24}
+
+
+def _case_id(c):
+    return f"{c[0]}-w{c[1]}-{c[3]}-w{c[4]}-{c[5]}"
+
+
+@pytest.mark.parametrize("backend,case", [
+    pytest.param(backend, case, id=f"{_case_id(case)}-{backend}")
+    for backend in BACKENDS for i, case in enumerate(ROUND_TRIPS)
+    if backend != "torch_dcp" or i in _DCP_ROUND_TRIPS])
 def test_round_trip_reshards_bit_exactly(backend, case, tmp_path):
     save_layout, save_world, save_params, load_layout, load_world, load_params = case
     run_ranks(save_world, _save_layout, str(tmp_path), backend, save_layout, save_params)

@@ -69,6 +69,9 @@ def test_queries_answer_with_dcp_names_and_nested_common_state(plain):
         assert torch.equal(plain_tensors[k], v) and plain_tensors[k].dtype == v.dtype, k
     assert distckpt.load_common_state_dict(plain) == COMMON
     assert distckpt.load_content_metadata(plain) is None
+    with pytest.raises(distckpt.CheckpointingException, match="read-only to distckpt"):
+        distckpt.remove_sharded_tensors(plain, "optim.")
+    assert sorted(distckpt.load_tensors_metadata(plain)) == sorted(FLAT)
 
 
 def test_load_reshards_and_returns_common_state(plain):
