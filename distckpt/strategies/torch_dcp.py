@@ -175,8 +175,9 @@ def to_torch_state_dict(sharded_state_dict: ShardedStateDict, device_mesh: Any =
 
     Args:
         device_mesh: a 1-D ``DeviceMesh``; keys whose every piece is this rank's part of a
-            ``Shard(d)`` or ``Replicate()`` placement on it (the same on every rank, agreed with
-            one all-gather) become DTensors. None: torch ShardedTensors only (no collective).
+            ``Shard(d)`` or ``Replicate()`` placement on it (the same on every rank of the mesh,
+            agreed with one all-gather over the mesh's group; only its ranks call this) become
+            DTensors. None: torch ShardedTensors only (no collective).
         for_save: keep only main replicas (DCP writes each piece once). False (loading) keeps
             every piece, so replicas are filled too.
 
@@ -206,7 +207,7 @@ def to_torch_state_dict(sharded_state_dict: ShardedStateDict, device_mesh: Any =
     placements = {k: _dtensor_or_none(shapes[k][0], [(o, t) for o, t, _ in by_key.get(k, [])], device_mesh)
                   for k in shapes}
     if device_mesh is not None:
-        agreed = dist.all_gather_object({k: repr(p) for k, p in placements.items()})
+        agreed = dist.all_gather_object({k: repr(p) for k, p in placements.items()}, group=device_mesh.get_group())
         for k in placements:
             if any(a.get(k) != repr(placements[k]) for a in agreed):
                 placements[k] = None
