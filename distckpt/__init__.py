@@ -23,6 +23,7 @@ from distckpt.serialization import (
     save,
 )
 from distckpt.strategies.common import add_safe_globals
+from distckpt.strategies.torch_dcp import to_torch_state_dict
 from distckpt.validation import StrictHandling
 
 __version__ = "0.1.0"
@@ -45,4 +46,5 @@ __all__ = [
     "load_tensors_metadata",
     "remove_sharded_tensors",
     "save",
+    "to_torch_state_dict",
 ]

@@ -24,12 +24,11 @@ from distckpt.core import (
     CheckpointingConfig,
     CheckpointingException,
     fsync_dir,
-    maybe_load_config,
-    parse_config,
     save_config,
     with_gc_paused,
 )
 from distckpt.core import check_is_distributed_checkpoint as _check_is_distributed_checkpoint
+from distckpt.dcp_native import checkpoint_config, describe_missing_config, is_dcp_native
 from distckpt.dict_utils import dict_list_map_inplace, diff, extract_matching_values, merge, nested_values
 from distckpt.foreign import normalize_sharded_state_dict
 from distckpt.manifest import add_whole_files
@@ -43,6 +42,7 @@ from distckpt.mapping import (
     apply_factories,
     apply_factory_merges,
 )
+from distckpt.megatron_api import check_save_options
 from distckpt.strategies.base import (
     AsyncSaveShardedStrategy,
     LoadCommonStrategy,
@@ -78,22 +78,16 @@ StorageOptions = Optional[dict]
 
 
 def check_is_distributed_checkpoint(checkpoint_dir: Location, storage_options: StorageOptions = None) -> bool:
-    """True iff ``checkpoint_dir`` holds a committed checkpoint (``metadata.json`` is valid)."""
+    """True iff ``checkpoint_dir`` holds a checkpoint ``load`` reads: a committed one (valid
+    ``metadata.json``) or, on a local file system, a plain PyTorch DCP one (``.metadata`` only;
+    see distckpt.dcp_native). False for an interrupted save."""
     location = storage.resolve(checkpoint_dir, storage_options)
     if isinstance(location, Path):
-        return _check_is_distributed_checkpoint(location)
+        return _check_is_distributed_checkpoint(location) or is_dcp_native(location)
     try:
-        return _read_remote_config(location) is not None
+        return checkpoint_config(location) is not None
     except CheckpointingException:
         return False
-
-
-def _read_remote_config(store: storage.Store) -> Optional[CheckpointingConfig]:
-    try:
-        raw = store.get(CONFIG_FNAME)
-    except FileNotFoundError:
-        return None
-    return parse_config(bytes(raw), store.where(CONFIG_FNAME))
 
 
 def get_default_save_sharded_strategy(backend: str = "torch_dist", version: int = 1) -> SaveShardedStrategy:
@@ -104,30 +98,28 @@ def get_default_save_common_strategy(backend: str = "torch", version: int = 1) -
     return get_default_strategy(StrategyAction.SAVE_COMMON, backend, version)
 
 
-def get_default_load_sharded_strategy(checkpoint_dir: Location, storage_options: StorageOptions = None) -> LoadShardedStrategy:
+def get_default_load_sharded_strategy(checkpoint_dir: Optional[Location] = None,
+                                      storage_options: StorageOptions = None) -> LoadShardedStrategy:
+    """A fresh load strategy: the one for ``checkpoint_dir``'s backend, or ``torch_dist``'s when
+    no directory is given (Megatron-Core 0.19's form)."""
+    if checkpoint_dir is None:
+        return get_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1)
     config = _require_config(storage.resolve(checkpoint_dir, storage_options))
     return get_default_strategy(StrategyAction.LOAD_SHARDED, config.sharded_backend,
                                 config.sharded_backend_version)
 
 
 def _require_config(checkpoint_dir) -> CheckpointingConfig:
-    if isinstance(checkpoint_dir, storage.Store):
-        config = _read_remote_config(checkpoint_dir)
-        if config is None:
+    if isinstance(checkpoint_dir, Path):
+        if not checkpoint_dir.exists():
             raise CheckpointingException(
-                f"{checkpoint_dir} is not a distributed checkpoint: {CONFIG_FNAME} is missing, so it is "
-                f"either not a checkpoint or an interrupted save (rank {dist.get_rank()})")
-        return config
-    path = Path(checkpoint_dir)
-    if not path.exists():
-        raise CheckpointingException(f"checkpoint directory {path} does not exist (rank {dist.get_rank()})")
-    if not path.is_dir():
-        raise CheckpointingException(f"checkpoint path {path} is not a directory (rank {dist.get_rank()})")
-    config = maybe_load_config(path)
+                f"checkpoint directory {checkpoint_dir} does not exist (rank {dist.get_rank()})")
+        if not checkpoint_dir.is_dir():
+            raise CheckpointingException(
+                f"checkpoint path {checkpoint_dir} is not a directory (rank {dist.get_rank()})")
+    config = checkpoint_config(checkpoint_dir)
     if config is None:
-        raise CheckpointingException(
-            f"{path} is not a distributed checkpoint: {CONFIG_FNAME} is missing, so it is either "
-            f"not a checkpoint or an interrupted save (rank {dist.get_rank()})")
+        raise CheckpointingException(f"{describe_missing_config(checkpoint_dir)} (rank {dist.get_rank()})")
     return config
 
 
@@ -166,6 +158,8 @@ def save(
     max_common_tensor_bytes: Union[int, None, str] = "default",
     storage_options: StorageOptions = None,
     overwrite: Optional[bool] = None,
+    async_strategy: Optional[str] = None,
+    verify_integrity: bool = False,
 ) -> Any:
     """Save a sharded state dict; every rank calls it with its own local pieces.
 
@@ -201,11 +195,17 @@ def save(
         overwrite: replace a committed checkpoint at ``checkpoint_dir``. None: the store's
             default (a local directory is replaced, as always; an object store refuses).
             False: refuse everywhere. True: replace.
+        async_strategy: Megatron-Core 0.19's choice of async engine (``"nvrx"``, ``"mcore"``);
+            distckpt has one engine, so any of them (or ``"distckpt"``) selects it; another value
+            is an error (distckpt.megatron_api).
+        verify_integrity: Megatron-Core 0.19's request for an integrity manifest; distckpt writes
+            one (CRC32C of every item and file) on every save, so True changes nothing.
 
     Raises:
         CheckpointingException: on every rank, for any rank's invalid sharding, or a common state
             that holds a sharded object distckpt does not understand or a tensor above the limit.
     """
+    check_save_options(async_strategy, verify_integrity)
     rank = dist.get_rank()
 
     exc: Optional[BaseException] = None
@@ -385,6 +385,9 @@ def load(
     verify: bool = False,
     trusted: bool = False,
     storage_options: StorageOptions = None,
+    *,
+    verify_integrity: bool = False,
+    process_group: Optional[Any] = None,
 ) -> Union[StateDict, Tuple[StateDict, Set[str], Set[str]]]:
     """Load the pieces described by ``sharded_state_dict``; every rank calls it.
 
@@ -398,12 +401,18 @@ def load(
         trusted: unpickle common state, objects and metadata without the allowlist. Only for
             checkpoints whose origin you trust.
         storage_options: options of an object store URL (see ``save``).
+        verify_integrity: Megatron-Core 0.19's name for ``verify``.
+        process_group: every collective of this call runs on this group (Megatron-Core 0.19);
+            only its members call ``load``, ranks outside it are not involved. Default: the
+            whole world.
 
     Returns:
         the state dict, or ``(state_dict, missing_keys, unexpected_keys)`` for the
         ``return_unexpected`` and ``return_all`` strict modes.
     """
     strict_mode = StrictHandling.ASSUME_OK_UNEXPECTED
+    verify = verify or bool(verify_integrity)
+    group = process_group
     missing: Set[str] = set()
     unexpected: Set[str] = set()
     exc: Optional[BaseException] = None
@@ -436,12 +445,12 @@ def load(
                 ckpt_meta.update(common_strategy.load_sharded_metadata(checkpoint_dir))
             ckpt_keys = {v.key for v in ckpt_meta.values()}
         local_keys = {s.key for s in shards}
-        payload = (local_keys, [shard_meta(s, dist.get_rank()) for s in shards] if validate_access_integrity else None)
+        payload = (local_keys, [shard_meta(s, dist.get_rank(group)) for s in shards] if validate_access_integrity else None)
     except Exception as e:  # noqa: BLE001 - shared with every rank below
         exc = e
 
     need_global = validate_access_integrity or StrictHandling.requires_global_app_metadata(strict_mode)
-    gathered = dist.all_gather_or_raise("load preparation", exc, payload if need_global else None)
+    gathered = dist.all_gather_or_raise("load preparation", exc, payload if need_global else None, group=group)
     global_keys = set().union(*(p[0] for p in gathered)) if need_global else None
 
     exc = None
@@ -464,7 +473,7 @@ def load(
         common_state_dict = apply_factory_merges(common_state_dict, factories)
     except Exception as e:  # noqa: BLE001
         exc = e
-    dist.sync_errors("load", exc)
+    dist.sync_errors("load", exc, group=group)
 
     if StrictHandling.requires_returning_mismatch_keys(strict_mode):
         return common_state_dict, missing, unexpected
@@ -493,7 +502,7 @@ def read_common_state(checkpoint_dir: Location, sharded_strategy: LoadShardedStr
     try:
         state = common_strategy.load_common(checkpoint_dir)
     except MissingFileError:
-        if not items:
+        if not items and not is_dcp_native(checkpoint_dir):
             raise
         state = {}
     merge(state, items)
@@ -549,8 +558,13 @@ def load_plain_tensors(checkpoint_dir: Location, sharded_strategy: Optional[Load
 
 
 def remove_sharded_tensors(checkpoint_dir: Location, key_prefix: str, storage_options: StorageOptions = None) -> None:
-    """Remove every tensor whose key starts with ``key_prefix`` from a checkpoint."""
+    """Remove every tensor whose key starts with ``key_prefix`` from a checkpoint (not from a
+    plain PyTorch DCP directory: those are read-only)."""
     checkpoint_dir = storage.resolve(checkpoint_dir, storage_options)
+    if is_dcp_native(checkpoint_dir):
+        raise CheckpointingException(
+            f"{checkpoint_dir}: a plain PyTorch DCP checkpoint (no metadata.json) is read-only to distckpt; "
+            f"convert it to torch_dist first")
     sharded_strategy, _ = _load_strategies(checkpoint_dir, None, None)
     sharded_strategy.remove_sharded_tensors(checkpoint_dir, key_prefix)
 

@@ -3,8 +3,8 @@
 ``dcp.save`` records its checkpoint id (a ``pathlib`` path) in ``.metadata`` and stores every
 non-tensor value (``step``, the leaves of nested dicts) as a byte item under its flattened name.
 Those values are the checkpoint's common state: they load back under their own keys.
-The directories here get a ``metadata.json`` of the ``torch_dist`` backend, as a user marks a DCP
-directory for distckpt (reading DCP directories without one is issue 14's).
+Most directories here get a ``metadata.json`` of the ``torch_dist`` backend (as a user may mark a
+DCP directory); tests/test_dcp_native.py reads them without one.
 """
 
 from __future__ import annotations
@@ -94,11 +94,14 @@ def test_verify_counts_dcp_values_and_reads_them_back(tmp_path):
     assert any("2 tensors, 4 DCP values and 0 objects" in line for line in report.checked)
 
 
-def test_verify_without_metadata_json_only_misses_the_commit_marker(tmp_path):
-    report = verify_checkpoint(_dcp_save(tmp_path / "ckpt", mark=False))
-    assert report.problems == ["metadata.json: missing: the checkpoint was never committed (an interrupted "
-                               "save) or this is not a checkpoint"]
+def test_verify_without_metadata_json_takes_dcp_metadata_as_the_commit_marker(tmp_path):
+    ckpt = _dcp_save(tmp_path / "ckpt", mark=False)
+    report = verify_checkpoint(ckpt)
+    assert report.problems == []
+    assert "commit marker (.metadata)" in report.checked
     assert any("4 DCP values" in line for line in report.checked)
+    (ckpt / "common.pt").write_bytes(b"")  # now it looks like an interrupted torch_dist save
+    assert verify_checkpoint(ckpt).problems[0].startswith("metadata.json: missing")
 
 
 def test_cli_convert_and_verify_take_dcp_values(tmp_path):

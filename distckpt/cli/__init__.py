@@ -228,7 +228,9 @@ def _print_info(info, flat: bool, depth: Optional[int]) -> None:
     version = f" v{info.format_version}" if info.format_version is not None else ""
     out.print(f"[bold]{escape(info.path)}[/]")
     facts = [f"format: [cyan]{info.format}{version}[/]"]
-    if "common_backend" in info.extra:
+    if info.extra.get("dcp_native"):
+        facts.append("plain PyTorch DCP (no metadata.json; read-only)")
+    elif "common_backend" in info.extra:
         facts.append(f"common: {info.extra['common_backend']}")
     out.print("  " + "   ".join(facts))
     disk = info.extra.get("disk_bytes")

@@ -53,6 +53,7 @@ def _ensure_builtin_strategies() -> None:
     # Imported lazily: the strategy modules import this one.
     import distckpt.strategies.common  # noqa: F401
     import distckpt.strategies.torch  # noqa: F401
+    import distckpt.strategies.torch_dcp  # noqa: F401
     try:
         import distckpt.strategies.zarr  # noqa: F401
     except ImportError:

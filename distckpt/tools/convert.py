@@ -39,11 +39,10 @@ from distckpt.core import (
     PathLike,
     atomic_write_bytes,
     fsync_dir,
-    maybe_load_config,
-    parse_config,
     save_config,
     write_file_durably,
 )
+from distckpt.dcp_native import checkpoint_config, describe_missing_config
 from distckpt.manifest import MANIFEST_FNAME, build_manifest, crc32c, write_manifest
 from distckpt.mapping import ShardedObject, ShardedTensor, StateDict
 from distckpt.serialization import read_common_state
@@ -409,16 +408,12 @@ class _Source:
     """A committed checkpoint read through the registered load strategies, key by key."""
 
     def __init__(self, path, trusted: bool):
-        if isinstance(path, storage.Store):
-            try:
-                config = parse_config(bytes(path.get(CONFIG_FNAME)), path.where(CONFIG_FNAME))
-            except FileNotFoundError:
-                config = None
-        else:
-            config = maybe_load_config(path) if path.is_dir() else None
+        is_folder = isinstance(path, storage.Store) or path.is_dir()
+        config = checkpoint_config(path) if is_folder else None
         if config is None:
             raise CheckpointingException(
-                f"{path}: not a committed checkpoint ({CONFIG_FNAME} is missing or the path is not a folder)")
+                f"not a committed checkpoint: {describe_missing_config(path)}" if is_folder
+                else f"{path}: not a committed checkpoint (not a folder)")
         self.path = path
         self.config = config
         self.sharded = get_default_strategy(StrategyAction.LOAD_SHARDED, config.sharded_backend,

@@ -24,7 +24,8 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Protocol, Sequ
 
 import torch
 
-from distckpt.core import CONFIG_FNAME, CheckpointingException, PathLike, maybe_load_config, parse_config
+from distckpt.core import CONFIG_FNAME, CheckpointingException, PathLike
+from distckpt.dcp_native import checkpoint_config, describe_missing_config, is_dcp_native
 from distckpt.mapping import ShardedObject, ShardedTensor
 
 Shape = Tuple[int, ...]
@@ -267,23 +268,16 @@ class CheckpointSource(TensorSource):
 
         self.path = storage.resolve(path)
         self.trusted = trusted
-        if isinstance(self.path, storage.Store):
-            try:
-                raw = bytes(self.path.get(CONFIG_FNAME))
-            except FileNotFoundError:
-                config = None
-            else:
-                config = parse_config(raw, self.path.where(CONFIG_FNAME))
-        else:
+        if isinstance(self.path, Path):
             if not self.path.exists():
                 raise CheckpointingException(f"{self.path}: no such file or directory")
             if not self.path.is_dir():
                 raise CheckpointingException(f"{self.path}: not a checkpoint directory")
-            config = maybe_load_config(self.path)
+        config = checkpoint_config(self.path)
         if config is None:
             raise CheckpointingException(
-                f"{self.path}: not a committed checkpoint ({CONFIG_FNAME} is missing: an interrupted "
-                f"save, or not a checkpoint); `distckpt verify` tells what is there")
+                f"{describe_missing_config(self.path)}; `distckpt verify` tells what is there")
+        self.dcp_native = is_dcp_native(self.path)
         self.config = config
         self.format = config.sharded_backend
         self.format_version = config.sharded_backend_version
@@ -400,6 +394,8 @@ class CheckpointSource(TensorSource):
         from distckpt.manifest import read_manifest
 
         out: Dict[str, Any] = {"common_backend": f"{self.config.common_backend} v{self.config.common_backend_version}"}
+        if self.dcp_native:
+            out["dcp_native"] = True  # plain PyTorch DCP: no metadata.json, config implied
         manifest = read_manifest(self.path)
         if manifest is not None:
             out["manifest"] = {"save_id": manifest.save_id, "files": len(manifest.files),

@@ -45,6 +45,7 @@ from distckpt.core import (
     maybe_load_config,
     write_file_durably,
 )
+from distckpt.dcp_native import is_dcp_native
 from distckpt.manifest import MANIFEST_FNAME, Manifest, RangeChecksum, crc32c, read_manifest
 from distckpt.tools.inspect import CheckpointSource, NoProgress, Progress, _suggest
 
@@ -379,6 +380,10 @@ def _committed(checkpoint: PathLike):
     root = Path(checkpoint)
     if not root.is_dir():
         raise CheckpointingException(f"{root}: no such checkpoint directory")
+    if maybe_load_config(root) is None and is_dcp_native(root):
+        raise CheckpointingException(
+            f"{root}: a plain PyTorch DCP checkpoint (no {CONFIG_FNAME}) is read-only to distckpt; "
+            f"`distckpt convert` it to torch_dist first")
     if maybe_load_config(root) is None:
         raise CheckpointingException(f"{root}: not a committed checkpoint ({CONFIG_FNAME} is missing)")
     return root.resolve()

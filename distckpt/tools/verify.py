@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from distckpt import storage
-from distckpt.core import CONFIG_FNAME, CheckpointingException, PathLike, maybe_load_config, parse_config
+from distckpt.core import CONFIG_FNAME, CheckpointingException, PathLike
+from distckpt.dcp_native import DCP_METADATA_FNAME, checkpoint_config, is_dcp_native
 from distckpt.manifest import MANIFEST_FNAME, read_manifest, verify_files
 from distckpt.tools.inspect import CheckpointSource, NoProgress, Progress
 
@@ -76,7 +77,10 @@ def verify_checkpoint(path: PathLike, *, checksums: bool = True, deep: bool = Fa
     report = VerifyReport(str(root))
 
     try:
-        config = _load_config(root)
+        config = checkpoint_config(root)
+        if config is not None and is_dcp_native(root):
+            report.notes.append(f"plain PyTorch DCP checkpoint: no {CONFIG_FNAME}, {DCP_METADATA_FNAME} is "
+                                f"its commit marker; read as torch_dist (read-only)")
     except CheckpointingException as e:
         report.problems.append(str(e))
         config = None
@@ -85,7 +89,7 @@ def verify_checkpoint(path: PathLike, *, checksums: bool = True, deep: bool = Fa
                                f"(an interrupted save) or this is not a checkpoint")
     if config is not None:
         report.backend = config.sharded_backend
-        report.checked.append(f"commit marker ({CONFIG_FNAME})")
+        report.checked.append(f"commit marker ({DCP_METADATA_FNAME if is_dcp_native(root) else CONFIG_FNAME})")
         _check_backends_known(config, report)
 
     try:
@@ -173,16 +177,6 @@ def _check_backends_known(config, report: VerifyReport) -> None:
             report.problems.append(f"{CONFIG_FNAME}: {e}")
         except Exception as e:  # noqa: BLE001 - e.g. a version of the wrong type in the JSON
             report.problems.append(f"{CONFIG_FNAME}: backend {backend!r} version {version!r} is unusable: {e}")
-
-
-def _load_config(root):
-    if isinstance(root, Path):
-        return maybe_load_config(root)
-    try:
-        raw = bytes(root.get(CONFIG_FNAME))
-    except FileNotFoundError:
-        return None
-    return parse_config(raw, root.where(CONFIG_FNAME))
 
 
 def _listing(root) -> Dict[str, int]:
@@ -375,7 +369,7 @@ def _check_common_files(root: Path, backend: str, report: VerifyReport, dcp_valu
     from distckpt.strategies.common import COMMON_STATE_FNAME
 
     # A dcp.save keeps its common state as byte items (DCP values) and writes no common.pt.
-    if _file_size(root, COMMON_STATE_FNAME) is None and not dcp_values:
+    if _file_size(root, COMMON_STATE_FNAME) is None and not dcp_values and not is_dcp_native(root):
         report.problems.append(f"{COMMON_STATE_FNAME}: missing (the common state)")
     if backend == "torch_dist":
         return  # objects are byte items of the .distcp files, checked with the records
