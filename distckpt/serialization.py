@@ -10,19 +10,17 @@ from __future__ import annotations
 import collections
 import hashlib
 import logging
-import os
 import pickle
-import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional, Set, Tuple, Union
 
+from distckpt import commit as commit_protocol
 from distckpt import dist
 from distckpt.core import (
     CONFIG_FNAME,
     CheckpointingConfig,
     CheckpointingException,
     PathLike,
-    fsync_dir,
     maybe_load_config,
     save_config,
     with_gc_paused,
@@ -63,11 +61,6 @@ logger = logging.getLogger(__name__)
 
 CONTENT_METADATA_KEY = "content_metadata"
 
-# Files of an earlier checkpoint that must go before a new save writes anything: without them
-# an interrupted save can never be mistaken for a complete checkpoint.
-_COMMIT_FILES = (CONFIG_FNAME, ".metadata", ".distckpt_manifest.json")
-
-
 def check_is_distributed_checkpoint(checkpoint_dir: PathLike) -> bool:
     """True iff ``checkpoint_dir`` holds a committed checkpoint (``metadata.json`` is valid)."""
     return _check_is_distributed_checkpoint(checkpoint_dir)
@@ -89,6 +82,8 @@ def get_default_load_sharded_strategy(checkpoint_dir: PathLike) -> LoadShardedSt
 
 def _require_config(checkpoint_dir: PathLike) -> CheckpointingConfig:
     path = Path(checkpoint_dir)
+    if not path.exists():
+        commit_protocol.protocol_for(path).recover(commit_protocol.resolve_target(path))
     if not path.exists():
         raise CheckpointingException(f"checkpoint directory {path} does not exist (rank {dist.get_rank()})")
     if not path.is_dir():
@@ -139,11 +134,14 @@ def save(
         None, or the ``AsyncRequest`` when ``async_sharded_save`` is set.
 
     Steps:
-      1. Create ``checkpoint_dir`` if needed; rank 0 removes an earlier checkpoint's commit files.
-      2. Apply factories, drop LocalNonpersistentObjects, split sharded and common parts.
-      3. Validate: local metadata, then global integrity on rank 0 (same error on every rank).
-      4. Write: common state (rank 0), ShardedObjects, main replicas of every ShardedTensor.
-      5. Commit: rank 0 writes ``metadata.json`` last (temp file + fsync + rename).
+      1. Apply factories, drop LocalNonpersistentObjects, split sharded and common parts.
+      2. Validate: local metadata, then global integrity on rank 0 (same error on every rank);
+         rank 0 then removes leftovers of interrupted saves and creates the staging directory
+         beside ``checkpoint_dir`` (``distckpt.commit``), which the broadcast hands to every rank.
+      3. Write into the staging directory: common state (rank 0), ShardedObjects, main replicas
+         of every ShardedTensor.
+      4. Commit: rank 0 writes ``metadata.json`` last inside the staging directory, then swaps it
+         into place atomically; until then ``checkpoint_dir`` holds the previous checkpoint.
 
     Args:
         sharded_strategy: a strategy, a ``(backend, version)`` tuple or None (``torch_dist``).
@@ -156,7 +154,8 @@ def save(
             is passed through it and compared with rank 0's; differences are logged.
         content_metadata: a small dict stored with the common state (``load_content_metadata``).
     """
-    checkpoint_dir = Path(checkpoint_dir)
+    target = commit_protocol.resolve_target(checkpoint_dir)
+    protocol = commit_protocol.protocol_for(target)
     rank = dist.get_rank()
 
     exc: Optional[BaseException] = None
@@ -166,9 +165,8 @@ def save(
             sharded_strategy = get_default_save_sharded_strategy(*(sharded_strategy or ("torch_dist", 1)))
         if isinstance(common_strategy, tuple) or common_strategy is None:
             common_strategy = get_default_save_common_strategy(*(common_strategy or ("torch", 1)))
-        if checkpoint_dir.exists() and not checkpoint_dir.is_dir():
+        if target.exists() and not target.is_dir():
             raise CheckpointingException(f"checkpoint path {checkpoint_dir} exists and is not a directory")
-        checkpoint_dir.mkdir(parents=True, exist_ok=True)
         apply_factories(sharded_state_dict)
         _, sharded_state_dict = extract_matching_values(
             sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject))
@@ -185,26 +183,42 @@ def save(
     except Exception as e:  # noqa: BLE001 - shared with every rank below
         exc = e
 
+    def begin():
+        # Only a save that passed validation touches the location; the broadcast of the staging
+        # directory is what lets the other ranks start writing.
+        protocol.cleanup_leftovers(target)
+        return protocol.begin(target, commit_protocol.new_save_id())
+
     def check(payloads):
         if validate_access_integrity:
             validate_global_integrity([p[0] for p in payloads])
         if preprocess_common_before_consistancy_check is not None:
             _log_common_differences([p[1] for p in payloads])
-        # Only a save that passed validation touches an existing checkpoint; the broadcast that
-        # follows keeps every rank from writing before the old commit files are gone.
-        _remove_commit_files(checkpoint_dir)
+        return begin()
 
     if validate_access_integrity and preprocess_common_before_consistancy_check is None:
-        _validate_with_cache(exc, payload, check, checkpoint_dir)
+        staging = _validate_with_cache(exc, payload, check, begin)
     else:
-        dist.gather_and_decide("validation", exc, payload, check)
+        staging = dist.gather_and_decide("validation", exc, payload, check)
+    try:
+        return _write_and_commit(staging, protocol, sharded_part, common_part, sharded_strategy,
+                                 common_strategy, async_sharded_save)
+    except BaseException:
+        if rank == 0:
+            protocol.abort(staging)
+        raise
 
+
+def _write_and_commit(staging: commit_protocol.Staging, protocol, sharded_part, common_part, sharded_strategy,
+                      common_strategy, async_sharded_save: bool) -> Any:
+    """Every rank writes into the staging directory; rank 0 commits it (after ``metadata.json``)."""
+    ckpt = staging.path
     exc = None
     try:
-        common_strategy.save_common(common_part, checkpoint_dir)
+        common_strategy.save_common(common_part, ckpt)
         if not sharded_strategy.can_handle_sharded_objects:
             objects, sharded_part = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
-            common_strategy.save_sharded_objects(objects, checkpoint_dir)
+            common_strategy.save_sharded_objects(objects, ckpt)
     except Exception as e:  # noqa: BLE001
         exc = e
     dist.sync_errors("common state write", exc)
@@ -217,8 +231,9 @@ def save(
         def decide(payloads):
             entries = {name: v for p in payloads for name, v in p.items()}
             if entries:
-                add_whole_files(checkpoint_dir, entries, config.sharded_backend, save_id=str(uuid.uuid4()))
-            save_config(config, checkpoint_dir)
+                add_whole_files(ckpt, entries, config.sharded_backend, save_id=staging.save_id)
+            save_config(config, ckpt)
+            protocol.commit(staging)
 
         dist.gather_and_decide("commit", exc, written, decide)
 
@@ -228,16 +243,25 @@ def save(
                 f"{type(sharded_strategy).__name__} cannot save asynchronously (not an AsyncSaveShardedStrategy)")
         request, exc = None, None
         try:
-            request = sharded_strategy.async_save(sharded_part, checkpoint_dir)
+            request = sharded_strategy.async_save(sharded_part, ckpt)
         except Exception as e:  # noqa: BLE001 - staging failed somewhere: every rank raises
             exc = e
         dist.sync_errors("async staging", exc)
-        request.add_finalize_fn(commit)
+
+        def finalize() -> None:
+            try:
+                commit()
+            except BaseException:
+                if dist.get_rank() == 0:
+                    protocol.abort(staging)
+                raise
+
+        request.add_finalize_fn(finalize)
         return request
 
     exc = None
     try:
-        sharded_strategy.save(sharded_part, checkpoint_dir)
+        sharded_strategy.save(sharded_part, ckpt)
     except Exception as e:  # noqa: BLE001 - a strategy may fail on one rank only
         exc = e
     commit(exc)
@@ -250,44 +274,32 @@ _VALIDATED_CAPACITY = 8
 
 
 def _validate_with_cache(exc: Optional[BaseException], payload: Any, check: Callable,
-                         checkpoint_dir: Path) -> None:
-    """Validate the global sharding unless this exact structure passed before.
+                         begin: Callable) -> commit_protocol.Staging:
+    """Validate the global sharding unless this exact structure passed before; returns the
+    staging directory ``check`` / ``begin`` created on rank 0.
 
     Each rank hashes its own shard descriptions; rank 0 gathers the 16-byte digests and, for a
-    structure it validated before, removes the old commit files and answers "done" at once. Only
-    a new structure pays for gathering every rank's shard descriptions.
+    structure it validated before, begins the save and answers at once. Only a new structure
+    pays for gathering every rank's shard descriptions.
     """
     local = None if exc is not None else hashlib.blake2b(pickle.dumps(payload[0], protocol=4), digest_size=16).digest()
 
     def known(digests):
         key = hashlib.blake2b(b"".join(digests), digest_size=16).digest()
         if key not in _VALIDATED_STRUCTURES:
-            return key
+            return ("new", key)
         _VALIDATED_STRUCTURES.move_to_end(key)
-        _remove_commit_files(checkpoint_dir)
-        return None
+        return ("known", begin())
 
-    key = dist.gather_and_decide("validation", exc, local, known)
-    if key is None:
-        return
-    dist.gather_and_decide("validation", None, payload, check)
+    kind, value = dist.gather_and_decide("validation", exc, local, known)
+    if kind == "known":
+        return value
+    staging = dist.gather_and_decide("validation", None, payload, check)
     if dist.get_rank() == 0:
-        _VALIDATED_STRUCTURES[key] = None
+        _VALIDATED_STRUCTURES[value] = None
         while len(_VALIDATED_STRUCTURES) > _VALIDATED_CAPACITY:
             _VALIDATED_STRUCTURES.popitem(last=False)
-
-
-def _remove_commit_files(checkpoint_dir: Path) -> None:
-    removed = False
-    for name in _COMMIT_FILES:
-        try:
-            os.remove(checkpoint_dir / name)
-            removed = True
-        except FileNotFoundError:
-            pass
-    if removed:
-        fsync_dir(checkpoint_dir)
-        logger.info("%s: removed the commit files of an earlier checkpoint before saving", checkpoint_dir)
+    return staging
 
 
 def _log_common_differences(views) -> None:
@@ -335,8 +347,12 @@ def load(
     unexpected: Set[str] = set()
     exc: Optional[BaseException] = None
     payload = None
+    identity = None
     try:
         strict_mode = parse_strict_flag(strict)
+        if not checkpoint_dir.exists():
+            commit_protocol.protocol_for(checkpoint_dir).recover(commit_protocol.resolve_target(checkpoint_dir))
+        identity = commit_protocol.tree_identity(checkpoint_dir)
         sharded_strategy, common_strategy = _load_strategies(checkpoint_dir, sharded_strategy, common_strategy)
         _configure(sharded_strategy, verify, trusted)
         _configure(common_strategy, verify, trusted)
@@ -363,7 +379,7 @@ def load(
         local_keys = {s.key for s in shards}
         payload = (local_keys, [shard_meta(s, dist.get_rank()) for s in shards] if validate_access_integrity else None)
     except Exception as e:  # noqa: BLE001 - shared with every rank below
-        exc = e
+        exc = _replaced_or(e, checkpoint_dir, identity)
 
     need_global = validate_access_integrity or StrictHandling.requires_global_app_metadata(strict_mode)
     gathered = dist.all_gather_or_raise("load preparation", exc, payload if need_global else None)
@@ -385,15 +401,28 @@ def load(
             objects, sharded_part = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
             merge(common_state_dict, common_strategy.load_sharded_objects(objects, checkpoint_dir))
         loaded = sharded_strategy.load(sharded_part, checkpoint_dir)
+        # Another job may have swapped a new checkpoint in while this one was read.
+        commit_protocol.check_unchanged(checkpoint_dir, identity)
         merge(common_state_dict, loaded)
         common_state_dict = apply_factory_merges(common_state_dict, factories)
     except Exception as e:  # noqa: BLE001
-        exc = e
+        exc = _replaced_or(e, checkpoint_dir, identity)
     dist.sync_errors("load", exc)
 
     if StrictHandling.requires_returning_mismatch_keys(strict_mode):
         return common_state_dict, missing, unexpected
     return common_state_dict
+
+
+def _replaced_or(exc: Exception, checkpoint_dir: Path, identity) -> Exception:
+    """``exc``, or the clearer error that the checkpoint was swapped during the load (which is
+    what usually makes a file vanish mid-load)."""
+    try:
+        commit_protocol.check_unchanged(checkpoint_dir, identity)
+    except CheckpointingException as replaced:
+        replaced.__cause__ = exc
+        return replaced
+    return exc
 
 
 def _configure(strategy, verify: bool, trusted: bool) -> None:

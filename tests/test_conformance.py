@@ -7,7 +7,6 @@ strategy is added to BACKENDS and gets the whole suite.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,9 +20,11 @@ from distckpt import (
     check_is_distributed_checkpoint,
 )
 from distckpt import dist as ddist
+from distckpt.commit import is_leftover
 from distckpt.serialization import get_default_save_sharded_strategy
 from distckpt.strategies.base import SaveShardedStrategy
 from tests import layouts
+from tests.faults import tree_digest
 from tests.harness import expect_all_ranks_raise, run_ranks
 
 BACKENDS = ["torch_dist", "zarr"]
@@ -342,15 +343,20 @@ def _interrupted_save(ckpt, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("over_existing", [False, True])
-def test_interrupted_save_is_never_taken_as_a_checkpoint(backend, over_existing, tmp_path):
+def test_interrupted_save_is_never_taken_as_a_checkpoint_and_keeps_the_previous_one(backend, over_existing, tmp_path):
+    ckpt = tmp_path / "ckpt"
     if over_existing:
-        run_ranks(2, _save_layout, str(tmp_path), backend, "tp_dp", {"tp": 2})
-        assert check_is_distributed_checkpoint(tmp_path)
-    expect_all_ranks_raise(2, _interrupted_save, str(tmp_path), backend,
+        run_ranks(2, _save_layout, str(ckpt), backend, "tp_dp", {"tp": 2})
+        before = tree_digest(ckpt)
+    expect_all_ranks_raise(2, _interrupted_save, str(ckpt), backend,
                            match="injected failure after the data files were written")
-    assert any(Path(tmp_path).iterdir()), "data files were written before the failure"
-    assert not check_is_distributed_checkpoint(tmp_path)
-    expect_all_ranks_raise(2, _load_from, str(tmp_path), match="is not a distributed checkpoint")
+    assert [p.name for p in tmp_path.iterdir() if is_leftover(p)] == []   # the staging tree was dropped
+    if over_existing:
+        assert tree_digest(ckpt) == before
+        assert [wrong for _, wrong in run_ranks(2, _load_layout, str(ckpt), "tp_dp", {"tp": 2})] == [[], []]
+    else:
+        assert not check_is_distributed_checkpoint(ckpt)
+        expect_all_ranks_raise(2, _load_from, str(ckpt), match="does not exist")
 
 
 # --------------------------------------------------------------------------- targets and shapes

@@ -21,7 +21,6 @@ import io
 import os
 import pickle
 import re
-import shutil
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -36,12 +35,11 @@ from distckpt.core import (
     CheckpointingException,
     PathLike,
     atomic_write_bytes,
-    fsync_dir,
     maybe_load_config,
     save_config,
     write_file_durably,
 )
-from distckpt.manifest import MANIFEST_FNAME, build_manifest, crc32c, write_manifest
+from distckpt.manifest import build_manifest, crc32c, write_manifest
 from distckpt.mapping import ShardedObject, ShardedTensor, StateDict
 from distckpt.strategies.base import StrategyAction, get_default_strategy
 
@@ -58,10 +56,6 @@ __all__ = [
 ]
 
 DEFAULT_READ_BUDGET_BYTES = 256 << 20
-
-# Files that mark (or describe) a finished checkpoint: removed before anything else is written.
-_COMMIT_FILES = (CONFIG_FNAME, ".metadata", MANIFEST_FNAME)
-
 
 # --------------------------------------------------------------------------- writer protocol
 
@@ -137,7 +131,11 @@ class DistckptWriter:
     version: int = 1
 
     def __init__(self, dst_dir: PathLike, overwrite: bool = False):
-        self.dst = Path(dst_dir)
+        # Written into a staging directory beside the destination, swapped in at ``finish``
+        # (distckpt.commit): an interrupted or failed conversion leaves the destination as it was.
+        self.target = Path(dst_dir)
+        self.dst = self.target
+        self._staging = None
         self.overwrite = overwrite
         # (relative path, offset, length, crc32c, key) of every byte range written.
         self.ranges: List[Tuple[str, int, int, int, str]] = []
@@ -147,20 +145,22 @@ class DistckptWriter:
         self._created = False
 
     def _prepare_destination(self) -> None:
-        if self.dst.exists() and not self.dst.is_dir():
-            raise CheckpointingException(f"{self.dst}: exists and is not a directory")
-        if self.dst.is_dir() and any(self.dst.iterdir()):
-            if not self.overwrite:
-                raise CheckpointingException(
-                    f"{self.dst}: destination is not empty (pass overwrite=True to write into it)")
-            for name in _COMMIT_FILES:
-                try:
-                    os.remove(self.dst / name)
-                except FileNotFoundError:
-                    pass
-            fsync_dir(self.dst)
-        self._created = not self.dst.exists()
-        self.dst.mkdir(parents=True, exist_ok=True)
+        from distckpt import commit
+
+        if self.target.exists() and not self.target.is_dir():
+            raise CheckpointingException(f"{self.target}: exists and is not a directory")
+        if self.target.is_dir() and any(self.target.iterdir()) and not self.overwrite:
+            raise CheckpointingException(
+                f"{self.target}: destination is not empty (pass overwrite=True to replace it)")
+        target = commit.resolve_target(self.target)
+        protocol = commit.protocol_for(target)
+        protocol.cleanup_leftovers(target)
+        self._staging = protocol.begin(target, commit.new_save_id())
+        self.dst = self._staging.path
+        self._moved_to(self.dst)
+
+    def _moved_to(self, path: Path) -> None:
+        """The writer's files go under ``path`` (the staging directory) from now on."""
 
     def _record_file(self, name: str, data: bytes, key: str) -> None:
         self.ranges.append((name, 0, len(data), crc32c(data), key))
@@ -192,18 +192,22 @@ class DistckptWriter:
 
     def finish(self) -> Dict[str, Any]:
         """Write the backend's index and the manifest, then commit (``metadata.json`` last)."""
+        from distckpt import commit
+
         self._finish_data()
-        write_manifest(self.dst, build_manifest(str(uuid.uuid4()), self.backend, self.ranges, self.sizes))
+        write_manifest(self.dst, build_manifest(self._staging.save_id, self.backend, self.ranges, self.sizes))
         save_config(CheckpointingConfig(self.backend, self.version, "torch", 1), self.dst)
-        return {"path": str(self.dst), "backend": self.backend, "tensors": self.tensor_count,
+        commit.protocol_for(self._staging.target).commit(self._staging)
+        return {"path": str(self.target), "backend": self.backend, "tensors": self.tensor_count,
                 "nbytes": self.tensor_bytes, "files": len(self.sizes) + 2}
 
     def abort(self) -> None:
-        """Drop the output: a folder this writer created goes entirely; in a folder that
-        existed the files stay, uncommitted (no ``metadata.json``), so never taken as a checkpoint."""
+        """Drop the output: the staging directory goes; the destination stays as it was."""
+        from distckpt import commit
+
         self._release()
-        if self._created:
-            shutil.rmtree(self.dst, ignore_errors=True)
+        if self._staging is not None:
+            commit.protocol_for(self._staging.target).abort(self._staging)
 
 
 class ZarrWriter(DistckptWriter):
@@ -226,6 +230,9 @@ class ZarrWriter(DistckptWriter):
         self.version = FORMAT_VERSION
         self.arrays = ZarrTensorWriter(self.dst, io_engine=io_engine, thread_count=thread_count,
                                        compression=compression, max_chunk_bytes=max_chunk_bytes)
+
+    def _moved_to(self, path: Path) -> None:
+        self.arrays.root = path
 
     def _begin_objects(self, objects: Dict[str, Any]) -> None:
         for unique_key, obj in objects.items():
@@ -356,7 +363,7 @@ class TorchDistWriter(DistckptWriter):
                 state[key] = TensorStorageMetadata(properties=TensorProperties(dtype=decl[0]),
                                                    size=torch.Size(decl[1]), chunks=chunks.get(key, []))
         md = Metadata(state_dict_metadata=state, planner_data=None, storage_data=storage,
-                      storage_meta=StorageMeta(checkpoint_id=str(self.dst), save_id=str(uuid.uuid4())))
+                      storage_meta=StorageMeta(checkpoint_id=str(self.target), save_id=str(uuid.uuid4())))
         md.mcore_data = {}
         data = pickle.dumps(md)
         atomic_write_bytes(self.dst / ".metadata", data)
