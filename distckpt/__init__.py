@@ -4,6 +4,7 @@ The public names match Megatron-Core's ``dist_checkpointing`` package: porting i
 """
 
 from distckpt.core import CheckpointingConfig, CheckpointingException
+from distckpt.dist import CollectiveTimeout, collective_timeout, set_collective_timeout
 from distckpt.mapping import (
     LocalNonpersistentObject,
     ShardedObject,
@@ -29,6 +30,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointingConfig",
     "CheckpointingException",
+    "CollectiveTimeout",
     "LocalNonpersistentObject",
     "ShardedObject",
     "ShardedTensor",
@@ -36,6 +38,7 @@ __all__ = [
     "StrictHandling",
     "add_safe_globals",
     "check_is_distributed_checkpoint",
+    "collective_timeout",
     "load",
     "load_common_state_dict",
     "load_content_metadata",
@@ -44,4 +47,5 @@ __all__ = [
     "load_tensors_metadata",
     "remove_sharded_tensors",
     "save",
+    "set_collective_timeout",
 ]

@@ -37,7 +37,8 @@ swap that a crash interrupted half way (only possible with the fallback below).
   (hard links; copies where links are refused) before the swap, and logged. A user's
   ``README`` or ``run_config.yaml`` in a checkpoint folder survives an overwrite; stale data of
   the old checkpoint does not.
-* The staging directory's inode is recorded by ``begin`` and checked by ``commit``, and every
+* The staging directory's inode and a token file holding the save id (removed just before the
+  swap) are written by ``begin`` and checked by ``commit``, and every
   file the manifest lists must be there with its size: a staging directory removed by another
   job's ``cleanup_leftovers`` (two jobs saving to one location) and re-created by a late
   ``mkdir`` can never be committed half-filled.
@@ -78,8 +79,9 @@ TRASH_MARK = "distckpt-trash"
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>distckpt-(?:staging|old|trash))-(?P<id>[0-9A-Za-z_-]+)$")
 
 # Names a checkpoint writes at its top level (besides what its manifest lists).
+STAGING_TOKEN = ".distckpt_staging"
 _CHECKPOINT_FILES = frozenset({CONFIG_FNAME, ".metadata", ".distckpt_manifest.json", "common.pt",
-                               "zarr.json", ".zgroup", ".zattrs"})
+                               "zarr.json", ".zgroup", ".zattrs", STAGING_TOKEN})
 _TEMP_FILE = re.compile(r"^\..+\.tmp\.\d+$")
 
 
@@ -133,6 +135,7 @@ class RenameCommit:
         target.parent.mkdir(parents=True, exist_ok=True)
         path = leftover_name(target, STAGING_MARK, save_id)
         path.mkdir()
+        (path / STAGING_TOKEN).write_text(save_id)
         st = path.stat()
         try:
             os.chmod(path, stat.S_IMODE(target.stat().st_mode))
@@ -150,11 +153,16 @@ class RenameCommit:
             raise CheckpointingException(
                 f"{path}: the staging directory of this save is gone (another save to {target} "
                 f"removed it?); nothing was committed") from None
-        if (st.st_dev, st.st_ino) != staging.inode:
+        try:
+            token = (path / STAGING_TOKEN).read_text()
+        except FileNotFoundError:
+            token = None
+        if (st.st_dev, st.st_ino) != staging.inode or token != staging.save_id:
             raise CheckpointingException(
                 f"{path}: the staging directory was replaced while this save wrote into it (another "
                 f"save to {target} at the same time?); nothing was committed")
         _check_complete(path)
+        os.remove(path / STAGING_TOKEN)
         if target.is_dir() and any(os.scandir(target)):
             _carry_over_foreign_entries(target, path)
         _fsync_tree(path)
