@@ -15,7 +15,9 @@ A rank that died or stopped answering makes every surviving rank raise the same
 :class:`CollectiveTimeout` (a CheckpointingException naming the stage and the ranks that did not
 arrive) within :func:`collective_timeout` seconds. Set it with the environment variable
 ``DISTCKPT_COLLECTIVE_TIMEOUT`` (seconds) or :func:`set_collective_timeout`; default 300 s.
-Cost: three or four store round trips per stage (never per tensor). A collective that fails
+The first rank to time out words the verdict into the store, and every rank — also one that
+arrives late — raises that same message. Cost: four store round trips per stage (never per
+tensor), plus deleting the previous stage's keys. A collective that fails
 after every rank checked in (a peer died inside it; gloo notices a closed connection) is turned
 into a CheckpointingException naming the stage too.
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+import re
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar
@@ -105,6 +108,16 @@ class CollectiveTimeout(CheckpointingException):
         super().__init__(f"{stage}: {who} within {timeout:g} s (dead or hung; {TIMEOUT_ENV} sets the "
                          f"timeout){': ' + detail if detail else ''}")
 
+    @classmethod
+    def from_verdict(cls, stage: str, verdict: str) -> CollectiveTimeout:
+        """The exception another rank worded (its message, verbatim)."""
+        exc = cls.__new__(cls)
+        CheckpointingException.__init__(exc, verdict)
+        exc.stage = stage
+        found = re.match(r"^.*?: rank\(s\) ([0-9, ]+) did not arrive", verdict)
+        exc.missing = [int(r) for r in found.group(1).split(",")] if found else []
+        return exc
+
 
 # Per group (its global ranks): how many check-ins this process made. Every rank makes the same
 # sequence of check-ins, so the counters agree and name the same keys.
@@ -141,15 +154,24 @@ def check_in(stage: str, group: ProcessGroup = None, timeout: Optional[float] = 
     n = _check_ins.get(gid, 0) + 1
     _check_ins[gid] = n
     prefix = f"distckpt/{gid}/{n}"
+    done = f"{prefix}/done"
     me = tdist.get_rank()
     try:
         store.set(f"{prefix}/r{me}", stage)
         if store.add(f"{prefix}/count", 1) == len(ranks):
-            store.set(f"{prefix}/done", "1")
-        store.wait([f"{prefix}/done"], timedelta(seconds=timeout))
-    except Exception as e:  # noqa: BLE001 - a timeout or a dead store: name who is missing
-        raise CollectiveTimeout(stage, _missing(store, prefix, ranks), timeout,
-                                f"{type(e).__name__}: {e}".strip()) from None
+            store.compare_set(done, "", "ok")
+        try:
+            store.wait([done], timedelta(seconds=timeout))
+        except Exception as e:  # noqa: BLE001 - timed out: the first rank to give up words the verdict
+            verdict = str(CollectiveTimeout(stage, _missing(store, prefix, ranks), timeout,
+                                            f"{type(e).__name__}: {e}".strip()))
+            store.compare_set(done, "", verdict)
+        outcome = store.get(done).decode()
+    except Exception as e:  # noqa: BLE001 - the store itself is gone (rank 0's process died)
+        raise CollectiveTimeout(stage, [], timeout, f"{type(e).__name__}: {e}".strip()) from None
+    if outcome != "ok":
+        # Every rank raises the verdict of the first one that timed out, also a late arrival.
+        raise CollectiveTimeout.from_verdict(stage, outcome)
     if n > 1:
         # Everyone reached check-in n, so nobody waits on the keys of n - 1 any more.
         _delete(store, f"distckpt/{gid}/{n - 1}/r{me}")
