@@ -19,7 +19,8 @@ The first rank to time out words the verdict into the store, and every rank — 
 arrives late — raises that same message. Cost: four store round trips per stage (never per
 tensor), plus deleting the previous stage's keys. A collective that fails
 after every rank checked in (a peer died inside it; gloo notices a closed connection) is turned
-into a CheckpointingException naming the stage too.
+into a CollectiveTimeout naming the stage, and its message is posted to the group's next
+check-in, so that the ranks the failure did not reach raise the same message at their next stage.
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def check_in(stage: str, group: ProcessGroup = None, timeout: Optional[float] = 
         return
     timeout = collective_timeout() if timeout is None else timeout
     ranks = _group_ranks(group)
-    gid = hashlib.blake2b(repr(ranks).encode(), digest_size=6).hexdigest()
+    gid = _group_id(ranks)
     n = _check_ins.get(gid, 0) + 1
     _check_ins[gid] = n
     prefix = f"distckpt/{gid}/{n}"
@@ -180,6 +181,25 @@ def check_in(stage: str, group: ProcessGroup = None, timeout: Optional[float] = 
             _delete(store, f"distckpt/{gid}/{n - 1}/done")
 
 
+def _group_id(ranks: Sequence[int]) -> str:
+    return hashlib.blake2b(repr(list(ranks)).encode(), digest_size=6).hexdigest()
+
+
+def _post_verdict(group: ProcessGroup, verdict: str) -> str:
+    """After a collective failed on this rank: word ``verdict`` into the next check-in of the
+    group (unless another rank did first) and return the verdict that stands, so that the ranks
+    the failure did not reach raise it at their next stage, at once and verbatim."""
+    store = _store()
+    if store is None or not is_initialized():
+        return verdict
+    try:
+        gid = _group_id(_group_ranks(group))
+        done = f"distckpt/{gid}/{_check_ins.get(gid, 0) + 1}/done"
+        return store.compare_set(done, "", verdict).decode()
+    except Exception:  # noqa: BLE001 - the store is gone as well: this rank's own words
+        return verdict
+
+
 def _missing(store, prefix: str, ranks: Sequence[int]) -> List[int]:
     try:
         return [r for r in ranks if not store.check([f"{prefix}/r{r}"])]
@@ -194,16 +214,17 @@ def _delete(store, key: str) -> None:
         pass
 
 
-def _guarded(stage: str, fn: Callable[[], T]) -> T:
-    """Run a collective; a failure inside it (a peer died mid-way) becomes a CheckpointingException."""
+def _guarded(stage: str, fn: Callable[[], T], group: ProcessGroup = None) -> T:
+    """Run a collective; a failure inside it (a peer died mid-way) becomes a CollectiveTimeout,
+    the same on every rank (see :func:`_post_verdict`)."""
     try:
         return fn()
     except CheckpointingException:
         raise
     except Exception as e:  # noqa: BLE001 - gloo reports a lost peer as RuntimeError
-        raise CheckpointingException(
-            f"{stage}: collective failed on rank {get_rank()} (a peer died or stopped answering?): "
-            f"{type(e).__name__}: {e}") from e
+        verdict = _post_verdict(group, f"{stage}: a collective failed (a rank died or stopped answering), "
+                                       f"first seen on rank {get_rank()}: {type(e).__name__}: {e}")
+        raise CollectiveTimeout.from_verdict(stage, verdict) from e
 
 
 def collective_device(group: ProcessGroup = None) -> torch.device:
@@ -225,7 +246,7 @@ def barrier(group: ProcessGroup = None, stage: str = "barrier", checked: bool = 
     if is_initialized():
         if checked:
             check_in(stage, group)
-        _guarded(stage, lambda: tdist.barrier(group=group))
+        _guarded(stage, lambda: tdist.barrier(group=group), group)
 
 
 def all_gather_object(obj: T, group: ProcessGroup = None, stage: str = "all-gather",
@@ -235,7 +256,7 @@ def all_gather_object(obj: T, group: ProcessGroup = None, stage: str = "all-gath
     if checked:
         check_in(stage, group)
     out: List[Any] = [None] * get_world_size(group)
-    _guarded(stage, lambda: tdist.all_gather_object(out, obj, group=group))
+    _guarded(stage, lambda: tdist.all_gather_object(out, obj, group=group), group)
     return out
 
 
@@ -249,7 +270,7 @@ def gather_object(obj: T, dst: int = 0, group: ProcessGroup = None, stage: str =
     world = get_world_size(group)
     me = get_rank(group)
     out: Optional[List[Any]] = [None] * world if me == dst else None
-    _guarded(stage, lambda: tdist.gather_object(obj, out, dst=global_rank_of(dst, group), group=group))
+    _guarded(stage, lambda: tdist.gather_object(obj, out, dst=global_rank_of(dst, group), group=group), group)
     return out
 
 
@@ -261,14 +282,14 @@ def broadcast_object(obj: T, src: int = 0, group: ProcessGroup = None, stage: st
         check_in(stage, group)
     holder = [obj]
     _guarded(stage,
-             lambda: tdist.broadcast_object_list(holder, src=global_rank_of(src, group), group=group))
+             lambda: tdist.broadcast_object_list(holder, src=global_rank_of(src, group), group=group), group)
     return holder[0]
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup = None) -> None:
     """Broadcast ``tensor`` in place from group rank ``src``; identity without a process group."""
     if is_initialized():
-        _guarded("broadcast", lambda: tdist.broadcast(tensor, src=global_rank_of(src, group), group=group))
+        _guarded("broadcast", lambda: tdist.broadcast(tensor, src=global_rank_of(src, group), group=group), group)
 
 
 def all_gather(outputs: List[torch.Tensor], tensor: torch.Tensor, group: ProcessGroup = None) -> None:
@@ -276,7 +297,7 @@ def all_gather(outputs: List[torch.Tensor], tensor: torch.Tensor, group: Process
     if not is_initialized():
         outputs[0].copy_(tensor)
         return
-    _guarded("all-gather", lambda: tdist.all_gather(outputs, tensor, group=group))
+    _guarded("all-gather", lambda: tdist.all_gather(outputs, tensor, group=group), group)
 
 
 def all_reduce_max(values: Sequence[int], group: ProcessGroup = None, stage: str = "all-reduce",
@@ -287,7 +308,7 @@ def all_reduce_max(values: Sequence[int], group: ProcessGroup = None, stage: str
     if checked:
         check_in(stage, group)
     t = torch.tensor(list(values), dtype=torch.int64, device=collective_device(group))
-    _guarded(stage, lambda: tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=group))
+    _guarded(stage, lambda: tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=group), group)
     return t.tolist()
 
 
