@@ -25,6 +25,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import crc32c as _crc32c
 
+from distckpt import bounds
 from distckpt.core import CheckpointingException, PathLike, atomic_write_bytes
 
 MANIFEST_FNAME = ".distckpt_manifest.json"
@@ -110,6 +111,13 @@ def read_manifest(checkpoint_dir: PathLike) -> Optional[Manifest]:
             m.ranges[str(f)] = [RangeChecksum(int(o), int(n), int(c), str(k)) for o, n, c, k in rs]
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointingException(f"{path}: malformed integrity manifest: {e}") from None
+    for name, size in m.files.items():
+        bounds.relative_name(name, path, "listed file")
+        bounds.natural(size, path, f"size of {name!r}")
+    for name, rs in m.ranges.items():
+        for r in rs:
+            bounds.natural(r.offset, path, f"range offset in {name!r}")
+            bounds.natural(r.length, path, f"range length in {name!r}")
     stray = sorted(set(m.ranges) - set(m.files))
     unchecked = sorted(f for f, size in m.files.items() if size and not m.ranges.get(f))
     if stray or unchecked:
@@ -155,7 +163,11 @@ def verify_files(checkpoint_dir: PathLike, manifest: Manifest, *, checksums: boo
     root = Path(checkpoint_dir)
     problems: List[str] = []
     for name, size in manifest.files.items():
-        path = root / name
+        try:
+            path = bounds.inside(root, name, root / MANIFEST_FNAME, "listed file")
+        except CheckpointingException as e:
+            problems.append(str(e))
+            continue
         try:
             actual = path.stat().st_size
         except FileNotFoundError:
@@ -176,6 +188,10 @@ def verify_files(checkpoint_dir: PathLike, manifest: Manifest, *, checksums: boo
             problems.append(f"{name}: bytes [{covered}, {size}) have no checksum in the manifest")
         with open(path, "rb") as f:
             for r in manifest.ranges.get(name, []):
+                if r.offset + r.length > actual:
+                    problems.append(f"{name}: key {r.key!r} at offset {r.offset}: truncated (the file has "
+                                    f"{actual} bytes, the range ends at {r.offset + r.length})")
+                    continue
                 f.seek(r.offset)
                 data = f.read(r.length)
                 if len(data) != r.length:

@@ -25,7 +25,9 @@ REPO = Path(__file__).resolve().parent.parent
 WORLD = 4
 TRIALS = int(os.environ.get("DISTCKPT_FAULT_TRIALS", "20"))
 COLLECTIVE_TIMEOUT_S = 2.0
-SLACK_S = 2.5      # FileStore waits in whole seconds; the survivors' remaining work; 2 busy cores
+# From the kill to a survivor's error: up to one timeout at the survivor's next stage (FileStore
+# waits in whole seconds), plus the work it still did before that stage, on 2 shared cores.
+BOUND_S = 2 * COLLECTIVE_TIMEOUT_S + 4.0
 
 
 def _run_trials(root: Path, scenario: str, seed: int) -> list:
@@ -80,7 +82,7 @@ def test_sigkill_at_random_moments_leaves_old_or_new_and_the_survivors_raise_in_
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     assert bad == [], bad
     assert survivor_problems == [], survivor_problems
-    assert all(lat <= COLLECTIVE_TIMEOUT_S + SLACK_S for lat in latencies), latencies
+    assert all(lat <= BOUND_S for lat in latencies), latencies
     # The random moments must actually hit the save, not only land after it.
     assert summary["killed"] >= TRIALS // 2 and summary["survivors_raised"] > 0, summary
     # One message per trial on every survivor that raised.

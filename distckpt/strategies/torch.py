@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from distckpt import dist
+from distckpt import bounds, dist
 from distckpt.core import CheckpointingException, atomic_write_bytes, gc_paused
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
 from distckpt.manifest import (
@@ -645,13 +645,18 @@ def _plan_flat_slices(plan: _Plan, key: str, stored: _StoredKey, idx: Shape, f_l
             f"elements [{f_lo}, {f_hi}) needed for this load")
 
 
-def _index(md: Metadata) -> Dict[str, Any]:
+def _index(md: Metadata, source: Path) -> Dict[str, Any]:
+    """Per key, its stored chunks and where their bytes are. Every claim of ``.metadata`` (file
+    names, offsets, lengths, shapes, chunk boxes) is checked here (``source`` names the file)."""
     orig = _orig_shapes(md)
     per_key: Dict[str, List[_Stored]] = defaultdict(list)
     objects: Dict[str, _Stored] = {}
     for index, info in md.storage_data.items():
-        st = _Stored(tuple(index.offset) if index.offset is not None else (),
-                     (), info.relative_path, info.offset, info.length)
+        what = f"storage record of {getattr(index, 'fqn', '?')!r}"
+        st = _Stored(bounds.shape(index.offset, source, f"{what}: chunk offset") if index.offset is not None else (),
+                     (), bounds.relative_name(info.relative_path, source, f"{what}: file name"),
+                     bounds.natural(info.offset, source, f"{what}: offset"),
+                     bounds.natural(info.length, source, f"{what}: length"))
         if isinstance(md.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
             objects[index.fqn] = st
         else:
@@ -662,14 +667,23 @@ def _index(md: Metadata) -> Dict[str, Any]:
             out[fqn] = objects.get(fqn)
             continue
         by_offset = {s.offset: s for s in per_key.get(fqn, [])}
+        size = bounds.shape(meta.size, source, f"key {fqn!r}: global shape")
+        itemsize = meta.properties.dtype.itemsize
         chunks = []
         for c in meta.chunks:
             st = by_offset.get(tuple(c.offsets))
             if st is None:
                 raise CheckpointingException(
                     f"key {fqn!r}: chunk at {list(c.offsets)} has no storage record in .metadata")
-            chunks.append(_Stored(tuple(c.offsets), tuple(c.sizes), st.relative_path, st.file_offset, st.length))
-        key = _StoredKey(fqn, meta.properties.dtype, tuple(meta.size), chunks, orig.get(fqn))
+            sizes = bounds.shape(c.sizes, source, f"key {fqn!r}: chunk size")
+            bounds.box_inside(st.offset, sizes, size, source, f"key {fqn!r}: chunk")
+            if math.prod(sizes) * itemsize > st.length:
+                raise CheckpointingException(
+                    f"{source}: key {fqn!r}: chunk at {list(st.offset)} of {list(sizes)} elements needs "
+                    f"{math.prod(sizes) * itemsize} bytes, its record holds {st.length}")
+            chunks.append(_Stored(st.offset, sizes, st.relative_path, st.file_offset, st.length))
+        key = _StoredKey(fqn, meta.properties.dtype, size, chunks,
+                         bounds.shape(orig[fqn], source, f"key {fqn!r}: original shape") if fqn in orig else None)
         if key.orig_shape is not None:
             for c in chunks:
                 key.flat_index.setdefault(c.offset[:-1], []).append(c)
@@ -997,6 +1011,38 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             return None
         return manifest.range_index()
 
+    @staticmethod
+    def _check_allocations(sharded_state_dict: ShardedStateDict, index: Dict[str, Any], checkpoint_dir: Path) -> None:
+        """Tensors this load allocates (requests without data, e.g. ``load_plain_tensors``, whose
+        shape may come from the checkpoint's own claims) must be backed by stored bytes that
+        exist: every record of the key inside its file, and together at least the request's
+        bytes. So a claimed shape of 2^40 elements is refused before anything is allocated."""
+        wanted = [sh for sh in nested_values(sharded_state_dict)
+                  if isinstance(sh, ShardedTensor) and sh.data is None and isinstance(index.get(sh.key), _StoredKey)]
+        if not wanted:
+            return
+        source = checkpoint_dir / METADATA_FNAME
+        sizes: Dict[str, int] = {}
+        for sh in wanted:
+            stored = index[sh.key]
+            have = 0
+            for c in stored.chunks:
+                if c.relative_path not in sizes:
+                    try:
+                        sizes[c.relative_path] = bounds.inside(checkpoint_dir, c.relative_path, source).stat().st_size
+                    except FileNotFoundError:
+                        sizes[c.relative_path] = 0
+                if c.file_offset + c.length > sizes[c.relative_path]:
+                    raise CheckpointingException(
+                        f"{checkpoint_dir / c.relative_path}: key {sh.key!r}: record at offset {c.file_offset} "
+                        f"of {c.length} bytes: file is truncated ({sizes[c.relative_path]} bytes)")
+                have += c.length
+            need = math.prod(sh.local_shape) * sh.dtype.itemsize
+            if need > have:
+                raise CheckpointingException(
+                    f"{source}: key {sh.key!r}: loading {list(sh.local_shape)} needs {need} bytes, the "
+                    f"checkpoint stores {have} for this key; refusing to allocate it")
+
     def _execute(self, plan: _Plan, checkpoint_dir: Path, checksums: Optional[Dict]) -> None:
         by_file: Dict[str, List[_Stored]] = defaultdict(list)
         for st in plan.ops:
@@ -1006,7 +1052,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         counted = []  # per-file byte counts; list.append is atomic across reader threads
 
         def read_file(name: str) -> None:
-            path = checkpoint_dir / name
+            path = bounds.inside(checkpoint_dir, name, checkpoint_dir / METADATA_FNAME)
             try:
                 fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
@@ -1015,7 +1061,12 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                     f"{path}: data file is missing (needed for keys {keys}, rank {rank})") from None
             try:
                 nbytes = 0
+                file_size = os.fstat(fd).st_size
                 for st in sorted(by_file[name], key=lambda c: c.file_offset):
+                    if st.file_offset + st.length > file_size:
+                        raise CheckpointingException(
+                            f"key {plan.ops[st][0].key!r} in {path} at offset {st.file_offset} (rank {rank}): file "
+                            f"is truncated ({file_size} bytes, the record ends at {st.file_offset + st.length})")
                     nbytes += _read_chunk(fd, path, st, plan.ops[st], checksums, rank, verify)
                 counted.append(nbytes)
             finally:
@@ -1038,10 +1089,15 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         if stored is None:
             raise CheckpointingException(
                 f"ShardedObject {obj.unique_key!r} is not in checkpoint {checkpoint_dir} (rank {dist.get_rank()})")
-        path = checkpoint_dir / stored.relative_path
+        path = bounds.inside(checkpoint_dir, stored.relative_path, checkpoint_dir / METADATA_FNAME)
         what = f"ShardedObject {obj.unique_key!r} in {path} (rank {dist.get_rank()})"
         try:
             with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if stored.file_offset + stored.length > size:
+                    raise CheckpointingException(
+                        f"{what}: file is truncated ({size} bytes, the record ends at "
+                        f"{stored.file_offset + stored.length})")
                 f.seek(stored.file_offset)
                 raw = f.read(stored.length)
         except FileNotFoundError:
@@ -1055,7 +1111,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
         checkpoint_dir = Path(checkpoint_dir)
         md = read_metadata(checkpoint_dir, self.trusted, self.verify)
-        index = _index(md)
+        index = _index(md, checkpoint_dir / METADATA_FNAME)
+        self._check_allocations(sharded_state_dict, index, checkpoint_dir)
         plan = _Plan()
         commits: List[Callable[[], None]] = []
 

@@ -39,6 +39,7 @@ which can also be chosen for everything with ``io_engine="tensorstore"``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -54,7 +55,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 import torch
 
-from distckpt import dist
+from distckpt import bounds, dist
 from distckpt.core import CheckpointingException, atomic_write_bytes, write_all
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
 from distckpt.manifest import RangeChecksum, build_manifest, crc32c, read_manifest, write_manifest
@@ -256,6 +257,27 @@ def _meta_from_v2(key: str, path: Path, md: Dict[str, Any]) -> ArrayMeta:
                      md.get("dimension_separator", "."))
 
 
+# A chunk may be larger than its array (zarr pads the last chunk), but not absurdly so.
+_CHUNK_SLACK_BYTES = 64 << 20
+
+
+def _checked_meta(meta: ArrayMeta, source: Path) -> ArrayMeta:
+    """Refuse shapes, chunk shapes and chunk-key separators that a real array cannot have: they
+    would make reads allocate or loop far beyond what any request needs."""
+    shape = bounds.shape(meta.shape, source, "shape")
+    chunks = bounds.shape(meta.chunks, source, "chunk shape")
+    if len(chunks) != len(shape) or any(c < 1 for c in chunks):
+        raise CheckpointingException(f"{source}: chunk shape {list(chunks)} does not fit the shape {list(shape)}")
+    array_bytes = math.prod(shape) * meta.itemsize
+    if meta.chunk_nbytes > 2 * array_bytes + _CHUNK_SLACK_BYTES:
+        raise CheckpointingException(
+            f"{source}: a chunk of {list(chunks)} ({meta.chunk_nbytes} bytes) for an array of "
+            f"{list(shape)} ({array_bytes} bytes); refusing it")
+    if not isinstance(meta.separator, str) or meta.separator not in ("/", "."):
+        raise CheckpointingException(f"{source}: chunk key separator {meta.separator!r} is not '/' or '.'")
+    return dataclasses.replace(meta, shape=shape, chunks=chunks)
+
+
 def read_array_meta(root: Path, key: str) -> Optional[ArrayMeta]:
     """Metadata of array ``key`` under ``root`` (``zarr.json``, else a legacy ``.zarray``).
 
@@ -264,7 +286,7 @@ def read_array_meta(root: Path, key: str) -> Optional[ArrayMeta]:
     Raises:
         CheckpointingException: the metadata file exists but is unreadable or unsupported.
     """
-    path = root / key
+    path = bounds.inside(root, key, root / ARRAY_META, "array key")
     for name, parse in ((ARRAY_META, _meta_from_v3), (LEGACY_ARRAY_META, _meta_from_v2)):
         f = path / name
         try:
@@ -272,7 +294,7 @@ def read_array_meta(root: Path, key: str) -> Optional[ArrayMeta]:
         except (FileNotFoundError, NotADirectoryError):
             continue
         try:
-            return parse(key, path, json.loads(text))
+            return _checked_meta(parse(key, path, json.loads(text)), f)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointingException(
                 f"{f}: unreadable Zarr metadata of key {key!r} (rank {dist.get_rank()}): {e}") from None
@@ -287,8 +309,10 @@ def _root_keys(root: Path) -> Optional[List[str]]:
         return None
     except ValueError as e:
         raise CheckpointingException(f"{root / ARRAY_META}: unreadable root group metadata: {e}") from None
-    keys = ((md.get("attributes") or {}).get("distckpt") or {}).get("keys")
-    return list(keys) if isinstance(keys, list) else None
+    keys = ((md.get("attributes") or {}).get("distckpt") or {}).get("keys") if isinstance(md, dict) else None
+    if not isinstance(keys, list):
+        return None
+    return [bounds.relative_name(k, root / ARRAY_META, "array key") for k in keys]
 
 
 def _scan_keys(root: Path) -> List[str]:
