@@ -645,18 +645,38 @@ def _plan_flat_slices(plan: _Plan, key: str, stored: _StoredKey, idx: Shape, f_l
             f"elements [{f_lo}, {f_hi}) needed for this load")
 
 
+def check_claims(md: Metadata, source: Path) -> None:
+    """Check every claim of ``.metadata`` before anything uses it: file names stay inside the
+    checkpoint, offsets and lengths are naturals, shapes bounded, chunk boxes inside their
+    tensor (``source`` names the file in the error)."""
+    for index, info in md.storage_data.items():
+        what = f"storage record of {getattr(index, 'fqn', '?')!r}"
+        if index.offset is not None:
+            bounds.shape(index.offset, source, f"{what}: chunk offset")
+        bounds.relative_name(info.relative_path, source, f"{what}: file name")
+        bounds.natural(info.offset, source, f"{what}: offset")
+        bounds.natural(info.length, source, f"{what}: length")
+    for fqn, shape in _orig_shapes(md).items():
+        bounds.shape(shape, source, f"key {fqn!r}: original shape")
+    for fqn, meta in md.state_dict_metadata.items():
+        if not isinstance(meta, TensorStorageMetadata):
+            continue
+        size = bounds.shape(meta.size, source, f"key {fqn!r}: global shape")
+        for c in meta.chunks:
+            offsets = bounds.shape(c.offsets, source, f"key {fqn!r}: chunk offset")
+            sizes = bounds.shape(c.sizes, source, f"key {fqn!r}: chunk size")
+            bounds.box_inside(offsets, sizes, size, source, f"key {fqn!r}: chunk")
+
+
 def _index(md: Metadata, source: Path) -> Dict[str, Any]:
-    """Per key, its stored chunks and where their bytes are. Every claim of ``.metadata`` (file
-    names, offsets, lengths, shapes, chunk boxes) is checked here (``source`` names the file)."""
+    """Per key, its stored chunks and where their bytes are (claims checked first)."""
+    check_claims(md, source)
     orig = _orig_shapes(md)
     per_key: Dict[str, List[_Stored]] = defaultdict(list)
     objects: Dict[str, _Stored] = {}
     for index, info in md.storage_data.items():
-        what = f"storage record of {getattr(index, 'fqn', '?')!r}"
-        st = _Stored(bounds.shape(index.offset, source, f"{what}: chunk offset") if index.offset is not None else (),
-                     (), bounds.relative_name(info.relative_path, source, f"{what}: file name"),
-                     bounds.natural(info.offset, source, f"{what}: offset"),
-                     bounds.natural(info.length, source, f"{what}: length"))
+        st = _Stored(tuple(index.offset) if index.offset is not None else (),
+                     (), info.relative_path, info.offset, info.length)
         if isinstance(md.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
             objects[index.fqn] = st
         else:
@@ -667,7 +687,6 @@ def _index(md: Metadata, source: Path) -> Dict[str, Any]:
             out[fqn] = objects.get(fqn)
             continue
         by_offset = {s.offset: s for s in per_key.get(fqn, [])}
-        size = bounds.shape(meta.size, source, f"key {fqn!r}: global shape")
         itemsize = meta.properties.dtype.itemsize
         chunks = []
         for c in meta.chunks:
@@ -675,15 +694,13 @@ def _index(md: Metadata, source: Path) -> Dict[str, Any]:
             if st is None:
                 raise CheckpointingException(
                     f"key {fqn!r}: chunk at {list(c.offsets)} has no storage record in .metadata")
-            sizes = bounds.shape(c.sizes, source, f"key {fqn!r}: chunk size")
-            bounds.box_inside(st.offset, sizes, size, source, f"key {fqn!r}: chunk")
+            sizes = tuple(c.sizes)
             if math.prod(sizes) * itemsize > st.length:
                 raise CheckpointingException(
                     f"{source}: key {fqn!r}: chunk at {list(st.offset)} of {list(sizes)} elements needs "
                     f"{math.prod(sizes) * itemsize} bytes, its record holds {st.length}")
             chunks.append(_Stored(st.offset, sizes, st.relative_path, st.file_offset, st.length))
-        key = _StoredKey(fqn, meta.properties.dtype, size, chunks,
-                         bounds.shape(orig[fqn], source, f"key {fqn!r}: original shape") if fqn in orig else None)
+        key = _StoredKey(fqn, meta.properties.dtype, tuple(meta.size), chunks, orig.get(fqn))
         if key.orig_shape is not None:
             for c in chunks:
                 key.flat_index.setdefault(c.offset[:-1], []).append(c)

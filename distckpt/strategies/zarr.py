@@ -278,6 +278,26 @@ def _checked_meta(meta: ArrayMeta, source: Path) -> ArrayMeta:
     return dataclasses.replace(meta, shape=shape, chunks=chunks)
 
 
+def _check_allocation(meta: ArrayMeta, sh: ShardedTensor) -> None:
+    """A tensor this load allocates (a request without data, e.g. ``load_plain_tensors``, whose
+    shape comes from the checkpoint's claim) must be backed by chunk files that exist: for an
+    uncompressed array, at least the request's bytes. (Compressed arrays and absent chunks, which
+    read as the fill value, are not bounded this way; see docs/reliability.md.)"""
+    need = math.prod(sh.local_shape) * meta.itemsize
+    if need <= _CHUNK_SLACK_BYTES or not meta.raw:
+        return
+    have = 0
+    for dirpath, _, filenames in os.walk(meta.path):
+        for name in filenames:
+            if name not in (ARRAY_META, LEGACY_ARRAY_META, ".zattrs"):
+                have += os.stat(os.path.join(dirpath, name)).st_size
+                if have >= need:
+                    return
+    raise CheckpointingException(
+        f"{meta.path / ARRAY_META}: key {sh.key!r}: loading {list(sh.local_shape)} needs {need} bytes, the "
+        f"array's chunk files hold {have}; refusing to allocate it")
+
+
 def read_array_meta(root: Path, key: str) -> Optional[ArrayMeta]:
     """Metadata of array ``key`` under ``root`` (``zarr.json``, else a legacy ``.zarray``).
 
@@ -1083,6 +1103,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
                         f"the checkpoint stores {list(meta.shape)} (set allow_shape_mismatch=True to load "
                         f"the overlap and zero the rest)")
             if sh.data is None:
+                _check_allocation(meta, sh)
                 sh.init_data("cpu", torch.zeros if sh.allow_shape_mismatch else torch.empty)
             target = sh.data
             if _needs_staging(target, meta.dtype):

@@ -185,10 +185,12 @@ def _guess_backend(root: Path) -> Optional[str]:
 def _check_torch_dist(root: Path, trusted: bool, report: VerifyReport) -> None:
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    from distckpt.strategies.torch import METADATA_FNAME, read_metadata
+    from distckpt.strategies.torch import METADATA_FNAME, check_claims, read_metadata
 
     try:
         md = read_metadata(root, trusted)
+        # Names, offsets, lengths and shapes first: a hostile one is reported, never used.
+        check_claims(md, root / METADATA_FNAME)
     except CheckpointingException as e:
         report.problems.append(str(e))
         return
