@@ -194,8 +194,11 @@ def _post_verdict(group: ProcessGroup, verdict: str) -> str:
         return verdict
     try:
         gid = _group_id(_group_ranks(group))
-        done = f"distckpt/{gid}/{_check_ins.get(gid, 0) + 1}/done"
-        return store.compare_set(done, "", verdict).decode()
+        n = _check_ins.get(gid, 0) + 1
+        # This rank takes part in check-in n by failing it, so its count stays in step with
+        # the ranks that reach check-in n and raise the verdict there.
+        _check_ins[gid] = n
+        return store.compare_set(f"distckpt/{gid}/{n}/done", "", verdict).decode()
     except Exception:  # noqa: BLE001 - the store is gone as well: this rank's own words
         return verdict
 
