@@ -20,7 +20,9 @@ arrives late — raises that same message. Cost: four store round trips per stag
 tensor), plus deleting the previous stage's keys. A collective that fails
 after every rank checked in (a peer died inside it; gloo notices a closed connection) is turned
 into a CollectiveTimeout naming the stage, and its message is posted to the group's next
-check-in, so that the ranks the failure did not reach raise the same message at their next stage.
+check-in, so that the ranks the failure did not reach raise the same message at their next stage. A rank
+that raised a verdict re-raises it at once at any later stage of the same operation (a failure is
+shared at the next stage; that stage must not wait for ranks that gave up).
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ import hashlib
 import os
 import pickle
 import re
+import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Optional, Sequence, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as tdist
@@ -123,6 +126,27 @@ class CollectiveTimeout(CheckpointingException):
 # Per group (its global ranks): how many check-ins this process made. Every rank makes the same
 # sequence of check-ins, so the counters agree and name the same keys.
 _check_ins: Dict[str, int] = {}
+# Per group: the verdict this rank raised and until when it stands (the next ``save``/``load``
+# clears it, else it lapses after one timeout). A stage that failed is still shared at the next
+# stage (``sync_errors`` and the like); in a broken group that stage re-raises the same verdict
+# at once instead of waiting for ranks that will not come.
+_broken: Dict[str, Tuple[float, str]] = {}
+
+
+def reset_failures() -> None:
+    """Forget the verdicts of earlier operations; ``save`` and ``load`` call it when they start."""
+    _broken.clear()
+
+
+def _break(group_id: str, verdict: str) -> None:
+    _broken[group_id] = (time.monotonic() + collective_timeout(), verdict)
+
+
+def _raise_if_broken(stage: str, group: ProcessGroup) -> None:
+    if _broken:
+        until, verdict = _broken.get(_group_id(_group_ranks(group)), (0.0, ""))
+        if time.monotonic() < until:
+            raise CollectiveTimeout.from_verdict(stage, verdict)
 
 
 def _store():
@@ -149,6 +173,7 @@ def check_in(stage: str, group: ProcessGroup = None, timeout: Optional[float] = 
     store = _store()
     if store is None:
         return
+    _raise_if_broken(stage, group)
     timeout = collective_timeout() if timeout is None else timeout
     ranks = _group_ranks(group)
     gid = _group_id(ranks)
@@ -169,9 +194,10 @@ def check_in(stage: str, group: ProcessGroup = None, timeout: Optional[float] = 
             store.compare_set(done, "", verdict)
         outcome = store.get(done).decode()
     except Exception as e:  # noqa: BLE001 - the store itself is gone (rank 0's process died)
-        raise CollectiveTimeout(stage, [], timeout, f"{type(e).__name__}: {e}".strip()) from None
+        outcome = str(CollectiveTimeout(stage, [], timeout, f"{type(e).__name__}: {e}".strip()))
     if outcome != "ok":
         # Every rank raises the verdict of the first one that timed out, also a late arrival.
+        _break(gid, outcome)
         raise CollectiveTimeout.from_verdict(stage, outcome)
     if n > 1:
         # Everyone reached check-in n, so nobody waits on the keys of n - 1 any more.
@@ -194,10 +220,9 @@ def _post_verdict(group: ProcessGroup, verdict: str) -> str:
         return verdict
     try:
         gid = _group_id(_group_ranks(group))
+        # Not counted as this rank's check-in: a stage that failed inside its collective is still
+        # shared (``sync_errors`` and the like), and that next check-in then finds the verdict.
         n = _check_ins.get(gid, 0) + 1
-        # This rank takes part in check-in n by failing it, so its count stays in step with
-        # the ranks that reach check-in n and raise the verdict there.
-        _check_ins[gid] = n
         return store.compare_set(f"distckpt/{gid}/{n}/done", "", verdict).decode()
     except Exception:  # noqa: BLE001 - the store is gone as well: this rank's own words
         return verdict
@@ -220,6 +245,7 @@ def _delete(store, key: str) -> None:
 def _guarded(stage: str, fn: Callable[[], T], group: ProcessGroup = None) -> T:
     """Run a collective; a failure inside it (a peer died mid-way) becomes a CollectiveTimeout,
     the same on every rank (see :func:`_post_verdict`)."""
+    _raise_if_broken(stage, group)
     try:
         return fn()
     except CheckpointingException:
@@ -227,6 +253,7 @@ def _guarded(stage: str, fn: Callable[[], T], group: ProcessGroup = None) -> T:
     except Exception as e:  # noqa: BLE001 - gloo reports a lost peer as RuntimeError
         verdict = _post_verdict(group, f"{stage}: a collective failed (a rank died or stopped answering), "
                                        f"first seen on rank {get_rank()}: {type(e).__name__}: {e}")
+        _break(_group_id(_group_ranks(group)), verdict)
         raise CollectiveTimeout.from_verdict(stage, verdict) from e
 
 

@@ -154,6 +154,7 @@ def save(
             is passed through it and compared with rank 0's; differences are logged.
         content_metadata: a small dict stored with the common state (``load_content_metadata``).
     """
+    dist.reset_failures()
     target = commit_protocol.resolve_target(checkpoint_dir)
     protocol = commit_protocol.protocol_for(target)
     rank = dist.get_rank()
@@ -341,6 +342,7 @@ def load(
         the state dict, or ``(state_dict, missing_keys, unexpected_keys)`` for the
         ``return_unexpected`` and ``return_all`` strict modes.
     """
+    dist.reset_failures()
     strict_mode = StrictHandling.ASSUME_OK_UNEXPECTED
     checkpoint_dir = Path(checkpoint_dir)
     missing: Set[str] = set()
