@@ -5,6 +5,7 @@ sharded objects are accepted as they are (docs/megatron-compat.md): model code n
 """
 
 from distckpt.core import CheckpointingConfig, CheckpointingException
+from distckpt.dist import CollectiveTimeout, collective_timeout, set_collective_timeout
 from distckpt.mapping import (
     LocalNonpersistentObject,
     ShardedObject,
@@ -31,6 +32,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointingConfig",
     "CheckpointingException",
+    "CollectiveTimeout",
     "LocalNonpersistentObject",
     "ShardedObject",
     "ShardedTensor",
@@ -38,6 +40,7 @@ __all__ = [
     "StrictHandling",
     "add_safe_globals",
     "check_is_distributed_checkpoint",
+    "collective_timeout",
     "load",
     "load_common_state_dict",
     "load_content_metadata",
@@ -46,5 +49,6 @@ __all__ = [
     "load_tensors_metadata",
     "remove_sharded_tensors",
     "save",
+    "set_collective_timeout",
     "to_torch_state_dict",
 ]

@@ -7,13 +7,34 @@ Error agreement: a stage of a save or load ends with :func:`sync_errors`, which 
 rank's exception (or None) and raises the *same* :class:`CheckpointingException` on every rank
 when any rank failed. No rank is ever left waiting in a collective that a failed rank skipped,
 because each rank reaches the same ``sync_errors`` call whether its own work failed or not.
+
+No collective waits forever: before each stage's collective every rank checks in on a side
+channel that survives a dead peer — the default process group's key-value store (TCPStore,
+FileStore), which ``store.wait`` can wait on with a timeout, unlike an NCCL or gloo collective.
+A rank that died or stopped answering makes every surviving rank raise the same
+:class:`CollectiveTimeout` (a CheckpointingException naming the stage and the ranks that did not
+arrive) within :func:`collective_timeout` seconds. Set it with the environment variable
+``DISTCKPT_COLLECTIVE_TIMEOUT`` (seconds) or :func:`set_collective_timeout`; default 300 s.
+The first rank to time out words the verdict into the store, and every rank — also one that
+arrives late — raises that same message. Cost: four store round trips per stage (never per
+tensor), plus deleting the previous stage's keys. A collective that fails
+after every rank checked in (a peer died inside it; gloo notices a closed connection) is turned
+into a CollectiveTimeout naming the stage, and its message is posted to the group's next
+check-in, so that the ranks the failure did not reach raise the same message at their next stage. A rank
+that raised a verdict re-raises it at once at any later stage of the same operation (a failure is
+shared at the next stage; that stage must not wait for ranks that gave up).
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import pickle
+import re
+import time
 import traceback
-from typing import Any, Callable, List, Optional, Sequence, TypeVar
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as tdist
@@ -42,6 +63,200 @@ def global_rank_of(group_rank: int, group: ProcessGroup = None) -> int:
     return tdist.get_global_rank(group, group_rank)
 
 
+# --------------------------------------------------------------------------- timeouts
+
+TIMEOUT_ENV = "DISTCKPT_COLLECTIVE_TIMEOUT"
+DEFAULT_TIMEOUT_S = 300.0
+_timeout_override: Optional[float] = None
+
+
+def collective_timeout() -> float:
+    """Seconds a stage waits for every rank: :func:`set_collective_timeout`, else
+    ``$DISTCKPT_COLLECTIVE_TIMEOUT``, else 300."""
+    if _timeout_override is not None:
+        return _timeout_override
+    raw = os.environ.get(TIMEOUT_ENV)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise CheckpointingException(f"{TIMEOUT_ENV}={raw!r}: must be a positive number of seconds")
+    return value
+
+
+def set_collective_timeout(seconds: Optional[float]) -> None:
+    """Set the timeout of every checkpointing collective in this process (None: back to the
+    environment variable or the default). Every rank should use the same value."""
+    global _timeout_override
+    if seconds is not None and not float(seconds) > 0:
+        raise CheckpointingException(f"collective timeout must be positive, got {seconds!r}")
+    _timeout_override = None if seconds is None else float(seconds)
+
+
+class CollectiveTimeout(CheckpointingException):
+    """Raised on every surviving rank when some rank did not reach a stage in time.
+
+    Attributes:
+        stage: the stage the ranks were entering.
+        missing: global ranks that did not arrive (empty if the store itself became unreachable).
+    """
+
+    def __init__(self, stage: str, missing: List[int], timeout: float, detail: str = ""):
+        self.stage = stage
+        self.missing = missing
+        who = (f"rank(s) {', '.join(map(str, missing))} did not arrive" if missing
+               else "the rendezvous store did not answer (its host, rank 0's process, may have died)")
+        super().__init__(f"{stage}: {who} within {timeout:g} s (dead or hung; {TIMEOUT_ENV} sets the "
+                         f"timeout){': ' + detail if detail else ''}")
+
+    @classmethod
+    def from_verdict(cls, stage: str, verdict: str) -> CollectiveTimeout:
+        """The exception another rank worded (its message, verbatim)."""
+        exc = cls.__new__(cls)
+        CheckpointingException.__init__(exc, verdict)
+        exc.stage = stage
+        found = re.match(r"^.*?: rank\(s\) ([0-9, ]+) did not arrive", verdict)
+        exc.missing = [int(r) for r in found.group(1).split(",")] if found else []
+        return exc
+
+
+# Per group (its global ranks): how many check-ins this process made. Every rank makes the same
+# sequence of check-ins, so the counters agree and name the same keys.
+_check_ins: Dict[str, int] = {}
+# Per group: the verdict this rank raised and until when it stands (the next ``save``/``load``
+# clears it, else it lapses after one timeout). A stage that failed is still shared at the next
+# stage (``sync_errors`` and the like); in a broken group that stage re-raises the same verdict
+# at once instead of waiting for ranks that will not come.
+_broken: Dict[str, Tuple[float, str]] = {}
+
+
+def reset_failures() -> None:
+    """Forget the verdicts of earlier operations; ``save`` and ``load`` call it when they start."""
+    _broken.clear()
+
+
+def _break(group_id: str, verdict: str) -> None:
+    _broken[group_id] = (time.monotonic() + collective_timeout(), verdict)
+
+
+def _raise_if_broken(stage: str, group: ProcessGroup) -> None:
+    if _broken:
+        until, verdict = _broken.get(_group_id(_group_ranks(group)), (0.0, ""))
+        if time.monotonic() < until:
+            raise CollectiveTimeout.from_verdict(stage, verdict)
+
+
+def _store():
+    try:
+        from torch.distributed import distributed_c10d
+
+        return distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store: collectives go on unguarded
+        return None
+
+
+def _group_ranks(group: ProcessGroup) -> List[int]:
+    if group is None:
+        return list(range(get_world_size()))
+    return list(tdist.get_process_group_ranks(group))
+
+
+def check_in(stage: str, group: ProcessGroup = None, timeout: Optional[float] = None) -> None:
+    """Return once every rank of ``group`` has checked in for ``stage``; raise
+    :class:`CollectiveTimeout` naming the missing ranks after ``timeout`` seconds. Every rank of
+    the group calls it at the same point, as it would the collective it guards."""
+    if not is_initialized() or get_world_size(group) == 1:
+        return
+    store = _store()
+    if store is None:
+        return
+    _raise_if_broken(stage, group)
+    timeout = collective_timeout() if timeout is None else timeout
+    ranks = _group_ranks(group)
+    gid = _group_id(ranks)
+    n = _check_ins.get(gid, 0) + 1
+    _check_ins[gid] = n
+    prefix = f"distckpt/{gid}/{n}"
+    done = f"{prefix}/done"
+    me = tdist.get_rank()
+    try:
+        store.set(f"{prefix}/r{me}", stage)
+        if store.add(f"{prefix}/count", 1) == len(ranks):
+            store.compare_set(done, "", "ok")
+        try:
+            store.wait([done], timedelta(seconds=timeout))
+        except Exception as e:  # noqa: BLE001 - timed out: the first rank to give up words the verdict
+            verdict = str(CollectiveTimeout(stage, _missing(store, prefix, ranks), timeout,
+                                            f"{type(e).__name__}: {e}".strip()))
+            store.compare_set(done, "", verdict)
+        outcome = store.get(done).decode()
+    except Exception as e:  # noqa: BLE001 - the store itself is gone (rank 0's process died)
+        outcome = str(CollectiveTimeout(stage, [], timeout, f"{type(e).__name__}: {e}".strip()))
+    if outcome != "ok":
+        # Every rank raises the verdict of the first one that timed out, also a late arrival.
+        _break(gid, outcome)
+        raise CollectiveTimeout.from_verdict(stage, outcome)
+    if n > 1:
+        # Everyone reached check-in n, so nobody waits on the keys of n - 1 any more.
+        _delete(store, f"distckpt/{gid}/{n - 1}/r{me}")
+        if me == ranks[0]:
+            _delete(store, f"distckpt/{gid}/{n - 1}/count")
+            _delete(store, f"distckpt/{gid}/{n - 1}/done")
+
+
+def _group_id(ranks: Sequence[int]) -> str:
+    return hashlib.blake2b(repr(list(ranks)).encode(), digest_size=6).hexdigest()
+
+
+def _post_verdict(group: ProcessGroup, verdict: str) -> str:
+    """After a collective failed on this rank: word ``verdict`` into the next check-in of the
+    group (unless another rank did first) and return the verdict that stands, so that the ranks
+    the failure did not reach raise it at their next stage, at once and verbatim."""
+    store = _store()
+    if store is None or not is_initialized():
+        return verdict
+    try:
+        gid = _group_id(_group_ranks(group))
+        # Not counted as this rank's check-in: a stage that failed inside its collective is still
+        # shared (``sync_errors`` and the like), and that next check-in then finds the verdict.
+        n = _check_ins.get(gid, 0) + 1
+        return store.compare_set(f"distckpt/{gid}/{n}/done", "", verdict).decode()
+    except Exception:  # noqa: BLE001 - the store is gone as well: this rank's own words
+        return verdict
+
+
+def _missing(store, prefix: str, ranks: Sequence[int]) -> List[int]:
+    try:
+        return [r for r in ranks if not store.check([f"{prefix}/r{r}"])]
+    except Exception:  # noqa: BLE001 - the store is gone too
+        return []
+
+
+def _delete(store, key: str) -> None:
+    try:
+        store.delete_key(key)
+    except Exception:  # noqa: BLE001 - a store without deletion keeps a few bytes per stage
+        pass
+
+
+def _guarded(stage: str, fn: Callable[[], T], group: ProcessGroup = None) -> T:
+    """Run a collective; a failure inside it (a peer died mid-way) becomes a CollectiveTimeout,
+    the same on every rank (see :func:`_post_verdict`)."""
+    _raise_if_broken(stage, group)
+    try:
+        return fn()
+    except CheckpointingException:
+        raise
+    except Exception as e:  # noqa: BLE001 - gloo reports a lost peer as RuntimeError
+        verdict = _post_verdict(group, f"{stage}: a collective failed (a rank died or stopped answering), "
+                                       f"first seen on rank {get_rank()}: {type(e).__name__}: {e}")
+        _break(_group_id(_group_ranks(group)), verdict)
+        raise CollectiveTimeout.from_verdict(stage, verdict) from e
+
+
 def collective_device(group: ProcessGroup = None) -> torch.device:
     """Device for tensors fed to collectives: follows the backend (CPU for gloo, CUDA for NCCL)."""
     if not is_initialized():
@@ -52,42 +267,59 @@ def collective_device(group: ProcessGroup = None) -> torch.device:
     return torch.device("cpu")
 
 
-def barrier(group: ProcessGroup = None) -> None:
+# Object collectives and ``all_reduce_max`` check in first (``checked``) under the name of their
+# ``stage``; the tensor collectives ``broadcast`` and ``all_gather`` are called per piece by the
+# fully parallel exchange, which checks in once before it starts.
+
+
+def barrier(group: ProcessGroup = None, stage: str = "barrier", checked: bool = True) -> None:
     if is_initialized():
-        tdist.barrier(group=group)
+        if checked:
+            check_in(stage, group)
+        _guarded(stage, lambda: tdist.barrier(group=group), group)
 
 
-def all_gather_object(obj: T, group: ProcessGroup = None) -> List[T]:
+def all_gather_object(obj: T, group: ProcessGroup = None, stage: str = "all-gather",
+                      checked: bool = True) -> List[T]:
     if not is_initialized():
         return [obj]
+    if checked:
+        check_in(stage, group)
     out: List[Any] = [None] * get_world_size(group)
-    tdist.all_gather_object(out, obj, group=group)
+    _guarded(stage, lambda: tdist.all_gather_object(out, obj, group=group), group)
     return out
 
 
-def gather_object(obj: T, dst: int = 0, group: ProcessGroup = None) -> Optional[List[T]]:
+def gather_object(obj: T, dst: int = 0, group: ProcessGroup = None, stage: str = "gather",
+                  checked: bool = True) -> Optional[List[T]]:
     """Gather to group rank ``dst``; returns the list there and None elsewhere."""
     if not is_initialized():
         return [obj]
+    if checked:
+        check_in(stage, group)
     world = get_world_size(group)
     me = get_rank(group)
     out: Optional[List[Any]] = [None] * world if me == dst else None
-    tdist.gather_object(obj, out, dst=global_rank_of(dst, group), group=group)
+    _guarded(stage, lambda: tdist.gather_object(obj, out, dst=global_rank_of(dst, group), group=group), group)
     return out
 
 
-def broadcast_object(obj: T, src: int = 0, group: ProcessGroup = None) -> T:
+def broadcast_object(obj: T, src: int = 0, group: ProcessGroup = None, stage: str = "broadcast",
+                     checked: bool = True) -> T:
     if not is_initialized():
         return obj
+    if checked:
+        check_in(stage, group)
     holder = [obj]
-    tdist.broadcast_object_list(holder, src=global_rank_of(src, group), group=group)
+    _guarded(stage,
+             lambda: tdist.broadcast_object_list(holder, src=global_rank_of(src, group), group=group), group)
     return holder[0]
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup = None) -> None:
     """Broadcast ``tensor`` in place from group rank ``src``; identity without a process group."""
     if is_initialized():
-        tdist.broadcast(tensor, src=global_rank_of(src, group), group=group)
+        _guarded("broadcast", lambda: tdist.broadcast(tensor, src=global_rank_of(src, group), group=group), group)
 
 
 def all_gather(outputs: List[torch.Tensor], tensor: torch.Tensor, group: ProcessGroup = None) -> None:
@@ -95,15 +327,18 @@ def all_gather(outputs: List[torch.Tensor], tensor: torch.Tensor, group: Process
     if not is_initialized():
         outputs[0].copy_(tensor)
         return
-    tdist.all_gather(outputs, tensor, group=group)
+    _guarded("all-gather", lambda: tdist.all_gather(outputs, tensor, group=group), group)
 
 
-def all_reduce_max(values: Sequence[int], group: ProcessGroup = None) -> List[int]:
+def all_reduce_max(values: Sequence[int], group: ProcessGroup = None, stage: str = "all-reduce",
+                   checked: bool = True) -> List[int]:
     """Element-wise max of small int vectors over the group (one tiny collective)."""
     if not is_initialized():
         return list(values)
+    if checked:
+        check_in(stage, group)
     t = torch.tensor(list(values), dtype=torch.int64, device=collective_device(group))
-    tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=group)
+    _guarded(stage, lambda: tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=group), group)
     return t.tolist()
 
 
@@ -162,7 +397,7 @@ def all_gather_or_raise(stage: str, exc: Optional[BaseException], payload: Any =
     Every rank of ``group`` must call this at the same point, whether or not it failed.
     """
     exc, payload = _checked_payload(exc, payload)
-    gathered = all_gather_object((_error_record(exc, group), None if exc is not None else payload), group)
+    gathered = all_gather_object((_error_record(exc, group), None if exc is not None else payload), group, stage)
     failures = [err for err, _ in gathered if err is not None]
     if failures:
         _raise_failures(stage, failures, exc, get_world_size(group))
@@ -184,7 +419,7 @@ def gather_and_decide(stage: str, exc: Optional[BaseException], payload: Any,
     """
     exc, payload = _checked_payload(exc, payload)
     gathered = gather_object((_error_record(exc, group), None if exc is not None else payload),
-                             dst=0, group=group)
+                             dst=0, group=group, stage=stage)
     outcome: Any = None
     if gathered is not None:
         failures = [err for err, _ in gathered if err is not None]
@@ -195,7 +430,7 @@ def gather_and_decide(stage: str, exc: Optional[BaseException], payload: Any,
                 failures = [(get_rank(group), _one_line(e), describe_error(e))]
         if failures:
             outcome = ("failed", failures)
-    outcome = broadcast_object(outcome, src=0, group=group)
+    outcome = broadcast_object(outcome, src=0, group=group, stage=stage, checked=False)
     if outcome[0] == "ok":
         return outcome[1]
     _raise_failures(stage, outcome[1], exc, get_world_size(group))

@@ -25,7 +25,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import crc32c as _crc32c
 
-from distckpt import storage
+from distckpt import bounds, storage
 from distckpt.core import CheckpointingException, PathLike
 
 MANIFEST_FNAME = ".distckpt_manifest.json"
@@ -117,6 +117,13 @@ def read_manifest(checkpoint_dir) -> Optional[Manifest]:
             m.ranges[str(f)] = [RangeChecksum(int(o), int(n), int(c), str(k)) for o, n, c, k in rs]
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointingException(f"{path}: malformed integrity manifest: {e}") from None
+    for name, size in m.files.items():
+        bounds.relative_name(name, path, "listed file")
+        bounds.natural(size, path, f"size of {name!r}")
+    for name, rs in m.ranges.items():
+        for r in rs:
+            bounds.natural(r.offset, path, f"range offset in {name!r}")
+            bounds.natural(r.length, path, f"range length in {name!r}")
     stray = sorted(set(m.ranges) - set(m.files))
     unchecked = sorted(f for f, size in m.files.items() if size and not m.ranges.get(f))
     if stray or unchecked:
@@ -163,6 +170,14 @@ def verify_files(checkpoint_dir: PathLike, manifest: Manifest, *, checksums: boo
     problems: List[str] = []
     for name, size in manifest.files.items():
         try:
+            if isinstance(store, storage.LocalStore):
+                bounds.inside(store.root, name, store.where(MANIFEST_FNAME), "listed file")
+            else:
+                bounds.relative_name(name, store.where(MANIFEST_FNAME), "listed file")
+        except CheckpointingException as e:
+            problems.append(str(e))
+            continue
+        try:
             actual = store.size(name)
         except FileNotFoundError:
             problems.append(f"{name}: missing (expected {size} bytes)")
@@ -180,7 +195,13 @@ def verify_files(checkpoint_dir: PathLike, manifest: Manifest, *, checksums: boo
             covered = max(covered, r.offset + r.length)
         if covered < size:
             problems.append(f"{name}: bytes [{covered}, {size}) have no checksum in the manifest")
-        ranges = manifest.ranges.get(name, [])
+        ranges = []
+        for r in manifest.ranges.get(name, []):
+            if r.offset + r.length > actual:
+                problems.append(f"{name}: key {r.key!r} at offset {r.offset}: truncated (the file has "
+                                f"{actual} bytes, the range ends at {r.offset + r.length})")
+            else:
+                ranges.append(r)
         # Read in batches of about 64 MiB: ranged reads (concurrent on object stores), bounded memory.
         batch: List[RangeChecksum] = []
         batches, batch_bytes = [batch], 0
@@ -191,7 +212,7 @@ def verify_files(checkpoint_dir: PathLike, manifest: Manifest, *, checksums: boo
             batch.append(r)
             batch_bytes += r.length
         for group in batches:
-            lengths = [max(0, min(r.length, actual - r.offset)) for r in group]
+            lengths = [r.length for r in group]
             for r, data in zip(group, store.get_ranges(name, [r.offset for r in group], lengths)):
                 if len(data) != r.length:
                     problems.append(f"{name}: key {r.key!r} at offset {r.offset}: truncated "

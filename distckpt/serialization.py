@@ -8,23 +8,18 @@ failure anywhere raises the same CheckpointingException everywhere instead of a 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import hashlib
-import json
 import logging
-import os
 import pickle
-import uuid
 from pathlib import Path
 from typing import Any, Callable, Optional, Set, Tuple, Union
 
+from distckpt import commit as commit_protocol
 from distckpt import dist, storage
 from distckpt.core import (
     CONFIG_FNAME,
     CheckpointingConfig,
     CheckpointingException,
-    fsync_dir,
-    save_config,
     with_gc_paused,
 )
 from distckpt.core import check_is_distributed_checkpoint as _check_is_distributed_checkpoint
@@ -68,10 +63,6 @@ logger = logging.getLogger(__name__)
 
 CONTENT_METADATA_KEY = "content_metadata"
 
-# Files of an earlier checkpoint that must go before a new save writes anything: without them
-# an interrupted save can never be mistaken for a complete checkpoint.
-_COMMIT_FILES = (CONFIG_FNAME, ".metadata", ".distckpt_manifest.json")
-
 # A checkpoint location: a local path, a URL (s3://, gs://, az://, memory://, file://) or a Store.
 Location = storage.Location
 StorageOptions = Optional[dict]
@@ -111,6 +102,8 @@ def get_default_load_sharded_strategy(checkpoint_dir: Optional[Location] = None,
 
 def _require_config(checkpoint_dir) -> CheckpointingConfig:
     if isinstance(checkpoint_dir, Path):
+        if not checkpoint_dir.exists():
+            commit_protocol.recover(checkpoint_dir)
         if not checkpoint_dir.exists():
             raise CheckpointingException(
                 f"checkpoint directory {checkpoint_dir} does not exist (rank {dist.get_rank()})")
@@ -167,15 +160,20 @@ def save(
         None, or the ``AsyncRequest`` when ``async_sharded_save`` is set.
 
     Steps:
-      1. Create ``checkpoint_dir`` if needed; rank 0 removes an earlier checkpoint's commit files
-         (on an object store it refuses to replace a committed checkpoint unless ``overwrite``).
-      2. Take Megatron-Core's sharded classes as distckpt's, apply factories, drop
+      1. Take Megatron-Core's sharded classes as distckpt's, apply factories, drop
          LocalNonpersistentObjects, split sharded and common parts.
-      3. Validate: local metadata and the common state (nothing sharded, no large tensor), then
-         global integrity on rank 0 (same error on every rank).
-      4. Write: common state (rank 0), ShardedObjects, main replicas of every ShardedTensor.
-      5. Commit: rank 0 writes ``metadata.json`` last (local: temp file + fsync + rename; object
-         store: a conditional put that fails if another save committed first).
+      2. Validate: local metadata and the common state (nothing sharded, no large tensor), then
+         global integrity on rank 0 (same error on every rank); rank 0 then begins the save with
+         the location's commit protocol (``distckpt.commit``): on a file system it removes
+         leftovers of interrupted saves and creates a staging directory beside
+         ``checkpoint_dir``, which the broadcast hands to every rank; on an object store it
+         refuses to replace a committed checkpoint unless ``overwrite``.
+      3. Write (into the staging directory, or the object-store prefix): common state (rank 0),
+         ShardedObjects, main replicas of every ShardedTensor.
+      4. Commit: rank 0 writes ``metadata.json`` last. File system: inside the staging
+         directory, which is then swapped into place atomically, so until then
+         ``checkpoint_dir`` holds the previous checkpoint. Object store: a conditional put that
+         fails if another save committed first.
 
     Args:
         sharded_strategy: a strategy, a ``(backend, version)`` tuple or None (``torch_dist``).
@@ -206,6 +204,8 @@ def save(
             that holds a sharded object distckpt does not understand or a tensor above the limit.
     """
     check_save_options(async_strategy, verify_integrity)
+    dist.reset_failures()
+    target = protocol = None
     rank = dist.get_rank()
 
     exc: Optional[BaseException] = None
@@ -217,10 +217,10 @@ def save(
             sharded_strategy = get_default_save_sharded_strategy(*(sharded_strategy or ("torch_dist", 1)))
         if isinstance(common_strategy, tuple) or common_strategy is None:
             common_strategy = get_default_save_common_strategy(*(common_strategy or ("torch", 1)))
-        if isinstance(checkpoint_dir, Path):
-            if checkpoint_dir.exists() and not checkpoint_dir.is_dir():
-                raise CheckpointingException(f"checkpoint path {checkpoint_dir} exists and is not a directory")
-            checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        target = commit_protocol.resolve_target(checkpoint_dir)
+        protocol = commit_protocol.protocol_for(target)
+        if isinstance(target, Path) and target.exists() and not target.is_dir():
+            raise CheckpointingException(f"checkpoint path {checkpoint_dir} exists and is not a directory")
         normalize_sharded_state_dict(sharded_state_dict)
         apply_factories(sharded_state_dict)
         _, sharded_state_dict = extract_matching_values(
@@ -239,26 +239,42 @@ def save(
     except Exception as e:  # noqa: BLE001 - shared with every rank below
         exc = e
 
+    def begin():
+        # Only a save that passed validation touches the location; the broadcast of the staging
+        # directory is what lets the other ranks start writing.
+        protocol.cleanup_leftovers(target)
+        return protocol.begin(target, commit_protocol.new_save_id(), overwrite)
+
     def check(payloads):
         if validate_access_integrity:
             validate_global_integrity([p[0] for p in payloads])
         if preprocess_common_before_consistancy_check is not None:
             _log_common_differences([p[1] for p in payloads])
-        # Only a save that passed validation touches an existing checkpoint; the broadcast that
-        # follows keeps every rank from writing before the old commit files are gone.
-        _begin_save(checkpoint_dir, overwrite)
+        return begin()
 
     if validate_access_integrity and preprocess_common_before_consistancy_check is None:
-        _validate_with_cache(exc, payload, check, checkpoint_dir, overwrite)
+        staging = _validate_with_cache(exc, payload, check, begin)
     else:
-        dist.gather_and_decide("validation", exc, payload, check)
+        staging = dist.gather_and_decide("validation", exc, payload, check)
+    try:
+        return _write_and_commit(staging, protocol, sharded_part, common_part, sharded_strategy,
+                                 common_strategy, async_sharded_save)
+    except BaseException:
+        if rank == 0:
+            protocol.abort(staging)
+        raise
 
+
+def _write_and_commit(staging: commit_protocol.Staging, protocol, sharded_part, common_part, sharded_strategy,
+                      common_strategy, async_sharded_save: bool) -> Any:
+    """Every rank writes into the staging directory; rank 0 commits it (after ``metadata.json``)."""
+    ckpt = protocol.where(staging)
     exc = None
     try:
-        common_strategy.save_common(common_part, checkpoint_dir)
+        common_strategy.save_common(common_part, ckpt)
         if not sharded_strategy.can_handle_sharded_objects:
             objects, sharded_part = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
-            common_strategy.save_sharded_objects(objects, checkpoint_dir)
+            common_strategy.save_sharded_objects(objects, ckpt)
     except Exception as e:  # noqa: BLE001
         exc = e
     dist.sync_errors("common state write", exc)
@@ -271,8 +287,8 @@ def save(
         def decide(payloads):
             entries = {name: v for p in payloads for name, v in p.items()}
             if entries:
-                add_whole_files(checkpoint_dir, entries, config.sharded_backend, save_id=str(uuid.uuid4()))
-            _write_config(config, checkpoint_dir)
+                add_whole_files(ckpt, entries, config.sharded_backend, save_id=staging.save_id)
+            protocol.commit(staging, config)
 
         dist.gather_and_decide("commit", exc, written, decide)
 
@@ -282,16 +298,25 @@ def save(
                 f"{type(sharded_strategy).__name__} cannot save asynchronously (not an AsyncSaveShardedStrategy)")
         request, exc = None, None
         try:
-            request = sharded_strategy.async_save(sharded_part, checkpoint_dir)
+            request = sharded_strategy.async_save(sharded_part, ckpt)
         except Exception as e:  # noqa: BLE001 - staging failed somewhere: every rank raises
             exc = e
         dist.sync_errors("async staging", exc)
-        request.add_finalize_fn(commit)
+
+        def finalize() -> None:
+            try:
+                commit()
+            except BaseException:
+                if dist.get_rank() == 0:
+                    protocol.abort(staging)
+                raise
+
+        request.add_finalize_fn(finalize)
         return request
 
     exc = None
     try:
-        sharded_strategy.save(sharded_part, checkpoint_dir)
+        sharded_strategy.save(sharded_part, ckpt)
     except Exception as e:  # noqa: BLE001 - a strategy may fail on one rank only
         exc = e
     commit(exc)
@@ -304,62 +329,32 @@ _VALIDATED_CAPACITY = 8
 
 
 def _validate_with_cache(exc: Optional[BaseException], payload: Any, check: Callable,
-                         checkpoint_dir, overwrite: Optional[bool] = None) -> None:
-    """Validate the global sharding unless this exact structure passed before.
+                         begin: Callable) -> commit_protocol.Staging:
+    """Validate the global sharding unless this exact structure passed before; returns the
+    staging ``check`` / ``begin`` created on rank 0.
 
     Each rank hashes its own shard descriptions; rank 0 gathers the 16-byte digests and, for a
-    structure it validated before, removes the old commit files and answers "done" at once. Only
-    a new structure pays for gathering every rank's shard descriptions.
+    structure it validated before, begins the save and answers at once. Only a new structure
+    pays for gathering every rank's shard descriptions.
     """
     local = None if exc is not None else hashlib.blake2b(pickle.dumps(payload[0], protocol=4), digest_size=16).digest()
 
     def known(digests):
         key = hashlib.blake2b(b"".join(digests), digest_size=16).digest()
         if key not in _VALIDATED_STRUCTURES:
-            return key
+            return ("new", key)
         _VALIDATED_STRUCTURES.move_to_end(key)
-        _begin_save(checkpoint_dir, overwrite)
-        return None
+        return ("known", begin())
 
-    key = dist.gather_and_decide("validation", exc, local, known)
-    if key is None:
-        return
-    dist.gather_and_decide("validation", None, payload, check)
+    kind, value = dist.gather_and_decide("validation", exc, local, known)
+    if kind == "known":
+        return value
+    staging = dist.gather_and_decide("validation", None, payload, check)
     if dist.get_rank() == 0:
-        _VALIDATED_STRUCTURES[key] = None
+        _VALIDATED_STRUCTURES[value] = None
         while len(_VALIDATED_STRUCTURES) > _VALIDATED_CAPACITY:
             _VALIDATED_STRUCTURES.popitem(last=False)
-
-
-def _begin_save(checkpoint_dir, overwrite: Optional[bool]) -> None:
-    """Rank 0, before any rank writes: no earlier checkpoint here may pass for the new one."""
-    if isinstance(checkpoint_dir, storage.Store):
-        checkpoint_dir.begin_save(_COMMIT_FILES, overwrite)
-        return
-    if overwrite is False and (checkpoint_dir / CONFIG_FNAME).exists():
-        raise CheckpointingException(f"{checkpoint_dir} already holds a committed checkpoint and overwrite=False")
-    _remove_commit_files(checkpoint_dir)
-
-
-def _write_config(config: CheckpointingConfig, checkpoint_dir) -> None:
-    """The commit: local, temp file + fsync + rename; a store, its commit (a conditional put)."""
-    if isinstance(checkpoint_dir, storage.Store):
-        checkpoint_dir.commit(CONFIG_FNAME, json.dumps(dataclasses.asdict(config)).encode())
-    else:
-        save_config(config, checkpoint_dir)
-
-
-def _remove_commit_files(checkpoint_dir: Path) -> None:
-    removed = False
-    for name in _COMMIT_FILES:
-        try:
-            os.remove(checkpoint_dir / name)
-            removed = True
-        except FileNotFoundError:
-            pass
-    if removed:
-        fsync_dir(checkpoint_dir)
-        logger.info("%s: removed the commit files of an earlier checkpoint before saving", checkpoint_dir)
+    return staging
 
 
 def _log_common_differences(views) -> None:
@@ -410,6 +405,7 @@ def load(
         the state dict, or ``(state_dict, missing_keys, unexpected_keys)`` for the
         ``return_unexpected`` and ``return_all`` strict modes.
     """
+    dist.reset_failures()
     strict_mode = StrictHandling.ASSUME_OK_UNEXPECTED
     verify = verify or bool(verify_integrity)
     group = process_group
@@ -417,9 +413,12 @@ def load(
     unexpected: Set[str] = set()
     exc: Optional[BaseException] = None
     payload = None
+    identity = None
     try:
         checkpoint_dir = storage.resolve(checkpoint_dir, storage_options)
         strict_mode = parse_strict_flag(strict)
+        commit_protocol.recover(checkpoint_dir)
+        identity = commit_protocol.tree_identity(checkpoint_dir)
         sharded_strategy, common_strategy = _load_strategies(checkpoint_dir, sharded_strategy, common_strategy)
         _configure(sharded_strategy, verify, trusted)
         _configure(common_strategy, verify, trusted)
@@ -447,7 +446,7 @@ def load(
         local_keys = {s.key for s in shards}
         payload = (local_keys, [shard_meta(s, dist.get_rank(group)) for s in shards] if validate_access_integrity else None)
     except Exception as e:  # noqa: BLE001 - shared with every rank below
-        exc = e
+        exc = _replaced_or(e, checkpoint_dir, identity)
 
     need_global = validate_access_integrity or StrictHandling.requires_global_app_metadata(strict_mode)
     gathered = dist.all_gather_or_raise("load preparation", exc, payload if need_global else None, group=group)
@@ -469,15 +468,28 @@ def load(
             objects, sharded_part = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
             merge(common_state_dict, common_strategy.load_sharded_objects(objects, checkpoint_dir))
         loaded = sharded_strategy.load(sharded_part, checkpoint_dir)
+        # Another job may have swapped a new checkpoint in while this one was read.
+        commit_protocol.check_unchanged(checkpoint_dir, identity)
         merge(common_state_dict, loaded)
         common_state_dict = apply_factory_merges(common_state_dict, factories)
     except Exception as e:  # noqa: BLE001
-        exc = e
+        exc = _replaced_or(e, checkpoint_dir, identity)
     dist.sync_errors("load", exc, group=group)
 
     if StrictHandling.requires_returning_mismatch_keys(strict_mode):
         return common_state_dict, missing, unexpected
     return common_state_dict
+
+
+def _replaced_or(exc: Exception, checkpoint_dir: Path, identity) -> Exception:
+    """``exc``, or the clearer error that the checkpoint was swapped during the load (which is
+    what usually makes a file vanish mid-load)."""
+    try:
+        commit_protocol.check_unchanged(checkpoint_dir, identity)
+    except CheckpointingException as replaced:
+        replaced.__cause__ = exc
+        return replaced
+    return exc
 
 
 def _configure(strategy, verify: bool, trusted: bool) -> None:

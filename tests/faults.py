@@ -406,6 +406,7 @@ def _sigkill_rank(args: argparse.Namespace) -> int:
     if args.rank == 0:
         (root / "phase1.json").write_text(json.dumps({
             "neighbour": tree_digest(root / "neighbour"),
+            "target": tree_digest(root / "target"),
             "target_sizes": {p.name: p.stat().st_size for p in (root / "target").iterdir()}}))
     ddist.barrier()
     stalled = root / f"stalled.{args.rank}"

@@ -9,6 +9,7 @@ strategy x store.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,10 +23,12 @@ from distckpt import (
     check_is_distributed_checkpoint,
 )
 from distckpt import dist as ddist
+from distckpt.commit import is_leftover
 from distckpt.serialization import get_default_save_sharded_strategy
 from distckpt.storage import open_store
 from distckpt.strategies.base import SaveShardedStrategy
 from tests import layouts
+from tests.faults import tree_digest
 from tests.harness import expect_all_ranks_raise, run_ranks
 
 BACKENDS = ["torch_dist", "zarr", "torch_dcp"]  # torch_dcp: DCP's own engine, torch_dist format
@@ -384,12 +387,25 @@ def _interrupted_save(ckpt, backend):
 @pytest.mark.parametrize("backend,store", BACKEND_STORES)
 @pytest.mark.parametrize("over_existing", [False, True])
 def test_interrupted_save_is_never_taken_as_a_checkpoint(backend, store, over_existing, location):
+    """A file system keeps the previous checkpoint bit-exact and drops the staging tree; on an
+    object store (overwrite=True) the objects written stay uncommitted, never a checkpoint."""
+    before = None
     if over_existing:
         run_ranks(2, _save_layout, location, backend, "tp_dp", {"tp": 2})
         assert check_is_distributed_checkpoint(location)
+        before = tree_digest(Path(location)) if store == "local" else None
     expect_all_ranks_raise(2, _interrupted_save, location, backend,
                            match="injected failure after the data files were written")
-    assert open_store(location).list(), "data files were written before the failure"
+    if store == "s3":
+        assert open_store(location).list(), "data files were written before the failure"
+    else:
+        target = Path(location)
+        assert [p.name for p in target.parent.iterdir()
+                if is_leftover(p) and p.name.startswith(f".{target.name}.")] == []  # staging dropped
+    if before is not None:
+        assert tree_digest(Path(location)) == before
+        assert [wrong for _, wrong in run_ranks(2, _load_layout, location, "tp_dp", {"tp": 2})] == [[], []]
+        return
     assert not check_is_distributed_checkpoint(location)
     expect_all_ranks_raise(2, _load_from, location, match="is not a distributed checkpoint")
 

@@ -10,6 +10,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import zlib
 from pathlib import Path
@@ -36,12 +37,14 @@ LEGACY = DATA / "megatron-0.15.3" / "tp2_zarr"
 
 @contextlib.contextmanager
 def _recorded(method: str):
-    """Record the chunk files that RawIO.<method> ("write" or "read") touches in this process."""
+    """Record the chunk files that RawIO.<method> ("write" or "read") touches in this process
+    (writes go to the save's staging directory; recorded under the checkpoint's own path)."""
     paths = []
     original = getattr(zs.RawIO, method)
 
     def spy(self, jobs, *args):
-        paths.extend(str(j.meta.chunk_path(j.index)) for j in jobs)
+        paths.extend(re.sub(r"/\.([^/]+)\.distckpt-staging-[0-9a-f]+/", r"/\1/", str(j.meta.chunk_path(j.index)))
+                     for j in jobs)
         return original(self, jobs, *args)
 
     setattr(zs.RawIO, method, spy)

@@ -118,7 +118,7 @@ def _agree_on_failure(stage: str, exc: Optional[BaseException], no_dist: bool) -
         if exc is not None:
             _raise_local(stage, exc)
         return
-    (failed,) = dist.all_reduce_max([int(exc is not None)])
+    (failed,) = dist.all_reduce_max([int(exc is not None)], stage=stage)
     if failed:
         dist.sync_errors(stage, exc)
 
@@ -278,7 +278,7 @@ class AsyncCallsQueue:
             ready, first_failure = done, failed_at
         else:
             # min over ranks as -max(-x): how many are done everywhere, where the first failure is.
-            neg_ready, neg_failure = dist.all_reduce_max([-done, -failed_at])
+            neg_ready, neg_failure = dist.all_reduce_max([-done, -failed_at], stage="async finalize")
             ready, first_failure = -neg_ready, -neg_failure
 
         finalized: List[int] = []

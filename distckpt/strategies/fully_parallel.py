@@ -172,13 +172,13 @@ class _DistributionCache:
 
     def get(self, stage: str, exc: Optional[BaseException], payload: Any, compute) -> ShardDistribution:
         changed = not (self.enabled and self._cached is not None and self._cached[0] == payload)
-        failed, any_changed = dist.all_reduce_max([int(exc is not None), int(changed)])
+        failed, any_changed = dist.all_reduce_max([int(exc is not None), int(changed)], stage=stage)
         if failed:
             dist.sync_errors(stage, exc)
         self.last_was_cached = not any_changed
         if not any_changed:
             return self._cached[1]
-        gathered = dist.all_gather_object(payload, self.group)
+        gathered = dist.all_gather_object(payload, self.group, stage=f"{stage} (shard distribution)")
         distribution = compute(gathered)
         logger.debug("%s: bytes per group rank %s", stage, distribution.bytes_per_rank(len(gathered)))
         self._cached = (payload, distribution) if self.enabled else None
@@ -429,7 +429,8 @@ class FullyParallelLoadStrategyWrapper(_WrapperState, LoadShardedStrategy):
             exchange.allocate_buffers(self.exchange_algo, group_size)
         except Exception as e:  # noqa: BLE001 - shared with every rank below, before any exchange
             exc = e
-        (failed,) = dist.all_reduce_max([int(exc is not None)])
+        # Also the one check-in that guards the whole exchange (its per-piece broadcasts have none).
+        (failed,) = dist.all_reduce_max([int(exc is not None)], stage="fully parallel exchange")
         if failed:
             dist.sync_errors("fully parallel load", exc)
 
@@ -606,7 +607,8 @@ class _Exchange:
     def exchange_objects(self) -> None:
         for sid in sorted(s for s in self.distribution.assignment if s[0] == "object"):
             src = self.distribution.assignment[sid]
-            value = dist.broadcast_object(self._objects.get(sid) if src == self.me else None, src, self.group)
+            value = dist.broadcast_object(self._objects.get(sid) if src == self.me else None, src, self.group,
+                                          stage="fully parallel exchange", checked=False)
             piece = self.pieces.get(sid)
             if piece is None or src == self.me:
                 continue

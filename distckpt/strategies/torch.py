@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from distckpt import dist, storage
+from distckpt import bounds, dist, storage
 from distckpt.core import CheckpointingException, atomic_write_bytes, gc_paused
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
 from distckpt.manifest import (
@@ -144,6 +144,14 @@ class _MetadataUnpickler(pickle.Unpickler):
 def _location(checkpoint_dir):
     """A local directory as a Path, a store as itself."""
     return checkpoint_dir if isinstance(checkpoint_dir, storage.Store) else Path(checkpoint_dir)
+
+
+def _stored_file_size(checkpoint_dir, relative_path: str, source) -> int:
+    """Size of a data file a checkpoint's metadata names, refusing names (and, locally, symlinks)
+    that lead outside the checkpoint. Raises FileNotFoundError for a missing file."""
+    if isinstance(checkpoint_dir, storage.Store):
+        return checkpoint_dir.size(bounds.relative_name(relative_path, source))
+    return bounds.inside(checkpoint_dir, relative_path, source).stat().st_size
 
 
 def read_metadata(checkpoint_dir, trusted: bool = False, verify: bool = False) -> Metadata:
@@ -735,7 +743,32 @@ def _plan_flat_slices(plan: _Plan, key: str, stored: _StoredKey, idx: Shape, f_l
             f"elements [{f_lo}, {f_hi}) needed for this load")
 
 
-def _index(md: Metadata) -> Dict[str, Any]:
+def check_claims(md: Metadata, source: Path) -> None:
+    """Check every claim of ``.metadata`` before anything uses it: file names stay inside the
+    checkpoint, offsets and lengths are naturals, shapes bounded, chunk boxes inside their
+    tensor (``source`` names the file in the error)."""
+    for index, info in md.storage_data.items():
+        what = f"storage record of {getattr(index, 'fqn', '?')!r}"
+        if index.offset is not None:
+            bounds.shape(index.offset, source, f"{what}: chunk offset")
+        bounds.relative_name(info.relative_path, source, f"{what}: file name")
+        bounds.natural(info.offset, source, f"{what}: offset")
+        bounds.natural(info.length, source, f"{what}: length")
+    for fqn, shape in _orig_shapes(md).items():
+        bounds.shape(shape, source, f"key {fqn!r}: original shape")
+    for fqn, meta in md.state_dict_metadata.items():
+        if not isinstance(meta, TensorStorageMetadata):
+            continue
+        size = bounds.shape(meta.size, source, f"key {fqn!r}: global shape")
+        for c in meta.chunks:
+            offsets = bounds.shape(c.offsets, source, f"key {fqn!r}: chunk offset")
+            sizes = bounds.shape(c.sizes, source, f"key {fqn!r}: chunk size")
+            bounds.box_inside(offsets, sizes, size, source, f"key {fqn!r}: chunk")
+
+
+def _index(md: Metadata, source: Path) -> Dict[str, Any]:
+    """Per key, its stored chunks and where their bytes are (claims checked first)."""
+    check_claims(md, source)
     orig = _orig_shapes(md)
     per_key: Dict[str, List[_Stored]] = defaultdict(list)
     objects: Dict[str, _Stored] = {}
@@ -752,13 +785,19 @@ def _index(md: Metadata) -> Dict[str, Any]:
             out[fqn] = objects.get(fqn)
             continue
         by_offset = {s.offset: s for s in per_key.get(fqn, [])}
+        itemsize = meta.properties.dtype.itemsize
         chunks = []
         for c in meta.chunks:
             st = by_offset.get(tuple(c.offsets))
             if st is None:
                 raise CheckpointingException(
                     f"key {fqn!r}: chunk at {list(c.offsets)} has no storage record in .metadata")
-            chunks.append(_Stored(tuple(c.offsets), tuple(c.sizes), st.relative_path, st.file_offset, st.length))
+            sizes = tuple(c.sizes)
+            if math.prod(sizes) * itemsize > st.length:
+                raise CheckpointingException(
+                    f"{source}: key {fqn!r}: chunk at {list(st.offset)} of {list(sizes)} elements needs "
+                    f"{math.prod(sizes) * itemsize} bytes, its record holds {st.length}")
+            chunks.append(_Stored(st.offset, sizes, st.relative_path, st.file_offset, st.length))
         key = _StoredKey(fqn, meta.properties.dtype, tuple(meta.size), chunks, orig.get(fqn))
         if key.orig_shape is not None:
             for c in chunks:
@@ -931,7 +970,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         out: StateDict = {}
         if not items:
             return out
-        index = _index(md)
+        index = _index(md, storage.join(checkpoint_dir, METADATA_FNAME))
         checksums = self._checksums(checkpoint_dir)
         for fqn, path in items.items():
             value = self._load_bytes(f"value {fqn!r}", index.get(fqn), checkpoint_dir, checksums)
@@ -1160,6 +1199,38 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             return None
         return manifest.range_index()
 
+    @staticmethod
+    def _check_allocations(sharded_state_dict: ShardedStateDict, index: Dict[str, Any], checkpoint_dir) -> None:
+        """Tensors this load allocates (requests without data, e.g. ``load_plain_tensors``, whose
+        shape may come from the checkpoint's own claims) must be backed by stored bytes that
+        exist: every record of the key inside its file, and together at least the request's
+        bytes. So a claimed shape of 2^40 elements is refused before anything is allocated."""
+        wanted = [sh for sh in nested_values(sharded_state_dict)
+                  if isinstance(sh, ShardedTensor) and sh.data is None and isinstance(index.get(sh.key), _StoredKey)]
+        if not wanted:
+            return
+        source = storage.join(checkpoint_dir, METADATA_FNAME)
+        sizes: Dict[str, int] = {}
+        for sh in wanted:
+            stored = index[sh.key]
+            have = 0
+            for c in stored.chunks:
+                if c.relative_path not in sizes:
+                    try:
+                        sizes[c.relative_path] = _stored_file_size(checkpoint_dir, c.relative_path, source)
+                    except FileNotFoundError:
+                        sizes[c.relative_path] = 0
+                if c.file_offset + c.length > sizes[c.relative_path]:
+                    raise CheckpointingException(
+                        f"{storage.join(checkpoint_dir, c.relative_path)}: key {sh.key!r}: record at offset {c.file_offset} "
+                        f"of {c.length} bytes: file is truncated ({sizes[c.relative_path]} bytes)")
+                have += c.length
+            need = math.prod(sh.local_shape) * sh.dtype.itemsize
+            if need > have:
+                raise CheckpointingException(
+                    f"{source}: key {sh.key!r}: loading {list(sh.local_shape)} needs {need} bytes, the "
+                    f"checkpoint stores {have} for this key; refusing to allocate it")
+
     def _execute(self, plan: _Plan, checkpoint_dir, checksums: Optional[Dict]) -> None:
         by_file: Dict[str, List[_Stored]] = defaultdict(list)
         for st in plan.ops:
@@ -1198,7 +1269,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             counted.append(nbytes)
 
         def read_file(name: str) -> None:
-            path = checkpoint_dir / name
+            path = bounds.inside(checkpoint_dir, name, checkpoint_dir / METADATA_FNAME)
             try:
                 fd = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
@@ -1207,7 +1278,12 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                     f"{path}: data file is missing (needed for keys {keys}, rank {rank})") from None
             try:
                 nbytes = 0
+                file_size = os.fstat(fd).st_size
                 for st in sorted(by_file[name], key=lambda c: c.file_offset):
+                    if st.file_offset + st.length > file_size:
+                        raise CheckpointingException(
+                            f"key {plan.ops[st][0].key!r} in {path} at offset {st.file_offset} (rank {rank}): file "
+                            f"is truncated ({file_size} bytes, the record ends at {st.file_offset + st.length})")
                     nbytes += _read_chunk(fd, path, st, plan.ops[st], checksums, rank, verify)
                 counted.append(nbytes)
             finally:
@@ -1237,9 +1313,15 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         """Unpickle one byte item (safely unless ``trusted``); ``name`` says what it is."""
         if stored is None:
             raise CheckpointingException(f"{name} is not in checkpoint {checkpoint_dir} (rank {dist.get_rank()})")
+        source = storage.join(checkpoint_dir, METADATA_FNAME)
         path = storage.join(checkpoint_dir, stored.relative_path)
         what = f"{name} in {path} (rank {dist.get_rank()})"
         try:
+            size = _stored_file_size(checkpoint_dir, stored.relative_path, source)
+            if stored.file_offset + stored.length > size:
+                raise CheckpointingException(
+                    f"{what}: file is truncated ({size} bytes, the record ends at "
+                    f"{stored.file_offset + stored.length})")
             if isinstance(checkpoint_dir, storage.Store):
                 raw = bytes(checkpoint_dir.get_ranges(stored.relative_path, [stored.file_offset], [stored.length])[0])
             else:
@@ -1256,7 +1338,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
         checkpoint_dir = _location(checkpoint_dir)
         md = read_metadata(checkpoint_dir, self.trusted, self.verify)
-        index = _index(md)
+        index = _index(md, storage.join(checkpoint_dir, METADATA_FNAME))
+        self._check_allocations(sharded_state_dict, index, checkpoint_dir)
         plan = _Plan()
         commits: List[Callable[[], None]] = []
 

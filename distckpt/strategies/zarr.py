@@ -39,6 +39,7 @@ which can also be chosen for everything with ``io_engine="tensorstore"``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -54,7 +55,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 
 import torch
 
-from distckpt import dist, storage
+from distckpt import bounds, dist, storage
 from distckpt.core import CheckpointingException, atomic_write_bytes, write_all
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
 from distckpt.manifest import RangeChecksum, build_manifest, crc32c, read_manifest, write_manifest
@@ -271,6 +272,50 @@ def _meta_from_v2(key: str, path: Path, md: Dict[str, Any]) -> ArrayMeta:
                      md.get("dimension_separator", "."))
 
 
+# A chunk may be larger than its array (zarr pads the last chunk), but not absurdly so.
+_CHUNK_SLACK_BYTES = 64 << 20
+
+
+def _checked_meta(meta: ArrayMeta, source: Path) -> ArrayMeta:
+    """Refuse shapes, chunk shapes and chunk-key separators that a real array cannot have: they
+    would make reads allocate or loop far beyond what any request needs."""
+    shape = bounds.shape(meta.shape, source, "shape")
+    chunks = bounds.shape(meta.chunks, source, "chunk shape")
+    if len(chunks) != len(shape) or any(c < 1 for c in chunks):
+        raise CheckpointingException(f"{source}: chunk shape {list(chunks)} does not fit the shape {list(shape)}")
+    array_bytes = math.prod(shape) * meta.itemsize
+    if meta.chunk_nbytes > 2 * array_bytes + _CHUNK_SLACK_BYTES:
+        raise CheckpointingException(
+            f"{source}: a chunk of {list(chunks)} ({meta.chunk_nbytes} bytes) for an array of "
+            f"{list(shape)} ({array_bytes} bytes); refusing it")
+    if not isinstance(meta.separator, str) or meta.separator not in ("/", "."):
+        raise CheckpointingException(f"{source}: chunk key separator {meta.separator!r} is not '/' or '.'")
+    return dataclasses.replace(meta, shape=shape, chunks=chunks)
+
+
+def _check_allocation(meta: ArrayMeta, sh: ShardedTensor) -> None:
+    """A tensor this load allocates (a request without data, e.g. ``load_plain_tensors``, whose
+    shape comes from the checkpoint's claim) must be backed by chunk files that exist: for an
+    uncompressed array, at least the request's bytes. (Compressed arrays, absent chunks, which
+    read as the fill value, and arrays on object stores are not bounded this way; see
+    docs/reliability.md.)"""
+    need = math.prod(sh.local_shape) * meta.itemsize
+    # On an object store this would take a LIST per key and rank (a load never lists there): the
+    # shape bound of _checked_meta is what holds there.
+    if need <= _CHUNK_SLACK_BYTES or not meta.raw or meta.store is not None:
+        return
+    have = 0
+    for dirpath, _, filenames in os.walk(meta.path):
+        for name in filenames:
+            if name not in (ARRAY_META, LEGACY_ARRAY_META, ".zattrs"):
+                have += os.stat(os.path.join(dirpath, name)).st_size
+                if have >= need:
+                    return
+    raise CheckpointingException(
+        f"{meta.path / ARRAY_META}: key {sh.key!r}: loading {list(sh.local_shape)} needs {need} bytes, the "
+        f"array's chunk files hold {have}; refusing to allocate it")
+
+
 def read_array_meta(root: Path, key: str) -> Optional[ArrayMeta]:
     """Metadata of array ``key`` under ``root`` (``zarr.json``, else a legacy ``.zarray``).
 
@@ -280,6 +325,7 @@ def read_array_meta(root: Path, key: str) -> Optional[ArrayMeta]:
         CheckpointingException: the metadata file exists but is unreadable or unsupported.
     """
     if _is_store(root):
+        key = bounds.relative_name(key, root.where(ARRAY_META), "array key")
         path = Path(key)
         for name, parse in ((ARRAY_META, _meta_from_v3), (LEGACY_ARRAY_META, _meta_from_v2)):
             try:
@@ -287,13 +333,14 @@ def read_array_meta(root: Path, key: str) -> Optional[ArrayMeta]:
             except FileNotFoundError:
                 continue
             try:
-                return replace(parse(key, path, json.loads(text)), store=root)
+                return replace(_checked_meta(parse(key, path, json.loads(text)), root.where(f"{key}/{name}")),
+                               store=root)
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise CheckpointingException(
                     f"{root.where(key + '/' + name)}: unreadable Zarr metadata of key {key!r} "
                     f"(rank {dist.get_rank()}): {e}") from None
         return None
-    path = root / key
+    path = bounds.inside(root, key, root / ARRAY_META, "array key")
     for name, parse in ((ARRAY_META, _meta_from_v3), (LEGACY_ARRAY_META, _meta_from_v2)):
         f = path / name
         try:
@@ -301,7 +348,7 @@ def read_array_meta(root: Path, key: str) -> Optional[ArrayMeta]:
         except (FileNotFoundError, NotADirectoryError):
             continue
         try:
-            return parse(key, path, json.loads(text))
+            return _checked_meta(parse(key, path, json.loads(text)), f)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise CheckpointingException(
                 f"{f}: unreadable Zarr metadata of key {key!r} (rank {dist.get_rank()}): {e}") from None
@@ -316,8 +363,10 @@ def _root_keys(root: Path) -> Optional[List[str]]:
         return None
     except ValueError as e:
         raise CheckpointingException(f"{storage.join(root, ARRAY_META)}: unreadable root group metadata: {e}") from None
-    keys = ((md.get("attributes") or {}).get("distckpt") or {}).get("keys")
-    return list(keys) if isinstance(keys, list) else None
+    keys = ((md.get("attributes") or {}).get("distckpt") or {}).get("keys") if isinstance(md, dict) else None
+    if not isinstance(keys, list):
+        return None
+    return [bounds.relative_name(k, storage.join(root, ARRAY_META), "array key") for k in keys]
 
 
 def _scan_keys(root: Path) -> List[str]:
@@ -1170,6 +1219,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
                         f"the checkpoint stores {list(meta.shape)} (set allow_shape_mismatch=True to load "
                         f"the overlap and zero the rest)")
             if sh.data is None:
+                _check_allocation(meta, sh)
                 sh.init_data("cpu", torch.zeros if sh.allow_shape_mismatch else torch.empty)
             target = sh.data
             if _needs_staging(target, meta.dtype):

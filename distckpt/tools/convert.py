@@ -18,32 +18,27 @@ and ``metadata.json`` is written last, atomically.
 from __future__ import annotations
 
 import io
-import json
 import os
 import pickle
 import re
-import shutil
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Pattern, Protocol, Tuple, Union
 
 import torch
 
-from distckpt import storage
+from distckpt import commit, storage
 from distckpt.core import (
-    CONFIG_FNAME,
     CheckpointingConfig,
     CheckpointingException,
     PathLike,
     atomic_write_bytes,
-    fsync_dir,
-    save_config,
     write_file_durably,
 )
 from distckpt.dcp_native import checkpoint_config, describe_missing_config
-from distckpt.manifest import MANIFEST_FNAME, build_manifest, crc32c, write_manifest
+from distckpt.manifest import build_manifest, crc32c, write_manifest
 from distckpt.mapping import ShardedObject, ShardedTensor, StateDict
 from distckpt.serialization import read_common_state
 from distckpt.strategies.base import StrategyAction, get_default_strategy
@@ -61,10 +56,6 @@ __all__ = [
 ]
 
 DEFAULT_READ_BUDGET_BYTES = 256 << 20
-
-# Files that mark (or describe) a finished checkpoint: removed before anything else is written.
-_COMMIT_FILES = (CONFIG_FNAME, ".metadata", MANIFEST_FNAME)
-
 
 # --------------------------------------------------------------------------- writer protocol
 
@@ -140,35 +131,37 @@ class DistckptWriter:
     version: int = 1
 
     def __init__(self, dst_dir: PathLike, overwrite: bool = False):
-        self.dst = storage.resolve(dst_dir)
-        self.remote = isinstance(self.dst, storage.Store)
+        # Committed by the destination's protocol (distckpt.commit): on a file system written into
+        # a staging directory beside it and swapped in at ``finish``, so an interrupted or failed
+        # conversion leaves the destination as it was; on an object store written in place and
+        # committed by a conditional put of metadata.json.
+        self.target = commit.resolve_target(dst_dir)
+        self.remote = isinstance(self.target, storage.Store)
+        self.dst = self.target
+        self._protocol = commit.protocol_for(self.target)
+        self._staging = None
         self.overwrite = overwrite
         # (relative path, offset, length, crc32c, key) of every byte range written.
         self.ranges: List[Tuple[str, int, int, int, str]] = []
         self.sizes: Dict[str, int] = {}
         self.tensor_count = 0
         self.tensor_bytes = 0
-        self._created = False
 
     def _prepare_destination(self) -> None:
-        if self.remote:
-            # An object store: refuse a committed checkpoint unless overwrite; un-commit it first.
-            self.dst.begin_save(_COMMIT_FILES, self.overwrite)
-            return
-        if self.dst.exists() and not self.dst.is_dir():
-            raise CheckpointingException(f"{self.dst}: exists and is not a directory")
-        if self.dst.is_dir() and any(self.dst.iterdir()):
-            if not self.overwrite:
+        if not self.remote:
+            if self.target.exists() and not self.target.is_dir():
+                raise CheckpointingException(f"{self.target}: exists and is not a directory")
+            if self.target.is_dir() and any(self.target.iterdir()) and not self.overwrite:
                 raise CheckpointingException(
-                    f"{self.dst}: destination is not empty (pass overwrite=True to write into it)")
-            for name in _COMMIT_FILES:
-                try:
-                    os.remove(self.dst / name)
-                except FileNotFoundError:
-                    pass
-            fsync_dir(self.dst)
-        self._created = not self.dst.exists()
-        self.dst.mkdir(parents=True, exist_ok=True)
+                    f"{self.target}: destination is not empty (pass overwrite=True to replace it)")
+        self._protocol.cleanup_leftovers(self.target)
+        # An object store refuses a committed checkpoint unless overwrite.
+        self._staging = self._protocol.begin(self.target, commit.new_save_id(), self.overwrite)
+        self.dst = self._protocol.where(self._staging)
+        self._moved_to(self.dst)
+
+    def _moved_to(self, path) -> None:
+        """The writer's files go under ``path`` (the staging directory) from now on."""
 
     def _record_file(self, name: str, data: bytes, key: str) -> None:
         self.ranges.append((name, 0, len(data), crc32c(data), key))
@@ -204,21 +197,16 @@ class DistckptWriter:
     def finish(self) -> Dict[str, Any]:
         """Write the backend's index and the manifest, then commit (``metadata.json`` last)."""
         self._finish_data()
-        write_manifest(self.dst, build_manifest(str(uuid.uuid4()), self.backend, self.ranges, self.sizes))
-        config = CheckpointingConfig(self.backend, self.version, "torch", 1)
-        if self.remote:
-            self.dst.commit(CONFIG_FNAME, json.dumps(asdict(config)).encode())
-        else:
-            save_config(config, self.dst)
-        return {"path": str(self.dst), "backend": self.backend, "tensors": self.tensor_count,
+        write_manifest(self.dst, build_manifest(self._staging.save_id, self.backend, self.ranges, self.sizes))
+        self._protocol.commit(self._staging, CheckpointingConfig(self.backend, self.version, "torch", 1))
+        return {"path": str(self.target), "backend": self.backend, "tensors": self.tensor_count,
                 "nbytes": self.tensor_bytes, "files": len(self.sizes) + 2}
 
     def abort(self) -> None:
-        """Drop the output: a folder this writer created goes entirely; in a folder that
-        existed the files stay, uncommitted (no ``metadata.json``), so never taken as a checkpoint."""
+        """Drop the output: the staging directory goes; the destination stays as it was."""
         self._release()
-        if self._created and not self.remote:
-            shutil.rmtree(self.dst, ignore_errors=True)
+        if self._staging is not None:
+            self._protocol.abort(self._staging)
 
 
 class ZarrWriter(DistckptWriter):
@@ -244,6 +232,9 @@ class ZarrWriter(DistckptWriter):
         self.version = FORMAT_VERSION
         self.arrays = ZarrTensorWriter(self.dst, io_engine=io_engine, thread_count=thread_count,
                                        compression=compression, max_chunk_bytes=max_chunk_bytes)
+
+    def _moved_to(self, path: Path) -> None:
+        self.arrays.root = path
 
     def _begin_objects(self, objects: Dict[str, Any]) -> None:
         for unique_key, obj in objects.items():
@@ -387,7 +378,7 @@ class TorchDistWriter(DistckptWriter):
                 state[key] = TensorStorageMetadata(properties=TensorProperties(dtype=decl[0]),
                                                    size=torch.Size(decl[1]), chunks=chunks.get(key, []))
         md = Metadata(state_dict_metadata=state, planner_data=None, storage_data=storage,
-                      storage_meta=StorageMeta(checkpoint_id=str(self.dst), save_id=str(uuid.uuid4())))
+                      storage_meta=StorageMeta(checkpoint_id=str(self.target), save_id=str(uuid.uuid4())))
         md.mcore_data = {}
         data = pickle.dumps(md)
         if self.remote:

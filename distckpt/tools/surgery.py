@@ -25,7 +25,6 @@ renamed checkpoint is written as a copy under a temporary name and renamed into 
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import json
 import os
@@ -407,8 +406,13 @@ def _check_new_output(out: Path) -> None:
 
 
 def _temp_beside(path: Path, what: str) -> Path:
-    path = path.resolve()
-    return path.parent / f".{path.name}.{what}-{os.getpid()}"
+    """A staging directory beside ``path``, named as distckpt.commit names them (``what`` says
+    why to the reader), so that an interrupted edit's leftover is recognised and cleaned by
+    the next save."""
+    from distckpt import commit
+
+    tmp = commit.leftover_name(commit.resolve_target(path), commit.STAGING_MARK, commit.new_save_id())
+    return tmp
 
 
 def _files(root: Path) -> List[str]:
@@ -497,25 +501,14 @@ def _swap_in_place(root: Path, path_map, contents: Dict[str, bytes]) -> None:
     shutil.rmtree(tmp, ignore_errors=True)  # now the old tree; its data lives on through the links
 
 
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
 def _exchange_atomic(a: Path, b: Path) -> bool:
     """Swap two directories in one step (Linux ``renameat2``); False where unsupported."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+    from distckpt.commit import exchange_directories
+
+    if exchange_directories(a, b):
         fsync_dir(b.parent)
         return True
-    err = ctypes.get_errno()
-    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, f"cannot exchange {a} and {b}: {os.strerror(err)}")
+    return False
 
 
 def _exchange(tmp: Path, root: Path) -> None:

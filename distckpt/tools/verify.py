@@ -222,10 +222,12 @@ def _check_torch_dist(root: Path, trusted: bool, report: VerifyReport) -> int:
     (non-tensor values of a ``dcp.save``, the common state of such a checkpoint)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    from distckpt.strategies.torch import METADATA_FNAME, plain_byte_items, read_metadata
+    from distckpt.strategies.torch import METADATA_FNAME, check_claims, plain_byte_items, read_metadata
 
     try:
         md = read_metadata(root, trusted)
+        # Names, offsets, lengths and shapes first: a hostile one is reported, never used.
+        check_claims(md, storage.join(root, METADATA_FNAME))
     except CheckpointingException as e:
         report.problems.append(str(e))
         return 0
