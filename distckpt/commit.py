@@ -173,7 +173,6 @@ class RenameCommit:
     def commit(self, staging: Staging, config: CheckpointingConfig) -> None:
         """rank 0, after every rank finished writing: write ``metadata.json`` inside the staged
         tree, then make it the checkpoint at ``staging.target``."""
-        save_config(config, staging.path)
         target, path = staging.target, staging.path
         try:
             st = path.stat()
@@ -189,6 +188,7 @@ class RenameCommit:
             raise CheckpointingException(
                 f"{path}: the staging directory was replaced while this save wrote into it (another "
                 f"save to {target} at the same time?); nothing was committed")
+        save_config(config, path)
         _check_complete(path)
         os.remove(path / STAGING_TOKEN)
         if target.is_dir() and any(os.scandir(target)):

@@ -49,7 +49,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 import distckpt
-from distckpt import ShardedObject, serialization
+from distckpt import ShardedObject, commit, serialization
 from distckpt import dist as ddist
 from distckpt.manifest import RangeChecksum, crc32c, read_manifest, write_manifest
 from distckpt.strategies import torch as torch_strategy
@@ -221,7 +221,7 @@ def injected(fault: Fault) -> Iterator[None]:
             elif stage == "manifest_write":
                 stack.enter_context(patched(torch_strategy, "write_manifest", _failing(stage, errno.ENOSPC)))
             elif stage == "commit_write":
-                stack.enter_context(patched(serialization, "save_config", _failing(stage, errno.EIO)))
+                stack.enter_context(patched(commit, "save_config", _failing(stage, errno.EIO)))
             elif stage == "read":
                 stack.enter_context(patched(torch_strategy, "_read_chunk", _failing(stage, errno.EIO)))
         yield
@@ -416,7 +416,7 @@ def _sigkill_rank(args: argparse.Namespace) -> int:
                 StallingSink.marker = stalled
                 stack.enter_context(patched(torch_strategy, "ChecksummingSink", StallingSink))
             else:
-                stack.enter_context(patched(serialization, "save_config", _stalling_save_config(stalled)))
+                stack.enter_context(patched(commit, "save_config", _stalling_save_config(stalled)))
         try:
             save_with_fault(str(root / "target"), 2, None)
         except BaseException as e:  # noqa: BLE001 - the survivor reports and exits non-zero

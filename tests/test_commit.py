@@ -14,6 +14,7 @@ import pytest
 import distckpt
 from distckpt import CheckpointingException, commit
 from distckpt import dist as ddist
+from distckpt.core import CheckpointingConfig
 from tests import faults
 from tests.faults import load_with_fault, save_with_fault
 from tests.harness import expect_all_ranks_raise, run_ranks
@@ -124,9 +125,8 @@ def test_a_staging_directory_removed_during_the_save_is_not_committed(tmp_path):
     staging = protocol.begin(target, "one")
     protocol.cleanup_leftovers(target)        # a second job's save to the same place
     staging.path.mkdir()                      # re-created by a late writer
-    (staging.path / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
     with pytest.raises(CheckpointingException, match="staging directory was replaced"):
-        protocol.commit(staging)
+        protocol.commit(staging, CheckpointingConfig("torch_dist"))
     assert not target.exists()
 
 
@@ -141,12 +141,12 @@ def test_a_staging_tree_missing_a_file_of_its_manifest_is_not_committed(tmp_path
         os.rename(p, staging.path / p.name)
     os.remove(next(staging.path.glob("*.distcp")))
     with pytest.raises(CheckpointingException, match=r"\.distcp: missing from the staging directory"):
-        protocol.commit(staging)
+        protocol.commit(staging, CheckpointingConfig("torch_dist"))
     assert faults.tree_digest(target) == before
 
 
 def _fail_creating_the_staging_directory(ckpt: str):
-    def refuse(self, target, save_id):
+    def refuse(self, target, save_id, overwrite=None):
         raise PermissionError(13, "Permission denied", str(commit.leftover_name(target, commit.STAGING_MARK, save_id)))
 
     with faults.patched(commit.RenameCommit, "begin", refuse):

@@ -104,12 +104,12 @@ def test_conversion_without_a_process_group_gives_dcp_checkpointables(tmp_path):
 def test_dcp_engine_with_the_fsspec_storage_plugin(tmp_path):
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-    url = f"file://{tmp_path}/ckpt"
-    save = TorchDCPSaveShardedStrategy(storage_writer=lambda _dir: FsspecWriter(url))
+    # The factories get the directory the save writes into (a staging directory until the commit).
+    save = TorchDCPSaveShardedStrategy(storage_writer=lambda d: FsspecWriter(f"file://{d}"))
     sd = {p.name: p.sharded() for p in layouts.flat_optimizer(0, 1, tp=1) + layouts.tp_dp(0, 1, tp=1)}
     sd["obj"] = layouts.rank_object(0, 1)
     distckpt.save(sd, tmp_path / "ckpt", sharded_strategy=save)
-    load = TorchDCPLoadShardedStrategy(storage_reader=lambda _dir: FsspecReader(url))
+    load = TorchDCPLoadShardedStrategy(storage_reader=lambda d: FsspecReader(f"file://{d}"))
     req = {p.name: p.sharded(False) for p in layouts.flat_optimizer(0, 1, tp=1) + layouts.tp_dp(0, 1, tp=1)}
     req["obj"] = layouts.rank_object(0, 1, with_data=False)
     out = distckpt.load(req, tmp_path / "ckpt", sharded_strategy=load)
