@@ -4,6 +4,7 @@ The public names match Megatron-Core's ``dist_checkpointing`` package, and Megat
 sharded objects are accepted as they are (docs/megatron-compat.md): model code need not change.
 """
 
+from distckpt.budget import host_memory_budget, set_host_memory_budget
 from distckpt.core import CheckpointingConfig, CheckpointingException
 from distckpt.dist import CollectiveTimeout, collective_timeout, set_collective_timeout
 from distckpt.mapping import (
@@ -41,6 +42,7 @@ __all__ = [
     "add_safe_globals",
     "check_is_distributed_checkpoint",
     "collective_timeout",
+    "host_memory_budget",
     "load",
     "load_common_state_dict",
     "load_content_metadata",
@@ -50,5 +52,6 @@ __all__ = [
     "remove_sharded_tensors",
     "save",
     "set_collective_timeout",
+    "set_host_memory_budget",
     "to_torch_state_dict",
 ]
