@@ -396,6 +396,14 @@ class StagingBuffers:
         self._sealed: List[StagedBatch] = []
         self._cuda_devices: set = set()
         self.allocated_bytes = 0
+        # Bytes handed out and not yet released, and the most of them at any one time.
+        self.staged_bytes = 0
+        self.peak_staged_bytes = 0
+
+    def reset_peak(self) -> None:
+        """Start a new measurement of :attr:`peak_staged_bytes` (from what is out now)."""
+        with self._lock:
+            self.peak_staged_bytes = self.staged_bytes
 
     def acquire(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host copy of ``tensor`` (same shape and dtype, contiguous) in a pooled buffer.
@@ -417,6 +425,8 @@ class StagingBuffers:
         out.copy_(tensor.detach(), non_blocking=on_cuda)
         with self._lock:
             self._open.append((key, buffer))
+            self.staged_bytes += key[0]
+            self.peak_staged_bytes = max(self.peak_staged_bytes, self.staged_bytes)
         if on_cuda:
             self._cuda_devices.add(device)
         return out
@@ -447,8 +457,27 @@ class StagingBuffers:
         with self._lock:
             return len(self._open) + sum(len(b._buffers) for b in self._sealed)
 
+    def keep_only(self, keys: Dict[_PoolKey, int]) -> None:
+        """Drop the pooled (free) buffers beyond ``keys`` (pool key -> how many to keep): before a
+        wave of a bounded save, so the pool holds no more than the wave needs."""
+        with self._lock:
+            for key in list(self._free):
+                bufs = self._free[key]
+                extra = len(bufs) - keys.get(key, 0)
+                if extra > 0:
+                    del bufs[len(bufs) - extra:]
+                    self.allocated_bytes -= extra * key[0]
+                if not bufs:
+                    del self._free[key]
+
+    @staticmethod
+    def key_of(tensor: torch.Tensor) -> _PoolKey:
+        """The pool key a copy of ``tensor`` is staged under."""
+        return (tensor.numel() * tensor.element_size(), tensor.dtype, tensor.device.type == "cuda")
+
     def _give_back(self, buffers: List[Tuple[_PoolKey, torch.Tensor]]) -> None:
         with self._lock:
             for key, buffer in buffers:
                 self._free[key].append(buffer)
+                self.staged_bytes -= key[0]
             self._sealed = [b for b in self._sealed if b._buffers]

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from distckpt import bounds, dist, storage
+from distckpt.budget import host_memory_budget
 from distckpt.core import CheckpointingException, atomic_write_bytes, gc_paused
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
 from distckpt.manifest import (
@@ -302,8 +303,10 @@ class _WriteItem:
     fqn: str
     chunk_offset: Shape          # () for byte items
     chunk_size: Shape
-    payload: Any                 # a CPU tensor of shape chunk_size, or bytes
+    payload: Any                 # a CPU tensor of shape chunk_size, or bytes; None until staged
     nbytes: int
+    source: Optional[torch.Tensor] = None   # what to copy into ``payload`` when its wave comes
+    copies: bool = False         # materializing ``source`` copies nbytes into host memory
 
 
 @dataclass
@@ -332,11 +335,20 @@ class _Record:
         return (self.fqn, self.chunk_offset, self.chunk_size, self.relative_path, self.offset, self.length)
 
 
+Wave = List[Tuple[str, List[_WriteItem]]]
+
+
 @dataclass
 class SavePlan:
     """One rank's part of a save: what to write where. Built by ``prepare``, filled by
     :func:`write_plan` (no collectives; may run in a background thread), committed by
-    ``finalize`` (collective)."""
+    ``finalize`` (collective).
+
+    Items are copied to host memory (staged) wave by wave, at most ``budget`` bytes of copies
+    at once (one item larger than the budget makes a wave of its own): every wave but the last
+    is written by :func:`write_waves` (the blocking part of an async save); ``write_plan`` writes
+    the ``pending`` wave and closes the files. The files' bytes do not depend on the waves.
+    """
 
     checkpoint_dir: Path
     rank: int
@@ -345,7 +357,12 @@ class SavePlan:
     records: List[_Record] = field(default_factory=list)
     file_sizes: Dict[str, int] = field(default_factory=dict)
     written: bool = False
-    staged: Optional[Any] = None   # the StagedBatch holding this plan's staged copies
+    staged: Optional[Any] = None   # the StagedBatch holding the pending wave's staged copies
+    staging: Optional[Any] = None  # the StagingBuffers pool (async saves), None: plain copies
+    pending: Optional[Wave] = None  # the wave write_plan writes (None: every job, all of it)
+    outputs: Dict[str, Any] = field(default_factory=dict)  # file name -> open _Output
+    error: Optional[BaseException] = None  # a failure of the blocking waves, raised by write_plan
+    waves: int = 1                 # how many waves the save was cut into
 
 
 def _standalone_cpu(t: torch.Tensor, shape: Shape, staging: Optional[Any]) -> torch.Tensor:
@@ -360,13 +377,18 @@ def _standalone_cpu(t: torch.Tensor, shape: Shape, staging: Optional[Any]) -> to
     if t.device.type != "cpu":
         return t.to("cpu").reshape(shape)
     t = t.reshape(shape)
-    if (not t.is_contiguous() or t.storage_offset() != 0
-            or t.untyped_storage().nbytes() != t.numel() * t.element_size()):
+    if not _owns_its_bytes(t):
         t = t.clone(memory_format=torch.contiguous_format)
     return t
 
 
-def _tensor_item(sh: ShardedTensor, staging: Optional[Any]) -> Tuple[Optional[_WriteItem], _KeyDecl]:
+def _owns_its_bytes(t: torch.Tensor) -> bool:
+    return (t.is_contiguous() and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+
+
+def _tensor_item(sh: ShardedTensor, stage: bool) -> Tuple[Optional[_WriteItem], _KeyDecl]:
+    """The item of ``sh``, its bytes not yet copied (``source``); ``stage``: always copy them."""
     if sh.data is None:
         raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data to save")
     ndim = len(sh.global_shape)
@@ -383,13 +405,14 @@ def _tensor_item(sh: ShardedTensor, staging: Optional[Any]) -> Tuple[Optional[_W
         size = (1,) * ndim + (stop - start,)
     if math.prod(size) == 0:
         return None, decl
-    data = sh.data
+    data = sh.data.detach()
     if type(data) not in (torch.Tensor, torch.nn.Parameter):
         # A tensor subclass (e.g. FP8 with a scale): store its values in the nominal dtype
         # without touching the caller's object.
-        data = data.detach().reshape(-1).to(sh.dtype)
-    tensor = _standalone_cpu(data, size, staging)
-    return _WriteItem(sh.key, offset, size, tensor, tensor.numel() * tensor.element_size()), decl
+        data = data.reshape(-1).to(sh.dtype)
+    copies = stage or data.device.type != "cpu" or not _owns_its_bytes(data)
+    nbytes = math.prod(size) * data.element_size()
+    return _WriteItem(sh.key, offset, size, None, nbytes, source=data, copies=copies), decl
 
 
 def _object_item(obj: ShardedObject) -> Tuple[_WriteItem, _KeyDecl]:
@@ -411,61 +434,185 @@ def _buckets(items: List[_WriteItem], count: int) -> List[List[_WriteItem]]:
     return [b for b in bins if b]
 
 
-def _write_file(path: Path, items: List[_WriteItem]) -> Tuple[List[Tuple[_WriteItem, int, int, int]], int]:
-    """Write one ``.distcp`` file; returns (item, offset, length, crc32c) per item and the size."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+def plan_waves(jobs: List[Tuple[str, List[_WriteItem]]], budget: Optional[int]) -> List[Wave]:
+    """Cut the jobs into waves of at most ``budget`` bytes of copies; each file's items keep
+    their order (a wave takes the next items of every file in turn, so its files are written in
+    parallel). ``budget`` None: one wave."""
+    if budget is None or sum(it.nbytes for _, b in jobs for it in b if it.copies) <= budget:
+        return [[(name, list(bucket)) for name, bucket in jobs]]
+    queues = [(name, list(bucket)) for name, bucket in jobs]
+    positions = [0] * len(queues)
+    waves: List[Wave] = []
+    current: Dict[str, List[_WriteItem]] = {}
+    used = 0
+    while any(p < len(q) for p, (_, q) in zip(positions, queues)):
+        for j, (name, queue) in enumerate(queues):
+            if positions[j] >= len(queue):
+                continue
+            it = queue[positions[j]]
+            cost = it.nbytes if it.copies else 0
+            if used and used + cost > budget:
+                waves.append([(n, items) for n, items in current.items()])
+                current, used = {}, 0
+            current.setdefault(name, []).append(it)
+            used += cost
+            positions[j] += 1
+    if current:
+        waves.append([(n, items) for n, items in current.items()])
+    return waves
+
+
+class _Output:
+    """One ``.distcp`` file being written across waves: a raw fd (local) or a store's streaming
+    writer; the sink keeps the position and checksum between waves."""
+
+    def __init__(self, location, name: str):
+        self.name = name
+        self.written: List[Tuple[_WriteItem, int, int, int]] = []
+        self.fd = -1
+        self.writer = None
+        if isinstance(location, storage.Store):
+            self.writer = location.open_writer(name)
+            self.sink: ChecksummingSink = WriterSink(self.writer)
+        else:
+            self.fd = os.open(location / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self.sink = ChecksummingSink(self.fd)
+
+    def write(self, items: List[_WriteItem]) -> None:
+        for it in items:
+            if isinstance(it.payload, torch.Tensor):
+                self.written.append((it, *write_tensor_item(self.sink, it.payload)))
+            else:
+                self.written.append((it, *write_bytes_item(self.sink, it.payload)))
+
+    def close(self) -> int:
+        """Make the file complete and durable; returns its size."""
+        if self.writer is not None:
+            self.sink.drain()
+            self.writer.close()
+        else:
+            try:
+                self.sink.fsync()
+            finally:
+                os.close(self.fd)
+                self.fd = -1
+        return self.sink.position
+
+    def abort(self) -> None:
+        try:
+            if self.writer is not None:
+                self.writer.abort()
+            elif self.fd >= 0:
+                os.close(self.fd)
+                self.fd = -1
+        except Exception:  # noqa: BLE001 - the first error is the one reported
+            logger.debug("closing %s after a failure", self.name, exc_info=True)
+
+
+def _stage_wave(plan: SavePlan, wave: Wave) -> Optional[Any]:
+    """Copy the wave's items to host memory (into the pool when there is one); returns the
+    pool's batch to release once written."""
+    if plan.staging is not None:
+        needed: Dict[Any, int] = defaultdict(int)
+        for _, items in wave:
+            for it in items:
+                if it.source is not None and it.copies:
+                    needed[plan.staging.key_of(it.source)] += 1
+        plan.staging.keep_only(needed)
+    for _, items in wave:
+        for it in items:
+            if it.source is not None:
+                src = it.source
+                it.payload = _standalone_cpu(src, it.chunk_size, plan.staging if it.copies else None)
+                it.source = None
+    return plan.staging.seal() if plan.staging is not None else None
+
+
+def _write_wave(plan: SavePlan, wave: Wave, pool: ThreadPoolExecutor, last: bool) -> None:
+    def one(name: str, items: List[_WriteItem]) -> None:
+        out = plan.outputs.get(name)
+        if out is None:
+            out = plan.outputs[name] = _Output(plan.checkpoint_dir, name)
+        out.write(items)
+        for it in items:
+            it.payload = None
+        if last:
+            plan.file_sizes[name] = out.close()
+
+    names = dict(wave)
+    if last:  # every file closes in the last wave, also those it adds nothing to
+        names = {name: names.get(name, []) for name, _ in plan.jobs}
+    for fut in [pool.submit(one, name, items) for name, items in names.items()]:
+        fut.result()
+
+
+def _abort_outputs(plan: SavePlan) -> None:
+    for out in plan.outputs.values():
+        out.abort()
+    plan.outputs.clear()
+
+
+def write_waves(plan: SavePlan, waves: List[Wave], thread_count: int) -> None:
+    """The blocking part of a bounded async save: stage and write every wave but the last, then
+    stage the last one, which ``write_plan`` writes. A failure is kept in the plan and raised by
+    ``write_plan`` (so every rank learns of it at finalization)."""
+    plan.waves = len(waves)
     try:
-        sink = ChecksummingSink(fd)
-        out = []
-        for it in items:
-            if isinstance(it.payload, torch.Tensor):
-                out.append((it, *write_tensor_item(sink, it.payload)))
+        with zip_crc_disabled(), ThreadPoolExecutor(max_workers=max(1, min(thread_count, len(plan.jobs)))) as pool:
+            for wave in waves[:-1]:
+                staged = _stage_wave(plan, wave)
+                try:
+                    _write_wave(plan, wave, pool, last=False)
+                finally:
+                    if staged is not None:
+                        staged.release()
+        plan.pending = waves[-1]
+        plan.staged = _stage_wave(plan, plan.pending)
+    except Exception as e:  # noqa: BLE001 - raised by write_plan, shared at finalization
+        plan.error = e
+        _abort_outputs(plan)
+        if plan.staging is not None:
+            plan.staging.release_all()
+
+
+def write_plan(plan: SavePlan, thread_count: int = 2, budget: Optional[int] = None) -> SavePlan:
+    """Write the files of ``plan`` (threads, one per file up to ``thread_count``); no collectives.
+
+    Writes what is left: the pending wave of an async save, or (a plain save) every item, in
+    waves of at most ``budget`` bytes of host copies (None: :func:`distckpt.budget.host_memory_budget`).
+    """
+    try:
+        if plan.error is not None:
+            raise plan.error
+        with zip_crc_disabled(), ThreadPoolExecutor(max_workers=max(1, min(thread_count, len(plan.jobs)))) as pool:
+            if plan.pending is not None:
+                _write_wave(plan, plan.pending, pool, last=True)
             else:
-                out.append((it, *write_bytes_item(sink, it.payload)))
-        sink.fsync()
-        return out, sink.position
+                if budget is None:
+                    budget = host_memory_budget()
+                waves = plan_waves(plan.jobs, budget)
+                plan.waves = len(waves)
+                for i, wave in enumerate(waves):
+                    staged = _stage_wave(plan, wave)
+                    try:
+                        _write_wave(plan, wave, pool, last=i == len(waves) - 1)
+                    finally:
+                        if staged is not None:
+                            staged.release()
+    except BaseException:
+        _abort_outputs(plan)
+        raise
     finally:
-        os.close(fd)
-
-
-def _write_object(store: storage.Store, name: str, items: List[_WriteItem]) -> Tuple[List[Tuple[_WriteItem, int, int, int]], int]:
-    """Write one ``.distcp`` object through a store's streaming writer (a multipart upload with
-    bounded memory on object stores); an error aborts the upload, so nothing is left behind."""
-    with store.open_writer(name) as writer:
-        sink = WriterSink(writer)
-        out = []
-        for it in items:
-            if isinstance(it.payload, torch.Tensor):
-                out.append((it, *write_tensor_item(sink, it.payload)))
-            else:
-                out.append((it, *write_bytes_item(sink, it.payload)))
-        sink.drain()
-    return out, sink.position
-
-
-def write_plan(plan: SavePlan, thread_count: int = 2) -> SavePlan:
-    """Write every file of ``plan`` (threads, one per file up to ``thread_count``); no collectives."""
+        if plan.staged is not None:
+            plan.staged.release()  # the next save may reuse the buffers now
+            plan.staged = None
     records: List[_Record] = []
-    if isinstance(plan.checkpoint_dir, storage.Store):
-        def submit(pool, name, bucket):
-            return pool.submit(_write_object, plan.checkpoint_dir, name, bucket)
-    else:
-        def submit(pool, name, bucket):
-            return pool.submit(_write_file, plan.checkpoint_dir / name, bucket)
-    with zip_crc_disabled(), ThreadPoolExecutor(max_workers=max(1, min(thread_count, len(plan.jobs)))) as pool:
-        futures = [(name, submit(pool, name, bucket)) for name, bucket in plan.jobs]
-        for name, fut in futures:
-            written, size = fut.result()
-            plan.file_sizes[name] = size
-            for it, start, length, crc in written:
-                records.append(_Record(it.fqn, it.chunk_offset, it.chunk_size, name, start, length, crc))
+    for name, _ in plan.jobs:
+        for it, start, length, crc in plan.outputs[name].written:
+            records.append(_Record(it.fqn, it.chunk_offset, it.chunk_size, name, start, length, crc))
+    plan.outputs.clear()
     plan.records = records
     plan.written = True
-    for _, bucket in plan.jobs:
-        for it in bucket:
-            it.payload = None
-    if plan.staged is not None:
-        plan.staged.release()  # the next save may reuse the buffers now
     return plan
 
 
@@ -506,8 +653,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         return True
 
     def prepare(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path, stage: bool = False) -> SavePlan:
-        """Collect this rank's main replicas into files; ``stage`` copies them into staging
-        buffers first (the blocking part of an async save)."""
+        """Collect this rank's main replicas into files; ``stage``: their bytes will be copied into
+        staging buffers (an async save). Nothing is copied yet: that happens wave by wave."""
         checkpoint_dir = _location(checkpoint_dir)
         rank = dist.get_rank()
         staging = None
@@ -524,7 +671,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 continue
             if isinstance(sh, ShardedTensor):
                 on_cpu = sh.data is not None and sh.data.device.type == "cpu"
-                item, decl = _tensor_item(sh, None if (on_cpu and not self.stage_cpu_tensors) else staging)
+                item, decl = _tensor_item(sh, stage and not (on_cpu and not self.stage_cpu_tensors))
                 decls[sh.key] = decl
             elif isinstance(sh, ShardedObject):
                 item, decl = _object_item(sh)
@@ -533,7 +680,6 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 raise CheckpointingException(f"cannot save {type(sh).__name__} under key {sh.key!r}")
             if item is not None:
                 items.append(item)
-        staged = staging.seal() if staging is not None else None
         groups: Dict[str, List[_WriteItem]] = defaultdict(list)
         for it in items:
             hint = self.separation_hint
@@ -542,7 +688,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         for prefix, group in sorted(groups.items()):
             for b, bucket in enumerate(_buckets(group, self.thread_count)):
                 jobs.append((f"{prefix}__{rank}_{b}{DATA_SUFFIX}", bucket))
-        return SavePlan(checkpoint_dir, rank, jobs, decls, staged=staged)
+        return SavePlan(checkpoint_dir, rank, jobs, decls, staging=staging)
 
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
         exc, plan = None, None
@@ -554,10 +700,18 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path):
         """Stage the local bytes now; return an AsyncRequest that writes them in the background
-        and, at finalize (every rank, main thread), writes ``.metadata`` and the manifest."""
+        and, at finalize (every rank, main thread), writes ``.metadata`` and the manifest.
+
+        With a host memory budget (:mod:`distckpt.budget`) smaller than this rank's staged bytes,
+        the blocking part stages and writes waves of at most the budget, reusing the same
+        buffers; only the last wave is left to the background."""
         from distckpt.strategies.async_utils import AsyncRequest
 
         plan = self.prepare(sharded_state_dict, checkpoint_dir, stage=True)
+        budget = host_memory_budget()
+        if plan.staging is not None:
+            plan.staging.reset_peak()
+        write_waves(plan, plan_waves(plan.jobs, budget), self.thread_count)
         return AsyncRequest(write_plan, (plan, self.thread_count),
                             [lambda: self.finalize(plan, _location(checkpoint_dir), None)])
 

@@ -1,0 +1,188 @@
+"""The host memory budget: the setting, async save staging in waves, fully parallel load in waves."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import psutil
+import pytest
+
+import distckpt
+from distckpt import ShardedTensor, budget
+from distckpt import dist as ddist
+from distckpt.core import CheckpointingException
+from distckpt.strategies.async_utils import AsyncCallsQueue
+from distckpt.strategies.torch import TorchDistSaveShardedStrategy
+from tests import layouts
+from tests.harness import run_ranks
+
+TIMEOUT = 90
+WORLD = 2
+MiB = 1 << 20
+
+
+# --------------------------------------------------------------------------- the setting
+
+
+@pytest.fixture
+def clean_budget(monkeypatch):
+    monkeypatch.delenv(budget.ENV_VAR, raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    distckpt.set_host_memory_budget(None)
+    yield monkeypatch
+    distckpt.set_host_memory_budget(None)
+
+
+def test_default_is_a_fraction_of_ram_split_between_the_local_ranks(clean_budget):
+    ram = psutil.virtual_memory().total
+    assert distckpt.host_memory_budget() == int(ram * budget.DEFAULT_FRACTION)
+    clean_budget.setenv("LOCAL_WORLD_SIZE", "4")
+    assert distckpt.host_memory_budget() == int(ram * budget.DEFAULT_FRACTION) // 4
+
+
+@pytest.mark.parametrize("raw, expected", [
+    ("1048576", MiB), ("512MiB", 512 * MiB), ("2GB", 2 * 10**9), ("3 KiB", 3 << 10), (" 64k ", 64000)])
+def test_env_bytes(clean_budget, raw, expected):
+    clean_budget.setenv(budget.ENV_VAR, raw)
+    clean_budget.setenv("LOCAL_WORLD_SIZE", "1")
+    assert distckpt.host_memory_budget() == max(budget.MIN_BUDGET, expected)
+
+
+def test_env_fraction_and_local_ranks(clean_budget):
+    ram = psutil.virtual_memory().total
+    clean_budget.setenv(budget.ENV_VAR, "0.5")
+    clean_budget.setenv("LOCAL_WORLD_SIZE", "2")
+    assert distckpt.host_memory_budget() == int(ram * 0.5) // 2
+
+
+def test_set_wins_over_env_and_none_goes_back(clean_budget):
+    clean_budget.setenv(budget.ENV_VAR, "8MiB")
+    clean_budget.setenv("LOCAL_WORLD_SIZE", "1")
+    distckpt.set_host_memory_budget(2 * MiB)
+    assert distckpt.host_memory_budget() == 2 * MiB
+    distckpt.set_host_memory_budget(None)
+    assert distckpt.host_memory_budget() == 8 * MiB
+
+
+@pytest.mark.parametrize("raw", ["abc", "0", "1.5", "-3", "12 parsecs", "0.0", ""])
+def test_bad_env_value_is_a_clear_error(clean_budget, raw):
+    clean_budget.setenv(budget.ENV_VAR, raw)
+    if raw == "":  # empty means unset
+        assert distckpt.host_memory_budget() > 0
+        return
+    with pytest.raises(CheckpointingException, match=budget.ENV_VAR):
+        distckpt.host_memory_budget()
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, 0.0, True, "x", [1]])
+def test_bad_set_value_is_a_clear_error(clean_budget, value):
+    with pytest.raises(CheckpointingException, match="set_host_memory_budget"):
+        distckpt.set_host_memory_budget(value)
+
+
+def test_bad_local_world_size_is_a_clear_error(clean_budget):
+    clean_budget.setenv("LOCAL_WORLD_SIZE", "two")
+    with pytest.raises(CheckpointingException, match="LOCAL_WORLD_SIZE"):
+        distckpt.host_memory_budget()
+
+
+# --------------------------------------------------------------------------- async save in waves
+
+
+def _state(rank, fill=None):
+    """About 3.3 MiB per rank: tensors of 16..512 KiB (all under a 1 MiB budget), a flattened
+    piece and an object."""
+    sd = {}
+    for i, rows in enumerate([8, 32, 64, 128, 256, 16, 512, 100, 300, 1000, 800]):
+        full = layouts.full_tensor(f"t{i}", (WORLD * rows, 256))
+        local = full[rank * rows:(rank + 1) * rows].clone()
+        if fill is not None:
+            local.fill_(fill)
+        sd[f"t{i}"] = ShardedTensor.from_rank_offsets(f"t{i}", local, (0, rank, WORLD))
+    sd["obj"] = distckpt.ShardedObject("obj", {"rank": rank}, (WORLD,), (rank,), replica_id=0)
+    return sd
+
+
+def _async_save(ckpt, host_budget):
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    distckpt.set_host_memory_budget(host_budget)
+    try:
+        rank = ddist.get_rank()
+        sd = _state(rank)
+        strategy = TorchDistSaveShardedStrategy()
+        queue = AsyncCallsQueue()
+        queue.schedule_async_request(distckpt.save(sd, ckpt, sharded_strategy=strategy, async_sharded_save=True))
+        staging = strategy._staging
+        for t in sd.values():
+            if isinstance(t, ShardedTensor):
+                t.data.fill_(-1.0)  # training goes on: the staged bytes must not change
+        queue.maybe_finalize_async_calls(blocking=True)
+        queue.close()
+        return staging.peak_staged_bytes, staging.allocated_bytes
+    finally:
+        distckpt.set_host_memory_budget(None)
+        del os.environ["LOCAL_WORLD_SIZE"]
+
+
+def _load(ckpt):
+    rank = ddist.get_rank()
+    want = _state(rank)
+    request = _state(rank, fill=0.0)
+    request["obj"] = distckpt.ShardedObject("obj", None, (WORLD,), (rank,), replica_id=0)
+    out = distckpt.load(request, ckpt)
+    wrong = [k for k in want if k != "obj" and not layouts.bitwise_equal(out[k], want[k].data)]
+    if out["obj"] != {"rank": rank}:
+        wrong.append("obj")
+    return wrong
+
+
+def _files(ckpt: Path):
+    return {p.name: p.read_bytes() for p in sorted(ckpt.iterdir()) if p.suffix == ".distcp"}
+
+
+def test_async_save_under_a_tiny_budget_is_bit_identical_and_stages_at_most_the_budget(tmp_path):
+    bounded, unbounded = tmp_path / "bounded", tmp_path / "unbounded"
+    peaks = run_ranks(WORLD, _async_save, str(bounded), MiB, timeout=TIMEOUT)
+    free = run_ranks(WORLD, _async_save, str(unbounded), 1 << 40, timeout=TIMEOUT)
+    local_bytes = sum(rows * 256 * 4 for rows in [8, 32, 64, 128, 256, 16, 512, 100, 300, 1000, 800])
+    assert local_bytes > 3 * MiB
+    for peak, allocated in peaks:
+        assert 0 < peak <= MiB and allocated <= MiB, peaks
+    assert all(peak == local_bytes for peak, _ in free), free  # the unbounded save stages it all
+    assert _files(bounded) == _files(unbounded)
+    md_a = distckpt.strategies.torch.read_metadata(bounded)
+    md_b = distckpt.strategies.torch.read_metadata(unbounded)
+    assert md_a.state_dict_metadata == md_b.state_dict_metadata and md_a.storage_data == md_b.storage_data
+    assert run_ranks(WORLD, _load, str(bounded), timeout=TIMEOUT) == [[]] * WORLD
+
+
+def _plain_save_in_waves(ckpt):
+    from distckpt.strategies import torch as torch_strategy
+
+    rank = ddist.get_rank()
+    plan = TorchDistSaveShardedStrategy().prepare(_state(rank), Path(ckpt))
+    for _, bucket in plan.jobs:  # pretend every item needs a copy (as CUDA tensors do)
+        for it in bucket:
+            it.copies = it.source is not None
+    torch_strategy.write_plan(plan, 2, budget=MiB)
+    return plan.waves, sorted((r.relative_path, r.offset, r.length, r.crc32c) for r in plan.records)
+
+
+def _plain_save_at_once(ckpt):
+    from distckpt.strategies import torch as torch_strategy
+
+    plan = TorchDistSaveShardedStrategy().prepare(_state(ddist.get_rank()), Path(ckpt))
+    torch_strategy.write_plan(plan, 2, budget=None)
+    return plan.waves, sorted((r.relative_path, r.offset, r.length, r.crc32c) for r in plan.records)
+
+
+def test_plain_save_writes_copies_in_waves_with_the_same_records(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    waves = run_ranks(WORLD, _plain_save_in_waves, str(tmp_path / "a"), timeout=TIMEOUT)
+    once = run_ranks(WORLD, _plain_save_at_once, str(tmp_path / "b"), timeout=TIMEOUT)
+    assert all(n >= 4 for n, _ in waves), waves
+    assert all(n == 1 for n, _ in once), once
+    assert [r for _, r in waves] == [r for _, r in once]
+    assert _files(tmp_path / "a") == _files(tmp_path / "b")
