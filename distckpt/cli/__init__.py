@@ -513,8 +513,9 @@ def diff(a: Path, b: Path, atol: float, rtol: float, keys: Optional[str], exclud
 @click.option("--model-only", is_flag=True,
               help="Drop optimizer state: keys starting with 'optimizer.' and the common 'optimizer' entry.")
 @click.option("--max-shard-size", metavar="SIZE", help="safetensors folder output: bytes per shard (default 5GB).")
-@click.option("--read-budget", metavar="SIZE", default="64MiB", show_default=True,
-              help="Read small tensors together up to this many bytes; memory stays near max(this, largest tensor).")
+@click.option("--read-budget", metavar="SIZE", default=None,
+              help="Read small tensors together up to this many bytes; memory stays near max(this, largest "
+                   "tensor). Default: the host memory budget (DISTCKPT_HOST_MEMORY_BUDGET).")
 @click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
 @_trust
 def convert(src: Path, dst: Path, to_format: str, keys: Optional[str], exclude: Optional[str], dtype: Optional[str],
@@ -546,7 +547,7 @@ def convert(src: Path, dst: Path, to_format: str, keys: Optional[str], exclude: 
     shard = export.parse_size(max_shard_size) if max_shard_size else None
     if shard is not None and to_format != "safetensors":
         raise click.BadParameter("applies to --to safetensors only", param_hint="--max-shard-size")
-    budget = export.parse_size(read_budget)
+    budget = export.parse_size(read_budget) if read_budget else None
     with _RichProgress() as progress:
         summary = export.convert(src, dst, to_format, keys=keys, exclude=exclude, dtype=cast, model_only=model_only,
                                  max_shard_size=shard, trusted=trust, overwrite=overwrite, read_budget=budget,

@@ -55,7 +55,8 @@ __all__ = [
     "stream_checkpoint",
 ]
 
-DEFAULT_READ_BUDGET_BYTES = 256 << 20
+# None: the host memory budget of distckpt.budget (DISTCKPT_HOST_MEMORY_BUDGET).
+DEFAULT_READ_BUDGET_BYTES: Optional[int] = None
 
 # --------------------------------------------------------------------------- writer protocol
 
@@ -508,7 +509,7 @@ def _matcher(keys: KeyFilter, exclude: KeyFilter) -> Callable[[str], bool]:
 def stream_checkpoint(src_dir: PathLike, writer: CheckpointWriter, *, keys: KeyFilter = None,
                       exclude: KeyFilter = None, dtype: Optional[torch.dtype] = None,
                       progress: Optional[Progress] = None, trusted: bool = False,
-                      read_budget_bytes: int = DEFAULT_READ_BUDGET_BYTES, dst_name: str = "",
+                      read_budget_bytes: Optional[int] = DEFAULT_READ_BUDGET_BYTES, dst_name: str = "",
                       dst_backend: str = "") -> ConversionReport:
     """Stream the checkpoint at ``src_dir`` into ``writer`` (see :func:`convert_checkpoint`).
 
@@ -520,6 +521,10 @@ def stream_checkpoint(src_dir: PathLike, writer: CheckpointWriter, *, keys: KeyF
     src = _Source(storage.resolve(src_dir), trusted)
     wanted = _matcher(keys, exclude)
     report = ConversionReport(str(src_dir), dst_name, src.config.sharded_backend, dst_backend)
+    if read_budget_bytes is None:
+        from distckpt.budget import host_memory_budget
+
+        read_budget_bytes = host_memory_budget()
     try:
         _stream(src, writer, wanted, dtype, progress, read_budget_bytes, report)
     except BaseException:
@@ -573,7 +578,7 @@ def _stream(src: _Source, writer: CheckpointWriter, wanted: Callable[[str], bool
 def convert_checkpoint(src_dir: PathLike, dst_dir: PathLike, to_backend: str, *, keys: KeyFilter = None,
                        exclude: KeyFilter = None, dtype: Optional[torch.dtype] = None,
                        progress: Optional[Progress] = None, trusted: bool = False, overwrite: bool = False,
-                       read_budget_bytes: int = DEFAULT_READ_BUDGET_BYTES,
+                       read_budget_bytes: Optional[int] = DEFAULT_READ_BUDGET_BYTES,
                        writer_options: Optional[Dict[str, Any]] = None) -> ConversionReport:
     """Convert the checkpoint at ``src_dir`` into a new ``to_backend`` checkpoint at ``dst_dir``.
 
@@ -592,7 +597,8 @@ def convert_checkpoint(src_dir: PathLike, dst_dir: PathLike, to_backend: str, *,
         trusted: unpickle the source's metadata, common state and objects without the allowlist.
         overwrite: allow a non-empty ``dst_dir``.
         read_budget_bytes: tensors are loaded in groups of at most this many bytes (a larger
-            tensor alone): the memory bound of the conversion.
+            tensor alone): the memory bound of the conversion. Default: the host memory budget
+            (:func:`distckpt.host_memory_budget`).
         writer_options: extra arguments of the writer (e.g. ``{"max_chunk_bytes": 64 << 20}``).
 
     Raises:

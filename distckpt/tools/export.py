@@ -750,16 +750,17 @@ def convert(src: PathLike, dst: PathLike, to_format: str, *, keys: Optional[str]
     Checkpoint sources stream through :func:`distckpt.tools.convert.stream_checkpoint`; file
     sources through :func:`stream_tensors`. ``model_only`` drops keys starting with
     ``optimizer.`` and the common state's ``optimizer`` entry. Memory stays near
-    ``max(read_budget, largest tensor)`` (``read_budget`` default
-    :data:`~distckpt.tools.inspect.DEFAULT_READ_BUDGET`).
+    ``max(read_budget, largest tensor)`` (``read_budget`` default: the host memory budget,
+    :func:`distckpt.host_memory_budget`).
 
     Returns ``{"tensors", "nbytes", "objects", "skipped", "dropped_common_entries",
     "dropped_objects"}`` (the last two: what a tensor-only output left out).
     """
     from distckpt import storage
+    from distckpt.budget import host_memory_budget
     from distckpt.core import CONFIG_FNAME
     from distckpt.tools import convert as convert_tool
-    from distckpt.tools.inspect import DEFAULT_READ_BUDGET, open_source
+    from distckpt.tools.inspect import open_source
 
     src_remote, dst_remote = storage.is_remote(src), storage.is_remote(dst)
     src = src if src_remote else Path(src)
@@ -771,7 +772,7 @@ def convert(src: PathLike, dst: PathLike, to_format: str, *, keys: Optional[str]
     if dst_remote and to_format in FILE_FORMATS:
         raise CheckpointingException(
             f"{dst}: {to_format} output goes to a local path; object stores take checkpoints (torch_dist)")
-    budget = DEFAULT_READ_BUDGET if read_budget is None else read_budget
+    budget = host_memory_budget() if read_budget is None else read_budget
     if to_format in FILE_FORMATS:
         writer = make_file_writer(to_format, dst, max_shard_size, overwrite=overwrite)
     else:
