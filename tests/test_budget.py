@@ -186,3 +186,67 @@ def test_plain_save_writes_copies_in_waves_with_the_same_records(tmp_path):
     assert all(n == 1 for n, _ in once), once
     assert [r for _, r in waves] == [r for _, r in once]
     assert _files(tmp_path / "a") == _files(tmp_path / "b")
+
+
+# --------------------------------------------------------------------------- fully parallel load in waves
+
+
+def _replicated(rank, fill=None):
+    """Every rank holds the same tensors (data parallel): each is read once and exchanged."""
+    sd = {}
+    for i, rows in enumerate([64, 256, 512, 16, 1000, 300, 700, 128]):
+        t = layouts.full_tensor(f"r{i}", (rows, 256))
+        if fill is not None:
+            t = t.clone().fill_(fill)
+        sd[f"r{i}"] = ShardedTensor.from_rank_offsets(f"r{i}", t, replica_id=rank)
+    sd["obj"] = distckpt.ShardedObject("obj", {"v": 7} if fill is None else None, (1,), (0,), replica_id=rank)
+    return sd
+
+
+def _save_replicated(ckpt):
+    distckpt.save(_replicated(ddist.get_rank()), ckpt)
+
+
+def _fully_parallel_load(ckpt, host_budget, algo):
+    from distckpt.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+    from distckpt.strategies.torch import TorchDistLoadShardedStrategy
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    distckpt.set_host_memory_budget(host_budget)
+    try:
+        rank = ddist.get_rank()
+        wrapper = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(), exchange_algo=algo)
+        out = distckpt.load(_replicated(rank, fill=0.0), ckpt, sharded_strategy=wrapper)
+        want = _replicated(rank)
+        wrong = [k for k in want if k != "obj" and not layouts.bitwise_equal(out[k], want[k].data)]
+        if out["obj"] != {"v": 7}:
+            wrong.append("obj")
+        return wrapper.last_waves, wrong
+    finally:
+        distckpt.set_host_memory_budget(None)
+        del os.environ["LOCAL_WORLD_SIZE"]
+
+
+@pytest.mark.parametrize("algo", ["broadcast", "gather_rounds"])
+def test_fully_parallel_load_under_a_tiny_budget_is_bit_exact_in_waves(algo, tmp_path):
+    run_ranks(WORLD, _save_replicated, str(tmp_path), timeout=TIMEOUT)
+    bounded = run_ranks(WORLD, _fully_parallel_load, str(tmp_path), MiB, algo, timeout=TIMEOUT)
+    free = run_ranks(WORLD, _fully_parallel_load, str(tmp_path), 1 << 40, algo, timeout=TIMEOUT)
+    assert all(wrong == [] for _, wrong in bounded + free), (bounded, free)
+    # ~3 MiB of pieces, ~1.5 MiB read by each rank for the other: at least 2 waves of <= 1 MiB.
+    assert all(waves >= 2 for waves, _ in bounded) and len({w for w, _ in bounded}) == 1, bounded
+    assert [w for w, _ in free] == [1] * WORLD
+
+
+def test_load_waves_keep_every_rank_under_the_budget():
+    from distckpt.strategies.fully_parallel import ShardDistribution, load_waves
+
+    sizes = {("tensor", f"k{i}"): (i + 1) * 100 for i in range(20)}
+    assignment = {sid: i % 3 for i, sid in enumerate(sizes)}
+    dist_ = ShardDistribution(assignment, {sid: (0, 1, 2) for sid in sizes}, sizes)
+    waves = load_waves(dist_, 1000, 3)
+    assert len(waves) > 1
+    assert sorted(s for w in waves for s in w.assignment) == sorted(sizes)
+    for w in waves:  # each rank reads at most the budget in a wave, or one larger piece alone
+        for rank, load in enumerate(w.bytes_per_rank(3)):
+            assert load <= 1000 or list(w.assignment.values()).count(rank) == 1, (rank, w)

@@ -19,7 +19,9 @@ flattened slices (distributed-optimizer style). Then, each figure a median of ``
 - fully parallel load: every rank asks for the whole model (TP1 x DPN); each stored chunk is read
   once and exchanged, against the plain load of the same request
 - plain ``torch.distributed.checkpoint`` save/load of the same local tensors, as a reference
-- peak RSS during a save, above the RSS before the state was built
+- peak RSS during a save, above the RSS before the state was built; and peak RSS of each path
+  (save, async save, load, resharded load, fully parallel load) above the RSS just before it,
+  with the default host memory budget and, with ``--rss-budget``, under that budget
 
 It prints a table (GiB/s of the whole state, and each figure's ratio to its limit), writes
 ``bench.json`` and draws ``bench.png`` in ``--out``.
@@ -332,6 +334,14 @@ def _rank_main(rank, world, port, args, queue):
     tdist.barrier()
     if rank == 0:
         _drop(ckpt)
+    budgets = [None] + ([args.rss_budget] if args.rss_budget else [])
+    results["peak RSS MiB"] = {}
+    for budget in budgets:
+        distckpt.set_host_memory_budget(budget)
+        label = "default budget" if budget is None else f"host budget {budget}"
+        peaks = _rss_pass(rank, root, sd, reshard, full_req, args.threads, tdist)
+        results["peak RSS MiB"][label] = {k: max(all_gather(tdist, v)) / 2**20 for k, v in peaks.items()}
+        distckpt.set_host_memory_budget(None)
     for rep in range(-args.warmup, args.reps):
         if rep == 0:
             times.clear()  # warm-up repetitions are not recorded
@@ -410,6 +420,50 @@ def _rank_main(rank, world, port, args, queue):
     tdist.destroy_process_group()
 
 
+def _rss_pass(rank, root, sd, reshard, full_req, threads, tdist):
+    """Peak RSS of each path above the RSS just before it (sampled every 2 ms; bytes): save,
+    async save (until committed), load, resharded load, fully parallel load. One run each."""
+    import psutil
+
+    import distckpt
+    from distckpt.strategies.async_utils import AsyncCallsQueue
+    from distckpt.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
+    from distckpt.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
+
+    ckpt, peaks = root / "ckpt_rss_paths", {}
+
+    def measure(name, fn):
+        tdist.barrier()
+        start = psutil.Process().memory_info().rss
+        with _PeakRss() as rss:
+            fn()
+        peaks[name] = max(0, rss.peak - start)
+
+    def async_save():
+        queue_ = AsyncCallsQueue()
+        queue_.schedule_async_request(distckpt.save(sd, ckpt, sharded_strategy=TorchDistSaveShardedStrategy(
+            thread_count=threads), async_sharded_save=True))
+        queue_.close()
+
+    if rank == 0:
+        _drop(ckpt)
+    measure("save", lambda: distckpt.save(sd, ckpt, sharded_strategy=TorchDistSaveShardedStrategy(thread_count=threads)))
+    tdist.barrier()
+    if rank == 0:
+        _drop(ckpt)
+    tdist.barrier()
+    measure("async save", async_save)
+    measure("load", lambda: distckpt.load(empty_like_request(sd), ckpt))
+    measure("load resharded", lambda: distckpt.load(empty_like_request(reshard), ckpt))
+    measure("load TP1xDP fully parallel", lambda: distckpt.load(
+        empty_like_request(full_req), ckpt,
+        sharded_strategy=FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy())))
+    tdist.barrier()
+    if rank == 0:
+        _drop(ckpt)
+    return peaks
+
+
 def tdist_all_reduce_sum(tdist, value):
     return [int(x) for x in all_gather(tdist, value)]
 
@@ -477,6 +531,9 @@ def report(results, out_dir: Path) -> str:
     rss = results.get("save peak RSS above baseline (x local bytes)")
     if rss is not None:
         lines.append(f"peak RSS during save, above the RSS before the state existed: {rss:.2f}x the rank's local bytes")
+    for label, peaks in results.get("peak RSS MiB", {}).items():
+        lines.append(f"peak RSS above the start of each path, max over ranks ({label}): "
+                     + ", ".join(f"{k} {v:.0f} MiB" for k, v in peaks.items()))
     text = "\n".join(lines)
     results["ratios"] = ratios
     (out_dir / "bench.json").write_text(json.dumps(results, indent=2, default=str))
@@ -519,6 +576,9 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2,
                         help="writer/reader threads per rank (torch_dist thread_count)")
     parser.add_argument("--out", default="bench_out")
+    parser.add_argument("--rss-budget", default=None,
+                        help="also measure peak RSS per path under this host memory budget "
+                             "(DISTCKPT_HOST_MEMORY_BUDGET syntax: bytes, 256MiB, or a fraction of RAM)")
     parser.add_argument("--moto", action="store_true",
                         help="with an s3:// --dir: start a local moto S3 server (and the bucket) first")
     args = parser.parse_args()

@@ -39,6 +39,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from distckpt import dist
+from distckpt.budget import host_memory_budget
 from distckpt.core import CheckpointingException
 from distckpt.dict_utils import dict_list_map_outplace, nested_values
 from distckpt.foreign import normalize_sharded_state_dict
@@ -349,6 +350,7 @@ class FullyParallelLoadStrategyWrapper(_WrapperState, LoadShardedStrategy):
                 f"unknown exchange_algo {exchange_algo!r}; expected one of {', '.join(EXCHANGE_ALGOS)}")
         self._init_wrapper(strategy, parallelization_group, do_cache_distribution)
         self.exchange_algo = exchange_algo
+        self.last_waves = 1  # how many read-and-exchange waves the last load took
 
     # ----------------------------------------------------------------- delegation
 
@@ -418,6 +420,24 @@ class FullyParallelLoadStrategyWrapper(_WrapperState, LoadShardedStrategy):
         distribution = self._cache.get("fully parallel load", exc, payload, compute)
         self.last_distribution = distribution
 
+        # Read and exchange in waves: in each, every rank reads at most the host memory budget
+        # of pieces for others. The smallest budget of all ranks, so that a group's ranks cut
+        # the same waves, and as many waves everywhere (each has a check-in over all ranks).
+        (neg_budget,) = dist.all_reduce_max([-host_memory_budget()], stage="fully parallel load budget")
+        waves = load_waves(distribution, -neg_budget, group_size)
+        (count,) = dist.all_reduce_max([len(waves)], stage="fully parallel load budget")
+        waves += [ShardDistribution({}, {}, {})] * (count - len(waves))
+        self.last_waves = count
+        results: Dict[int, Any] = {}
+        for w, wave in enumerate(waves):
+            wave_pieces = {sid: p for sid, p in pieces.items()
+                           if sid in wave.assignment or (w == 0 and sid not in distribution.assignment)}
+            results.update(self._load_wave(wave, wave_pieces, me, group, group_size, checkpoint_dir))
+        return dict_list_map_outplace(lambda leaf: results.get(id(leaf), leaf), sharded_state_dict)
+
+    def _load_wave(self, distribution: ShardDistribution, pieces: Dict[ShardId, _Piece], me: int,
+                   group: dist.ProcessGroup, group_size: int, checkpoint_dir: Path) -> Dict[int, Any]:
+        """Read this rank's pieces of one wave, then exchange them (collectives as for a load)."""
         exc = None
         results: Dict[int, Any] = {}
         exchange: Optional[_Exchange] = None
@@ -441,8 +461,26 @@ class FullyParallelLoadStrategyWrapper(_WrapperState, LoadShardedStrategy):
                 exchange.run_gather_rounds()
         exchange.exchange_objects()
         results.update(exchange.received)
+        return results
 
-        return dict_list_map_outplace(lambda leaf: results.get(id(leaf), leaf), sharded_state_dict)
+
+def load_waves(distribution: ShardDistribution, budget: int, group_size: int) -> List[ShardDistribution]:
+    """Cut the shared pieces into waves in which no rank reads more than ``budget`` bytes for
+    others (a larger piece alone); objects go in the first wave. Same on every rank."""
+    loads = distribution.bytes_per_rank(group_size)
+    if max(loads, default=0) <= budget:
+        return [distribution]
+    cut: List[Dict[ShardId, int]] = [{}]
+    used = [0] * group_size
+    for sid in sorted(distribution.assignment, key=lambda s: (s[0] != "object", s)):
+        rank, size = distribution.assignment[sid], distribution.sizes[sid]
+        if sid[0] != "object" and used[rank] and used[rank] + size > budget:
+            cut.append({})
+            used = [0] * group_size
+        cut[-1][sid] = rank
+        used[rank] += size
+    return [ShardDistribution(a, {s: distribution.holders[s] for s in a}, {s: distribution.sizes[s] for s in a})
+            for a in cut]
 
 
 class _Exchange:
