@@ -250,3 +250,45 @@ def test_load_waves_keep_every_rank_under_the_budget():
     for w in waves:  # each rank reads at most the budget in a wave, or one larger piece alone
         for rank, load in enumerate(w.bytes_per_rank(3)):
             assert load <= 1000 or list(w.assignment.values()).count(rank) == 1, (rank, w)
+
+
+# --------------------------------------------------------------------------- zarr async save in waves
+
+
+def _zarr_async_save(ckpt, host_budget):
+    from distckpt.strategies.zarr import ZarrSaveShardedStrategy
+
+    os.environ["LOCAL_WORLD_SIZE"] = "1"
+    distckpt.set_host_memory_budget(host_budget)
+    try:
+        rank = ddist.get_rank()
+        sd = _state(rank)
+        strategy = ZarrSaveShardedStrategy()
+        queue = AsyncCallsQueue()
+        queue.schedule_async_request(distckpt.save(sd, ckpt, sharded_strategy=strategy, async_sharded_save=True))
+        for t in sd.values():
+            if isinstance(t, ShardedTensor):
+                t.data.fill_(-1.0)  # training goes on: the staged bytes must not change
+        queue.maybe_finalize_async_calls(blocking=True)
+        queue.close()
+        return strategy._staging.peak_staged_bytes, strategy._staging.allocated_bytes
+    finally:
+        distckpt.set_host_memory_budget(None)
+        del os.environ["LOCAL_WORLD_SIZE"]
+
+
+def _chunk_files(ckpt: Path):
+    return {str(p.relative_to(ckpt)): p.read_bytes() for p in sorted(ckpt.rglob("*"))
+            if p.is_file() and "/c/" in f"/{p.relative_to(ckpt)}"}
+
+
+def test_zarr_async_save_under_a_tiny_budget_writes_the_same_chunks(tmp_path):
+    bounded, unbounded = tmp_path / "bounded", tmp_path / "unbounded"
+    peaks = run_ranks(WORLD, _zarr_async_save, str(bounded), MiB, timeout=TIMEOUT)
+    free = run_ranks(WORLD, _zarr_async_save, str(unbounded), 1 << 40, timeout=TIMEOUT)
+    for peak, allocated in peaks:
+        assert 0 < peak <= MiB and allocated <= MiB, peaks
+    assert all(peak > 3 * MiB for peak, _ in free), free
+    chunks = _chunk_files(bounded)
+    assert len(chunks) >= 2 * 11 and chunks == _chunk_files(unbounded)
+    assert run_ranks(WORLD, _load, str(bounded), timeout=TIMEOUT) == [[]] * WORLD

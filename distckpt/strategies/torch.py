@@ -571,8 +571,11 @@ def write_waves(plan: SavePlan, waves: List[Wave], thread_count: int) -> None:
     except Exception as e:  # noqa: BLE001 - raised by write_plan, shared at finalization
         plan.error = e
         _abort_outputs(plan)
+        if plan.staged is not None:
+            plan.staged.release()
+            plan.staged = None
         if plan.staging is not None:
-            plan.staging.release_all()
+            plan.staging.seal().release()  # this save's unsealed copies (another save's stay out)
 
 
 def write_plan(plan: SavePlan, thread_count: int = 2, budget: Optional[int] = None) -> SavePlan:

@@ -534,6 +534,7 @@ class ChunkWrite:
     meta: ArrayMeta
     index: Shape
     data: torch.Tensor
+    owned: bool = False  # ``data`` is a private CPU copy (not a view of the caller's tensors)
 
 
 @dataclass
@@ -828,6 +829,9 @@ class _KeyDecl:
         self.shard_gcd = [math.gcd(a, b) for a, b in zip(self.shard_gcd, other.shard_gcd)]
 
 
+_DEFER = object()  # as ``staging``: keep the caller's tensors (views), copy them later
+
+
 def _shard_pieces(sh: ShardedTensor, staging: Optional[Any] = None) -> Tuple[List[_Piece], Shape, Shape]:
     """The boxes of ``sh`` with their data, and the box of the whole shard (its grid chunk).
 
@@ -837,7 +841,9 @@ def _shard_pieces(sh: ShardedTensor, staging: Optional[Any] = None) -> Tuple[Lis
     if sh.data is None:
         raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data to save (rank {dist.get_rank()})")
     data = sh.data.detach()
-    if staging is not None:
+    if staging is _DEFER:
+        pass  # views of the caller's tensors, staged chunk by chunk later (async save waves)
+    elif staging is not None:
         data = staging.acquire(data)
     elif data.device.type != "cpu":
         data = data.to("cpu")
@@ -928,10 +934,11 @@ def _split_into_chunks(pieces: Sequence[_Piece], metas: Dict[str, ArrayMeta]):
     for (key, index), frags in partial.items():
         meta = metas[key]
         if sum(f.data.numel() for f in frags) == math.prod(meta.chunk_box(index)[1]):
-            writes.append(ChunkWrite(meta, index, _assemble(meta, index, frags)))
+            writes.append(ChunkWrite(meta, index, _assemble(meta, index, frags), owned=True))
         else:
-            # Cloned: pickling a view would send its whole storage.
-            shared += [_Fragment(f.key, f.index, f.offset, f.data.clone()) for f in frags]
+            # Copied: pickling a view would send its whole storage (and it may be on a device).
+            shared += [_Fragment(f.key, f.index, f.offset, torch.empty(f.data.shape, dtype=f.data.dtype).copy_(f.data))
+                       for f in frags]
     return writes, shared
 
 
@@ -960,6 +967,7 @@ class _SavePlan:
     records: List[FileRecord]
     exc: Optional[BaseException] = None
     staged: Optional[Any] = None      # the StagedBatch holding the staged bytes (async save)
+    waves: int = 1                    # staging waves of an async save
 
 
 class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
@@ -1029,10 +1037,10 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
                 self._staging = StagingBuffers()
             staging = self._staging
         try:
-            pieces, decls = _local_plan(sharded_state_dict, staging)
+            pieces, decls = _local_plan(sharded_state_dict, _DEFER if staging is not None else None)
         except Exception as e:  # noqa: BLE001 - shared with every rank below
             exc = e
-        staged = staging.seal() if staging is not None else None
+        staged = None  # staging happens in waves, after planning (stage_waves)
         try:
             gathered = dist.all_gather_or_raise("zarr save planning", exc, decls)
         except BaseException:
@@ -1062,6 +1070,50 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
             except Exception as e:  # noqa: BLE001
                 plan.exc = e
         return plan
+
+    def stage_waves(self, plan: _SavePlan, budget: int) -> None:
+        """The blocking part of an async save: copy the chunk writes into staging buffers in
+        waves of at most ``budget`` bytes, write every wave but the last now, and leave the last
+        one (staged) to :meth:`write`. A failure is kept in the plan (raised by ``write``)."""
+        staging = self._staging
+        waves: List[List[ChunkWrite]] = [[]]
+        used = 0
+        for w in plan.writes:
+            cost = 0 if w.owned else w.data.numel() * w.data.element_size()
+            if used and used + cost > budget:
+                waves.append([])
+                used = 0
+            waves[-1].append(w)
+            used += cost
+        plan.waves = len(waves)
+        staging.reset_peak()
+        try:
+            for i, wave in enumerate(waves):
+                if plan.exc is not None:
+                    break
+                needed: Dict[Any, int] = {}
+                for w in wave:
+                    if not w.owned:
+                        key = staging.key_of(w.data)
+                        needed[key] = needed.get(key, 0) + 1
+                staging.keep_only(needed)
+                for w in wave:
+                    if not w.owned:
+                        w.data, w.owned = staging.acquire(w.data), True
+                staged = staging.seal()
+                if i == len(waves) - 1:
+                    plan.writes, plan.staged = wave, staged
+                    return
+                try:
+                    plan.records += self.engines.write(wave)
+                finally:
+                    for w in wave:
+                        w.data = None
+                    staged.release()
+        except Exception as e:  # noqa: BLE001 - raised by write, shared at finalize
+            plan.exc = e
+        plan.writes = []
+        staging.seal().release()  # what this save staged and did not seal (another save's stay out)
 
     def write(self, plan: _SavePlan) -> None:
         """Write this rank's whole chunks; no collective (may run in a background thread)."""
@@ -1107,9 +1159,11 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         """Plan, create the arrays and stage the local bytes now (collective); return an
         AsyncRequest whose background part writes the chunks and whose finalization (every
         rank) writes the shared chunks and the manifest."""
+        from distckpt.budget import host_memory_budget
         from distckpt.strategies.async_utils import AsyncRequest
 
         plan = self.prepare(sharded_state_dict, checkpoint_dir, stage=True)
+        self.stage_waves(plan, host_memory_budget())
         return AsyncRequest(self.write, (plan,), [lambda: self.finalize(plan, None)])
 
 
