@@ -144,8 +144,31 @@ _is_main = attrgetter("main")
 _flat = attrgetter("flat")
 
 
+_kind = attrgetter("is_object", "global_shape", "dtype")
+
+
 def _check_key(key: str, shards: List[ShardMeta]) -> None:
-    # Fast path: one C-level pass per property; the detailed diagnosis runs only on a mismatch.
+    # Fast path: one C-level pass over the three properties that must agree; the detailed
+    # diagnosis (one pass per property) runs only on a mismatch.
+    if len(set(map(_kind, shards))) > 1:
+        _diagnose_disagreement(key, shards)
+    global_shape = shards[0].global_shape
+    main = list(filter(_is_main, shards))
+    if shards[0].is_object:
+        _check_object_grid(key, global_shape, main)
+        return
+    flat_count = len(shards) - list(map(_flat, shards)).count(None)
+    if 0 < flat_count < len(shards):
+        flat = [s for s in shards if s.flat is not None]
+        raise CheckpointingException(
+            f"key {key!r}: flattened on rank(s) {_ranks(flat)} but not on the others")
+    if flat_count:
+        _check_flat_tiling(key, global_shape, main)
+    else:
+        check_exact_cover(key, global_shape, [(s.global_offset, s.local_shape, s.rank) for s in main])
+
+
+def _diagnose_disagreement(key: str, shards: List[ShardMeta]) -> None:
     if len(set(map(_is_object, shards))) > 1:
         tensors = [s for s in shards if not s.is_object]
         objects = [s for s in shards if s.is_object]
@@ -164,20 +187,6 @@ def _check_key(key: str, shards: List[ShardMeta]) -> None:
             dtypes[s.dtype].append(s)
         desc = "; ".join(f"{d} on rank(s) {_ranks(v)}" for d, v in dtypes.items())
         raise CheckpointingException(f"key {key!r}: ranks disagree on the dtype: {desc}")
-    global_shape = shards[0].global_shape
-    main = list(filter(_is_main, shards))
-    if shards[0].is_object:
-        _check_object_grid(key, global_shape, main)
-        return
-    flat_count = sum(f is not None for f in map(_flat, shards))
-    if 0 < flat_count < len(shards):
-        flat = [s for s in shards if s.flat is not None]
-        raise CheckpointingException(
-            f"key {key!r}: flattened on rank(s) {_ranks(flat)} but not on the others")
-    if flat_count:
-        _check_flat_tiling(key, global_shape, main)
-    else:
-        check_exact_cover(key, global_shape, [(s.global_offset, s.local_shape, s.rank) for s in main])
 
 
 def _check_object_grid(key: str, global_shape: Tuple[int, ...], main: List[ShardMeta]) -> None:
@@ -238,10 +247,9 @@ def _check_flat_tiling(key: str, global_shape: Tuple[int, ...], main: List[Shard
             f"ShardedTensor {key!r}: flattened range [{ends[c]}, {numel[c]}) of the chunk at offset "
             f"{list(uniq[c, :offsets.shape[1]])} is not written by any main replica")
     n = offsets.shape[1]
-    rank_of = {}
-    for i, c in enumerate(chunk_id):
-        rank_of.setdefault(int(c), main[i].rank)
-    check_exact_cover(key, global_shape, [(tuple(u[:n]), tuple(u[n:]), rank_of[c]) for c, u in enumerate(uniq.tolist())])
+    _, first_of = np.unique(chunk_id, return_index=True)   # the first shard of each chunk
+    check_exact_cover(key, global_shape, [(tuple(u[:n]), tuple(u[n:]), main[i].rank)
+                                          for u, i in zip(uniq.tolist(), first_of.tolist())])
 
 
 # Above this many cells of the compressed grid the cover check falls back to volume + sweep.

@@ -41,7 +41,8 @@ INDEX_FNAME = ".distckpt_index"
 MAGIC = b"DCKIDX01"
 FORMAT = "distckpt-index"
 VERSION = 1
-FANOUT = 64
+FANOUT = 64       # children per inner node
+LEAF = 16         # chunk records per leaf: what a rank reads beyond its own records is at most a leaf per box
 _HEADER = struct.Struct("<8sQI")
 
 Box = Tuple[Tuple[int, ...], Tuple[int, ...]]   # (offset, size)
@@ -86,14 +87,14 @@ def _bbox(rows: np.ndarray, ndim: int) -> Tuple[np.ndarray, np.ndarray]:
     return rows[:, :ndim].min(axis=0), (rows[:, :ndim] + rows[:, ndim:2 * ndim]).max(axis=0)
 
 
-def _build_key(blob: _Blob, rows: np.ndarray, names: List[str], ndim: int, fanout: int) -> Dict[str, Any]:
+def _build_key(blob: _Blob, rows: np.ndarray, names: List[str], ndim: int, fanout: int, leaf: int) -> Dict[str, Any]:
     """Pack one key's records (sorted here) into a tree; returns the directory fields."""
     if ndim:
         order = np.lexsort(rows[:, ndim - 1::-1].T)
         rows = rows[order]
     level: List[Tuple[List[int], np.ndarray, np.ndarray]] = []
-    for s in range(0, len(rows), fanout):
-        part = rows[s:s + fanout]
+    for s in range(0, len(rows), leaf):
+        part = rows[s:s + leaf]
         lo, hi = _bbox(part, ndim)
         level.append((blob.add(_leaf(part, names, ndim)), lo, hi))
     depth = 1
@@ -113,7 +114,7 @@ def _build_key(blob: _Blob, rows: np.ndarray, names: List[str], ndim: int, fanou
 
 def build_index(keys: Dict[str, Dict[str, Any]],
                 records: Iterable[Tuple[str, Sequence[int], Sequence[int], str, int, int, int]],
-                metadata_bytes: int, fanout: int = FANOUT) -> bytes:
+                metadata_bytes: int, fanout: int = FANOUT, leaf: int = LEAF) -> bytes:
     """The sidecar's bytes.
 
     ``keys``: fqn -> ``{"bytes": True}`` or ``{"dtype": torch.dtype, "size": shape,
@@ -155,12 +156,12 @@ def build_index(keys: Dict[str, Dict[str, Any]],
         rows = rows_by_key.get(fqn)
         if rows:
             entry.update(_build_key(blob, np.array(rows, dtype=np.int64).reshape(len(rows), 2 * ndim + 4),
-                                    names, ndim, fanout))
+                                    names, ndim, fanout, leaf))
         else:
             entry["count"] = 0
         directory[fqn] = entry
     head = json.dumps({"format": FORMAT, "version": VERSION, "metadata_bytes": metadata_bytes,
-                       "fanout": fanout, "keys": directory}, separators=(",", ":")).encode()
+                       "fanout": fanout, "leaf": leaf, "keys": directory}, separators=(",", ":")).encode()
     return b"".join([_HEADER.pack(MAGIC, len(head), crc32c(head)), head, *blob.parts])
 
 
@@ -274,9 +275,11 @@ class IndexReader:
             for (fqn, ndim, _, below, qlo, qhi), raw in zip(frontier, blobs):
                 if below:
                     table = np.frombuffer(raw, dtype="<i8").reshape(-1, 3 + 2 * ndim)
-                    for row in table:
-                        if _meets(row[3:3 + ndim], row[3 + ndim:], qlo, qhi):
-                            nxt.append((fqn, ndim, row[:3].tolist(), below - 1, qlo, qhi))
+                    lo, hi = table[:, 3:3 + ndim], table[:, 3 + ndim:]
+                    hit = np.zeros(len(table), dtype=bool)
+                    for a, b in zip(qlo, qhi):
+                        hit |= np.all((lo < b) & (hi > a), axis=1)
+                    nxt.extend((fqn, ndim, ref, below - 1, qlo, qhi) for ref in table[hit, :3].tolist())
                     continue
                 (nn,) = struct.unpack_from("<I", raw)
                 names = json.loads(bytes(raw[4:4 + nn]))
