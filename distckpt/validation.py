@@ -252,6 +252,22 @@ def _check_flat_tiling(key: str, global_shape: Tuple[int, ...], main: List[Shard
                                           for u, i in zip(uniq.tolist(), first_of.tolist())])
 
 
+def _small_exact_cover(global_shape: Sequence[int], boxes) -> bool:
+    """True if a handful of boxes certainly cover ``global_shape`` exactly once: each inside
+    the tensor, pairwise disjoint, volumes adding up. False means "check the long way" (which
+    also describes the problem)."""
+    total = 0
+    for off, size, _ in boxes:
+        if any(o < 0 or o + s > g for o, s, g in zip(off, size, global_shape)):
+            return False
+        total += math.prod(size)
+    for i, (a_off, a_size, _) in enumerate(boxes):
+        for b_off, b_size, _ in boxes[i + 1:]:
+            if all(ao < bo + bs and bo < ao + az for ao, az, bo, bs in zip(a_off, a_size, b_off, b_size)):
+                return False
+    return total == math.prod(global_shape)
+
+
 # Above this many cells of the compressed grid the cover check falls back to volume + sweep.
 _MAX_GRID_CELLS = 50_000_000
 
@@ -273,6 +289,8 @@ def check_exact_cover(key: str, global_shape: Sequence[int],
                 f"ShardedTensor {key!r}: a scalar needs exactly one main replica, got {len(boxes)} "
                 f"(ranks {sorted(b[2] for b in boxes)})")
         return
+    if len(boxes) <= 4 and _small_exact_cover(global_shape, boxes):
+        return  # a few boxes (most keys of most models): plain Python, no numpy overhead
     offs = np.array([b[0] for b in boxes], dtype=np.int64).reshape(len(boxes), ndim)
     sizes = np.array([b[1] for b in boxes], dtype=np.int64).reshape(len(boxes), ndim)
     gshape = np.array(global_shape, dtype=np.int64)

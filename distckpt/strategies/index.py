@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
+from array import array
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -85,6 +87,27 @@ def _leaf(rows: np.ndarray, names: List[str], ndim: int) -> bytes:
 
 def _bbox(rows: np.ndarray, ndim: int) -> Tuple[np.ndarray, np.ndarray]:
     return rows[:, :ndim].min(axis=0), (rows[:, :ndim] + rows[:, ndim:2 * ndim]).max(axis=0)
+
+
+def _small_key(blob: _Blob, rows: List[Tuple[int, ...]], names: List[str], ndim: int) -> Dict[str, Any]:
+    """A key whose records fit one leaf (most keys of most checkpoints): plain Python, no numpy
+    (whose per-call overhead was most of a small save's sidecar cost)."""
+    rows = sorted(rows)
+    local: Dict[int, int] = {}
+    flat: List[int] = []
+    col = 2 * ndim
+    for r in rows:
+        flat.extend(r[:col])
+        flat.append(local.setdefault(r[col], len(local)))
+        flat.extend(r[col + 1:])
+    names_json = json.dumps([names[i] for i in local], separators=(",", ":")).encode()
+    table = array("q", flat)
+    if sys.byteorder != "little":
+        table.byteswap()
+    lo = [min(r[d] for r in rows) for d in range(ndim)]
+    hi = [max(r[d] + r[ndim + d] for r in rows) for d in range(ndim)]
+    ref = blob.add(struct.pack("<I", len(names_json)) + names_json + table.tobytes())
+    return {"count": len(rows), "depth": 1, "root": ref, "bbox": [lo, hi]}
 
 
 def _build_key(blob: _Blob, rows: np.ndarray, names: List[str], ndim: int, fanout: int, leaf: int) -> Dict[str, Any]:
@@ -154,7 +177,9 @@ def build_index(keys: Dict[str, Dict[str, Any]],
         entry = {"dtype": _dtype_name(info["dtype"]), "size": list(info["size"]),
                  "orig_shape": list(info["orig_shape"]) if info.get("orig_shape") is not None else None}
         rows = rows_by_key.get(fqn)
-        if rows:
+        if rows and len(rows) <= leaf:
+            entry.update(_small_key(blob, rows, names, ndim))
+        elif rows:
             entry.update(_build_key(blob, np.array(rows, dtype=np.int64).reshape(len(rows), 2 * ndim + 4),
                                     names, ndim, fanout, leaf))
         else:
@@ -266,8 +291,9 @@ class IndexReader:
             ndim = len(e["size"])
             qlo = np.array([b[0] for b in bxs], dtype=np.int64).reshape(len(bxs), ndim)
             qhi = qlo + np.array([b[1] for b in bxs], dtype=np.int64).reshape(len(bxs), ndim)
-            lo, hi = (np.array(v, dtype=np.int64) for v in e["bbox"])
-            if _meets(lo, hi, qlo, qhi):
+            lo, hi = e["bbox"]
+            if any(all(lo[d] < q1[d] and hi[d] > q0[d] for d in range(ndim))
+                   for q0, q1 in zip(qlo.tolist(), qhi.tolist())):
                 frontier.append((fqn, ndim, e["root"], e["depth"] - 1, qlo, qhi))
         while frontier:
             blobs = self._fetch([f[2] for f in frontier])
@@ -283,7 +309,18 @@ class IndexReader:
                     continue
                 (nn,) = struct.unpack_from("<I", raw)
                 names = json.loads(bytes(raw[4:4 + nn]))
-                rows = np.frombuffer(raw, dtype="<i8", offset=4 + nn).reshape(-1, 2 * ndim + 4)
+                width = 2 * ndim + 4
+                if len(qlo) == 1 and len(raw) - 4 - nn <= 8 * width * 16:
+                    # A small leaf and one box (the common case of a small key): plain Python.
+                    flat = struct.unpack_from(f"<{(len(raw) - 4 - nn) // 8}q", raw, 4 + nn)
+                    a, b = qlo[0].tolist(), qhi[0].tolist()
+                    for i in range(0, len(flat), width):
+                        r = flat[i:i + width]
+                        if all(r[d] < b[d] and r[d] + r[ndim + d] > a[d] for d in range(ndim)):
+                            out[fqn].append((tuple(r[:ndim]), tuple(r[ndim:2 * ndim]), names[r[2 * ndim]],
+                                             r[2 * ndim + 1], r[2 * ndim + 2], r[2 * ndim + 3]))
+                    continue
+                rows = np.frombuffer(raw, dtype="<i8", offset=4 + nn).reshape(-1, width)
                 off, end = rows[:, :ndim], rows[:, :ndim] + rows[:, ndim:2 * ndim]
                 hit = np.zeros(len(rows), dtype=bool)
                 for lo, hi in zip(qlo, qhi):
