@@ -592,7 +592,10 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             index_bytes = sidecar_index(per_rank, len(md_bytes)) if self.write_index else None
             if index_bytes is not None:
                 storage.write_bytes(checkpoint_dir, INDEX_FNAME, index_bytes)
-            storage.write_bytes(checkpoint_dir, METADATA_FNAME, md_bytes)
+            if isinstance(checkpoint_dir, storage.Store):
+                checkpoint_dir.put(METADATA_FNAME, md_bytes)
+            else:
+                atomic_write_bytes(checkpoint_dir / METADATA_FNAME, md_bytes)
             ranges = [(r.relative_path, r.offset, r.length, r.crc32c, r.fqn) for _, rs, _ in per_rank for r in rs]
             ranges.append((METADATA_FNAME, 0, len(md_bytes), crc32c(md_bytes), METADATA_FNAME))
             sizes = {name: size for _, _, sz in per_rank for name, size in sz.items()}
