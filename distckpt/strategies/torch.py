@@ -418,12 +418,7 @@ def _write_file(path: Path, items: List[_WriteItem]) -> Tuple[List[Tuple[_WriteI
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         sink = ChecksummingSink(fd)
-        out = []
-        for it in items:
-            if isinstance(it.payload, torch.Tensor):
-                out.append((it, *write_tensor_item(sink, it.payload)))
-            else:
-                out.append((it, *write_bytes_item(sink, it.payload)))
+        out = _write_items(sink, items)
         sink.fsync()
         return out, sink.position
     finally:
@@ -435,14 +430,15 @@ def _write_object(store: storage.Store, name: str, items: List[_WriteItem]) -> T
     bounded memory on object stores); an error aborts the upload, so nothing is left behind."""
     with store.open_writer(name) as writer:
         sink = WriterSink(writer)
-        out = []
-        for it in items:
-            if isinstance(it.payload, torch.Tensor):
-                out.append((it, *write_tensor_item(sink, it.payload)))
-            else:
-                out.append((it, *write_bytes_item(sink, it.payload)))
+        out = _write_items(sink, items)
         sink.drain()
     return out, sink.position
+
+
+def _write_items(sink, items: List[_WriteItem]) -> List[Tuple[_WriteItem, int, int, int]]:
+    """Frame every item into ``sink`` in order; (item, offset, length, crc32c) per item."""
+    return [(it, *(write_tensor_item if isinstance(it.payload, torch.Tensor) else write_bytes_item)(sink, it.payload))
+            for it in items]
 
 
 def write_plan(plan: SavePlan, thread_count: int = 2) -> SavePlan:
