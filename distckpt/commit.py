@@ -463,7 +463,8 @@ class StoreCommit:
 
 
 # The names whose presence makes a location look like a checkpoint (the commit marker first).
-COMMIT_NAMES = (CONFIG_FNAME, ".metadata", ".distckpt_manifest.json")
+# The sidecar index goes too: a stale one must never outlive the .metadata it describes.
+COMMIT_NAMES = (CONFIG_FNAME, ".metadata", ".distckpt_manifest.json", ".distckpt_index")
 
 _DEFAULT = RenameCommit()
 

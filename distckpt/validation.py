@@ -144,8 +144,31 @@ _is_main = attrgetter("main")
 _flat = attrgetter("flat")
 
 
+_kind = attrgetter("is_object", "global_shape", "dtype")
+
+
 def _check_key(key: str, shards: List[ShardMeta]) -> None:
-    # Fast path: one C-level pass per property; the detailed diagnosis runs only on a mismatch.
+    # Fast path: one C-level pass over the three properties that must agree; the detailed
+    # diagnosis (one pass per property) runs only on a mismatch.
+    if len(set(map(_kind, shards))) > 1:
+        _diagnose_disagreement(key, shards)
+    global_shape = shards[0].global_shape
+    main = list(filter(_is_main, shards))
+    if shards[0].is_object:
+        _check_object_grid(key, global_shape, main)
+        return
+    flat_count = len(shards) - list(map(_flat, shards)).count(None)
+    if 0 < flat_count < len(shards):
+        flat = [s for s in shards if s.flat is not None]
+        raise CheckpointingException(
+            f"key {key!r}: flattened on rank(s) {_ranks(flat)} but not on the others")
+    if flat_count:
+        _check_flat_tiling(key, global_shape, main)
+    else:
+        check_exact_cover(key, global_shape, [(s.global_offset, s.local_shape, s.rank) for s in main])
+
+
+def _diagnose_disagreement(key: str, shards: List[ShardMeta]) -> None:
     if len(set(map(_is_object, shards))) > 1:
         tensors = [s for s in shards if not s.is_object]
         objects = [s for s in shards if s.is_object]
@@ -164,20 +187,6 @@ def _check_key(key: str, shards: List[ShardMeta]) -> None:
             dtypes[s.dtype].append(s)
         desc = "; ".join(f"{d} on rank(s) {_ranks(v)}" for d, v in dtypes.items())
         raise CheckpointingException(f"key {key!r}: ranks disagree on the dtype: {desc}")
-    global_shape = shards[0].global_shape
-    main = list(filter(_is_main, shards))
-    if shards[0].is_object:
-        _check_object_grid(key, global_shape, main)
-        return
-    flat_count = sum(f is not None for f in map(_flat, shards))
-    if 0 < flat_count < len(shards):
-        flat = [s for s in shards if s.flat is not None]
-        raise CheckpointingException(
-            f"key {key!r}: flattened on rank(s) {_ranks(flat)} but not on the others")
-    if flat_count:
-        _check_flat_tiling(key, global_shape, main)
-    else:
-        check_exact_cover(key, global_shape, [(s.global_offset, s.local_shape, s.rank) for s in main])
 
 
 def _check_object_grid(key: str, global_shape: Tuple[int, ...], main: List[ShardMeta]) -> None:
@@ -238,10 +247,25 @@ def _check_flat_tiling(key: str, global_shape: Tuple[int, ...], main: List[Shard
             f"ShardedTensor {key!r}: flattened range [{ends[c]}, {numel[c]}) of the chunk at offset "
             f"{list(uniq[c, :offsets.shape[1]])} is not written by any main replica")
     n = offsets.shape[1]
-    rank_of = {}
-    for i, c in enumerate(chunk_id):
-        rank_of.setdefault(int(c), main[i].rank)
-    check_exact_cover(key, global_shape, [(tuple(u[:n]), tuple(u[n:]), rank_of[c]) for c, u in enumerate(uniq.tolist())])
+    _, first_of = np.unique(chunk_id, return_index=True)   # the first shard of each chunk
+    check_exact_cover(key, global_shape, [(tuple(u[:n]), tuple(u[n:]), main[i].rank)
+                                          for u, i in zip(uniq.tolist(), first_of.tolist())])
+
+
+def _small_exact_cover(global_shape: Sequence[int], boxes) -> bool:
+    """True if a handful of boxes certainly cover ``global_shape`` exactly once: each inside
+    the tensor, pairwise disjoint, volumes adding up. False means "check the long way" (which
+    also describes the problem)."""
+    total = 0
+    for off, size, _ in boxes:
+        if any(o < 0 or o + s > g for o, s, g in zip(off, size, global_shape)):
+            return False
+        total += math.prod(size)
+    for i, (a_off, a_size, _) in enumerate(boxes):
+        for b_off, b_size, _ in boxes[i + 1:]:
+            if all(ao < bo + bs and bo < ao + az for ao, az, bo, bs in zip(a_off, a_size, b_off, b_size)):
+                return False
+    return total == math.prod(global_shape)
 
 
 # Above this many cells of the compressed grid the cover check falls back to volume + sweep.
@@ -265,6 +289,8 @@ def check_exact_cover(key: str, global_shape: Sequence[int],
                 f"ShardedTensor {key!r}: a scalar needs exactly one main replica, got {len(boxes)} "
                 f"(ranks {sorted(b[2] for b in boxes)})")
         return
+    if len(boxes) <= 4 and _small_exact_cover(global_shape, boxes):
+        return  # a few boxes (most keys of most models): plain Python, no numpy overhead
     offs = np.array([b[0] for b in boxes], dtype=np.int64).reshape(len(boxes), ndim)
     sizes = np.array([b[1] for b in boxes], dtype=np.int64).reshape(len(boxes), ndim)
     gshape = np.array(global_shape, dtype=np.int64)

@@ -1,8 +1,9 @@
 """Randomised SIGKILL trials on real processes: ``python -m tests.fault_trials launcher ...``.
 
 One *launcher* process per rank imports torch once and runs the trials in sequence. For each
-trial every launcher forks a *rank child* that joins a fresh gloo group (FileStore rendezvous in
-the trial's folder) and saves; the launcher of the trial's victim waits until its child is
+trial every launcher forks a *rank child* that joins a fresh gloo group (rendezvous on a TCPStore
+that the test process hosts, under a per-trial prefix: a FileStore is not safe against SIGKILL, a
+rank killed inside a store write leaves a torn record the other ranks spin on) and saves; the launcher of the trial's victim waits until its child is
 *armed* (the watched save began), sleeps a random fraction (0 to 1.25) of the time the same save
 took just before in that child, and SIGKILLs it — whatever the child is doing then. When all four children ended, launcher 0 forks a *checker* that classifies what
 the target folder holds:
@@ -61,7 +62,8 @@ def _write_json(path: Path, value: Any) -> None:
 # --------------------------------------------------------------------------- rank child
 
 
-def _rank_child(scenario: str, rank: int, world: int, trial_dir: Path, collective_timeout: float) -> None:
+def _rank_child(scenario: str, rank: int, world: int, trial_dir: Path, collective_timeout: float,
+                store_port: int) -> None:
     import torch
 
     import distckpt
@@ -70,8 +72,11 @@ def _rank_child(scenario: str, rank: int, world: int, trial_dir: Path, collectiv
     from tests import faults
 
     torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{trial_dir / 'store'}", rank=rank,
-                                         world_size=world, timeout=timedelta(seconds=60))
+    store = torch.distributed.PrefixStore(
+        f"{trial_dir.name}/", torch.distributed.TCPStore("127.0.0.1", store_port, is_master=False,
+                                                         timeout=timedelta(seconds=60)))
+    torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=world,
+                                         timeout=timedelta(seconds=60))
     distckpt.set_collective_timeout(60)    # the healthy first save, cold, on a busy machine
     target = trial_dir / "target"
 
@@ -191,7 +196,8 @@ def _launcher(args: argparse.Namespace) -> int:
     for k, trial in enumerate(plan):
         trial_dir = root / f"trial{k:03d}"
         trial_dir.mkdir(parents=True, exist_ok=True)
-        pid = _fork(_rank_child, args.scenario, args.rank, args.world, trial_dir, args.collective_timeout)
+        pid = _fork(_rank_child, args.scenario, args.rank, args.world, trial_dir, args.collective_timeout,
+                    args.store_port)
         status = None
         if args.rank == trial["victim"]:
             armed = trial_dir / f"armed.{args.rank}"
@@ -287,6 +293,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--max-fraction", type=float, default=1.25)
     p.add_argument("--collective-timeout", type=float, default=3.0)
     p.add_argument("--trial-timeout", type=float, default=60.0)
+    p.add_argument("--store-port", type=int, required=True, help="a TCPStore server on 127.0.0.1")
     for name, help_text in (("writer", "a job saving one generation again and again"),
                             ("reader", "a job loading again and again")):
         q = sub.add_parser(name, help=help_text)

@@ -15,9 +15,11 @@ import os
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch.distributed
 
 from tests.fault_trials import SCENARIOS
 
@@ -25,12 +27,14 @@ REPO = Path(__file__).resolve().parent.parent
 WORLD = 4
 TRIALS = int(os.environ.get("DISTCKPT_FAULT_TRIALS", "20"))
 COLLECTIVE_TIMEOUT_S = 2.0
-# From the kill to a survivor's error: up to one timeout at the survivor's next stage (FileStore
-# waits in whole seconds), plus the work it still did before that stage, on 2 shared cores.
+# From the kill to a survivor's error: up to one timeout at the survivor's next stage, plus the work it still did before that stage, on 2 shared cores.
 BOUND_S = 2 * COLLECTIVE_TIMEOUT_S + 4.0
 
 
 def _run_trials(root: Path, scenario: str, seed: int) -> list:
+    # The rendezvous store lives here, in a process no trial kills (see tests/fault_trials.py).
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                       timeout=timedelta(seconds=60))
     env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", GLOO_SOCKET_IFNAME="lo",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     procs = []
@@ -39,7 +43,7 @@ def _run_trials(root: Path, scenario: str, seed: int) -> list:
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "tests.fault_trials", "launcher", "--rank", str(rank), "--world", str(WORLD),
              "--root", str(root), "--scenario", scenario, "--trials", str(TRIALS), "--seed", str(seed),
-             "--collective-timeout", str(COLLECTIVE_TIMEOUT_S)],
+             "--collective-timeout", str(COLLECTIVE_TIMEOUT_S), "--store-port", str(store.port)],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
         log.close()
     deadline = time.monotonic() + 30 * TRIALS + 120

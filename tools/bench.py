@@ -564,6 +564,33 @@ def _chart(results, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _sweep(args) -> int:
+    import bench_sweep
+
+    args.sizes_mib = [float(x) for x in args.sizes_mib.split(",") if x]
+    args.shapes = [x for x in (args.shapes or bench_sweep.DEFAULT_SHAPES).split(",") if x]
+    for shape in args.shapes:
+        bench_sweep.parse_shape(shape)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    try:
+        mp.spawn(bench_sweep.rank_main, args=(args.ranks, port, args, queue), nprocs=args.ranks)
+    finally:
+        shutil.rmtree(args.dir, ignore_errors=True)
+    rows = queue.get()
+    (out / "sweep.json").write_text(json.dumps(rows, indent=2))
+    print(bench_sweep.table(rows))
+    print()
+    print(bench_sweep.fit(rows))
+    print(f"\nwrote {out / 'sweep.json'}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default="/dev/shm/distckpt-bench", help="where checkpoints go (tmpfs or disk)")
@@ -581,7 +608,15 @@ def main() -> int:
                              "(DISTCKPT_HOST_MEMORY_BUDGET syntax: bytes, 256MiB, or a fraction of RAM)")
     parser.add_argument("--moto", action="store_true",
                         help="with an s3:// --dir: start a local moto S3 server (and the bucket) first")
+    parser.add_argument("--sweep", action="store_true",
+                        help="instead of the full bench: torch_dist save/load/resharded load against raw I/O "
+                             "over --sizes-mib and --shapes, with a fixed + marginal cost fit per shape")
+    parser.add_argument("--sizes-mib", default="64,256,1024", help="sweep: sizes per rank")
+    parser.add_argument("--shapes", default=None,
+                        help="sweep: comma-separated h<hidden>-tp<degree>-opt<0|80> (default: a few)")
     args = parser.parse_args()
+    if args.sweep:
+        return _sweep(args)
     args.backends = [b for b in args.backends.split(",") if b]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -81,6 +81,8 @@ from distckpt.strategies.filesystem import (
     write_tensor_item,
     zip_crc_disabled,
 )
+from distckpt.strategies.index import INDEX_FNAME, IndexReader, build_index, index_from_metadata
+from distckpt.strategies.index import _dtype_of as _sidecar_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -633,12 +635,15 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             blocking part of the save). False writes them from the caller's memory: the caller
             then promises not to change them until the save is finalized. CUDA tensors are
             always staged (into pinned host buffers).
+        write_index: rank 0 also writes the sidecar index ``.distckpt_index`` (the chunk
+            records in a layout a loading rank reads partially; see docs/formats.md).
     """
 
     def __init__(self, backend: str = "torch_dist", version: int = 1, thread_count: int = 2,
                  separation_hint: Optional[str] = None, cached_metadata: bool = False,
-                 stage_cpu_tensors: bool = True):
+                 stage_cpu_tensors: bool = True, write_index: bool = True):
         super().__init__(backend, version)
+        self.write_index = write_index
         self.stage_cpu_tensors = stage_cpu_tensors
         self._staging = None
         if thread_count < 1:
@@ -749,6 +754,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             else:
                 md = build_metadata([(d, r) for d, r, _ in per_rank], str(checkpoint_dir))
             md_bytes = pickle.dumps(md)
+            index_bytes = sidecar_index(per_rank, len(md_bytes)) if self.write_index else None
+            if index_bytes is not None:
+                storage.write_bytes(checkpoint_dir, INDEX_FNAME, index_bytes)
             if isinstance(checkpoint_dir, storage.Store):
                 checkpoint_dir.put(METADATA_FNAME, md_bytes)
             else:
@@ -757,6 +765,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             ranges.append((METADATA_FNAME, 0, len(md_bytes), crc32c(md_bytes), METADATA_FNAME))
             sizes = {name: size for _, _, sz in per_rank for name, size in sz.items()}
             sizes[METADATA_FNAME] = len(md_bytes)
+            if index_bytes is not None:
+                ranges.append((INDEX_FNAME, 0, len(index_bytes), crc32c(index_bytes), INDEX_FNAME))
+                sizes[INDEX_FNAME] = len(index_bytes)
             write_manifest(checkpoint_dir, build_manifest(md.storage_meta.save_id, "torch_dist", ranges, sizes))
             if self.cached_metadata:
                 self._global_cache = (per_rank, md)
@@ -765,6 +776,37 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.last_save_reused_metadata = bool(dist.gather_and_decide("torch_dist write", exc, payload, decide))
         if self.cached_metadata:
             self._local_structure = (plan.decls, [r.structure() for r in plan.records], plan.file_sizes)
+
+
+def sidecar_index(per_rank: List[Tuple[Dict[str, _KeyDecl], List[_Record], Any]], metadata_bytes: int) -> bytes:
+    """The sidecar index (see distckpt/strategies/index.py) of every rank's declarations and records."""
+    keys: Dict[str, Dict[str, Any]] = {}
+    for decls, _, _ in per_rank:
+        for fqn, d in decls.items():
+            keys[fqn] = {"bytes": True} if d.is_bytes else {"dtype": d.dtype, "size": d.size,
+                                                             "orig_shape": d.orig_shape}
+    records = ((r.fqn, r.chunk_offset, r.chunk_size, r.relative_path, r.offset, r.length, r.crc32c)
+               for _, rs, _ in per_rank for r in rs)
+    with gc_paused():
+        return build_index(keys, records, metadata_bytes)
+
+
+def _reindex(md: Metadata, md_bytes: bytes, manifest: Optional[Any]) -> Optional[bytes]:
+    """After surgery on ``.metadata``: the new sidecar index, entered into ``manifest``; None
+    (the sidecar is dropped and loads read ``.metadata``) when there is no manifest to take the
+    items' checksums from."""
+    if manifest is None:
+        return None
+    manifest.files.pop(INDEX_FNAME, None)
+    manifest.ranges.pop(INDEX_FNAME, None)
+    try:
+        data = index_from_metadata(md, manifest.range_index(), len(md_bytes))
+    except CheckpointingException as e:
+        logger.info("not rebuilding the sidecar index: %s", e)
+        return None
+    manifest.files[INDEX_FNAME] = len(data)
+    manifest.ranges[INDEX_FNAME] = [RangeChecksum(0, len(data), crc32c(data), INDEX_FNAME)]
+    return data
 
 
 def _chunk_order(chunk: ChunkStorageMetadata) -> torch.Size:
@@ -955,13 +997,95 @@ def _index(md: Metadata, source: Path) -> Dict[str, Any]:
                     f"{source}: key {fqn!r}: chunk at {list(st.offset)} of {list(sizes)} elements needs "
                     f"{math.prod(sizes) * itemsize} bytes, its record holds {st.length}")
             chunks.append(_Stored(st.offset, sizes, st.relative_path, st.file_offset, st.length))
-        key = _StoredKey(fqn, meta.properties.dtype, tuple(meta.size), chunks, orig.get(fqn))
-        if key.orig_shape is not None:
-            for c in chunks:
-                key.flat_index.setdefault(c.offset[:-1], []).append(c)
-            for lst in key.flat_index.values():
-                lst.sort(key=lambda c: c.offset[-1])
-        out[fqn] = key
+        out[fqn] = _stored_key(fqn, meta.properties.dtype, tuple(meta.size), chunks, orig.get(fqn))
+    return out
+
+
+def _stored_key(fqn: str, dtype: torch.dtype, size: Shape, chunks: List[_Stored],
+                orig_shape: Optional[Shape]) -> _StoredKey:
+    key = _StoredKey(fqn, dtype, size, chunks, orig_shape)
+    if key.orig_shape is not None:
+        for c in chunks:
+            key.flat_index.setdefault(c.offset[:-1], []).append(c)
+        for lst in key.flat_index.values():
+            lst.sort(key=lambda c: c.offset[-1])
+    return key
+
+
+def _request_box(sh: ShardedTensor, size: Shape, orig_shape: Optional[Shape]) -> Tuple[Shape, Shape]:
+    """The box of stored coordinates (``size``: the stored shape) that a load of ``sh`` may read."""
+    full_local = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
+    off = tuple(sh.global_offset)
+    if orig_shape is None:
+        return off, full_local
+    grid = size[:-1]
+    chunk = tuple(max(1, o // g) for o, g in zip(orig_shape, grid))
+    lo = tuple(o // c for o, c in zip(off, chunk))
+    hi = tuple(-(-(o + s) // c) for o, s, c in zip(off, full_local, chunk))
+    f_lo, f_hi = 0, size[-1]
+    if sh.flattened_range is not None and chunk == full_local and tuple(sh.global_shape) == tuple(orig_shape):
+        f_lo, f_hi = sh.flattened_range.start, sh.flattened_range.stop
+    return lo + (f_lo,), tuple(h - a for h, a in zip(hi, lo)) + (f_hi - f_lo,)
+
+
+def _checked_sidecar_chunk(source: str, fqn: str, dtype: torch.dtype, row) -> _Stored:
+    """One chunk record of the sidecar, with the claims checks ``_index`` applies to ``.metadata``:
+    a file name inside the checkpoint, natural offsets and lengths, a chunk its record can hold."""
+    off, size, path, foff, length, _crc = row
+    bounds.relative_name(path, source, f"key {fqn!r}: file name")
+    bounds.natural(foff, source, f"key {fqn!r}: offset")
+    bounds.natural(length, source, f"key {fqn!r}: length")
+    size = bounds.shape(size, source, f"key {fqn!r}: chunk size")
+    if math.prod(size) * dtype.itemsize > length:
+        raise CheckpointingException(
+            f"{source}: key {fqn!r}: chunk at {list(off)} of {list(size)} elements needs "
+            f"{math.prod(size) * dtype.itemsize} bytes, its record holds {length}")
+    return _Stored(tuple(off), size, path, foff, length)
+
+
+def _index_from_sidecar(reader: IndexReader, sharded_state_dict: ShardedStateDict,
+                        checksums: Optional[Dict]) -> Dict[str, Any]:
+    """The stored keys a load of ``sharded_state_dict`` needs, with only the chunks that meet its
+    requests, read from the sidecar index; fills ``checksums`` (if given) from its records."""
+    boxes: Dict[str, List[Tuple[Shape, Shape]]] = defaultdict(list)
+    objects: List[str] = []
+    for sh in nested_values(sharded_state_dict):
+        if isinstance(sh, ShardedTensor):
+            e = reader.entry(sh.key)
+            if e is not None and not e.get("bytes"):
+                orig = e.get("orig_shape")
+                boxes[sh.key].append(_request_box(sh, tuple(e["size"]), tuple(orig) if orig else None))
+        elif isinstance(sh, ShardedObject):
+            objects.append(sh.unique_key)
+    found = reader.query(boxes)
+    out: Dict[str, Any] = {}
+    for fqn, rows in found.items():
+        e = reader.entry(fqn)
+        try:
+            dtype = _sidecar_dtype(e["dtype"])
+        except ValueError as err:
+            raise CheckpointingException(f"{reader.where}: key {fqn!r}: {err}") from None
+        chunks = [_checked_sidecar_chunk(reader.where, fqn, dtype, row) for row in rows]
+        orig = e.get("orig_shape")
+        size = bounds.shape(e["size"], reader.where, f"key {fqn!r}: global shape")
+        out[fqn] = _stored_key(fqn, dtype, size, chunks, tuple(orig) if orig else None)
+        if checksums is not None:
+            for _o, _s, path, foff, length, crc in rows:
+                checksums[(path, foff)] = RangeChecksum(foff, length, crc, fqn)
+    for key in objects:
+        e = reader.entry(key)
+        if e is None or not e.get("bytes"):
+            continue
+        item = e.get("item")
+        if item is None:
+            out[key] = None
+            continue
+        path, foff, length, crc = item
+        bounds.relative_name(path, reader.where, f"object {key!r}: file name")
+        out[key] = _Stored((), (), path, bounds.natural(foff, reader.where, f"object {key!r}: offset"),
+                           bounds.natural(length, reader.where, f"object {key!r}: length"))
+        if checksums is not None:
+            checksums[(path, foff)] = RangeChecksum(foff, length, crc, key)
     return out
 
 
@@ -1091,15 +1215,21 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         trusted: unpickle ``.metadata`` and object payloads without the allowlist.
         thread_count: files read in parallel.
         verify: read every needed item whole and check its CRC32C against the manifest.
+        use_index: read the sidecar index ``.distckpt_index`` when the checkpoint has one (only
+            the records of the requested keys and boxes); False always reads ``.metadata``.
     """
 
     def __init__(self, backend: str = "torch_dist", version: int = 1, trusted: bool = False,
-                 thread_count: int = 4, verify: bool = False):
+                 thread_count: int = 4, verify: bool = False, use_index: bool = True):
         super().__init__(backend, version)
         self.trusted = trusted
         self.thread_count = thread_count
         self.verify = verify
         self.bytes_read = 0  # bytes read from storage by this strategy object (all loads)
+        self.use_index = use_index
+        self.index_bytes_read = 0  # bytes of the sidecar index read (all loads)
+        self.index_node_bytes_read = 0  # of which chunk-record tree nodes
+        self.last_load_used_index = False
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -1122,9 +1252,13 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def load_common_items(self, checkpoint_dir: Path) -> StateDict:
         """The non-tensor values of a ``dcp.save`` (see :func:`plain_byte_items`), nested as saved."""
         checkpoint_dir = _location(checkpoint_dir)
+        out: StateDict = {}
+        reader = IndexReader.open(checkpoint_dir) if self.use_index else None
+        if reader is not None and not any(e.get("bytes") and not _is_object_key(fqn)
+                                          for fqn, e in reader.keys.items()):
+            return out  # the sidecar's directory says there is none: .metadata is not read
         md = read_metadata(checkpoint_dir, self.trusted, self.verify)
         items = plain_byte_items(md)
-        out: StateDict = {}
         if not items:
             return out
         index = _index(md, storage.join(checkpoint_dir, METADATA_FNAME))
@@ -1201,8 +1335,13 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 manifest.files[new_info.relative_path] = (checkpoint_dir / new_info.relative_path).stat().st_size
             manifest.files[METADATA_FNAME] = len(md_bytes)
             manifest.ranges[METADATA_FNAME] = [RangeChecksum(0, len(md_bytes), crc32c(md_bytes), METADATA_FNAME)]
+        index_bytes = _reindex(md, md_bytes, manifest)
+        if manifest is not None:
             write_manifest(checkpoint_dir, manifest)
+        (checkpoint_dir / INDEX_FNAME).unlink(missing_ok=True)
         atomic_write_bytes(checkpoint_dir / METADATA_FNAME, md_bytes)
+        if index_bytes is not None:
+            atomic_write_bytes(checkpoint_dir / INDEX_FNAME, index_bytes)
         for name in to_delete:
             os.remove(checkpoint_dir / name)
 
@@ -1254,8 +1393,13 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         if manifest is not None:
             manifest.files[METADATA_FNAME] = len(md_bytes)
             manifest.ranges[METADATA_FNAME] = [RangeChecksum(0, len(md_bytes), crc32c(md_bytes), METADATA_FNAME)]
+        index_bytes = _reindex(md, md_bytes, manifest)
+        if manifest is not None:
             write_manifest(store, manifest)
+        store.delete(INDEX_FNAME)
         store.put(METADATA_FNAME, md_bytes)
+        if index_bytes is not None:
+            store.put(INDEX_FNAME, index_bytes)
         for name in to_delete:
             store.delete(name)
 
@@ -1492,10 +1636,36 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         _check_item(raw, stored, checksums, what)
         return safe_torch_load(raw, what=what, trusted=self.trusted)
 
+    def _load_index(self, sharded_state_dict: ShardedStateDict, checkpoint_dir) -> Tuple[Dict[str, Any], Optional[Dict]]:
+        """The stored keys this load needs and the items' checksums (None: do not check): from
+        the sidecar index when the checkpoint has one (only the requested keys' records are
+        read), else from ``.metadata`` (and the manifest)."""
+        reader = IndexReader.open(checkpoint_dir) if self.use_index else None
+        if reader is None:
+            self.last_load_used_index = False
+            md = read_metadata(checkpoint_dir, self.trusted, self.verify)
+            return _index(md, storage.join(checkpoint_dir, METADATA_FNAME)), self._checksums(checkpoint_dir)
+        self.last_load_used_index = True
+        # verify=True checks against the manifest itself (read whole: an opt-in, full check),
+        # .metadata and the sidecar included; object-store loads take the items' checksums from
+        # the sidecar's records.
+        checksums = None
+        if self.verify:
+            for name in (METADATA_FNAME, INDEX_FNAME):
+                check_whole_file(checkpoint_dir, name, storage.read_bytes(checkpoint_dir, name))
+            checksums = self._checksums(checkpoint_dir)
+        own: Optional[Dict] = {} if checksums is None and (
+            self.verify or isinstance(checkpoint_dir, storage.Store)) else None
+        index = _index_from_sidecar(reader, sharded_state_dict, own)
+        if own is not None:
+            checksums = own
+        self.index_bytes_read += reader.bytes_read
+        self.index_node_bytes_read += reader.node_bytes_read
+        return index, checksums
+
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
         checkpoint_dir = _location(checkpoint_dir)
-        md = read_metadata(checkpoint_dir, self.trusted, self.verify)
-        index = _index(md, storage.join(checkpoint_dir, METADATA_FNAME))
+        index, checksums = self._load_index(sharded_state_dict, checkpoint_dir)
         self._check_allocations(sharded_state_dict, index, checkpoint_dir)
         plan = _Plan()
         commits: List[Callable[[], None]] = []
@@ -1521,7 +1691,6 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             return sh
 
         dict_list_map_inplace(prepare, sharded_state_dict)
-        checksums = self._checksums(checkpoint_dir)
         self._execute(plan, checkpoint_dir, checksums)
         with torch.no_grad():
             for commit in commits:

@@ -206,6 +206,7 @@ def rename_keys(checkpoint: PathLike, mapping: Sequence[Tuple[str, str]] = (),
 
 def _rename_torch_dist(root: Path, plan: RenamePlan, trusted: bool, out: Optional[PathLike],
                        progress: Optional[Progress]) -> None:
+    from distckpt.strategies.index import INDEX_FNAME, index_from_metadata
     from distckpt.strategies.torch import METADATA_FNAME, read_metadata
 
     md = read_metadata(root, trusted)
@@ -223,14 +224,20 @@ def _rename_torch_dist(root: Path, plan: RenamePlan, trusted: bool, out: Optiona
     md_bytes = pickle.dumps(md)
     contents = {METADATA_FNAME: md_bytes}
     manifest = read_manifest(root)
+    if manifest is not None and INDEX_FNAME in manifest.files:
+        # The sidecar index names keys too: rebuilt from the renamed metadata.
+        contents[INDEX_FNAME] = index_from_metadata(md, manifest.range_index(), len(md_bytes))
     if manifest is not None:
         contents[MANIFEST_FNAME] = _renamed_manifest(manifest, {}, contents, name).to_json()
     if out is not None:
         _write_copy(root, Path(out), lambda rel: rel, contents, progress)
         return
     if not isinstance(root, Path):
-        # An object store: one atomic put per object, manifest first (as below).
-        for rel in (MANIFEST_FNAME, METADATA_FNAME):
+        # An object store: one atomic put per object, manifest first (as below); a stale
+        # sidecar index is removed before .metadata changes.
+        for rel in (MANIFEST_FNAME, METADATA_FNAME, INDEX_FNAME):
+            if rel == METADATA_FNAME:
+                root.delete(INDEX_FNAME)
             if rel in contents:
                 root.put(rel, contents[rel])
         return
@@ -239,7 +246,9 @@ def _rename_torch_dist(root: Path, plan: RenamePlan, trusted: bool, out: Optiona
     except _NoLinks:
         # Manifest first: after a crash between the two, the old .metadata (old names) is still
         # in place, so running the same rename again finishes the job.
-        for rel in (MANIFEST_FNAME, METADATA_FNAME):
+        for rel in (MANIFEST_FNAME, METADATA_FNAME, INDEX_FNAME):
+            if rel == METADATA_FNAME:
+                (root / INDEX_FNAME).unlink(missing_ok=True)
             if rel in contents:
                 atomic_write_bytes(root / rel, contents[rel])
 

@@ -1,0 +1,379 @@
+"""The sidecar index ``.distckpt_index``: the torch_dist chunk records, readable in part.
+
+DCP's ``.metadata`` is one pickle holding every chunk of every key; at 16k ranks it is hundreds
+of MB that every loading rank would fetch and unpickle. The sidecar holds the same records
+(plus each item's CRC32C) in a layout a rank reads partially: a small directory of keys, and per
+tensor key a packed tree of sorted chunk records whose nodes carry bounding boxes, so a load
+fetches only the nodes whose boxes meet the boxes it asks for. It is written by rank 0 at commit
+beside ``.metadata`` (which stays, for Megatron-Core and PyTorch), covered by the manifest, and
+read through the storage layer (ranged reads, so it works on object stores too).
+
+Layout (version 1; see docs/formats.md)::
+
+    header     b"DCKIDX01" | u64 directory length | u32 CRC32C of the directory  (20 bytes)
+    directory  JSON: {"format", "version", "metadata_bytes", "fanout", "keys": {fqn: entry}}
+    nodes      node blobs; offsets below are relative to the end of the directory
+
+A tensor key's entry: ``{"dtype", "size", "orig_shape", "count", "depth", "root": [offset,
+length, crc32c], "bbox": [lo, hi]}``; an object/byte key's entry: ``{"bytes": true, "item":
+[file, offset, length, crc32c]}`` (``item`` absent if it has no stored bytes).
+A leaf node: ``u32 n_names | JSON list of file names | int64[n, 2*ndim + 4]`` rows
+``offset[ndim], size[ndim], name index, file offset, length, crc32c`` sorted by ``offset``.
+An inner node: ``int64[m, 3 + 2*ndim]`` rows ``child offset, child length, child crc32c,
+lo[ndim], hi[ndim]`` (``hi`` exclusive: the child's bounding box). ``depth`` 1 means the root is
+a leaf. Every node is checked against the CRC32C its parent (or the directory) records.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from array import array
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from distckpt import storage
+from distckpt.core import CheckpointingException
+from distckpt.manifest import crc32c
+
+INDEX_FNAME = ".distckpt_index"
+MAGIC = b"DCKIDX01"
+FORMAT = "distckpt-index"
+VERSION = 1
+FANOUT = 64       # children per inner node
+LEAF = 16         # chunk records per leaf: what a rank reads beyond its own records is at most a leaf per box
+_HEADER = struct.Struct("<8sQI")
+
+Box = Tuple[Tuple[int, ...], Tuple[int, ...]]   # (offset, size)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _dtype_of(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+# --------------------------------------------------------------------------- writing
+
+
+class _Blob:
+    def __init__(self) -> None:
+        self.parts: List[bytes] = []
+        self.size = 0
+
+    def add(self, data: bytes) -> List[int]:
+        ref = [self.size, len(data), crc32c(data)]
+        self.parts.append(data)
+        self.size += len(data)
+        return ref
+
+
+def _leaf(rows: np.ndarray, names: List[str], ndim: int) -> bytes:
+    col = 2 * ndim
+    used, inverse = np.unique(rows[:, col], return_inverse=True)
+    rows = rows.copy()
+    rows[:, col] = inverse.reshape(-1)
+    names_json = json.dumps([names[i] for i in used.tolist()], separators=(",", ":")).encode()
+    return struct.pack("<I", len(names_json)) + names_json + rows.astype("<i8").tobytes()
+
+
+def _bbox(rows: np.ndarray, ndim: int) -> Tuple[np.ndarray, np.ndarray]:
+    return rows[:, :ndim].min(axis=0), (rows[:, :ndim] + rows[:, ndim:2 * ndim]).max(axis=0)
+
+
+def _small_key(blob: _Blob, rows: List[Tuple[int, ...]], names: List[str], ndim: int) -> Dict[str, Any]:
+    """A key whose records fit one leaf (most keys of most checkpoints): plain Python, no numpy
+    (whose per-call overhead was most of a small save's sidecar cost)."""
+    rows = sorted(rows)
+    local: Dict[int, int] = {}
+    flat: List[int] = []
+    col = 2 * ndim
+    for r in rows:
+        flat.extend(r[:col])
+        flat.append(local.setdefault(r[col], len(local)))
+        flat.extend(r[col + 1:])
+    names_json = json.dumps([names[i] for i in local], separators=(",", ":")).encode()
+    table = array("q", flat)
+    if sys.byteorder != "little":
+        table.byteswap()
+    lo = [min(r[d] for r in rows) for d in range(ndim)]
+    hi = [max(r[d] + r[ndim + d] for r in rows) for d in range(ndim)]
+    ref = blob.add(struct.pack("<I", len(names_json)) + names_json + table.tobytes())
+    return {"count": len(rows), "depth": 1, "root": ref, "bbox": [lo, hi]}
+
+
+def _build_key(blob: _Blob, rows: np.ndarray, names: List[str], ndim: int, fanout: int, leaf: int) -> Dict[str, Any]:
+    """Pack one key's records (sorted here) into a tree; returns the directory fields."""
+    if ndim:
+        order = np.lexsort(rows[:, ndim - 1::-1].T)
+        rows = rows[order]
+    level: List[Tuple[List[int], np.ndarray, np.ndarray]] = []
+    for s in range(0, len(rows), leaf):
+        part = rows[s:s + leaf]
+        lo, hi = _bbox(part, ndim)
+        level.append((blob.add(_leaf(part, names, ndim)), lo, hi))
+    depth = 1
+    while len(level) > 1:
+        nxt = []
+        for s in range(0, len(level), fanout):
+            group = level[s:s + fanout]
+            table = np.array([ref + lo.tolist() + hi.tolist() for ref, lo, hi in group], dtype="<i8")
+            lo = np.min([g[1] for g in group], axis=0)
+            hi = np.max([g[2] for g in group], axis=0)
+            nxt.append((blob.add(table.tobytes()), lo, hi))
+        level = nxt
+        depth += 1
+    ref, lo, hi = level[0]
+    return {"count": len(rows), "depth": depth, "root": ref, "bbox": [lo.tolist(), hi.tolist()]}
+
+
+def build_index(keys: Dict[str, Dict[str, Any]],
+                records: Iterable[Tuple[str, Sequence[int], Sequence[int], str, int, int, int]],
+                metadata_bytes: int, fanout: int = FANOUT, leaf: int = LEAF) -> bytes:
+    """The sidecar's bytes.
+
+    ``keys``: fqn -> ``{"bytes": True}`` or ``{"dtype": torch.dtype, "size": shape,
+    "orig_shape": shape or None}``. ``records``: ``(fqn, chunk offset, chunk size, file, file
+    offset, length, crc32c)`` of every stored item (offset/size ``()`` for byte items).
+    ``metadata_bytes``: the length of the ``.metadata`` it describes (a cheap staleness check).
+    """
+    names: List[str] = []
+    name_ids: Dict[str, int] = {}
+    rows_by_key: Dict[str, List[Tuple[int, ...]]] = {}
+    items: Dict[str, List[Any]] = {}
+    for fqn, off, size, path, foff, length, crc in records:
+        nid = name_ids.get(path)
+        if nid is None:
+            nid = name_ids[path] = len(names)
+            names.append(path)
+        info = keys.get(fqn)
+        if info is None:
+            raise CheckpointingException(f"index: record for undeclared key {fqn!r}")
+        if info.get("bytes"):
+            items[fqn] = [path, foff, length, crc]
+            continue
+        lst = rows_by_key.get(fqn)
+        if lst is None:
+            lst = rows_by_key[fqn] = []
+        lst.append((*off, *size, nid, foff, length, crc))
+    blob = _Blob()
+    directory: Dict[str, Any] = {}
+    for fqn, info in keys.items():
+        if info.get("bytes"):
+            entry: Dict[str, Any] = {"bytes": True}
+            if fqn in items:
+                entry["item"] = items[fqn]
+            directory[fqn] = entry
+            continue
+        ndim = len(info["size"])
+        entry = {"dtype": _dtype_name(info["dtype"]), "size": list(info["size"]),
+                 "orig_shape": list(info["orig_shape"]) if info.get("orig_shape") is not None else None}
+        rows = rows_by_key.get(fqn)
+        if rows and len(rows) <= leaf:
+            entry.update(_small_key(blob, rows, names, ndim))
+        elif rows:
+            entry.update(_build_key(blob, np.array(rows, dtype=np.int64).reshape(len(rows), 2 * ndim + 4),
+                                    names, ndim, fanout, leaf))
+        else:
+            entry["count"] = 0
+        directory[fqn] = entry
+    head = json.dumps({"format": FORMAT, "version": VERSION, "metadata_bytes": metadata_bytes,
+                       "fanout": fanout, "leaf": leaf, "keys": directory}, separators=(",", ":")).encode()
+    return b"".join([_HEADER.pack(MAGIC, len(head), crc32c(head)), head, *blob.parts])
+
+
+def index_from_metadata(md: Any, checksums: Dict[Tuple[str, int], Any], metadata_bytes: int) -> bytes:
+    """The sidecar of a DCP ``Metadata`` (``checksums``: the manifest's ``range_index()``)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    mcore = getattr(md, "mcore_data", None) or {}
+    keys: Dict[str, Dict[str, Any]] = {}
+    sizes: Dict[Tuple[str, Tuple[int, ...]], Tuple[int, ...]] = {}
+    for fqn, meta in md.state_dict_metadata.items():
+        if isinstance(meta, BytesStorageMetadata):
+            keys[fqn] = {"bytes": True}
+            continue
+        orig = mcore.get(fqn, {}).get("nd_reformulated_orig_global_shape") if isinstance(mcore.get(fqn), dict) else None
+        keys[fqn] = {"dtype": meta.properties.dtype, "size": tuple(meta.size), "orig_shape": orig}
+        for c in meta.chunks:
+            sizes[(fqn, tuple(c.offsets))] = tuple(c.sizes)
+
+    def records():
+        for index, info in md.storage_data.items():
+            off = tuple(index.offset) if index.offset is not None else ()
+            rc = checksums.get((info.relative_path, info.offset))
+            if rc is None:
+                raise CheckpointingException(f"index: no checksum for {index.fqn!r} in {info.relative_path}")
+            yield (index.fqn, off, sizes.get((index.fqn, off), ()), info.relative_path, info.offset,
+                   info.length, rc.crc32c)
+
+    return build_index(keys, records(), metadata_bytes)
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class IndexReader:
+    """Reads a sidecar partially: the directory once, then only the nodes a query needs.
+
+    ``bytes_read`` counts every byte fetched from storage.
+    """
+
+    def __init__(self, location, directory: Dict[str, Any], data_start: int, bytes_read: int):
+        self.location = location
+        self.where = storage.join(location, INDEX_FNAME)
+        self.keys: Dict[str, Any] = directory["keys"]
+        self.metadata_bytes = int(directory.get("metadata_bytes", -1))
+        self.data_start = data_start
+        self.bytes_read = bytes_read      # everything fetched (the first read may overshoot)
+        self.node_bytes_read = 0          # bytes of tree nodes fetched by queries
+
+    @classmethod
+    def open(cls, location, head_guess: int = 16 << 10) -> Optional[IndexReader]:
+        """The reader of ``location``'s sidecar, or None if it has none (or it is stale: the
+        ``.metadata`` beside it is not the one it was built with)."""
+        where = storage.join(location, INDEX_FNAME)
+        try:
+            first = _read_range(location, 0, head_guess, allow_short=True)
+        except FileNotFoundError:
+            return None
+        if len(first) < _HEADER.size:
+            raise CheckpointingException(f"{where}: sidecar index is truncated (corrupted)")
+        magic, n, crc = _HEADER.unpack_from(first)
+        if magic != MAGIC:
+            raise CheckpointingException(f"{where}: not a distckpt sidecar index (bad magic; corrupted)")
+        got = len(first)
+        head = bytes(first[_HEADER.size:_HEADER.size + n])
+        if len(head) < n:
+            more = _read_range(location, _HEADER.size + len(head), n - len(head))
+            got += len(more)
+            head += bytes(more)
+        if crc32c(head) != crc:
+            raise CheckpointingException(f"{where}: sidecar index directory fails its CRC32C check (corrupted)")
+        try:
+            directory = json.loads(head)
+            if directory.get("format") != FORMAT or int(directory["version"]) > VERSION:
+                raise ValueError(f"unsupported format {directory.get('format')!r} version {directory.get('version')!r}")
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointingException(f"{where}: malformed sidecar index: {e}") from None
+        reader = cls(location, directory, _HEADER.size + n, got)
+        try:
+            md_size = _size(location, ".metadata")
+        except FileNotFoundError:
+            return None
+        if md_size != reader.metadata_bytes:
+            return None   # .metadata was rewritten by a tool that does not know the sidecar
+        return reader
+
+    def entry(self, fqn: str) -> Optional[Dict[str, Any]]:
+        return self.keys.get(fqn)
+
+    def query(self, boxes: Dict[str, List[Box]]) -> Dict[str, List[Tuple[Tuple[int, ...], Tuple[int, ...], str, int, int, int]]]:
+        """For each key, every stored chunk whose box meets one of ``boxes[key]`` (stored
+        coordinates): ``(offset, size, file, file offset, length, crc32c)`` in offset order.
+
+        Walks every key's tree level by level; each level is one batch of ranged reads.
+        """
+        out: Dict[str, List[Any]] = {k: [] for k in boxes}
+        frontier = []   # (key, ndim, ref, levels below, query lo array, query hi array)
+        for fqn, bxs in boxes.items():
+            e = self.keys.get(fqn)
+            if e is None or e.get("bytes") or not e.get("count") or not bxs:
+                continue
+            ndim = len(e["size"])
+            qlo = np.array([b[0] for b in bxs], dtype=np.int64).reshape(len(bxs), ndim)
+            qhi = qlo + np.array([b[1] for b in bxs], dtype=np.int64).reshape(len(bxs), ndim)
+            lo, hi = e["bbox"]
+            if any(all(lo[d] < q1[d] and hi[d] > q0[d] for d in range(ndim))
+                   for q0, q1 in zip(qlo.tolist(), qhi.tolist())):
+                frontier.append((fqn, ndim, e["root"], e["depth"] - 1, qlo, qhi))
+        while frontier:
+            blobs = self._fetch([f[2] for f in frontier])
+            nxt = []
+            for (fqn, ndim, _, below, qlo, qhi), raw in zip(frontier, blobs):
+                if below:
+                    table = np.frombuffer(raw, dtype="<i8").reshape(-1, 3 + 2 * ndim)
+                    lo, hi = table[:, 3:3 + ndim], table[:, 3 + ndim:]
+                    hit = np.zeros(len(table), dtype=bool)
+                    for a, b in zip(qlo, qhi):
+                        hit |= np.all((lo < b) & (hi > a), axis=1)
+                    nxt.extend((fqn, ndim, ref, below - 1, qlo, qhi) for ref in table[hit, :3].tolist())
+                    continue
+                (nn,) = struct.unpack_from("<I", raw)
+                names = json.loads(bytes(raw[4:4 + nn]))
+                width = 2 * ndim + 4
+                if len(qlo) == 1 and len(raw) - 4 - nn <= 8 * width * 16:
+                    # A small leaf and one box (the common case of a small key): plain Python.
+                    flat = struct.unpack_from(f"<{(len(raw) - 4 - nn) // 8}q", raw, 4 + nn)
+                    a, b = qlo[0].tolist(), qhi[0].tolist()
+                    for i in range(0, len(flat), width):
+                        r = flat[i:i + width]
+                        if all(r[d] < b[d] and r[d] + r[ndim + d] > a[d] for d in range(ndim)):
+                            out[fqn].append((tuple(r[:ndim]), tuple(r[ndim:2 * ndim]), names[r[2 * ndim]],
+                                             r[2 * ndim + 1], r[2 * ndim + 2], r[2 * ndim + 3]))
+                    continue
+                rows = np.frombuffer(raw, dtype="<i8", offset=4 + nn).reshape(-1, width)
+                off, end = rows[:, :ndim], rows[:, :ndim] + rows[:, ndim:2 * ndim]
+                hit = np.zeros(len(rows), dtype=bool)
+                for lo, hi in zip(qlo, qhi):
+                    hit |= np.all((off < hi) & (end > lo), axis=1)
+                for r in rows[hit].tolist():
+                    out[fqn].append((tuple(r[:ndim]), tuple(r[ndim:2 * ndim]), names[r[2 * ndim]],
+                                     r[2 * ndim + 1], r[2 * ndim + 2], r[2 * ndim + 3]))
+            frontier = nxt
+        return out
+
+    def _fetch(self, refs: List[List[int]]) -> List[memoryview]:
+        starts = [self.data_start + int(r[0]) for r in refs]
+        lengths = [int(r[1]) for r in refs]
+        views = _read_ranges(self.location, starts, lengths, self.where)
+        for r, v in zip(refs, views):
+            self.bytes_read += len(v)
+            self.node_bytes_read += len(v)
+            if len(v) != int(r[1]) or crc32c(v) != int(r[2]) & 0xFFFFFFFF:
+                raise CheckpointingException(
+                    f"{self.where}: sidecar index node at offset {starts[refs.index(r)]} fails its CRC32C "
+                    f"check (corrupted)")
+        return views
+
+
+def _meets(lo: np.ndarray, hi: np.ndarray, qlo: np.ndarray, qhi: np.ndarray) -> bool:
+    return bool(np.any(np.all((lo < qhi) & (hi > qlo), axis=1)))
+
+
+def _size(location, name: str) -> int:
+    if isinstance(location, storage.Store):
+        return location.size(name)
+    return (location / name).stat().st_size
+
+
+def _read_range(location, start: int, length: int, allow_short: bool = False) -> bytes:
+    if isinstance(location, storage.Store):
+        if allow_short:
+            length = max(0, min(length, location.size(INDEX_FNAME) - start))
+        return bytes(location.get_ranges(INDEX_FNAME, [start], [length])[0])
+    with open(location / INDEX_FNAME, "rb") as f:
+        f.seek(start)
+        return f.read(length)
+
+
+def _read_ranges(location, starts: List[int], lengths: List[int], where: str) -> List[memoryview]:
+    try:
+        if isinstance(location, storage.Store):
+            return list(location.get_ranges(INDEX_FNAME, starts, lengths))
+        out = []
+        with open(location / INDEX_FNAME, "rb") as f:
+            for s, n in zip(starts, lengths):
+                f.seek(s)
+                out.append(memoryview(f.read(n)))
+        return out
+    except CheckpointingException as e:
+        raise CheckpointingException(f"{where}: sidecar index is truncated (corrupted): {e}") from None

@@ -1,0 +1,33 @@
+"""tools/bench.py --sweep: the shape grammar, the state it builds, and the fixed/marginal fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from tools import bench_sweep
+
+
+def test_shape_grammar():
+    assert bench_sweep.parse_shape("h1024-tp2-opt80") == {"h": 1024, "tp": 2, "opt": 80}
+    with pytest.raises(ValueError):
+        bench_sweep.parse_shape("h1024-tp2-opt50")
+
+
+@pytest.mark.parametrize("opt", [0, 80])
+def test_sweep_state_has_the_requested_size_and_opt_share(opt):
+    layers = bench_sweep.layers_for(8, 256, 2, opt)
+    sd = bench_sweep.sweep_state(0, 2, 256, layers, 2, opt)
+    total = sum(sh.data.numel() * sh.data.element_size() for sh in sd.values())
+    assert abs(total / 2**20 - 8) < 1.5
+    flat = sum(sh.data.numel() * sh.data.element_size() for sh in sd.values() if sh.flattened_range is not None)
+    assert round(100 * flat / total) == opt
+
+
+def test_fit_recovers_fixed_and_marginal_cost():
+    rows = [{"shape": "s", "size_mib": m, "layers": 1, "gib_per_rank": m / 1024,
+             "seconds": {"raw write": 1.0 * m / 1024, "raw read": 0.5 * m / 1024,
+                         "save": 0.02 + 1.2 * m / 1024, "load": 0.01 + 0.5 * m / 1024,
+                         "load resharded": 0.03 + 0.6 * m / 1024}} for m in (64, 256, 1024)]
+    text = bench_sweep.fit(rows)
+    assert "| s | save | 0.020 | 1.200 | 1.20 |" in text
+    assert "| s | load resharded | 0.030 | 0.600 | 1.20 |" in text

@@ -1,0 +1,182 @@
+"""The sidecar index ``.distckpt_index``: written at commit, read partially at load, checked."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+
+import pytest
+import torch
+
+import distckpt
+from distckpt import CheckpointingException, ShardedObject, ShardedTensor
+from distckpt import dist as ddist
+from distckpt.manifest import read_manifest, verify_files
+from distckpt.storage import open_store
+from distckpt.strategies.index import INDEX_FNAME, IndexReader, build_index
+from distckpt.strategies.torch import TorchDistLoadShardedStrategy
+from tests import faults, layouts
+from tests.harness import run_ranks
+
+N_KEYS = 200
+
+
+def _many_keys(with_data: bool) -> dict:
+    sd = {}
+    for i in range(N_KEYS):
+        t = torch.arange(16, dtype=torch.float32) + i if with_data else torch.empty(16)
+        sd[f"k{i}"] = ShardedTensor.from_rank_offsets(f"k{i}", t)
+    sd["obj"] = ShardedObject("obj", {"a": 1} if with_data else None, (1,), (0,))
+    return sd
+
+
+@pytest.fixture
+def many(tmp_path):
+    distckpt.save(_many_keys(True), tmp_path)
+    return tmp_path
+
+
+def _load_some(location, keys, **kwargs):
+    strategy = TorchDistLoadShardedStrategy(**kwargs)
+    sd = {k: v for k, v in _many_keys(False).items() if k in keys}
+    out = distckpt.load(sd, location, sharded_strategy=strategy)
+    return out, strategy
+
+
+def test_sidecar_is_written_beside_metadata_and_covered_by_the_manifest(many):
+    assert (many / INDEX_FNAME).is_file() and (many / ".metadata").is_file()
+    manifest = read_manifest(many)
+    assert INDEX_FNAME in manifest.files
+    assert verify_files(many, manifest) == []
+
+
+def test_load_reads_only_the_requested_keys_records_and_not_metadata(many):
+    # Garbage of the same length in .metadata: a load that unpickled it would fail.
+    size = (many / ".metadata").stat().st_size
+    (many / ".metadata").write_bytes(b"\0" * size)
+    out, strategy = _load_some(many, {"k7", "obj"})
+    assert strategy.last_load_used_index
+    assert torch.equal(out["k7"], torch.arange(16, dtype=torch.float32) + 7) and out["obj"] == {"a": 1}
+    total = (many / INDEX_FNAME).stat().st_size
+    # The directory names every key; records of 1 of 200 keys are a small part of the rest.
+    reader = IndexReader.open(many)
+    directory = reader.data_start
+    assert 0 < strategy.index_node_bytes_read < (total - directory) / 20, (strategy.index_node_bytes_read, total)
+    assert strategy.index_bytes_read < total
+
+
+def test_a_rank_reads_the_records_of_its_share_not_of_the_world(tmp_path):
+    """One key of 4096 chunks; a load of one chunk touches a few tree nodes, not all records."""
+    keys = {"w": {"dtype": torch.float32, "size": (4096, 8), "orig_shape": None}}
+    records = [("w", (i, 0), (1, 8), f"__{i}_0.distcp", 0, 100, 0) for i in range(4096)]
+    (tmp_path / ".metadata").write_bytes(b"x" * 10)
+    data = build_index(keys, records, 10)
+    (tmp_path / INDEX_FNAME).write_bytes(data)
+    reader = IndexReader.open(tmp_path)
+    found = reader.query({"w": [((1234, 0), (2, 8))]})
+    assert [r[0] for r in found["w"]] == [(1234, 0), (1235, 0)]
+    assert [r[2] for r in found["w"]] == ["__1234_0.distcp", "__1235_0.distcp"]
+    assert reader.bytes_read < len(data) / 10, (reader.bytes_read, len(data))
+
+
+def test_without_sidecar_the_load_falls_back_to_metadata(many):
+    (many / INDEX_FNAME).unlink()
+    out, strategy = _load_some(many, {"k3"})
+    assert not strategy.last_load_used_index
+    assert torch.equal(out["k3"], torch.arange(16, dtype=torch.float32) + 3)
+
+
+def test_stale_sidecar_is_ignored(many):
+    """A tool that rewrote .metadata without knowing the sidecar: the length no longer matches."""
+    with open(many / ".metadata", "ab") as f:
+        f.write(b"\0")
+    assert IndexReader.open(many) is None
+
+
+@pytest.mark.parametrize("where", ["header", "directory", "node"])
+def test_corrupted_sidecar_is_detected_naming_the_file(many, where):
+    path = many / INDEX_FNAME
+    (n,) = struct.unpack_from("<Q", path.read_bytes(), 8)
+    offset = {"header": 0, "directory": 20 + n // 2, "node": 20 + n + 30}[where]
+    faults.flip_byte(path, offset)
+    with pytest.raises(CheckpointingException, match=r"\.distckpt_index.*corrupted"):
+        _load_some(many, {f"k{i}" for i in range(N_KEYS)})
+    assert any(INDEX_FNAME in p for p in verify_files(many, read_manifest(many)))
+
+
+def _save_flat(ckpt):
+    sd, _ = layouts.build("flat_optimizer", ddist.get_rank(), ddist.get_world_size(), True, tp=2)
+    tp, _ = layouts.build("tp_dp", ddist.get_rank(), ddist.get_world_size(), True, tp=2)
+    sd.update({f"m.{k}": v for k, v in tp.items()})
+    distckpt.save(sd, ckpt)
+
+
+def _load_flat(ckpt, tp, use_index):
+    rank, world = ddist.get_rank(), ddist.get_world_size()
+    sd, pieces = layouts.build("flat_optimizer", rank, world, False, tp=tp)
+    m, mpieces = layouts.build("tp_dp", rank, world, False, tp=tp)
+    sd.update({f"m.{k}": v for k, v in m.items()})
+    pieces.update({f"m.{k}": v for k, v in mpieces.items()})
+    strategy = TorchDistLoadShardedStrategy(use_index=use_index)
+    out = distckpt.load(sd, ckpt, sharded_strategy=strategy)
+    wrong = [n for n, p in pieces.items() if not layouts.bitwise_equal(out[n], p.expected())]
+    return wrong, strategy.last_load_used_index, strategy.bytes_read
+
+
+@pytest.mark.parametrize("tp", [2, 1])
+def test_sidecar_loads_match_metadata_loads_across_layouts(tmp_path, tp):
+    run_ranks(4, _save_flat, str(tmp_path))
+    with_index = run_ranks(2, _load_flat, str(tmp_path), tp, True)
+    without = run_ranks(2, _load_flat, str(tmp_path), tp, False)
+    assert [(w, used) for w, used, _ in with_index] == [([], True)] * 2
+    assert [(w, used) for w, used, _ in without] == [([], False)] * 2
+    assert [b for *_, b in with_index] == [b for *_, b in without]  # the same data bytes read
+
+
+def test_remove_sharded_tensors_rebuilds_the_sidecar(many):
+    distckpt.remove_sharded_tensors(many, "k1")   # k1, k10..k19, k100..k199
+    reader = IndexReader.open(many)
+    assert reader is not None and "k1" not in reader.keys and "k2" in reader.keys
+    out, strategy = _load_some(many, {"k2"})
+    assert strategy.last_load_used_index and torch.equal(out["k2"], torch.arange(16, dtype=torch.float32) + 2)
+    assert verify_files(many, read_manifest(many)) == []
+
+
+def test_sidecar_on_s3_is_read_with_ranged_reads(many, s3_url):
+    store = open_store(s3_url)
+    for p in many.iterdir():
+        store.put(p.name, p.read_bytes())
+    out, strategy = _load_some(s3_url, {"k5"})
+    assert strategy.last_load_used_index
+    assert torch.equal(out["k5"], torch.arange(16, dtype=torch.float32) + 5)
+    assert strategy.index_bytes_read < store.size(INDEX_FNAME)
+    # An item whose bytes changed fails the CRC32C from the sidecar's record (no manifest read).
+    fname, item = next((f, r) for f, rs in read_manifest(many).ranges.items() for r in rs if r.key == "k5")
+    raw = bytearray(store.get(fname))
+    raw[item.offset + item.length - 30] ^= 0x40
+    store.put(fname, bytes(raw))
+    with pytest.raises(CheckpointingException, match="k5.*CRC32C"):
+        _load_some(s3_url, {"k5"})
+
+
+def test_sidecar_directory_is_json_with_the_documented_fields(many):
+    raw = (many / INDEX_FNAME).read_bytes()
+    magic, n, _ = struct.unpack_from("<8sQI", raw)
+    directory = json.loads(raw[20:20 + n])
+    assert magic == b"DCKIDX01" and directory["format"] == "distckpt-index"
+    assert directory["keys"]["k0"]["dtype"] == "float32" and directory["keys"]["obj/shard_0_1"]["bytes"] is True
+
+
+def test_megatron_fixtures_have_no_sidecar_so_their_loads_take_the_fallback(tmp_path):
+    """tests/test_megatron_fixtures.py loads them bit-exactly: through .metadata."""
+    from tests.test_megatron_fixtures import DATA
+
+    ckpts = sorted(p for p in DATA.glob("*/*/ckpt") if (p / ".metadata").is_file())
+    assert ckpts and not any((p / INDEX_FNAME).exists() for p in ckpts)
+    shutil.copytree(ckpts[0], tmp_path / "ckpt")
+    meta = distckpt.load_tensors_metadata(tmp_path / "ckpt")
+    sd = {k: ShardedTensor.from_rank_offsets(k, torch.empty(v.global_shape, dtype=v.dtype)) for k, v in meta.items()}
+    strategy = TorchDistLoadShardedStrategy()
+    out = distckpt.load(sd, tmp_path / "ckpt", sharded_strategy=strategy)
+    assert not strategy.last_load_used_index and set(out) >= set(meta)

@@ -1,0 +1,172 @@
+"""The sweep of ``tools/bench.py --sweep``: fixed and marginal cost per state-dict shape.
+
+For every shape (hidden size, TP degree, share of flattened optimizer state) and every size per
+rank, one gloo run per rank measures, each a median of ``--reps`` after ``--warmup``:
+raw write (os.write + fsync) and raw read (preadv) of the same per-rank bytes, torch_dist save,
+load (same layout) and resharded load (every rank takes two interleaved pieces of a 2x finer TP
+split). Per shape it then fits ``seconds = fixed + marginal * GiB`` over the sizes (least
+squares) and reports the fixed cost (s at zero bytes) and the marginal cost (s/GiB) of each,
+with the marginal cost's ratio to raw I/O's (save / raw write, loads / raw read).
+
+    python tools/bench.py --sweep --sizes-mib 64,256,1024 --shapes h1024-tp2-opt80,h4096-tp1-opt0
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from pathlib import Path
+from typing import Dict, List
+
+import numpy as np
+import torch
+
+DEFAULT_SHAPES = "h1024-tp2-opt80,h4096-tp2-opt80,h1024-tp1-opt0,h1024-tp2-opt0"
+
+
+def parse_shape(text: str) -> Dict[str, int]:
+    """``h<hidden>-tp<degree>-opt<percent>``: opt80 = two fp32 flattened states per bf16 weight
+    (80% of the bytes), opt0 = weights only."""
+    parts = dict((p[:1] if p[0] == "h" else p[:2] if p.startswith("tp") else p[:3],
+                  int(p[1:] if p[0] == "h" else p[2:] if p.startswith("tp") else p[3:])) for p in text.split("-"))
+    if set(parts) != {"h", "tp", "opt"} or parts["opt"] not in (0, 80):
+        raise ValueError(f"shape {text!r}: expected h<hidden>-tp<degree>-opt<0|80>")
+    return parts
+
+
+def layers_for(size_mib: float, hidden: int, tp: int, opt: int) -> int:
+    """Layers whose per-rank bytes are about ``size_mib`` (12 h^2 weight elements per layer)."""
+    per_elem = 10 if opt else 2
+    per_layer = 12 * hidden * hidden * per_elem / tp
+    return max(1, round(size_mib * 2**20 / per_layer))
+
+
+def sweep_state(rank: int, world: int, hidden: int, layers: int, tp: int, opt: int,
+                pieces: int = 1, with_data: bool = True) -> dict:
+    """TP over ``tp`` parts (times ``pieces`` for a resharded request), DP over world // tp."""
+    from distckpt import ShardedTensor
+
+    g = torch.Generator().manual_seed(7 + rank)
+    parts = tp * pieces
+    tp_rank, dp_rank = rank % tp, rank // tp
+    mine = [tp_rank + k * tp for k in range(pieces)]
+    sd = {}
+
+    def make(shape, dtype):
+        if not with_data:
+            return torch.zeros(shape, dtype=dtype)
+        return torch.randn(shape, generator=g, dtype=torch.float32).to(dtype)
+
+    h = hidden
+    for layer in range(layers):
+        for name, shape, axis in [("qkv", (3 * h, h), 0), ("proj", (h, h), 1), ("fc1", (4 * h, h), 0),
+                                  ("fc2", (h, 4 * h), 1)]:
+            key = f"layers.{layer}.{name}"
+            local = list(shape)
+            local[axis] //= parts
+            for p in mine:
+                sd[f"{key}#{p}"] = ShardedTensor.from_rank_offsets(
+                    key, make(tuple(local), torch.bfloat16), (axis, p, parts), replica_id=dp_rank)
+                if not opt:
+                    continue
+                numel = local[0] * local[1]
+                dp = world // tp
+                lo, hi = numel * dp_rank // dp, numel * (dp_rank + 1) // dp
+                if pieces > 1:
+                    lo, hi = 0, numel
+                for state in ("exp_avg", "exp_avg_sq"):
+                    okey = f"optimizer.{state}.{key}"
+                    sd[f"{okey}#{p}"] = ShardedTensor.from_rank_offsets_flat(
+                        okey, make((hi - lo,), torch.float32), tuple(local), (axis, p, parts),
+                        flattened_range=slice(lo, hi), replica_id=0 if pieces == 1 else dp_rank)
+    return sd
+
+
+def rank_main(rank, world, port, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    import torch.distributed as tdist
+
+    import distckpt
+    from distckpt.mapping import is_main_replica
+    from distckpt.strategies.torch import TorchDistSaveShardedStrategy
+    from tools.bench import _barrier_time, _drop, _raw_read, _raw_write
+
+    tdist.init_process_group("gloo", rank=rank, world_size=world)
+    root = Path(args.dir)
+    rows = []
+    for shape_text in args.shapes:
+        shape = parse_shape(shape_text)
+        for size in args.sizes_mib:
+            layers = layers_for(size, shape["h"], shape["tp"], shape["opt"])
+            sd = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"])
+            tensors = [sh.data for sh in sd.values() if is_main_replica(sh.replica_id)]
+            mine = sum(t.numel() * t.element_size() for t in tensors)
+            times: Dict[str, List[float]] = {}
+            for rep in range(-args.warmup, args.reps):
+                if rep == 0:
+                    times.clear()
+                raw = root / f"raw_{rank}.bin"
+                times.setdefault("raw write", []).append(_barrier_time(_raw_write, raw, tensors)[0])
+                bufs = [torch.zeros_like(t) for t in tensors]
+                times.setdefault("raw read", []).append(_barrier_time(_raw_read, raw, bufs)[0])
+                bufs = None
+                raw.unlink()
+                ckpt = root / "ckpt"
+                if rank == 0:
+                    _drop(ckpt)
+                tdist.barrier()
+                strategy = TorchDistSaveShardedStrategy(thread_count=args.threads)
+                times.setdefault("save", []).append(_barrier_time(distckpt.save, sd, ckpt, sharded_strategy=strategy)[0])
+                req = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"], with_data=False)
+                times.setdefault("load", []).append(_barrier_time(distckpt.load, req, ckpt)[0])
+                req = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"], pieces=2,
+                                  with_data=False)
+                times.setdefault("load resharded", []).append(_barrier_time(distckpt.load, req, ckpt)[0])
+                req = None
+                tdist.barrier()
+                if rank == 0:
+                    _drop(ckpt)
+            out = [None] * world
+            tdist.all_gather_object(out, mine)
+            rows.append({"shape": shape_text, "size_mib": size, "layers": layers, "gib_per_rank": max(out) / 2**30,
+                         "seconds": {k: statistics.median(v) for k, v in times.items()}})
+            sd = tensors = None
+    if rank == 0:
+        queue.put(rows)
+    tdist.barrier()
+    tdist.destroy_process_group()
+
+
+LIMIT = {"save": "raw write", "load": "raw read", "load resharded": "raw read"}
+
+
+def fit(rows: List[dict]) -> str:
+    """Per shape and operation: fixed cost (s) and marginal cost (s/GiB) from a least-squares line."""
+    lines = ["| shape | op | fixed s | marginal s/GiB | marginal ÷ raw | ratio at largest size |",
+             "|---|---|---:|---:|---:|---:|"]
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        mine = [r for r in rows if r["shape"] == shape]
+        x = np.array([r["gib_per_rank"] for r in mine])
+        fits = {}
+        for op in ("raw write", "raw read", "save", "load", "load resharded"):
+            y = np.array([r["seconds"][op] for r in mine])
+            slope, icpt = np.polyfit(x, y, 1) if len(set(x.tolist())) > 1 else (y[0] / x[0], 0.0)
+            fits[op] = (icpt, slope)
+        for op in ("raw write", "raw read", "save", "load", "load resharded"):
+            icpt, slope = fits[op]
+            ratio = f"{slope / fits[LIMIT[op]][1]:.2f}" if op in LIMIT else ""
+            big = mine[-1]["seconds"]
+            at = f"{big[op] / big[LIMIT[op]]:.2f}" if op in LIMIT else ""
+            lines.append(f"| {shape} | {op} | {icpt:.3f} | {slope:.3f} | {ratio} | {at} |")
+    return "\n".join(lines)
+
+
+def table(rows: List[dict]) -> str:
+    lines = ["| shape | MiB/rank | layers | raw write s | raw read s | save s | load s | resharded s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        s = r["seconds"]
+        lines.append(f"| {r['shape']} | {r['size_mib']} | {r['layers']} | {s['raw write']:.3f} | {s['raw read']:.3f} | "
+                     f"{s['save']:.3f} | {s['load']:.3f} | {s['load resharded']:.3f} |")
+    return "\n".join(lines)
+
