@@ -1281,16 +1281,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         if isinstance(checkpoint_dir, storage.Store):
             return self._remove_on_store(checkpoint_dir, key_prefix)
         checkpoint_dir = Path(checkpoint_dir)
-        md = read_metadata(checkpoint_dir, self.trusted)
-        doomed = {k for k in md.state_dict_metadata if k.startswith(key_prefix)}
-        if not doomed:
-            raise CheckpointingException(f"{checkpoint_dir}: no key starts with {key_prefix!r}")
-        by_file: Dict[str, List[Tuple[MetadataIndex, _StorageInfo]]] = defaultdict(list)
-        for index, info in md.storage_data.items():
-            by_file[info.relative_path].append((index, info))
+        md, doomed, by_file, new_storage = self._removal_plan(checkpoint_dir, key_prefix)
         to_delete, rewritten_bytes = [], 0
         moved: Dict[MetadataIndex, Tuple[_StorageInfo, _StorageInfo]] = {}
-        new_storage = {i: info for i, info in md.storage_data.items() if i.fqn not in doomed}
         for name, entries in sorted(by_file.items()):
             kept = [(i, info) for i, info in entries if i.fqn not in doomed]
             if len(kept) == len(entries):
@@ -1345,21 +1338,27 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         for name in to_delete:
             os.remove(checkpoint_dir / name)
 
+    def _removal_plan(self, location, key_prefix: str):
+        """What ``remove_sharded_tensors`` works from: the metadata, the doomed keys, every file's
+        (index, storage info) records, and the storage records that stay."""
+        md = read_metadata(location, self.trusted)
+        doomed = {k for k in md.state_dict_metadata if k.startswith(key_prefix)}
+        if not doomed:
+            raise CheckpointingException(f"{location}: no key starts with {key_prefix!r}")
+        by_file: Dict[str, List[Tuple[MetadataIndex, _StorageInfo]]] = defaultdict(list)
+        for index, info in md.storage_data.items():
+            by_file[info.relative_path].append((index, info))
+        new_storage = {i: info for i, info in md.storage_data.items() if i.fqn not in doomed}
+        return md, doomed, by_file, new_storage
+
     def _remove_on_store(self, store: storage.Store, key_prefix: str) -> None:
         """``remove_sharded_tensors`` on an object store, in the same crash-safe order: kept items
         that shared an object with removed ones are copied into new objects (ranged GETs, one put
         each), then ``.metadata`` and the manifest are replaced, then the old objects deleted."""
-        md = read_metadata(store, self.trusted)
-        doomed = {k for k in md.state_dict_metadata if k.startswith(key_prefix)}
-        if not doomed:
-            raise CheckpointingException(f"{store}: no key starts with {key_prefix!r}")
-        by_file: Dict[str, List[Tuple[MetadataIndex, _StorageInfo]]] = defaultdict(list)
-        for index, info in md.storage_data.items():
-            by_file[info.relative_path].append((index, info))
+        md, doomed, by_file, new_storage = self._removal_plan(store, key_prefix)
         manifest = read_manifest(store)
         old = manifest.range_index() if manifest is not None else {}
         to_delete: List[str] = []
-        new_storage = {i: info for i, info in md.storage_data.items() if i.fqn not in doomed}
         for name, entries in sorted(by_file.items()):
             kept = sorted([(i, info) for i, info in entries if i.fqn not in doomed], key=lambda e: e[1].offset)
             if len(kept) == len(entries):
