@@ -130,6 +130,21 @@ def empty_like_request(sd):
 # --------------------------------------------------------------------------- measurements
 
 
+def _time_save_and_loads(backend, sd, reshard, location, threads, record, results) -> None:
+    """Record one save of ``sd`` to ``location``, then a same-layout and a resharded load."""
+    import distckpt
+    from distckpt.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
+
+    strategy = TorchDistSaveShardedStrategy(thread_count=threads) if backend == "torch_dist" else (backend, 1)
+    record(f"{backend} save", _barrier_time(distckpt.save, sd, location, sharded_strategy=strategy)[0])
+    record(f"{backend} load", _barrier_time(distckpt.load, empty_like_request(sd), location)[0])
+    counting = TorchDistLoadShardedStrategy() if backend == "torch_dist" else None
+    record(f"{backend} load resharded",
+           _barrier_time(distckpt.load, empty_like_request(reshard), location, sharded_strategy=counting)[0])
+    if counting is not None:
+        results["resharded load: bytes read / bytes requested"] = counting.bytes_read / local_bytes(reshard)
+
+
 def _barrier_time(fn, *args, **kwargs):
     """Seconds from a barrier before ``fn(*args, **kwargs)`` to a barrier after it, and its result."""
     import torch.distributed as tdist
@@ -207,9 +222,7 @@ def _rank_main_object_store(rank, world, port, args, queue):
     import obstore
     import torch.distributed as tdist
 
-    import distckpt
     from distckpt.storage import open_store
-    from distckpt.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
 
     tdist.init_process_group("gloo", rank=rank, world_size=world)
     hidden, layers = model_dims(args.size_gib)
@@ -248,19 +261,7 @@ def _rank_main_object_store(rank, world, port, args, queue):
         bufs = None
         for backend in args.backends:
             url = f"{args.dir.rstrip('/')}/ckpt_{backend}_{rep + args.warmup}"
-            strategy = (TorchDistSaveShardedStrategy(thread_count=args.threads) if backend == "torch_dist"
-                        else (backend, 1))
-            record(f"{backend} save", _barrier_time(distckpt.save, sd, url, sharded_strategy=strategy)[0])
-            req = empty_like_request(sd)
-            record(f"{backend} load", _barrier_time(distckpt.load, req, url)[0])
-            req = empty_like_request(reshard)
-            if backend == "torch_dist":
-                counting = TorchDistLoadShardedStrategy()
-                record(f"{backend} load resharded", _barrier_time(distckpt.load, req, url, sharded_strategy=counting)[0])
-                results["resharded load: bytes read / bytes requested"] = counting.bytes_read / local_bytes(reshard)
-            else:
-                record(f"{backend} load resharded", _barrier_time(distckpt.load, req, url)[0])
-            req = None
+            _time_save_and_loads(backend, sd, reshard, url, args.threads, record, results)
             tdist.barrier()
             if rank == 0:
                 ckpt = open_store(url)
@@ -358,19 +359,7 @@ def _rank_main(rank, world, port, args, queue):
             if rank == 0:
                 _drop(ckpt)
             tdist.barrier()
-            strategy = TorchDistSaveShardedStrategy(thread_count=args.threads) if backend == "torch_dist" else (backend, 1)
-            record(f"{backend} save", _barrier_time(distckpt.save, sd, ckpt, sharded_strategy=strategy)[0])
-            req = empty_like_request(sd)
-            record(f"{backend} load", _barrier_time(distckpt.load, req, ckpt)[0])
-            req = None
-            req = empty_like_request(reshard)
-            if backend == "torch_dist":
-                counting = TorchDistLoadShardedStrategy()
-                record(f"{backend} load resharded", _barrier_time(distckpt.load, req, ckpt, sharded_strategy=counting)[0])
-                results["resharded load: bytes read / bytes requested"] = counting.bytes_read / local_bytes(reshard)
-            else:
-                record(f"{backend} load resharded", _barrier_time(distckpt.load, req, ckpt)[0])
-            req = None
+            _time_save_and_loads(backend, sd, reshard, ckpt, args.threads, record, results)
             if backend == "torch_dist":
                 req = empty_like_request(full_req)
                 record("torch_dist load TP1xDP (plain)", _barrier_time(distckpt.load, req, ckpt)[0])
