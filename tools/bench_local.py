@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from distckpt.examples.launch import launch  # noqa: E402
+from tools.bench import _raw_read, _raw_write  # noqa: E402 - the same raw baseline as bench.py
 
 
 def build_state(rank: int, world: int, mib: int, with_data: bool = True) -> dict:
@@ -76,32 +77,6 @@ def _timed(fn, *args, **kwargs):
     out = fn(*args, **kwargs)
     dist.barrier()
     return time.perf_counter() - t0, out
-
-
-def _raw_write(path: Path, tensors) -> None:
-    from distckpt.core import write_all
-
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        for t in tensors:
-            write_all(fd, t.reshape(-1).view(torch.uint8).numpy())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _raw_read(path: Path, tensors) -> None:
-    from distckpt.strategies.filesystem import byte_view, pread_exact
-
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        offset = 0
-        for t in tensors:
-            view = byte_view(t)
-            pread_exact(fd, view, offset, str(path))
-            offset += len(view)
-    finally:
-        os.close(fd)
 
 
 def _same(loaded: dict, reference: dict) -> bool:
