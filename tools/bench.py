@@ -576,7 +576,8 @@ def _sweep(args) -> int:
     print(bench_sweep.table(rows))
     print()
     print(bench_sweep.fit(rows))
-    print(f"\nwrote {out / 'sweep.json'}")
+    drew = bench_sweep.chart(rows, out / "sweep.png")
+    print(f"\nwrote {out / 'sweep.json'}" + (f" and {out / 'sweep.png'}" if drew else " (no matplotlib: no chart)"))
     return 0
 
 

@@ -21,7 +21,10 @@ from typing import Dict, List
 import numpy as np
 import torch
 
-DEFAULT_SHAPES = "h1024-tp2-opt80,h4096-tp2-opt80,h1024-tp1-opt0,h1024-tp2-opt0"
+DEFAULT_SHAPES = "h1024-tp2-opt80,h2048-tp2-opt80,h4096-tp2-opt0,h1024-tp1-opt0,h1024-tp2-opt0"
+
+# A size is skipped for a shape whose smallest state (one layer) is further than this from it.
+SIZE_TOLERANCE = 0.3
 
 
 def parse_shape(text: str) -> Dict[str, int]:
@@ -39,6 +42,11 @@ def layers_for(size_mib: float, hidden: int, tp: int, opt: int) -> int:
     per_elem = 10 if opt else 2
     per_layer = 12 * hidden * hidden * per_elem / tp
     return max(1, round(size_mib * 2**20 / per_layer))
+
+
+def layer_mib(shape: Dict[str, int]) -> float:
+    """MiB per rank of one layer of ``shape``."""
+    return 12 * shape["h"] ** 2 * (10 if shape["opt"] else 2) / shape["tp"] / 2**20
 
 
 def sweep_state(rank: int, world: int, hidden: int, layers: int, tp: int, opt: int,
@@ -98,16 +106,23 @@ def rank_main(rank, world, port, args, queue):
         shape = parse_shape(shape_text)
         for size in args.sizes_mib:
             layers = layers_for(size, shape["h"], shape["tp"], shape["opt"])
+            if abs(layer_mib(shape) * layers - size) > SIZE_TOLERANCE * size:
+                continue  # one layer of this shape is already far bigger than this size
             sd = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"])
             tensors = [sh.data for sh in sd.values() if is_main_replica(sh.replica_id)]
             mine = sum(t.numel() * t.element_size() for t in tensors)
+            # What a load reads on this rank: every tensor it holds, replicas too (with DP > 1
+            # every rank loads the whole model though only the main replicas were written).
+            wanted = [sh.data for sh in sd.values()]
             times: Dict[str, List[float]] = {}
             for rep in range(-args.warmup, args.reps):
                 if rep == 0:
                     times.clear()
                 raw = root / f"raw_{rank}.bin"
                 times.setdefault("raw write", []).append(_barrier_time(_raw_write, raw, tensors)[0])
-                bufs = [torch.zeros_like(t) for t in tensors]
+                if len(wanted) != len(tensors):
+                    _raw_write(raw, wanted)
+                bufs = [torch.zeros_like(t) for t in wanted]
                 times.setdefault("raw read", []).append(_barrier_time(_raw_read, raw, bufs)[0])
                 bufs = None
                 raw.unlink()
@@ -128,9 +143,12 @@ def rank_main(rank, world, port, args, queue):
                     _drop(ckpt)
             out = [None] * world
             tdist.all_gather_object(out, mine)
+            read = [None] * world
+            tdist.all_gather_object(read, sum(t.numel() * t.element_size() for t in wanted))
             rows.append({"shape": shape_text, "size_mib": size, "layers": layers, "gib_per_rank": max(out) / 2**30,
+                         "gib_read_per_rank": max(read) / 2**30,
                          "seconds": {k: statistics.median(v) for k, v in times.items()}})
-            sd = tensors = None
+            sd = tensors = wanted = None
     if rank == 0:
         queue.put(rows)
     tdist.barrier()
@@ -142,31 +160,70 @@ LIMIT = {"save": "raw write", "load": "raw read", "load resharded": "raw read"}
 
 def fit(rows: List[dict]) -> str:
     """Per shape and operation: fixed cost (s) and marginal cost (s/GiB) from a least-squares line."""
-    lines = ["| shape | op | fixed s | marginal s/GiB | marginal ÷ raw | ratio at largest size |",
-             "|---|---|---:|---:|---:|---:|"]
+    lines = ["| shape | op | fixed s | marginal s/GiB | marginal ÷ raw I/O's marginal |",
+             "|---|---|---:|---:|---:|"]
     for shape in dict.fromkeys(r["shape"] for r in rows):
         mine = [r for r in rows if r["shape"] == shape]
-        x = np.array([r["gib_per_rank"] for r in mine])
         fits = {}
         for op in ("raw write", "raw read", "save", "load", "load resharded"):
+            written = op in ("raw write", "save")
+            x = np.array([r["gib_per_rank"] if written else r.get("gib_read_per_rank", r["gib_per_rank"]) for r in mine])
             y = np.array([r["seconds"][op] for r in mine])
             slope, icpt = np.polyfit(x, y, 1) if len(set(x.tolist())) > 1 else (y[0] / x[0], 0.0)
             fits[op] = (icpt, slope)
         for op in ("raw write", "raw read", "save", "load", "load resharded"):
             icpt, slope = fits[op]
             ratio = f"{slope / fits[LIMIT[op]][1]:.2f}" if op in LIMIT else ""
-            big = mine[-1]["seconds"]
-            at = f"{big[op] / big[LIMIT[op]]:.2f}" if op in LIMIT else ""
-            lines.append(f"| {shape} | {op} | {icpt:.3f} | {slope:.3f} | {ratio} | {at} |")
+            lines.append(f"| {shape} | {op} | {icpt:.3f} | {slope:.3f} | {ratio} |")
     return "\n".join(lines)
+
+
+GOALS = {"save": 0.85, "load": 0.9, "resharded": 1.2}
+
+
+def ratios(row: dict) -> Dict[str, float]:
+    """The issue's three ratios: save and load as a fraction of raw speed (higher is better),
+    resharded load time over same-layout load time (lower is better)."""
+    s = row["seconds"]
+    return {"save": s["raw write"] / s["save"], "load": s["raw read"] / s["load"],
+            "resharded": s["load resharded"] / s["load"]}
 
 
 def table(rows: List[dict]) -> str:
-    lines = ["| shape | MiB/rank | layers | raw write s | raw read s | save s | load s | resharded s |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| shape | MiB/rank | layers | raw write s | raw read s | save s | load s | resharded s "
+             "| save ÷ raw speed (≥ 0.85) | load ÷ raw speed (≥ 0.9) | resharded ÷ load time (≤ 1.2) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        s = r["seconds"]
-        lines.append(f"| {r['shape']} | {r['size_mib']} | {r['layers']} | {s['raw write']:.3f} | {s['raw read']:.3f} | "
-                     f"{s['save']:.3f} | {s['load']:.3f} | {s['load resharded']:.3f} |")
+        s, q = r["seconds"], ratios(r)
+        mark = {k: "" if (q[k] >= g if k != "resharded" else q[k] <= g) else " ✗" for k, g in GOALS.items()}
+        lines.append(f"| {r['shape']} | {r['size_mib']:g} | {r['layers']} | {s['raw write']:.3f} | {s['raw read']:.3f} | "
+                     f"{s['save']:.3f} | {s['load']:.3f} | {s['load resharded']:.3f} | {q['save']:.2f}{mark['save']} | "
+                     f"{q['load']:.2f}{mark['load']} | {q['resharded']:.2f}{mark['resharded']} |")
     return "\n".join(lines)
+
+
+def chart(rows: List[dict], path: Path) -> bool:
+    """Seconds against GiB per rank, one panel per operation, one line per shape (and raw I/O)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    for ax, (op, limit) in zip(axes, [("save", "raw write"), ("load", "raw read"), ("load resharded", "raw read")]):
+        for shape in dict.fromkeys(r["shape"] for r in rows):
+            mine = [r for r in rows if r["shape"] == shape]
+            x = [r["gib_per_rank"] if op == "save" else r.get("gib_read_per_rank", r["gib_per_rank"]) for r in mine]
+            line, = ax.plot(x, [r["seconds"][op] for r in mine], marker="o", label=shape)
+            ax.plot(x, [r["seconds"][limit] for r in mine], ls=":", color=line.get_color())
+        ax.set_title(f"{op} (dotted: {limit})")
+        ax.set_xlabel("GiB per rank")
+        ax.set_ylabel("seconds")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
 
