@@ -301,3 +301,19 @@ def test_megatron_checkpoints_copied_to_s3_load_bit_exactly(s3_url, name):
     want = fixture_tensors(name)
     assert set(want) <= set(plain)
     assert all(torch.equal(plain[k], v) for k, v in want.items())
+
+
+def test_storage_options_take_client_settings_flat_and_values_of_any_type(s3_url, monkeypatch):
+    """``allow_http`` is an HTTP-client setting (obstore refuses it in a store's own config) and
+    ``True`` / ``2`` are no strings: both are accepted, so one flat dict configures a store."""
+    import os
+
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    monkeypatch.delenv("AWS_ALLOW_HTTP")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://unreachable.invalid")
+    store = open_store(s3_url, {"endpoint": endpoint, "allow_http": True, "virtual_hosted_style_request": False,
+                                "max_concurrency": 2, "timeout": "30s"})
+    store.put("x", b"abc")
+    assert bytes(store.get("x")) == b"abc" and store.max_concurrency == 2
+    with pytest.raises(CheckpointingException, match="max_concurrency=0 must be an integer >= 1"):
+        open_store(s3_url, {"max_concurrency": 0})
