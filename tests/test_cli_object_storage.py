@@ -172,3 +172,25 @@ def test_a_bad_storage_option_is_a_clear_usage_error(s3_url, tmp_path):
     assert "part_size='big' must be an integer" in out.stderr
     out = cli("inspect", tmp_path, "-o", "region=us-east-1", code=2)
     assert "object-store URLs" in out.stderr
+
+
+def test_storage_options_reach_azure_without_emulator_mode(az_url, tmp_path, monkeypatch):
+    """Azure through explicit options (account, key, endpoint) instead of the emulator
+    environment the azure_server fixture sets: convert there, verify, diff back."""
+    import os
+
+    from tests.conftest import AZURITE_ACCOUNT, AZURITE_KEY
+
+    local = tmp_path / "ckpt"
+    run_ranks(WORLD, _save_model_and_optimizer, str(local), "torch_dist")
+    endpoint = os.environ["AZURITE_BLOB_STORAGE_URL"]
+    monkeypatch.delenv("AZURE_STORAGE_USE_EMULATOR")
+    monkeypatch.delenv("AZURITE_BLOB_STORAGE_URL")
+    options = ["-o", f"account_name={AZURITE_ACCOUNT}", "-o", f"account_key={AZURITE_KEY}",
+               "-o", f"endpoint={endpoint}/{AZURITE_ACCOUNT}", "-o", "allow_http=true"]
+    cli("convert", local, az_url, "--to", "torch_dist", *options)
+    assert json.loads(cli("verify", az_url, "--json", *options).stdout)["ok"]
+    cli("diff", local, az_url, *options)
+    cli("rm-prefix", az_url, "optimizer.", *options)
+    info = json.loads(cli("inspect", az_url, "--json", *options).stdout)
+    assert {t["key"] for t in info["tensors"]} == {k for k in expected_tensors() if not k.startswith("optimizer.")}
