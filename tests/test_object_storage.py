@@ -1,4 +1,6 @@
-"""Object storage: save and load through a real S3 server (moto, started by the s3_server fixture)."""
+"""Object storage: save and load through a real S3 server (moto, started by the s3_server fixture);
+the commit-protocol tests also on Azure Blob Storage (Azurite, azure_server; skipped where it is not
+installed)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,12 @@ def _load_layout(url, layout, params, **kwargs):
     loaded = distckpt.load(sd, url, **kwargs)
     wrong = [name for name, piece in pieces.items() if not layouts.bitwise_equal(loaded[name], piece.expected())]
     return len(pieces), wrong, loaded["common"]
+
+
+@pytest.fixture(params=["s3", "azure"])
+def object_url(request):
+    """A fresh prefix on S3 (moto) or Azure (Azurite)."""
+    return request.getfixturevalue("az_url" if request.param == "azure" else "s3_url")
 
 
 def test_multi_rank_save_on_s3_loads_under_another_layout_bit_exactly(s3_url):
@@ -60,12 +68,12 @@ def test_a_save_that_fails_before_its_commit_is_not_a_checkpoint_on_s3(s3_url, s
         distckpt.load_common_state_dict(s3_url)
 
 
-def test_a_committed_checkpoint_on_s3_is_not_overwritten_silently(s3_url):
+def test_a_committed_checkpoint_on_an_object_store_is_not_overwritten_silently(object_url):
     from tests.faults import load_with_fault, save_with_fault
 
-    run_ranks(2, save_with_fault, s3_url, 1, None)
-    expect_all_ranks_raise(2, save_with_fault, s3_url, 2, None, match="already holds a committed checkpoint")
-    assert run_ranks(2, load_with_fault, s3_url, 1) == [[], []]  # generation 1 untouched
+    run_ranks(2, save_with_fault, object_url, 1, None)
+    expect_all_ranks_raise(2, save_with_fault, object_url, 2, None, match="already holds a committed checkpoint")
+    assert run_ranks(2, load_with_fault, object_url, 1) == [[], []]  # generation 1 untouched
 
 
 def _save_generation_overwriting(url, generation):
@@ -74,16 +82,17 @@ def _save_generation_overwriting(url, generation):
     distckpt.save(generation_state(ddist.get_rank(), ddist.get_world_size(), generation), url, overwrite=True)
 
 
-def test_overwrite_true_replaces_a_checkpoint_on_s3(s3_url):
+def test_overwrite_true_replaces_a_checkpoint_on_an_object_store(object_url):
     from tests.faults import load_with_fault, save_with_fault
 
-    run_ranks(2, save_with_fault, s3_url, 1, None)
-    run_ranks(2, _save_generation_overwriting, s3_url, 2)
-    assert run_ranks(2, load_with_fault, s3_url, 2) == [[], []]
+    run_ranks(2, save_with_fault, object_url, 1, None)
+    run_ranks(2, _save_generation_overwriting, object_url, 2)
+    assert run_ranks(2, load_with_fault, object_url, 2) == [[], []]
 
 
-def test_the_commit_is_a_conditional_put_so_a_second_commit_fails(s3_url):
-    store = open_store(s3_url)
+def test_the_commit_is_a_conditional_put_so_a_second_commit_fails(object_url):
+    """S3: ``If-None-Match: *`` (412); Azure: ``If-None-Match: *`` too (409 BlobAlreadyExists)."""
+    store = open_store(object_url)
     assert store.supports_conditional_put and not store.supports_rename
     store.commit("metadata.json", b'{"sharded_backend": "torch_dist"}')
     with pytest.raises(CheckpointingException, match="another save committed"):
@@ -230,7 +239,7 @@ distckpt.save({"w": distckpt.ShardedTensor.from_rank_offsets("w", torch.arange(4
 
 
 @pytest.mark.parametrize("window", ["mid_upload", "commit"])
-def test_a_save_killed_before_its_commit_is_not_a_checkpoint_on_s3(s3_url, tmp_path, window):
+def test_a_save_killed_before_its_commit_is_not_a_checkpoint_on_an_object_store(object_url, tmp_path, window):
     import os
     import signal
     import subprocess
@@ -238,7 +247,7 @@ def test_a_save_killed_before_its_commit_is_not_a_checkpoint_on_s3(s3_url, tmp_p
     import time
 
     marker = tmp_path / "marker"
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, s3_url, str(marker), window], env=dict(os.environ))
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, object_url, str(marker), window], env=dict(os.environ))
     try:
         deadline = time.monotonic() + 90
         while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -248,12 +257,12 @@ def test_a_save_killed_before_its_commit_is_not_a_checkpoint_on_s3(s3_url, tmp_p
     finally:
         proc.kill()
         proc.wait(30)
-    names = set(open_store(s3_url).list())
+    names = set(open_store(object_url).list())
     assert "metadata.json" not in names
     assert ("common.pt" in names) and (("__0_0.distcp" in names) == (window == "commit"))
-    assert not check_is_distributed_checkpoint(s3_url)
+    assert not check_is_distributed_checkpoint(object_url)
     with pytest.raises(CheckpointingException, match="not a distributed checkpoint"):
-        distckpt.load_tensors_metadata(s3_url)
+        distckpt.load_tensors_metadata(object_url)
 
 
 def test_a_load_addresses_everything_from_the_metadata_without_listing(s3_url, caplog):
@@ -292,3 +301,19 @@ def test_megatron_checkpoints_copied_to_s3_load_bit_exactly(s3_url, name):
     want = fixture_tensors(name)
     assert set(want) <= set(plain)
     assert all(torch.equal(plain[k], v) for k, v in want.items())
+
+
+def test_storage_options_take_client_settings_flat_and_values_of_any_type(s3_url, monkeypatch):
+    """``allow_http`` is an HTTP-client setting (obstore refuses it in a store's own config) and
+    ``True`` / ``2`` are no strings: both are accepted, so one flat dict configures a store."""
+    import os
+
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    monkeypatch.delenv("AWS_ALLOW_HTTP")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://unreachable.invalid")
+    store = open_store(s3_url, {"endpoint": endpoint, "allow_http": True, "virtual_hosted_style_request": False,
+                                "max_concurrency": 2, "timeout": "30s"})
+    store.put("x", b"abc")
+    assert bytes(store.get("x")) == b"abc" and store.max_concurrency == 2
+    with pytest.raises(CheckpointingException, match="max_concurrency=0 must be an integer >= 1"):
+        open_store(s3_url, {"max_concurrency": 0})

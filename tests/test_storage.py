@@ -1,4 +1,5 @@
-"""The Store protocol: one set of behaviours every store must show (local, memory, S3)."""
+"""The Store protocol: one set of behaviours every store must show (local, memory, S3 on moto,
+Azure on Azurite where it is installed; see docs/storage.md for GCS)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from distckpt import CheckpointingException
 from distckpt.storage import LocalStore, is_remote, open_store, resolve
 
-STORES = ["local", "memory", "s3"]
+STORES = ["local", "memory", "s3", "azure"]
 
 
 @pytest.fixture(params=STORES)
@@ -18,6 +19,8 @@ def store(request, tmp_path):
         return open_store(str(tmp_path / "ckpt"))
     if request.param == "memory":
         return open_store(f"memory://unit-{uuid.uuid4().hex[:8]}/ckpt")
+    if request.param == "azure":
+        return open_store(request.getfixturevalue("az_url"))
     return open_store(request.getfixturevalue("s3_url"))
 
 

@@ -173,6 +173,43 @@ class _Location(click.ParamType):
 _path = _Location()
 
 
+def _storage_option(*names: str, dest: str, what: str):
+    return click.option(*names, dest, multiple=True, metavar="KEY=VALUE",
+                        help=f"Option of the object store {what}; repeatable. Keys: endpoint, region, "
+                             f"credentials, allow_http, part_size, ... (docs/storage.md); they override the "
+                             f"environment.")
+
+
+_storage_options = _storage_option("-o", "--storage-option", dest="storage_options",
+                                   what="at the location (URLs only)")
+
+
+def _parse_storage_options(pairs, flag: str) -> dict:
+    """``KEY=VALUE`` pairs as a dict (split at the first ``=``; values stay strings)."""
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise click.BadParameter(f"{pair!r}: expected KEY=VALUE", param_hint=flag)
+        options[key] = value
+    return options
+
+
+def _open_locations(flag: str, pairs, *locations):
+    """``locations`` with every object-store URL among them opened as a Store with the options
+    ``pairs`` (local paths stay as they are). Options with no URL to apply to are a usage error."""
+    from distckpt import storage
+
+    options = _parse_storage_options(pairs, flag)
+    remote = [loc is not None and storage.is_remote(loc) for loc in locations]
+    if options and not any(remote):
+        raise click.BadParameter("storage options apply to object-store URLs (s3://, gs://, az://, ...) only",
+                                 param_hint=flag)
+    opened = [storage.open_store(loc, options) if r else loc for loc, r in zip(locations, remote)]
+    return opened[0] if len(opened) == 1 else opened
+
+
 # --------------------------------------------------------------------------- inspect
 
 
@@ -184,7 +221,9 @@ _path = _Location()
               help="Collapse the key tree below this depth into one row per subtree.")
 @click.option("--keys", "pattern", metavar="REGEX", help="Only keys matching this regular expression.")
 @_trust
-def inspect(ckpt: Path, as_json: bool, flat: bool, depth: Optional[int], pattern: Optional[str], trust: bool) -> None:
+@_storage_options
+def inspect(ckpt: Path, as_json: bool, flat: bool, depth: Optional[int], pattern: Optional[str], trust: bool,
+            storage_options) -> None:
     """Describe CKPT from its metadata: format, keys with shape, dtype, chunks and bytes, objects,
     common state, content metadata. Reads no tensor data.
 
@@ -198,11 +237,13 @@ def inspect(ckpt: Path, as_json: bool, flat: bool, depth: Optional[int], pattern
       distckpt inspect ckpt/ --depth 2
       distckpt inspect ckpt/ --flat --keys 'layers\\.0\\.'
       distckpt inspect ckpt/ --json | jq '.tensors[].key'
+      distckpt inspect s3://bucket/run/iter_100 -o endpoint=http://minio:9000 -o allow_http=true
     """
     import re
 
     from distckpt.tools.inspect import inspect_source
 
+    ckpt = _open_locations("--storage-option", storage_options, ckpt)
     info = inspect_source(ckpt, trusted=trust)
     if pattern:
         try:
@@ -306,7 +347,9 @@ def _print_info(info, flat: bool, depth: Optional[int]) -> None:
 @click.option("--precision", type=click.IntRange(min=0, max=20), default=4, show_default=True,
               help="Digits after the decimal point.")
 @_trust
-def show(ckpt: Path, key: str, slice_text: Optional[str], full: bool, precision: int, trust: bool) -> None:
+@_storage_options
+def show(ckpt: Path, key: str, slice_text: Optional[str], full: bool, precision: int, trust: bool,
+         storage_options) -> None:
     """Print tensor KEY of CKPT (or a slice of it), or ShardedObject KEY, without loading the rest.
 
     Only the stored chunks that overlap the requested slice are read.
@@ -323,6 +366,7 @@ def show(ckpt: Path, key: str, slice_text: Optional[str], full: bool, precision:
 
     from distckpt.tools.inspect import dtype_name, open_source, read_tensor
 
+    ckpt = _open_locations("--storage-option", storage_options, ckpt)
     out = _stdout()
     with open_source(ckpt, trusted=trust) as src:
         if key not in src.tensors() and key in src.objects():
@@ -378,7 +422,8 @@ class _print_options:
                    "no manifest, e.g. Megatron checkpoints).")
 @_as_json
 @_trust
-def verify(ckpt: Path, no_checksums: bool, deep: bool, as_json: bool, trust: bool) -> None:
+@_storage_options
+def verify(ckpt: Path, no_checksums: bool, deep: bool, as_json: bool, trust: bool, storage_options) -> None:
     """Check that CKPT is complete and intact; exit 1 if anything is wrong.
 
     Checks the commit marker (metadata.json), the structure (torch_dist: every chunk has a storage
@@ -396,6 +441,7 @@ def verify(ckpt: Path, no_checksums: bool, deep: bool, as_json: bool, trust: boo
 
     from distckpt.tools.verify import verify_checkpoint
 
+    ckpt = _open_locations("--storage-option", storage_options, ckpt)
     with _RichProgress() as progress:
         report = verify_checkpoint(ckpt, checksums=not no_checksums, deep=deep, trusted=trust, progress=progress)
     if as_json:
@@ -433,8 +479,11 @@ def verify(ckpt: Path, no_checksums: bool, deep: bool, as_json: bool, trust: boo
 @click.option("--no-values", is_flag=True, help="Compare keys, shapes and dtypes only (reads no tensor data).")
 @_as_json
 @_trust
+@_storage_option("-o", "--storage-option", dest="storage_options",
+                 what="at A and B (URLs only; B takes --b-storage-option instead when given)")
+@_storage_option("--b-storage-option", dest="b_storage_options", what="at B (URL only), instead of -o")
 def diff(a: Path, b: Path, atol: float, rtol: float, keys: Optional[str], exclude: Optional[str],
-         no_values: bool, as_json: bool, trust: bool) -> None:
+         no_values: bool, as_json: bool, trust: bool, storage_options, b_storage_options) -> None:
     """Compare A and B key by key; exit 1 if they differ.
 
     Reports keys only in one side, shape and dtype differences, value differences (max |a-b|,
@@ -447,12 +496,18 @@ def diff(a: Path, b: Path, atol: float, rtol: float, keys: Optional[str], exclud
       distckpt diff ckpt-a/ ckpt-b/
       distckpt diff ckpt/ converted/ --atol 1e-2 --exclude '^optimizer\\.'
       distckpt diff ckpt/ model.safetensors --keys 'embedding'
+      distckpt diff s3://bucket/a az://container/b -o region=eu-west-1 --b-storage-option account_name=acct
     """
     from rich.markup import escape
     from rich.table import Table
 
     from distckpt.tools.diff import diff_sources
 
+    if b_storage_options:
+        a = _open_locations("--storage-option", storage_options, a)
+        b = _open_locations("--b-storage-option", b_storage_options, b)
+    else:
+        a, b = _open_locations("--storage-option", storage_options, a, b)
     with _RichProgress() as progress:
         report = diff_sources(a, b, atol=atol, rtol=rtol, keys=keys, exclude=exclude, values=not no_values,
                               trusted=trust, progress=progress)
@@ -518,8 +573,12 @@ def diff(a: Path, b: Path, atol: float, rtol: float, keys: Optional[str], exclud
                    "tensor). Default: the host memory budget (DISTCKPT_HOST_MEMORY_BUDGET).")
 @click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
 @_trust
+@_storage_option("-o", "--storage-option", dest="storage_options",
+                 what="at SRC and DST (URLs only; DST takes --target-storage-option instead when given)")
+@_storage_option("-O", "--target-storage-option", dest="target_storage_options", what="at DST (URL only), instead of -o")
 def convert(src: Path, dst: Path, to_format: str, keys: Optional[str], exclude: Optional[str], dtype: Optional[str],
-            model_only: bool, max_shard_size: Optional[str], read_budget: str, overwrite: bool, trust: bool) -> None:
+            model_only: bool, max_shard_size: Optional[str], read_budget: str, overwrite: bool, trust: bool,
+            storage_options, target_storage_options) -> None:
     """Convert SRC into a new DST, streaming tensor by tensor (memory stays near the largest tensor).
 
     \b
@@ -537,11 +596,20 @@ def convert(src: Path, dst: Path, to_format: str, keys: Optional[str], exclude: 
       distckpt convert ckpt/ hf/ --to safetensors --model-only --dtype bf16 --max-shard-size 2GB
       distckpt convert ckpt/ model.pt --to torch --exclude '^optimizer\\.'
       distckpt convert model.safetensors ckpt/ --to torch_dist     # import
+      distckpt convert ckpt/ s3://bucket/run/iter_100 --to torch_dist -o endpoint=http://minio:9000
+      distckpt convert s3://a/ckpt gs://b/ckpt --to torch_dist -o region=us-east-1 \\
+          -O service_account_path=/keys/gcs.json
     """
     from rich.markup import escape
 
     from distckpt.tools import export
     from distckpt.tools.inspect import parse_dtype
+
+    if target_storage_options:
+        src = _open_locations("--storage-option", storage_options, src)
+        dst = _open_locations("--target-storage-option", target_storage_options, dst)
+    else:
+        src, dst = _open_locations("--storage-option", storage_options, src, dst)
 
     cast = parse_dtype(dtype) if dtype else None
     shard = export.parse_size(max_shard_size) if max_shard_size else None
@@ -569,7 +637,8 @@ def convert(src: Path, dst: Path, to_format: str, keys: Optional[str], exclude: 
 @click.argument("ckpt", type=_path)
 @click.argument("prefix")
 @click.option("--out", type=_path, help="Write the result as a new checkpoint here; CKPT stays untouched.")
-def rm_prefix(ckpt: Path, prefix: str, out: Optional[Path]) -> None:
+@_storage_options
+def rm_prefix(ckpt: Path, prefix: str, out: Optional[Path], storage_options) -> None:
     """Remove every tensor (and object) whose key starts with PREFIX from CKPT.
 
     In place the removal is crash-safe (files are rewritten under new names, the index is
@@ -584,6 +653,7 @@ def rm_prefix(ckpt: Path, prefix: str, out: Optional[Path]) -> None:
 
     from distckpt.tools.surgery import remove_prefix
 
+    ckpt = _open_locations("--storage-option", storage_options, ckpt)
     with _RichProgress() as progress:
         removed = remove_prefix(ckpt, prefix, out, progress=progress)
     _stdout().print(f"removed {_count(len(removed), 'key')} starting with {escape(repr(prefix))} "
@@ -599,7 +669,8 @@ def rm_prefix(ckpt: Path, prefix: str, out: Optional[Path]) -> None:
 @click.option("--out", type=_path, help="Write the result as a new checkpoint here; CKPT stays untouched.")
 @click.option("--dry-run", is_flag=True, help="Show what would be renamed; change nothing.")
 @_trust
-def rename(ckpt: Path, maps, regexes, out: Optional[Path], dry_run: bool, trust: bool) -> None:
+@_storage_options
+def rename(ckpt: Path, maps, regexes, out: Optional[Path], dry_run: bool, trust: bool, storage_options) -> None:
     """Rename tensor (and ShardedObject) keys of CKPT; no tensor bytes are rewritten.
 
     torch_dist: only .metadata and the manifest change. zarr: array folders move. In place, the
@@ -618,6 +689,7 @@ def rename(ckpt: Path, maps, regexes, out: Optional[Path], dry_run: bool, trust:
 
     if not maps and not regexes:
         raise click.UsageError("give at least one --map OLD=NEW or --regex PATTERN=REPL")
+    ckpt = _open_locations("--storage-option", storage_options, ckpt)
     mapping = parse_pairs(maps, "--map")
     patterns = parse_pairs(regexes, "--regex", split_last=True)
     with _RichProgress() as progress:

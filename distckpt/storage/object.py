@@ -12,7 +12,9 @@ Configuration, lowest precedence first:
    ``AZURE_STORAGE_ACCOUNT_KEY``, ``AZURE_STORAGE_SAS_TOKEN`` ... An AWS profile
    (``AWS_PROFILE`` or the ``profile`` option) is resolved through boto3 when it is installed.
 2. ``storage_options``: any key of obstore's per-store config (``endpoint``, ``region``,
-   ``access_key_id``, ``allow_http`` is a client option ...), plus
+   ``access_key_id`` ...; values that are not strings are written as strings, ``True`` as
+   ``"true"``), any key of obstore's HTTP client config given flat (``allow_http``, ``timeout``,
+   ``proxy_url`` ...: they go into ``client_options``), plus
    ``client_options`` (dict), ``retry_config`` (dict), and distckpt's own knobs:
    ``part_size`` (multipart part size, default 16 MiB), ``max_concurrency`` (parts in flight per
    upload, default 4), ``coalesce`` (ranged reads closer than this many bytes become one request,
@@ -45,6 +47,13 @@ DEFAULT_RETRY = {
     "retry_timeout": timedelta(minutes=3),
 }
 _OWN_OPTIONS = ("part_size", "max_concurrency", "coalesce", "client_options", "retry_config", "profile")
+# obstore's HTTP client settings (``ClientConfig``): accepted flat in storage_options and moved into
+# client_options, since a store's own config refuses them.
+CLIENT_OPTION_KEYS = frozenset({
+    "allow_http", "allow_invalid_certificates", "connect_timeout", "default_content_type", "http1_only",
+    "http2_keep_alive_interval", "http2_keep_alive_timeout", "http2_keep_alive_while_idle", "http2_only",
+    "pool_idle_timeout", "pool_max_idle_per_host", "proxy_url", "proxy_ca_certificate", "proxy_excludes",
+    "randomize_addresses", "read_timeout", "root_certificate", "timeout", "user_agent"})
 
 # memory:// stores live as long as the process: one per bucket name, shared by every open_store.
 _MEMORY: Dict[str, MemoryStore] = {}
@@ -106,11 +115,15 @@ class ObjectStore(Store):
         self._url = url.rstrip("/")
         self.options = dict(storage_options or {})
         opts = dict(self.options)
-        self.part_size = int(opts.pop("part_size", DEFAULT_PART_SIZE))
-        self.max_concurrency = int(opts.pop("max_concurrency", DEFAULT_MAX_CONCURRENCY))
-        self.coalesce = int(opts.pop("coalesce", DEFAULT_COALESCE))
-        client_options = opts.pop("client_options", None)
+        self.part_size = _positive_int(self._url, opts, "part_size", DEFAULT_PART_SIZE)
+        self.max_concurrency = _positive_int(self._url, opts, "max_concurrency", DEFAULT_MAX_CONCURRENCY)
+        self.coalesce = _positive_int(self._url, opts, "coalesce", DEFAULT_COALESCE, minimum=0)
+        client_options = dict(opts.pop("client_options", None) or {})
+        for key in [k for k in opts if k.lower() in CLIENT_OPTION_KEYS]:
+            client_options.setdefault(key.lower(), opts.pop(key))
+        client_options = client_options or None
         retry_config = opts.pop("retry_config", None) or DEFAULT_RETRY
+        opts = {k: _config_text(v) for k, v in opts.items()}
         profile = opts.pop("profile", None)
         parsed = urlparse(self._url)
         self.scheme = parsed.scheme
@@ -127,7 +140,9 @@ class ObjectStore(Store):
         try:
             self._store = from_url(self._url, config=opts or None, client_options=client_options,
                                    retry_config=retry_config, **kwargs)
-        except Exception as e:  # noqa: BLE001
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - obstore can panic (a BaseException) on odd config
             raise CheckpointingException(f"{self._url}: cannot open object store ({_short(e)})") from e
 
     def __getstate__(self):
@@ -206,8 +221,8 @@ class ObjectStore(Store):
     def delete(self, name: str) -> None:
         try:
             obstore.delete(self._store, self._key(name))
-        except obe.NotFoundError:
-            pass
+        except (obe.NotFoundError, FileNotFoundError):
+            pass  # S3 and GCS answer 204 for a missing key; Azure answers 404 (BlobNotFound)
         except Exception as e:  # noqa: BLE001
             self._fail(name, "delete", e)
 
@@ -245,6 +260,26 @@ class ObjectStore(Store):
                 f"{self.where(name)} appeared while this save was running: another save committed "
                 f"to {self.url} concurrently; this save did not commit (its objects may have been "
                 f"mixed with the other save's: verify or remove that checkpoint)")
+
+
+def _config_text(value: Any) -> Any:
+    """obstore's store config takes strings: ``True`` -> ``"true"``, ``5`` -> ``"5"``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return str(value)
+    return value
+
+
+def _positive_int(url: str, opts: Dict[str, Any], key: str, default: int, minimum: int = 1) -> int:
+    value = opts.pop(key, default)
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        number = None
+    if number is None or number < minimum:
+        raise CheckpointingException(f"{url}: storage option {key}={value!r} must be an integer >= {minimum}")
+    return number
 
 
 def _aws_profile_provider(profile: Optional[str]):
