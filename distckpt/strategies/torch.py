@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from distckpt import bounds, dist, storage
 from distckpt.budget import host_memory_budget
-from distckpt.core import CheckpointingException, atomic_write_bytes, gc_paused
+from distckpt.core import CheckpointingException, atomic_write_bytes, gc_paused, write_all
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
 from distckpt.manifest import (
     RangeChecksum,
@@ -65,6 +65,7 @@ from distckpt.mapping import (
     StateDict,
     is_main_replica,
 )
+from distckpt.strategies import blockcrc
 from distckpt.strategies.base import (
     AsyncSaveShardedStrategy,
     LoadShardedStrategy,
@@ -357,7 +358,8 @@ class SavePlan:
     jobs: List[Tuple[str, List[_WriteItem]]]
     decls: Dict[str, _KeyDecl]
     records: List[_Record] = field(default_factory=list)
-    file_sizes: Dict[str, int] = field(default_factory=dict)
+    file_sizes: Dict[str, int] = field(default_factory=dict)  # data files and block tables
+    table_crcs: Dict[str, int] = field(default_factory=dict)  # block table name -> its CRC32C
     written: bool = False
     staged: Optional[Any] = None   # the StagedBatch holding the pending wave's staged copies
     staging: Optional[Any] = None  # the StagingBuffers pool (async saves), None: plain copies
@@ -470,7 +472,10 @@ class _Output:
 
     def __init__(self, location, name: str):
         self.name = name
+        self.location = location
         self.written: List[Tuple[_WriteItem, int, int, int]] = []
+        self.blocks: List[blockcrc.Entry] = []  # per-block CRC32Cs of the large tensor items
+        self.table: Optional[Tuple[str, int, int]] = None  # the block table written: name, size, CRC
         self.fd = -1
         self.writer = None
         if isinstance(location, storage.Store):
@@ -483,12 +488,13 @@ class _Output:
     def write(self, items: List[_WriteItem]) -> None:
         for it in items:
             if isinstance(it.payload, torch.Tensor):
-                self.written.append((it, *write_tensor_item(self.sink, it.payload)))
+                self.written.append((it, *write_tensor_item(self.sink, it.payload, self.blocks)))
             else:
                 self.written.append((it, *write_bytes_item(self.sink, it.payload)))
 
     def close(self) -> int:
-        """Make the file complete and durable; returns its size."""
+        """Make the file (and its block table, if it has large items) complete and durable;
+        returns the file's size."""
         if self.writer is not None:
             self.sink.drain()
             self.writer.close()
@@ -498,6 +504,19 @@ class _Output:
             finally:
                 os.close(self.fd)
                 self.fd = -1
+        if self.blocks:
+            data = blockcrc.encode(self.blocks)
+            name = blockcrc.table_name(self.name)
+            if isinstance(self.location, storage.Store):
+                self.location.put(name, data)
+            else:
+                fd = os.open(self.location / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    write_all(fd, data)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            self.table = (name, len(data), crc32c(data))
         return self.sink.position
 
     def abort(self) -> None:
@@ -540,6 +559,10 @@ def _write_wave(plan: SavePlan, wave: Wave, pool: ThreadPoolExecutor, last: bool
             it.payload = None
         if last:
             plan.file_sizes[name] = out.close()
+            if out.table is not None:
+                table, size, crc = out.table
+                plan.file_sizes[table] = size
+                plan.table_crcs[table] = crc
 
     names = dict(wave)
     if last:  # every file closes in the last wave, also those it adds nothing to
@@ -733,20 +756,21 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             structure = (plan.decls, [r.structure() for r in plan.records], plan.file_sizes)
             crcs = [r.crc32c for r in plan.records]
             if self.cached_metadata and structure == self._local_structure:
-                payload = ("same", crcs)
+                payload = ("same", crcs, plan.table_crcs)
             else:
-                payload = ("full", plan.decls, plan.records, plan.file_sizes)
+                payload = ("full", plan.decls, plan.records, plan.file_sizes, plan.table_crcs)
 
         def decide(payloads):
             cache = self._global_cache
-            per_rank, reused = [], cache is not None
+            per_rank, reused, tables = [], cache is not None, {}
             for r, p in enumerate(payloads):
                 if p[0] == "same" and cache is not None:
                     decls, records, sizes = cache[0][r]
                     records = [dataclasses.replace(rec, crc32c=c) for rec, c in zip(records, p[1])]
                 else:
-                    _, decls, records, sizes = p
+                    _, decls, records, sizes, _ = p
                     reused = False
+                tables.update(p[-1])
                 per_rank.append((decls, records, sizes))
             if reused:
                 md = cache[1]
@@ -762,8 +786,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             else:
                 atomic_write_bytes(checkpoint_dir / METADATA_FNAME, md_bytes)
             ranges = [(r.relative_path, r.offset, r.length, r.crc32c, r.fqn) for _, rs, _ in per_rank for r in rs]
-            ranges.append((METADATA_FNAME, 0, len(md_bytes), crc32c(md_bytes), METADATA_FNAME))
             sizes = {name: size for _, _, sz in per_rank for name, size in sz.items()}
+            ranges.extend((name, 0, sizes[name], crc, name) for name, crc in tables.items())
+            ranges.append((METADATA_FNAME, 0, len(md_bytes), crc32c(md_bytes), METADATA_FNAME))
             sizes[METADATA_FNAME] = len(md_bytes)
             if index_bytes is not None:
                 ranges.append((INDEX_FNAME, 0, len(index_bytes), crc32c(index_bytes), INDEX_FNAME))
