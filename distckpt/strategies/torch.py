@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+import numpy
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -89,7 +90,7 @@ logger = logging.getLogger(__name__)
 
 METADATA_FNAME = ".metadata"
 DATA_SUFFIX = ".distcp"
-# Bytes one reader thread fetches from an object store at a time (ranged GETs of whole items).
+# Bytes one reader thread fetches from an object store at a time (ranged GETs).
 REMOTE_READ_BATCH = 256 << 20
 _ORIG_SHAPE = "nd_reformulated_orig_global_shape"
 
@@ -1220,6 +1221,107 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[_CopyOp],
     return nbytes
 
 
+# An item is read in part only if its copies need less than this share of its elements ...
+_PARTIAL_SHARE = 0.75
+
+
+def _partial_candidate(st: _Stored, ops: List[_CopyOp]) -> bool:
+    """Whether a partial read of ``st`` may pay (then its file's block table is fetched)."""
+    numel = math.prod(st.size)
+    return (st.length >= blockcrc.MIN_PAYLOAD and numel > 0
+            and sum(op.numel for op in ops) < _PARTIAL_SHARE * numel)
+
+
+def _block_table(store, name: str) -> Tuple[Optional[blockcrc.Table], int]:
+    """The block table of data object ``name`` (None when it has none, or an unusable one: its
+    items are then read whole) and the bytes fetched for it."""
+    table = blockcrc.table_name(name)
+    try:
+        raw = store.get(table)
+    except FileNotFoundError:
+        return None, 0
+    try:
+        return blockcrc.decode(raw, store.where(table)), len(raw)
+    except CheckpointingException as e:
+        logger.warning("%s; the items of %s are read whole", e, name)
+        return None, len(raw)
+
+
+@dataclass
+class _PartialRead:
+    """The blocks of one item a load fetches: runs ``[first, last)`` of block indices."""
+
+    st: _Stored
+    entry: blockcrc.Entry
+    block: int
+    runs: List[Tuple[int, int]]
+    where: str
+
+    def _span(self, a: int, b: int) -> Tuple[int, int]:
+        """Payload bytes of blocks ``[a, b)``."""
+        return a * self.block, min(b * self.block, self.entry.payload_length)
+
+    def ranges(self) -> List[Tuple[int, int]]:
+        base = self.st.file_offset + self.entry.payload_offset
+        out = []
+        for a, b in self.runs:
+            lo, hi = self._span(a, b)
+            out.append((base + lo, hi - lo))
+        return out
+
+    def copy(self, views: List[memoryview], ops: List[_CopyOp], rank: int) -> None:
+        """Check every fetched block against its CRC32C, then copy the ops' boxes out."""
+        e, block = self.entry, self.block
+        lo, hi = self._span(self.runs[0][0], self.runs[-1][1])
+        buf = torch.empty(hi - lo, dtype=torch.uint8)
+        out = buf.numpy()
+        for (a, b), view in zip(self.runs, views):
+            for i in range(a, b):
+                piece = view[(i - a) * block:(i - a) * block + block]
+                if crc32c(piece) != e.blocks[i]:
+                    start = e.payload_offset + i * block
+                    raise CheckpointingException(
+                        f"key {ops[0].key!r} in {self.where} at offset {self.st.file_offset} (rank {rank}): "
+                        f"CRC32C mismatch in block {i} (bytes [{start}, {start + len(piece)}) of the item) "
+                        f"against its block table {blockcrc.table_name(self.st.relative_path)}: the data is "
+                        f"corrupted")
+            s, t = self._span(a, b)
+            out[s - lo:t - lo] = numpy.frombuffer(view, dtype=numpy.uint8)
+        itemsize = e.dtype.itemsize
+        _copy_boxes(buf.view(e.dtype), lo // itemsize, [op for op in ops if op.numel])
+
+
+def _partial_read(st: _Stored, ops: List[_CopyOp], table: blockcrc.Table, checksums: Dict, gap: int,
+                  where: str) -> Optional[_PartialRead]:
+    """The blocks of ``st`` its copies need, or None to read it whole: no block CRCs for it, a
+    table entry that does not match the item's checksum (a stale or damaged table), or so much
+    of the item needed that one whole read is cheaper."""
+    e = table.entries.get(st.file_offset)
+    expected = checksums.get((st.relative_path, st.file_offset))
+    if e is None or expected is None or not _partial_candidate(st, ops):
+        return None
+    itemsize = e.dtype.itemsize
+    if (e.item_length != st.length or expected.length != st.length or e.item_crc != expected.crc32c
+            or e.payload_length != math.prod(st.size) * itemsize):
+        logger.info("%s: the block table entry of the item at offset %d does not match it; reading it whole",
+                    where, st.file_offset)
+        return None
+    block = table.block
+    intervals = []
+    for op in ops:
+        for a, b in blockcrc.spans(op.start, op.size, op.strides, block // itemsize):
+            intervals.append((a * itemsize, b * itemsize))
+    runs = blockcrc.block_runs(intervals, block, len(e.blocks), max(0, gap // block))
+    fetched = sum(min(b * block, e.payload_length) - a * block for a, b in runs)
+    if not runs or fetched > _PARTIAL_SHARE * st.length:
+        return None
+    if e.combined(block) != e.item_crc:
+        logger.warning("%s: the block CRCs of the item at offset %d do not add up to its CRC32C; reading it whole",
+                       where, st.file_offset)
+        return None
+    return _PartialRead(st, e, block, runs, where)
+
+
 def _fresh_name(checkpoint_dir: Path, name: str) -> str:
     stem = name[: -len(DATA_SUFFIX)] if name.endswith(DATA_SUFFIX) else name
     n = 1
@@ -1565,32 +1667,49 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         counted = []  # per-file byte counts; list.append is atomic across reader threads
 
         def read_object(name: str) -> None:
-            """Object store: ranged GETs of exactly the items this rank needs (whole items, so
-            each is checked against its CRC32C), coalesced and concurrent, in batches of at most
-            REMOTE_READ_BATCH bytes."""
+            """Object store: ranged GETs of the bytes this rank needs, concurrent, in batches of at
+            most REMOTE_READ_BATCH bytes, every byte checked against a CRC32C (the store's own
+            checksums do not cover ranged reads). An item needed only in part is read block by
+            block when its file has a block table (:mod:`distckpt.strategies.blockcrc`): the
+            blocks holding the wanted bytes, runs closer than the store's ``coalesce`` merged,
+            each block checked against its CRC32C. Other items are read whole and checked
+            against the item's CRC32C."""
+            where = checkpoint_dir.where(name)
             items = sorted(by_file[name], key=lambda c: c.file_offset)
-            batches, batch, size = [], [], 0
+            nbytes = 0
+            table = None
+            if checksums is not None and not verify and any(_partial_candidate(st, plan.ops[st]) for st in items):
+                table, nbytes = _block_table(checkpoint_dir, name)
+            gap = getattr(checkpoint_dir, "coalesce", 1 << 20)
+            work = []  # (item, its partial read or None, [(file offset, length)])
             for st in items:
-                if batch and size + st.length > REMOTE_READ_BATCH:
+                part = _partial_read(st, plan.ops[st], table, checksums, gap, where) if table is not None else None
+                work.append((st, part, part.ranges() if part is not None else [(st.file_offset, st.length)]))
+            batches, batch, size = [], [], 0
+            for w in work:
+                n = sum(length for _, length in w[2])
+                if batch and size + n > REMOTE_READ_BATCH:
                     batches.append(batch)
                     batch, size = [], 0
-                batch.append(st)
-                size += st.length
+                batch.append(w)
+                size += n
             batches.append(batch)
-            nbytes = 0
             for group in batches:
+                ranges = [r for _, _, rs in group for r in rs]
                 try:
-                    views = checkpoint_dir.get_ranges(name, [st.file_offset for st in group],
-                                                      [st.length for st in group])
+                    views = checkpoint_dir.get_ranges(name, [o for o, _ in ranges], [n for _, n in ranges])
                 except FileNotFoundError:
-                    keys = sorted({op.key for st in group for op in plan.ops[st]})
+                    keys = sorted({op.key for st, _, _ in group for op in plan.ops[st]})
                     raise CheckpointingException(
-                        f"{checkpoint_dir.where(name)}: data object is missing (needed for keys {keys}, "
-                        f"rank {rank})") from None
-                for st, view in zip(group, views):
-                    _read_chunk(-1, checkpoint_dir.where(name), st, plan.ops[st], checksums, rank, True,
-                                bytearray(view))
-                    nbytes += st.length
+                        f"{where}: data object is missing (needed for keys {keys}, rank {rank})") from None
+                views = iter(views)
+                for st, part, rs in group:
+                    got = [next(views) for _ in rs]
+                    if part is None:
+                        _read_chunk(-1, where, st, plan.ops[st], checksums, rank, True, bytearray(got[0]))
+                    else:
+                        part.copy(got, plan.ops[st], rank)
+                    nbytes += sum(n for _, n in rs)
             counted.append(nbytes)
 
         def read_file(name: str) -> None:
