@@ -249,7 +249,8 @@ def spans(start: int, size: Sequence[int], strides: Sequence[int], gap: int) -> 
 
 def block_runs(intervals: List[Tuple[int, int]], block: int, n_blocks: int, gap_blocks: int) -> List[Tuple[int, int]]:
     """Runs ``[first, last)`` of block indices covering byte ``intervals`` (of the payload), runs
-    separated by fewer than ``gap_blocks`` blocks merged."""
+    separated by at most ``gap_blocks`` blocks merged (as an object store client coalesces
+    ranges: a gap that short costs less to transfer than another request)."""
     out: List[Tuple[int, int]] = []
     for lo, hi in sorted(intervals):
         if hi <= lo:

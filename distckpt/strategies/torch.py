@@ -1232,6 +1232,21 @@ def _partial_candidate(st: _Stored, ops: List[_CopyOp]) -> bool:
             and sum(op.numel for op in ops) < _PARTIAL_SHARE * numel)
 
 
+def _coalesce(ranges: List[Tuple[int, int]], gap: int) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int, int]]]:
+    """Merge byte ranges ``(offset, length)`` (sorted by offset) whose gap is at most ``gap``
+    bytes into requests; returns the requests and, per range, (request index, offset in it,
+    length)."""
+    requests: List[List[int]] = []
+    places = []
+    for offset, length in ranges:
+        if requests and offset - requests[-1][1] <= gap and offset >= requests[-1][0]:
+            requests[-1][1] = max(requests[-1][1], offset + length)
+        else:
+            requests.append([offset, offset + length])
+        places.append((len(requests) - 1, offset - requests[-1][0], length))
+    return [(a, b - a) for a, b in requests], places
+
+
 def _block_table(store, name: str) -> Tuple[Optional[blockcrc.Table], int]:
     """The block table of data object ``name`` (None when it has none, or an unusable one: its
     items are then read whole) and the bytes fetched for it."""
@@ -1320,6 +1335,28 @@ def _partial_read(st: _Stored, ops: List[_CopyOp], table: blockcrc.Table, checks
                        where, st.file_offset)
         return None
     return _PartialRead(st, e, block, runs, where)
+
+
+def _carried_table(store, name: str, offsets: List[Tuple[int, int]]) -> Optional[bytes]:
+    """The block table of a file rewritten by surgery, whose items moved from the first to the
+    second offset of each pair of ``offsets``: the old table's entries of those items, moved (the
+    bytes of an item, so its block CRCs, do not change). None when the old file had no usable
+    table, or none of the moved items had an entry."""
+    table, _ = _block_table(store, name)
+    if table is None:
+        return None
+    entries = []
+    for old_offset, new_offset in offsets:
+        e = table.entries.get(old_offset)
+        if e is not None:
+            entries.append(dataclasses.replace(e, item_offset=new_offset))
+    return blockcrc.encode(entries, table.block) if entries else None
+
+
+def _enter_tables(manifest, tables: Dict[str, bytes]) -> None:
+    for tname, data in tables.items():
+        manifest.files[tname] = len(data)
+        manifest.ranges[tname] = [RangeChecksum(0, len(data), crc32c(data), tname)]
 
 
 def _fresh_name(checkpoint_dir: Path, name: str) -> str:
@@ -1411,6 +1448,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         md, doomed, by_file, new_storage = self._removal_plan(checkpoint_dir, key_prefix)
         to_delete, rewritten_bytes = [], 0
         moved: Dict[MetadataIndex, Tuple[_StorageInfo, _StorageInfo]] = {}
+        tables: Dict[str, bytes] = {}  # block tables of the rewritten files
+        store = storage.open_store(checkpoint_dir)
         for name, entries in sorted(by_file.items()):
             kept = [(i, info) for i, info in entries if i.fqn not in doomed]
             if len(kept) == len(entries):
@@ -1419,6 +1458,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             if not kept:
                 continue
             new_name = _fresh_name(checkpoint_dir, name)
+            offsets = []
             with open(checkpoint_dir / name, "rb") as src, open(checkpoint_dir / new_name, "wb") as dst:
                 for index, info in sorted(kept, key=lambda e: e[1].offset):
                     src.seek(info.offset)
@@ -1427,10 +1467,16 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                         raise CheckpointingException(f"{checkpoint_dir / name}: truncated at item {index.fqn!r}")
                     new_storage[index] = _StorageInfo(new_name, dst.tell(), info.length)
                     moved[index] = (info, new_storage[index])
+                    offsets.append((info.offset, dst.tell()))
                     dst.write(data)
                     rewritten_bytes += info.length
                 dst.flush()
                 os.fsync(dst.fileno())
+            table = _carried_table(store, name, offsets)
+            (checkpoint_dir / blockcrc.table_name(new_name)).unlink(missing_ok=True)
+            if table is not None:
+                tables[blockcrc.table_name(new_name)] = table
+                atomic_write_bytes(checkpoint_dir / blockcrc.table_name(new_name), table)
         if rewritten_bytes:
             logger.warning("%s: rewrote %d bytes of kept tensors that shared files with keys under %r; "
                            "save with separation_hint=%r to make removal free", checkpoint_dir,
@@ -1445,8 +1491,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         if manifest is not None:
             old = manifest.range_index()
             for name in to_delete:
-                manifest.files.pop(name, None)
-                manifest.ranges.pop(name, None)
+                for dropped in (name, blockcrc.table_name(name)):
+                    manifest.files.pop(dropped, None)
+                    manifest.ranges.pop(dropped, None)
+            _enter_tables(manifest, tables)
             for index, (old_info, new_info) in moved.items():
                 prev = old.get((old_info.relative_path, old_info.offset))
                 if prev is not None:
@@ -1464,6 +1512,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             atomic_write_bytes(checkpoint_dir / INDEX_FNAME, index_bytes)
         for name in to_delete:
             os.remove(checkpoint_dir / name)
+            (checkpoint_dir / blockcrc.table_name(name)).unlink(missing_ok=True)
 
     def _removal_plan(self, location, key_prefix: str):
         """What ``remove_sharded_tensors`` works from: the metadata, the doomed keys, every file's
@@ -1492,16 +1541,18 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 continue
             to_delete.append(name)
             if manifest is not None:
-                manifest.files.pop(name, None)
-                manifest.ranges.pop(name, None)
+                for dropped in (name, blockcrc.table_name(name)):
+                    manifest.files.pop(dropped, None)
+                    manifest.ranges.pop(dropped, None)
             if not kept:
                 continue
             stem = name[: -len(DATA_SUFFIX)] if name.endswith(DATA_SUFFIX) else name
             new_name = f"{stem}.r{uuid.uuid4().hex[:8]}{DATA_SUFFIX}"
             views = store.get_ranges(name, [info.offset for _, info in kept], [info.length for _, info in kept])
-            position = 0
+            position, offsets = 0, []
             for index, info in kept:
                 new_storage[index] = _StorageInfo(new_name, position, info.length)
+                offsets.append((info.offset, position))
                 prev = old.get((name, info.offset))
                 if manifest is not None and prev is not None:
                     manifest.ranges.setdefault(new_name, []).append(
@@ -1510,6 +1561,11 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             store.put(new_name, b"".join(bytes(v) for v in views))
             if manifest is not None:
                 manifest.files[new_name] = position
+            table = _carried_table(store, name, offsets)
+            if table is not None:
+                store.put(blockcrc.table_name(new_name), table)
+                if manifest is not None:
+                    _enter_tables(manifest, {blockcrc.table_name(new_name): table})
         md.state_dict_metadata = {k: v for k, v in md.state_dict_metadata.items() if k not in doomed}
         md.storage_data = new_storage
         mcore = getattr(md, "mcore_data", None)
@@ -1528,6 +1584,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             store.put(INDEX_FNAME, index_bytes)
         for name in to_delete:
             store.delete(name)
+            store.delete(blockcrc.table_name(name))
 
     # ----------------------------------------------------------------- planning
 
@@ -1695,21 +1752,23 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 size += n
             batches.append(batch)
             for group in batches:
-                ranges = [r for _, _, rs in group for r in rs]
+                # Coalesced here (not only inside the client) so that bytes_read counts what is
+                # transferred, gaps included.
+                requests, places = _coalesce([r for _, _, rs in group for r in rs], gap)
                 try:
-                    views = checkpoint_dir.get_ranges(name, [o for o, _ in ranges], [n for _, n in ranges])
+                    got = checkpoint_dir.get_ranges(name, [o for o, _ in requests], [n for _, n in requests])
                 except FileNotFoundError:
                     keys = sorted({op.key for st, _, _ in group for op in plan.ops[st]})
                     raise CheckpointingException(
                         f"{where}: data object is missing (needed for keys {keys}, rank {rank})") from None
-                views = iter(views)
+                views = iter(got[i][at:at + n] for i, at, n in places)
                 for st, part, rs in group:
-                    got = [next(views) for _ in rs]
+                    mine = [next(views) for _ in rs]
                     if part is None:
-                        _read_chunk(-1, where, st, plan.ops[st], checksums, rank, True, bytearray(got[0]))
+                        _read_chunk(-1, where, st, plan.ops[st], checksums, rank, True, bytearray(mine[0]))
                     else:
-                        part.copy(got, plan.ops[st], rank)
-                    nbytes += sum(n for _, n in rs)
+                        part.copy(mine, plan.ops[st], rank)
+                nbytes += sum(n for _, n in requests)
             counted.append(nbytes)
 
         def read_file(name: str) -> None:
