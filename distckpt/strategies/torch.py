@@ -1390,6 +1390,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         self.thread_count = thread_count
         self.verify = verify
         self.bytes_read = 0  # bytes read from storage by this strategy object (all loads)
+        self.requests = 0  # object stores: data GET requests (ranged, after coalescing) and block tables
         self.use_index = use_index
         self.index_bytes_read = 0  # bytes of the sidecar index read (all loads)
         self.index_node_bytes_read = 0  # of which chunk-record tree nodes
@@ -1722,6 +1723,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         verify = self.verify
         rank = dist.get_rank()
         counted = []  # per-file byte counts; list.append is atomic across reader threads
+        gets: List[int] = []  # object stores: GET requests per batch
 
         def read_object(name: str) -> None:
             """Object store: ranged GETs of the bytes this rank needs, concurrent, in batches of at
@@ -1737,6 +1739,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             table = None
             if checksums is not None and not verify and any(_partial_candidate(st, plan.ops[st]) for st in items):
                 table, nbytes = _block_table(checkpoint_dir, name)
+                gets.append(1)
             gap = getattr(checkpoint_dir, "coalesce", 1 << 20)
             work = []  # (item, its partial read or None, [(file offset, length)])
             for st in items:
@@ -1769,6 +1772,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                     else:
                         part.copy(mine, plan.ops[st], rank)
                 nbytes += sum(n for _, n in requests)
+                gets.append(len(requests))
             counted.append(nbytes)
 
         def read_file(name: str) -> None:
@@ -1803,6 +1807,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 for fut in [pool.submit(read_file, n) for n in names]:
                     fut.result()
         self.bytes_read += sum(counted)
+        self.requests += sum(gets)
         for fin in plan.finalizers:
             fin()
 
