@@ -8,11 +8,13 @@ archive), and the rank that writes ``__R_B.distcp`` also writes its *block table
 ``__R_B.distcp.crc`` (format in docs/formats.md). A loading rank fetches the table of a file it
 reads partially (one small GET), then only the blocks that hold the bytes it wants.
 
-Cost at save time: none extra per byte. The item's CRC is no longer computed over the bytes in one
+Cost at save time: nearly none per byte. The item's CRC is no longer computed over the bytes in one
 pass but combined from the block CRCs: ``crc(A || B) = shift_len(B)(crc(A)) ^ crc(B)``, where the
 shift is multiplication by ``x^(8 len)`` modulo the CRC polynomial, a linear map on 32 bits applied
-with four 256-entry tables (about a microsecond in Python, once per block). Each byte still goes
-through the CRC instruction once.
+with four 256-entry tables (about a microsecond in Python, once per full block). Each byte of a
+full block goes through the CRC instruction once; the last, shorter block of an item twice (its
+own CRC, and the running one continued over it), which is cheaper than a shift by an arbitrary
+length.
 
 Trust: a table is bound to the items it describes. Each entry repeats its item's offset, length
 and whole-item CRC32C, and the CRCs of its segments (archive header, every block, trailer) must
@@ -116,17 +118,10 @@ def shift(crc: int, n: int) -> int:
     """``crc`` advanced over ``n`` zero bytes of message (the combine operator)."""
     if n == 0:
         return crc
-    if n in _TABLES or n == BLOCK_SIZE:
+    if n in _TABLES or n == BLOCK_SIZE:  # the block size: tables built once (~1 ms), ~1 us a shift
         t0, t1, t2, t3 = _tables(n)
         return t0[crc & 255] ^ t1[(crc >> 8) & 255] ^ t2[(crc >> 16) & 255] ^ t3[crc >> 24]
-    bit = 0
-    while n:
-        if n & 1:
-            t0, t1, t2, t3 = _tables(1 << bit)
-            crc = t0[crc & 255] ^ t1[(crc >> 8) & 255] ^ t2[(crc >> 16) & 255] ^ t3[crc >> 24]
-        n >>= 1
-        bit += 1
-    return crc
+    return _multmodp(_x8n(n), crc)  # any other length: ~0.1 ms, nothing cached
 
 
 def combine(crc1: int, crc2: int, len2: int) -> int:

@@ -108,8 +108,8 @@ class ChecksummingSink:
 
     def write_blocks(self, data, block: int) -> List[int]:
         """Write ``data`` like :meth:`write` and return the CRC32C of each ``block``-byte piece of it
-        (the last may be shorter). Each byte is checksummed once: the running CRC is combined from
-        the pieces' (see :mod:`distckpt.strategies.blockcrc`)."""
+        (the last may be shorter). The running CRC is combined from the full pieces' CRCs (see
+        :mod:`distckpt.strategies.blockcrc`), so those bytes are checksummed once."""
         view = memoryview(data).cast("B")
         n = len(view)
         crcs: List[int] = []
@@ -120,7 +120,8 @@ class ChecksummingSink:
                 piece = chunk[s:s + block]
                 c = crc32c(piece)
                 crcs.append(c)
-                crc = blockcrc.shift(crc, len(piece)) ^ c
+                # a full block: combined (table shift); the last, shorter one: checksummed again
+                crc = blockcrc.shift(crc, block) ^ c if len(piece) == block else crc32c(piece, crc)
             self.crc = crc
             self._emit(chunk)
         self.position += n
