@@ -3,6 +3,8 @@
 On disk (see docs/formats.md):
   ``__R_B.distcp``  rank R's bucket B: a sequence of items, each a complete ``torch.save``
                     archive of one chunk (tensors) or ``torch.save([obj])`` (ShardedObjects)
+  ``__R_B.distcp.crc``  the CRC32C of every 256 KiB block of the file's large tensor items, so a
+                    partial (resharded) read from an object store is checked (see blockcrc.py)
   ``.metadata``     a pickled ``torch.distributed.checkpoint.metadata.Metadata``: per key the
                     global size, dtype and chunk boxes; per chunk its (file, offset, length)
 
