@@ -97,8 +97,9 @@ def _x8n(n: int) -> int:
 _TABLES: Dict[int, Tuple[List[int], ...]] = {}
 
 
-def _tables(n: int) -> Tuple[List[int], ...]:
-    """Four byte tables applying the shift by ``n`` bytes."""
+def shift_tables(n: int) -> Tuple[List[int], ...]:
+    """Four byte tables applying the shift by ``n`` bytes: ``shift(crc, n) == t0[crc & 255] ^
+    t1[(crc >> 8) & 255] ^ t2[(crc >> 16) & 255] ^ t3[crc >> 24]`` (cached)."""
     t = _TABLES.get(n)
     if t is None:
         op = _x8n(n)
@@ -119,7 +120,7 @@ def shift(crc: int, n: int) -> int:
     if n == 0:
         return crc
     if n in _TABLES or n == BLOCK_SIZE:  # the block size: tables built once (~1 ms), ~1 us a shift
-        t0, t1, t2, t3 = _tables(n)
+        t0, t1, t2, t3 = shift_tables(n)
         return t0[crc & 255] ^ t1[(crc >> 8) & 255] ^ t2[(crc >> 16) & 255] ^ t3[crc >> 24]
     return _multmodp(_x8n(n), crc)  # any other length: ~0.1 ms, nothing cached
 

@@ -114,14 +114,17 @@ class ChecksummingSink:
         n = len(view)
         crcs: List[int] = []
         crc = self.crc
+        t0, t1, t2, t3 = blockcrc.shift_tables(block)
         for start in range(0, n, self.BLOCK):
             chunk = view[start:start + self.BLOCK]
             for s in range(0, len(chunk), block):
                 piece = chunk[s:s + block]
                 c = crc32c(piece)
                 crcs.append(c)
-                # a full block: combined (table shift); the last, shorter one: checksummed again
-                crc = blockcrc.shift(crc, block) ^ c if len(piece) == block else crc32c(piece, crc)
+                if len(piece) == block:  # combined: the running CRC shifted over the block (inlined)
+                    crc = t0[crc & 255] ^ t1[(crc >> 8) & 255] ^ t2[(crc >> 16) & 255] ^ t3[crc >> 24] ^ c
+                else:  # the last, shorter block: checksummed again (cheaper than a shift by any length)
+                    crc = crc32c(piece, crc)
             self.crc = crc
             self._emit(chunk)
         self.position += n
