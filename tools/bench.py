@@ -143,6 +143,7 @@ def _time_save_and_loads(backend, sd, reshard, location, threads, record, result
            _barrier_time(distckpt.load, empty_like_request(reshard), location, sharded_strategy=counting)[0])
     if counting is not None:
         results["resharded load: bytes read / bytes requested"] = counting.bytes_read / local_bytes(reshard)
+        results["resharded load: GET requests"] = counting.requests
 
 
 def _barrier_time(fn, *args, **kwargs):
@@ -515,8 +516,10 @@ def report(results, out_dir: Path) -> str:
     if "async save (blocking)" in sec and "memcpy" in sec:
         lines.append(f"async blocking / memcpy time: {sec['async save (blocking)'] / sec['memcpy']:.2f}")
     amplification = results.get("resharded load: bytes read / bytes requested")
+    gets = results.get("resharded load: GET requests")
     if amplification is not None:
-        lines.append(f"resharded load read {amplification:.2f} bytes from storage per byte requested (rank 0)")
+        lines.append(f"resharded load read {amplification:.2f} bytes from storage per byte requested (rank 0)"
+                     + (f", in {gets} GET requests" if gets else ""))
     rss = results.get("save peak RSS above baseline (x local bytes)")
     if rss is not None:
         lines.append(f"peak RSS during save, above the RSS before the state existed: {rss:.2f}x the rank's local bytes")

@@ -26,12 +26,13 @@ import struct
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Optional, Tuple
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 
 from distckpt.core import CheckpointingException, write_all
 from distckpt.manifest import crc32c
+from distckpt.strategies import blockcrc
 
 # --------------------------------------------------------------------------- zip records
 
@@ -101,13 +102,41 @@ class ChecksummingSink:
             for start in range(0, n, self.BLOCK):
                 block = view[start:start + self.BLOCK]
                 self.crc = crc32c(block, self.crc)
-                if self._pending:
-                    self._writev([memoryview(self._pending), block])
-                    self._pending = bytearray()
-                else:
-                    self._out(block)
+                self._emit(block)
         self.position += n
         return n
+
+    def write_blocks(self, data, block: int) -> List[int]:
+        """Write ``data`` like :meth:`write` and return the CRC32C of each ``block``-byte piece of it
+        (the last may be shorter). The running CRC is combined from the full pieces' CRCs (see
+        :mod:`distckpt.strategies.blockcrc`), so those bytes are checksummed once."""
+        view = memoryview(data).cast("B")
+        n = len(view)
+        crcs: List[int] = []
+        crc = self.crc
+        t0, t1, t2, t3 = blockcrc.shift_tables(block)
+        for start in range(0, n, self.BLOCK):
+            chunk = view[start:start + self.BLOCK]
+            for s in range(0, len(chunk), block):
+                piece = chunk[s:s + block]
+                c = crc32c(piece)
+                crcs.append(c)
+                if len(piece) == block:  # combined: the running CRC shifted over the block (inlined)
+                    crc = t0[crc & 255] ^ t1[(crc >> 8) & 255] ^ t2[(crc >> 16) & 255] ^ t3[crc >> 24] ^ c
+                else:  # the last, shorter block: checksummed again (cheaper than a shift by any length)
+                    crc = crc32c(piece, crc)
+            self.crc = crc
+            self._emit(chunk)
+        self.position += n
+        return crcs
+
+    def _emit(self, block) -> None:
+        """Write a large block, with the gathered small writes before it."""
+        if self._pending:
+            self._writev([memoryview(self._pending), block])
+            self._pending = bytearray()
+        else:
+            self._out(block)
 
     def _out(self, view) -> None:
         write_all(self.fd, view)
@@ -294,17 +323,28 @@ def tensor_archive_frame(tensor: torch.Tensor, serialization_id: str) -> Optiona
     return header, bytes(zf.out)
 
 
-def write_tensor_item(sink: ChecksummingSink, tensor: torch.Tensor) -> Tuple[int, int, int]:
-    """Append one tensor archive; returns (offset, length, crc32c) of the item."""
+def write_tensor_item(sink: ChecksummingSink, tensor: torch.Tensor,
+                      blocks: Optional[List[blockcrc.Entry]] = None) -> Tuple[int, int, int]:
+    """Append one tensor archive; returns (offset, length, crc32c) of the item. With ``blocks``,
+    an item whose tensor bytes span at least ``blockcrc.MIN_PAYLOAD`` appends its per-block
+    CRC32Cs there (see :mod:`distckpt.strategies.blockcrc`)."""
     start, sink.crc = sink.position, 0
     frame = tensor_archive_frame(tensor, "0" * 40)
     if frame is None:
         save_to_sink(tensor, sink)
-    else:
-        header, trailer = frame
-        sink.write(header)
-        sink.write(tensor.reshape(-1).view(torch.uint8).numpy())
+        return start, sink.position - start, sink.crc
+    header, trailer = frame
+    payload = tensor.reshape(-1).view(torch.uint8).numpy()
+    sink.write(header)
+    if blocks is None or payload.nbytes < blockcrc.MIN_PAYLOAD:
+        sink.write(payload)
         sink.write(trailer)
+        return start, sink.position - start, sink.crc
+    head_crc = sink.crc  # the CRC restarted at the item's first byte
+    crcs = sink.write_blocks(payload, blockcrc.BLOCK_SIZE)
+    sink.write(trailer)
+    blocks.append(blockcrc.Entry(start, sink.position - start, sink.crc, len(header), payload.nbytes,
+                                 head_crc, crc32c(trailer), tensor.dtype, crcs))
     return start, sink.position - start, sink.crc
 
 
