@@ -164,6 +164,31 @@ def build_index(keys: Dict[str, Dict[str, Any]],
         if lst is None:
             lst = rows_by_key[fqn] = []
         lst.append((*off, *size, nid, foff, length, crc))
+    return _write_index(keys, rows_by_key, items, names, metadata_bytes, fanout, leaf)
+
+
+def build_index_from_rows(keys: Dict[str, Dict[str, Any]], rows: Dict[str, np.ndarray], names: List[str],
+                          metadata_bytes: int, fanout: int = FANOUT, leaf: int = LEAF) -> bytes:
+    """:func:`build_index` from arrays: ``rows[fqn]`` is int64 ``[n, 2 * ndim + 4]``, one row per
+    record: chunk offset, chunk size, file (an index into ``names``), file offset, length,
+    crc32c (a byte key's rows have ``ndim`` 0; its last row is its item)."""
+    items: Dict[str, List[Any]] = {}
+    tensor_rows: Dict[str, np.ndarray] = {}
+    for fqn, r in rows.items():
+        info = keys.get(fqn)
+        if info is None:
+            raise CheckpointingException(f"index: record for undeclared key {fqn!r}")
+        if info.get("bytes"):
+            if len(r):
+                f, foff, length, crc = r[-1, -4:].tolist()
+                items[fqn] = [names[f], foff, length, crc]
+        elif len(r):
+            tensor_rows[fqn] = r
+    return _write_index(keys, tensor_rows, items, names, metadata_bytes, fanout, leaf)
+
+
+def _write_index(keys: Dict[str, Dict[str, Any]], rows_by_key: Dict[str, Any], items: Dict[str, List[Any]],
+                 names: List[str], metadata_bytes: int, fanout: int, leaf: int) -> bytes:
     blob = _Blob()
     directory: Dict[str, Any] = {}
     for fqn, info in keys.items():
@@ -177,11 +202,14 @@ def build_index(keys: Dict[str, Dict[str, Any]],
         entry = {"dtype": _dtype_name(info["dtype"]), "size": list(info["size"]),
                  "orig_shape": list(info["orig_shape"]) if info.get("orig_shape") is not None else None}
         rows = rows_by_key.get(fqn)
-        if rows and len(rows) <= leaf:
+        if rows is not None and 0 < len(rows) <= leaf:
+            if isinstance(rows, np.ndarray):
+                rows = [tuple(r) for r in rows.tolist()]
             entry.update(_small_key(blob, rows, names, ndim))
-        elif rows:
-            entry.update(_build_key(blob, np.array(rows, dtype=np.int64).reshape(len(rows), 2 * ndim + 4),
-                                    names, ndim, fanout, leaf))
+        elif rows is not None and len(rows):
+            if not isinstance(rows, np.ndarray):
+                rows = np.array(rows, dtype=np.int64).reshape(len(rows), 2 * ndim + 4)
+            entry.update(_build_key(blob, rows, names, ndim, fanout, leaf))
         else:
             entry["count"] = 0
         directory[fqn] = entry
