@@ -61,6 +61,7 @@ from distckpt.strategies.torch import (  # noqa: E402
     _Record,
     _WriteItem,
     build_metadata,
+    metadata_bytes,
     sidecar_index,
 )
 from distckpt.validation import ShardTable, validate_global_integrity  # noqa: E402
@@ -190,12 +191,15 @@ class PeakRss:
         self.peak = max(self.peak, self.proc.memory_info().rss)
 
 
-def measure(world: int, tmp: Path, profile: bool = False) -> dict:
-    all_metas, payloads, records = [], [], []
+def measure(world: int, tmp: Path, profile: bool = False, objects: bool = False) -> dict:
+    queried = (0, world // 2, world - 1)
+    all_metas, payloads, records, shards = {}, [], [], 0
     decls = decls_of(world)
     for rank in range(world):
         metas, items = rank_shards(rank, world)
-        all_metas.append(metas)
+        shards += len(metas)
+        if rank in queried:
+            all_metas[rank] = metas
         # What each rank sends (built and pickled on that rank, in parallel: not timed).
         payloads.append(pickle.dumps(ShardTable.build(rank, metas)))
         recs = records_of(rank, items)
@@ -203,7 +207,6 @@ def measure(world: int, tmp: Path, profile: bool = False) -> dict:
         records.append(pickle.dumps(("full", RecordTable.of(rank_decls, recs), {})))
         if rank == 0:
             planned = items
-    shards = sum(len(m) for m in all_metas)
     written = sum(len(pickle.loads(p)[1].rows) for p in records)
     gc.collect()
     proc = psutil.Process()
@@ -227,15 +230,15 @@ def measure(world: int, tmp: Path, profile: bool = False) -> dict:
         t_gather += time.perf_counter() - t0
         t0 = time.perf_counter()
         merged = GatheredRecords.of([p[1] for p in gathered])
-        md = build_metadata(merged, "sim")
+        md_bytes = metadata_bytes(merged, "sim", "save-id")
         t_meta = time.perf_counter() - t0
         if profiler:
             profiler.disable()
-        t0 = time.perf_counter()
-        md_bytes = pickle.dumps(md)
-        t_pickle = time.perf_counter() - t0
-        chunks = sum(len(v.chunks) for v in md.state_dict_metadata.values() if hasattr(v, "chunks"))
-        del md
+        t_objects = None
+        if objects:   # the same .metadata the way it was built before: DCP's objects, then pickle
+            t0 = time.perf_counter()
+            pickle.dumps(build_metadata(merged, "sim"))
+            t_objects = time.perf_counter() - t0
         t0 = time.perf_counter()
         index = sidecar_index(merged, len(md_bytes))
         t_index = time.perf_counter() - t0
@@ -248,10 +251,12 @@ def measure(world: int, tmp: Path, profile: bool = False) -> dict:
         print(out.getvalue())
     with gc_paused():
         t0 = time.perf_counter()
-        pickle.loads(md_bytes)
+        md = pickle.loads(md_bytes)
         t_unpickle = time.perf_counter() - t0
+        chunks = sum(len(v.chunks) for v in md.state_dict_metadata.values() if hasattr(v, "chunks"))
+        del md
         read_bytes, read_s, found = [], [], []
-        for rank in (0, world // 2, world - 1):
+        for rank in queried:
             t0 = time.perf_counter()
             reader = IndexReader.open(tmp)
             hits = reader.query(load_boxes(all_metas[rank]))
@@ -262,7 +267,7 @@ def measure(world: int, tmp: Path, profile: bool = False) -> dict:
     return {"ranks": world, "layout": f"TP{TP}xPP{pp}xDP{dp}", "shards": shards,
             "written_items": written, "gather_s": t_gather, "validate_s": t_validate, "plan_s": t_plan,
             "metadata_s": t_meta, "total_s": t_validate + t_plan + t_meta, "rss_growth_mib": (peak.peak - rss0) / 2**20,
-            "chunks_in_metadata": chunks, "pickle_s": t_pickle, "index_build_s": t_index,
+            "chunks_in_metadata": chunks, "objects_and_pickle_s": t_objects, "index_build_s": t_index,
             "metadata_mib": len(md_bytes) / 2**20, "index_mib": len(index) / 2**20, "unpickle_s": t_unpickle,
             "share_shards": len(all_metas[0]), "load_records": sum(found) / len(found),
             "load_index_kib": sum(read_bytes) / len(read_bytes) / 2**10, "load_index_s": sum(read_s) / len(read_s)}
@@ -273,6 +278,8 @@ def main() -> int:
     parser.add_argument("--max-ranks", type=int, default=4096)
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--tmp", default=None, help="where the simulated .metadata and sidecar are written")
+    parser.add_argument("--objects", action="store_true",
+                        help="also time building DCP's Metadata objects and pickling them (the old way)")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile gather + validation + planning + metadata at the largest world size")
     args = parser.parse_args()
@@ -283,7 +290,7 @@ def main() -> int:
     print("|" + "|".join("-" * (n + 2) for n in (5, 15, 9, 9, 8, 10, 7, 10, 7, 8, 8)) + "|")
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         for world in worlds:
-            r = measure(world, Path(tmp), profile=args.profile and world == worlds[-1])
+            r = measure(world, Path(tmp), profile=args.profile and world == worlds[-1], objects=args.objects)
             rows.append(r)
             print(f"| {r['ranks']:5d} | {r['layout']:>15} | {r['shards']:9d} | {r['written_items']:9d} | "
                   f"{r['gather_s']:8.2f} | {r['validate_s']:10.2f} | "
@@ -294,11 +301,12 @@ def main() -> int:
     print(f"\n{first['ranks']} -> {last['ranks']} ranks: shards x{last['shards'] / first['shards']:.0f}, "
           f"time x{last['total_s'] / first['total_s']:.1f} (time growth / shard growth = {growth:.2f}; 1.0 is linear)")
     print("\nWhat one loading rank reads to find its share (same layout; mean of ranks 0, world/2, world-1):\n")
-    print(f"| {'ranks':>5} | {'.metadata MiB':>13} | {'pickle s':>8} | {'unpickle s':>10} | {'index MiB':>9} | "
+    print(f"| {'ranks':>5} | {'.metadata MiB':>13} | {'objects s':>9} | {'unpickle s':>10} | {'index MiB':>9} | "
           f"{'build s':>7} | {'share shards':>12} | {'records read':>12} | {'index KiB read':>14} | {'query s':>7} |")
-    print("|" + "|".join("-" * (n + 2) for n in (5, 13, 8, 10, 9, 7, 12, 12, 14, 7)) + "|")
+    print("|" + "|".join("-" * (n + 2) for n in (5, 13, 9, 10, 9, 7, 12, 12, 14, 7)) + "|")
     for r in rows:
-        print(f"| {r['ranks']:5d} | {r['metadata_mib']:13.1f} | {r['pickle_s']:8.2f} | {r['unpickle_s']:10.2f} | "
+        objects = "-" if r["objects_and_pickle_s"] is None else f"{r['objects_and_pickle_s']:.2f}"
+        print(f"| {r['ranks']:5d} | {r['metadata_mib']:13.1f} | {objects:>9} | {r['unpickle_s']:10.2f} | "
               f"{r['index_mib']:9.1f} | {r['index_build_s']:7.2f} | {r['share_shards']:12d} | "
               f"{r['load_records']:12.0f} | {r['load_index_kib']:14.0f} | {r['load_index_s']:7.3f} |")
     out = Path(args.out)

@@ -83,6 +83,7 @@ from distckpt.strategies.filesystem import (
 )
 from distckpt.strategies.index import INDEX_FNAME, IndexReader, build_index_from_rows, index_from_metadata
 from distckpt.strategies.index import _dtype_of as _sidecar_dtype
+from distckpt.strategies.metadata_pickle import pickle_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -630,7 +631,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             ``<hint>__R_B.distcp`` so they can later be dropped without rewriting the rest.
         cached_metadata: remember this save's structure; a later save through the same strategy
             object whose ranks wrote exactly the same items sends only checksums to rank 0,
-            which reuses the cached ``.metadata``.
+            which reuses their cached records.
         stage_cpu_tensors: for async saves, copy CPU tensors into reused staging buffers (the
             blocking part of the save). False writes them from the caller's memory: the caller
             then promises not to change them until the save is finalized. CUDA tensors are
@@ -651,9 +652,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.thread_count = thread_count
         self.separation_hint = separation_hint
         self.cached_metadata = cached_metadata
-        # This rank's last structure, and on rank 0 every rank's structure and the Metadata.
+        # This rank's last structure, and on rank 0 every rank's record table.
         self._local_structure: Optional[Tuple] = None
-        self._global_cache: Optional[Tuple[List[Tuple[RecordTable, Dict[str, int]]], Metadata]] = None
+        self._global_cache: Optional[List[Tuple[RecordTable, Dict[str, int]]]] = None
         self.last_save_reused_metadata = False
 
     @property
@@ -741,19 +742,15 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             per_rank, reused = [], cache is not None
             for r, p in enumerate(payloads):
                 if p[0] == "same" and cache is not None:
-                    table, rank_sizes = cache[0][r]
+                    table, rank_sizes = cache[r]
                     table = table.with_crcs(p[1])
                 else:
                     _, table, rank_sizes = p
                     reused = False
                 per_rank.append((table, rank_sizes))
             records = GatheredRecords.of([t for t, _ in per_rank])
-            if reused:
-                md = cache[1]
-                md.storage_meta = StorageMeta(checkpoint_id=str(checkpoint_dir), save_id=str(uuid.uuid4()))
-            else:
-                md = build_metadata(records, str(checkpoint_dir))
-            md_bytes = pickle.dumps(md)
+            save_id = str(uuid.uuid4())
+            md_bytes = metadata_bytes(records, str(checkpoint_dir), save_id)
             index_bytes = sidecar_index(records, len(md_bytes)) if self.write_index else None
             if index_bytes is not None:
                 storage.write_bytes(checkpoint_dir, INDEX_FNAME, index_bytes)
@@ -768,9 +765,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             if index_bytes is not None:
                 ranges.append((INDEX_FNAME, 0, len(index_bytes), crc32c(index_bytes), INDEX_FNAME))
                 sizes[INDEX_FNAME] = len(index_bytes)
-            write_manifest(checkpoint_dir, build_manifest(md.storage_meta.save_id, "torch_dist", ranges, sizes))
+            write_manifest(checkpoint_dir, build_manifest(save_id, "torch_dist", ranges, sizes))
             if self.cached_metadata:
-                self._global_cache = (per_rank, md)
+                self._global_cache = per_rank
             return reused
 
         self.last_save_reused_metadata = bool(dist.gather_and_decide("torch_dist write", exc, payload, decide))
@@ -943,9 +940,33 @@ def _reindex(md: Metadata, md_bytes: bytes, manifest: Optional[Any]) -> Optional
 
 
 def build_metadata(records: GatheredRecords, checkpoint_id: str) -> Metadata:
-    """Assemble DCP Metadata from every rank's key declarations and written records."""
+    """Assemble DCP Metadata from every rank's key declarations and written records (the
+    objects; a save writes :func:`metadata_bytes`, which unpickle to the same)."""
     with gc_paused():
-        return _build_metadata(records, checkpoint_id)
+        md = _skeleton(records, checkpoint_id, str(uuid.uuid4()))
+        size, chunk_meta, info = torch.Size, ChunkStorageMetadata, _StorageInfo
+        files = records.files
+        chunks, byte_items = _sorted_chunks(records)
+        for fqn, (offs, sizes, items) in chunks.items():
+            out = md.state_dict_metadata[fqn].chunks
+            shapes, shape_of = np.unique(sizes, axis=0, return_inverse=True)
+            shapes = [size(s) for s in shapes.tolist()]
+            for o, s, (f, foff, length) in zip(offs.tolist(), shape_of.reshape(-1).tolist(), items.tolist()):
+                o = size(o)
+                out.append(chunk_meta(o, shapes[s]))
+                md.storage_data[_metadata_index(fqn, o)] = info(files[f], foff, length)
+        for fqn, f, foff, length in byte_items:
+            md.storage_data[_metadata_index(fqn, None)] = info(files[f], foff, length)
+        return md
+
+
+def metadata_bytes(records: GatheredRecords, checkpoint_id: str, save_id: str) -> bytes:
+    """The pickled ``.metadata`` of every rank's records, written from the arrays without
+    building a Python object per chunk (distckpt.strategies.metadata_pickle); unpickles to
+    what :func:`build_metadata` builds."""
+    with gc_paused():
+        chunks, byte_items = _sorted_chunks(records)
+        return pickle_metadata(_skeleton(records, checkpoint_id, save_id), chunks, byte_items, records.files)
 
 
 def _metadata_index(fqn: str, offset: Optional[torch.Size]) -> MetadataIndex:
@@ -960,32 +981,29 @@ def _metadata_index(fqn: str, offset: Optional[torch.Size]) -> MetadataIndex:
     return index
 
 
-def _build_metadata(records: GatheredRecords, checkpoint_id: str) -> Metadata:
-    size, chunk_meta, info, new_index = torch.Size, ChunkStorageMetadata, _StorageInfo, _metadata_index
-    files, ndim = records.files, records.ndim
-    chunks: Dict[str, List[ChunkStorageMetadata]] = {}
-    storage_data: Dict[MetadataIndex, _StorageInfo] = {}
+def _sorted_chunks(records: GatheredRecords):
+    """Per tensor key ``(offsets, sizes, (file, file offset, length))`` arrays in chunk-offset
+    order (DCP lists chunks sorted); byte keys' ``(fqn, file, file offset, length)``."""
+    ndim = records.ndim
+    chunks: Dict[str, Tuple[Any, Any, Any]] = {}
+    byte_items: List[Tuple[str, int, int, int]] = []
     for fqn, rows in records.by_key():
         decl = records.decls.get(fqn)
         if decl is None:
             raise CheckpointingException(f"record for undeclared key {fqn!r}")
         if decl[0]:
-            for _, f, off, length in rows[:, :4].tolist():
-                storage_data[new_index(fqn, None)] = info(files[f], off, length)
+            byte_items.extend((fqn, f, off, length) for f, off, length in rows[:, 1:4].tolist())
             continue
         n = len(decl[2])
-        offs = rows[:, 5:5 + n]
-        # Chunks in offset order; chunks of one shape share one torch.Size (pickled once).
-        order = np.lexsort(offs.T[::-1]) if n else np.arange(len(rows))
-        shapes, shape_of = np.unique(rows[:, 5 + ndim:5 + ndim + n], axis=0, return_inverse=True)
-        shapes = [size(s) for s in shapes.tolist()]
-        out = chunks[fqn] = []
-        append = out.append
-        for o, s, f, foff, length in zip(offs[order].tolist(), shape_of.reshape(-1)[order].tolist(),
-                                         rows[order, 1].tolist(), rows[order, 2].tolist(), rows[order, 3].tolist()):
-            o = size(o)
-            append(chunk_meta(o, shapes[s]))
-            storage_data[new_index(fqn, o)] = info(files[f], foff, length)
+        order = np.lexsort(rows[:, 5:5 + n].T[::-1]) if n else np.arange(len(rows))
+        rows = rows[order]
+        chunks[fqn] = (rows[:, 5:5 + n], rows[:, 5 + ndim:5 + ndim + n], rows[:, 1:4])
+    return chunks, byte_items
+
+
+def _skeleton(records: GatheredRecords, checkpoint_id: str, save_id: str) -> Metadata:
+    """The Metadata without chunks: every key's properties, an empty chunk list per tensor key
+    and an empty ``storage_data``."""
     state_dict_metadata: Dict[str, Any] = {}
     mcore_data: Dict[str, Dict[str, Shape]] = {}
     for fqn, (is_bytes, dtype, shape, orig_shape) in records.decls.items():
@@ -993,11 +1011,11 @@ def _build_metadata(records: GatheredRecords, checkpoint_id: str) -> Metadata:
             state_dict_metadata[fqn] = BytesStorageMetadata()
             continue
         state_dict_metadata[fqn] = TensorStorageMetadata(
-            properties=TensorProperties(dtype=dtype), size=torch.Size(shape), chunks=chunks.get(fqn, []))
+            properties=TensorProperties(dtype=dtype), size=torch.Size(shape), chunks=[])
         if orig_shape is not None:
             mcore_data[fqn] = {_ORIG_SHAPE: tuple(orig_shape)}
-    md = Metadata(state_dict_metadata=state_dict_metadata, planner_data=None, storage_data=storage_data,
-                  storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=str(uuid.uuid4())))
+    md = Metadata(state_dict_metadata=state_dict_metadata, planner_data=None, storage_data={},
+                  storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id))
     md.mcore_data = mcore_data
     return md
 
