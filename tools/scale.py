@@ -276,6 +276,7 @@ def measure(world: int, tmp: Path, profile: bool = False, objects: bool = False)
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-ranks", type=int, default=4096)
+    parser.add_argument("--min-ranks", type=int, default=64)
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--tmp", default=None, help="where the simulated .metadata and sidecar are written")
     parser.add_argument("--objects", action="store_true",
@@ -283,7 +284,7 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true",
                         help="cProfile gather + validation + planning + metadata at the largest world size")
     args = parser.parse_args()
-    worlds = [w for w in (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384) if w <= args.max_ranks]
+    worlds = [w for w in (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384) if args.min_ranks <= w <= args.max_ranks]
     rows = []
     print(f"| {'ranks':>5} | {'layout':>15} | {'shards':>9} | {'items':>9} | {'gather s':>8} | {'validate s':>10} | "
           f"{'plan s':>7} | {'metadata s':>10} | {'total s':>7} | {'us/shard':>8} | {'RSS +MiB':>8} |")
