@@ -9,6 +9,7 @@ grid exactly once. The check runs on one rank over gathered, data-free shard des
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -97,12 +98,15 @@ class ShardTable:
       its shape with 1 (``len(global_shape)`` says how many columns are real).
 
     Pickling it costs a few objects per key instead of a few per shard, and rank 0 validates
-    every rank's rows with numpy (:func:`validate_global_integrity`).
+    every rank's rows with numpy (:func:`validate_global_integrity`). ``layout`` is a digest of
+    ``entries``: ranks with the same entries (data-parallel replicas) are recognized by it
+    without comparing the entries themselves.
     """
 
     rank: int
     entries: Tuple[Tuple[str, bool, Optional[str], Tuple[int, ...], bool, int], ...]
     rows: np.ndarray
+    layout: bytes = b""
 
     @property
     def ndim(self) -> int:
@@ -125,7 +129,13 @@ class ShardTable:
             for main, offset, local, flat in group:
                 rows.append((1 if main else 0, *offset, *zeros, *local, *ones, *(flat or (0, 0))))
         entries = tuple(props + (len(group),) for props, group in groups.items())
-        return cls(rank, entries, np.array(rows, dtype=np.int64).reshape(len(rows), 3 + 2 * ndim))
+        return cls(rank, entries, np.array(rows, dtype=np.int64).reshape(len(rows), 3 + 2 * ndim),
+                   layout_digest(entries))
+
+
+def layout_digest(entries: Tuple) -> bytes:
+    """A digest of a rank's per-key properties (plain tuples of str, int, bool, None, dtypes)."""
+    return hashlib.blake2b(repr(entries).encode(), digest_size=16).digest()
 
 
 def shard_desc(sh: ShardedBase) -> ShardDesc:
@@ -168,10 +178,10 @@ def validate_global_integrity(tables: Sequence[ShardTable]) -> None:
     ndim = max(t.ndim for t in tables)
     props: List[Tuple] = []                 # global entry id -> (key, is_object, dtype, shape, flat)
     ids: Dict[Tuple, int] = {}
-    row_ids: Dict[Tuple, np.ndarray] = {}   # a rank's entries -> the entry id of each of its rows
+    row_ids: Dict[object, np.ndarray] = {}   # a rank's layout -> the entry id of each of its rows
     id_parts, row_parts, ranks, counts = [], [], [], []
     for t in tables:
-        per_row = row_ids.get(t.entries)
+        per_row = row_ids.get(t.layout)
         if per_row is None:
             gids = []
             for e in t.entries:
@@ -180,7 +190,7 @@ def validate_global_integrity(tables: Sequence[ShardTable]) -> None:
                     gid = ids[e[:5]] = len(props)
                     props.append(e[:5])
                 gids.append(gid)
-            per_row = row_ids[t.entries] = np.repeat(np.array(gids, dtype=np.int64),
+            per_row = row_ids[t.layout or object()] = np.repeat(np.array(gids, dtype=np.int64),
                                                      [e[5] for e in t.entries])
         if len(per_row) != len(t.rows):
             raise CheckpointingException(f"rank {t.rank}: malformed shard table ({len(t.rows)} rows for "
@@ -197,32 +207,34 @@ def validate_global_integrity(tables: Sequence[ShardTable]) -> None:
         ranks.append(t.rank)
         counts.append(len(rows))
     entry = np.concatenate(id_parts)
-    rows = np.concatenate(row_parts)
-    del id_parts, row_parts
     rank = np.repeat(np.array(ranks, dtype=np.int64), counts)
     # Stable: within a key, rows keep the ranks' order (error messages name the first offender).
     order = np.argsort(entry.astype(np.int16) if len(props) < 2**15 else entry, kind="stable")
-    bounds = np.concatenate([[0], np.cumsum(np.bincount(entry, minlength=len(props)))])
+    rows = np.concatenate(row_parts)[order]   # grouped by entry: each entry's rows are one slice
+    rank = rank[order]
+    del id_parts, row_parts, order
+    bounds = np.concatenate([[0], np.cumsum(np.bincount(entry, minlength=len(props)))]).tolist()
     by_key: Dict[str, List[int]] = {}
     for gid, p in enumerate(props):
         by_key.setdefault(p[0], []).append(gid)
     for key, gids in by_key.items():
         if len(gids) > 1:
-            _diagnose_disagreement(key, [(props[g], np.unique(rank[order[bounds[g]:bounds[g + 1]]]).tolist())
-                                         for g in gids])
+            _diagnose_disagreement(key, [(props[g], np.unique(rank[bounds[g]:bounds[g + 1]]).tolist()) for g in gids])
         g = gids[0]
         _, is_object, _, global_shape, flat = props[g]
-        idx = order[bounds[g]:bounds[g + 1]]
-        main = idx[rows[idx, 0] != 0]
+        part, part_rank = rows[bounds[g]:bounds[g + 1]], rank[bounds[g]:bounds[g + 1]]
+        main = part[:, 0] != 0
+        if not main.all():
+            part, part_rank = part[main], part_rank[main]
         n = len(global_shape)
-        offs = rows[main, 1:1 + n]
-        sizes = rows[main, 1 + ndim:1 + ndim + n]
+        offs = part[:, 1:1 + n]
+        sizes = part[:, 1 + ndim:1 + ndim + n]
         if is_object:
-            _check_object_grid(key, global_shape, offs, rank[main])
+            _check_object_grid(key, global_shape, offs, part_rank)
         elif flat:
-            _check_flat_tiling(key, global_shape, offs, sizes, rows[main, 1 + 2 * ndim:], rank[main])
+            _check_flat_tiling(key, global_shape, offs, sizes, part[:, 1 + 2 * ndim:], part_rank)
         else:
-            check_exact_cover(key, global_shape, offs, sizes, rank[main])
+            check_exact_cover(key, global_shape, offs, sizes, part_rank)
 
 
 def _ranks(ranks: Iterable[int]) -> str:

@@ -234,15 +234,16 @@ def measure(world: int, tmp: Path, profile: bool = False, objects: bool = False)
         t_meta = time.perf_counter() - t0
         if profiler:
             profiler.disable()
-        t_objects = None
-        if objects:   # the same .metadata the way it was built before: DCP's objects, then pickle
-            t0 = time.perf_counter()
-            pickle.dumps(build_metadata(merged, "sim"))
-            t_objects = time.perf_counter() - t0
         t0 = time.perf_counter()
         index = sidecar_index(merged, len(md_bytes))
         t_index = time.perf_counter() - t0
-        del merged, gathered
+    t_objects = None
+    if objects:   # the same .metadata the way it was built before: DCP's objects, then pickle (not in RSS)
+        with gc_paused():
+            t0 = time.perf_counter()
+            pickle.dumps(build_metadata(merged, "sim"))
+            t_objects = time.perf_counter() - t0
+    del merged, gathered
     (tmp / ".metadata").write_bytes(md_bytes)
     (tmp / INDEX_FNAME).write_bytes(index)
     if profiler:

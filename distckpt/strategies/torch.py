@@ -19,6 +19,7 @@ with the stored chunks, and each stored chunk is read at most once per rank.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import itertools
 import logging
@@ -787,12 +788,14 @@ class RecordTable:
       key with fewer has its columns padded with 0 / 1).
 
     A few objects per key and file instead of one per record, so rank 0 unpickles
-    ``world`` small payloads and builds ``.metadata`` and the sidecar from arrays.
+    ``world`` small payloads and builds ``.metadata`` and the sidecar from arrays. ``layout``:
+    a digest of ``keys`` (ranks that declare the same keys are recognized by it).
     """
 
     keys: Tuple[Tuple[str, bool, Optional[torch.dtype], Shape, Optional[Shape]], ...]
     files: Tuple[str, ...]
     rows: Any   # np.ndarray
+    layout: bytes = b""
 
     @property
     def ndim(self) -> int:
@@ -817,12 +820,12 @@ class RecordTable:
             flat += r.chunk_size
             flat += (1,) * pad
         rows = np.array(flat, dtype=np.int64).reshape(len(records), 5 + 2 * ndim)
-        return cls(keys, tuple(file_ids), rows)
+        return cls(keys, tuple(file_ids), rows, hashlib.blake2b(repr(keys).encode(), digest_size=16).digest())
 
     def with_crcs(self, crcs: Any) -> RecordTable:
         rows = self.rows.copy()
         rows[:, 4] = crcs
-        return RecordTable(self.keys, self.files, rows)
+        return RecordTable(self.keys, self.files, rows, self.layout)
 
     def decls(self) -> Dict[str, _KeyDecl]:
         return {fqn: _KeyDecl(is_bytes, dtype, size, orig) for fqn, is_bytes, dtype, size, orig in self.keys}
@@ -839,7 +842,8 @@ class GatheredRecords:
 
     ``decls``: fqn -> (is_bytes, dtype, size, orig_shape), every rank's declarations merged in
     rank order; ``fqns``: key index -> fqn; ``files``: file index -> name; ``rows``: int64
-    ``[n, 5 + 2 * ndim]`` as in a RecordTable, with global key and file indices, in rank order.
+    ``[n, 5 + 2 * ndim]`` as in a RecordTable, with global key and file indices, grouped by key
+    (in rank order within a key).
     """
 
     decls: Dict[str, Tuple[bool, Optional[torch.dtype], Shape, Optional[Shape]]]
@@ -856,12 +860,12 @@ class GatheredRecords:
         decls: Dict[str, Tuple] = {}
         fqns: List[str] = []
         key_ids: Dict[str, int] = {}
-        key_maps: Dict[Tuple, Any] = {}    # a rank's keys -> their global indices (DP ranks share them)
+        key_maps: Dict[object, Any] = {}   # a rank's layout -> its keys' global indices (DP ranks share it)
         files: List[str] = []
         ndim = max((t.ndim for t in tables), default=0)
         parts = []
         for t in tables:
-            kmap = key_maps.get(t.keys)
+            kmap = key_maps.get(t.layout)
             if kmap is None:
                 ids = []
                 for fqn, *decl in t.keys:
@@ -871,7 +875,7 @@ class GatheredRecords:
                         kid = key_ids[fqn] = len(fqns)
                         fqns.append(fqn)
                     ids.append(kid)
-                kmap = key_maps[t.keys] = np.array(ids, dtype=np.int64)
+                kmap = key_maps[t.layout or object()] = np.array(ids, dtype=np.int64)
             rows = t.rows
             if not len(rows):
                 continue
@@ -887,16 +891,17 @@ class GatheredRecords:
             rows[:, 1] = fmap[rows[:, 1]]
             parts.append(rows)
         rows = np.concatenate(parts) if parts else np.zeros((0, 5 + 2 * ndim), np.int64)
+        # Grouped by key (stable: each key's rows stay in rank order).
+        kid = rows[:, 0]
+        rows = rows[np.argsort(kid.astype(np.int16) if len(fqns) < 2**15 else kid, kind="stable")]
         return cls(decls, fqns, files, rows)
 
     def by_key(self):
         """``(fqn, rows)`` of every key with records; rows in rank order."""
-        kid = self.rows[:, 0]
-        order = np.argsort(kid.astype(np.int16) if len(self.fqns) < 2**15 else kid, kind="stable")
-        bounds = np.concatenate([[0], np.cumsum(np.bincount(kid, minlength=len(self.fqns)))]).tolist()
+        bounds = np.concatenate([[0], np.cumsum(np.bincount(self.rows[:, 0], minlength=len(self.fqns)))]).tolist()
         for k, fqn in enumerate(self.fqns):
             if bounds[k + 1] > bounds[k]:
-                yield fqn, self.rows[order[bounds[k]:bounds[k + 1]]]
+                yield fqn, self.rows[bounds[k]:bounds[k + 1]]
 
     def ranges(self) -> List[Tuple[str, int, int, int, str]]:
         """``(file, offset, length, crc32c, key)`` of every record (what the manifest takes)."""
