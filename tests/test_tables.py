@@ -116,7 +116,8 @@ def random_tables(seed):
     rnd = random.Random(seed)
     decls = {"a": _KeyDecl(False, torch.float32, (8, 6)), "b": _KeyDecl(False, torch.bfloat16, (4, 1, 100), (4, 10, 10)),
              "obj/shard_0_1": _KeyDecl(True), "s": _KeyDecl(False, torch.float32, ()),
-             "big": _KeyDecl(False, torch.int64, (2**40,)), "none": _KeyDecl(False, torch.float32, (3,))}
+             "big": _KeyDecl(False, torch.int64, (2**40,)), "none": _KeyDecl(False, torch.float32, (3,)),
+             "many": _KeyDecl(False, torch.float32, (50, 2**33))}   # more chunks than the small-key path takes
     tables = []
     for rank in range(5):
         recs = [_Record("a", rnd.choice([(0, 0), (2, 3), (4, 0), (6, 3)]), (2, 3), f"__{rank}_0.distcp",
@@ -124,6 +125,9 @@ def random_tables(seed):
                 for _ in range(rnd.randint(0, 6))]
         recs += [_Record("b", (rnd.randint(0, 3), 0, rnd.randint(0, 90)), (1, 1, rnd.randint(1, 10)),
                          f"__{rank}_1.distcp", i * 10, 5, 9) for i in range(rnd.randint(0, 6))]
+        recs += [_Record("many", (rnd.randint(0, 49), rnd.choice([0, 2**32])), (1, rnd.choice([7, 2**32])),
+                         f"__{rank}_0.distcp", rnd.randint(0, 2**40), rnd.randint(0, 2**31 + 5), 1)
+                 for _ in range(rnd.randint(10, 30))]
         if rank == 2:
             recs += [_Record("obj/shard_0_1", (), (), "__2_0.distcp", 3, 4, 5),
                      _Record("s", (), (), "__2_0.distcp", 30, 4, 5),

@@ -44,6 +44,13 @@ def _str(s: str) -> bytes:
     return b"X" + struct.pack("<I", len(data)) + data
 
 
+def _int(v: int) -> bytes:
+    return b"J" + struct.pack("<i", v) if -2**31 <= v < 2**31 else b"\x8a\x08" + struct.pack("<q", v)
+
+
+_SMALL = 16   # keys with at most this many chunks are written without numpy
+
+
 def _int_op(col: np.ndarray) -> Tuple[bytes, str]:
     """The opcode and numpy type for a column of ints: BININT (4 bytes) or LONG1 with 8 bytes."""
     if not len(col) or (int(col.min()) >= -2**31 and int(col.max()) < 2**31):
@@ -136,6 +143,10 @@ def pickle_metadata(skeleton: Metadata, chunks: Dict[str, Tuple[np.ndarray, np.n
     file_slots = np.array([slots.put(_str(f)) for f in files], dtype=np.uint32)
     storage_slot = memo[id(skeleton.storage_data)][0]
 
+    chunk_head = _get(chunk_cls) + b")\x81}(" + _get(s_offsets) + _get(size_cls) + b"("
+    index_head = _get(index_cls) + b")\x81}(" + _get(s_fqn)
+    index_tail = _get(s_index) + b"N" + _get(s_offset) + b"j"
+    info_head = b"ub" + _get(info_cls) + b")\x81}(" + _get(s_path) + b"j"
     chunk_parts: List[bytes] = []
     storage_parts: List[bytes] = []
     for fqn, (offs, sizes, items) in chunks.items():
@@ -144,27 +155,40 @@ def pickle_metadata(skeleton: Metadata, chunks: Dict[str, Tuple[np.ndarray, np.n
             continue
         list_slot = memo[id(skeleton.state_dict_metadata[fqn].chunks)][0]
         fqn_slot = slots.put(_str(fqn))
+        if m <= _SMALL:
+            # A few chunks (most keys of most models): plain Python, no numpy per key.
+            shape_slots: Dict[Tuple[int, ...], int] = {}
+            out = [_get(list_slot) + b"("]
+            for off, size, (f, foff, length) in zip(offs.tolist(), sizes.tolist(), items.tolist()):
+                size = tuple(size)
+                shape = shape_slots.get(size)
+                if shape is None:
+                    shape = shape_slots[size] = slots.put(_get(size_cls) + b"(" + b"".join(map(_int, size)) + b"t\x85R")
+                slot = slots.reserve(1)
+                out.append(chunk_head + b"".join(map(_int, off)) + b"t\x85R" + _PUT.pack(b"r", slot) + _get(s_sizes)
+                           + _get(shape) + b"ub")
+                storage_parts.append(index_head + _get(fqn_slot) + index_tail + struct.pack("<I", slot) + info_head
+                                     + struct.pack("<I", int(file_slots[f])) + _get(s_offset) + _int(foff)
+                                     + _get(s_length) + _int(length) + b"ub")
+            out.append(b"e0")
+            chunk_parts.append(b"".join(out))
+            continue
         shapes, shape_of = _unique_rows(sizes)
-        shape_slots = np.array([slots.put(_get(size_cls) + b"(" + b"".join(b"J" + struct.pack("<i", v) if -2**31 <= v < 2**31
-                                                                           else b"\x8a\x08" + struct.pack("<q", v)
-                                                                           for v in s) + b"t\x85R")
-                                for s in shapes.tolist()], dtype=np.uint32)
+        shape_slots_arr = np.array([slots.put(_get(size_cls) + b"(" + b"".join(map(_int, s)) + b"t\x85R")
+                                    for s in shapes.tolist()], dtype=np.uint32)
         offset_slots = np.arange(slots.reserve(m), slots.next, dtype=np.uint32)
-        parts: List[Any] = [_get(chunk_cls) + b")\x81}(" + _get(s_offsets) + _get(size_cls) + b"("]
+        parts: List[Any] = [chunk_head]
         for d in range(n):
             parts += _int_parts(offs[:, d])
-        parts += [b"t\x85Rr", ("<u4", offset_slots), _get(s_sizes) + b"j", ("<u4", shape_slots[shape_of.reshape(-1)]),
-                  b"ub"]
+        parts += [b"t\x85Rr", ("<u4", offset_slots), _get(s_sizes) + b"j", ("<u4", shape_slots_arr[shape_of]), b"ub"]
         chunk_parts.append(_get(list_slot) + b"(" + _records(m, parts) + b"e0")
-        parts = [_get(index_cls) + b")\x81}(" + _get(s_fqn) + _get(fqn_slot) + _get(s_index) + b"N" + _get(s_offset) + b"j",
-                 ("<u4", offset_slots), b"ub" + _get(info_cls) + b")\x81}(" + _get(s_path) + b"j",
+        parts = [index_head + _get(fqn_slot) + index_tail, ("<u4", offset_slots), info_head,
                  ("<u4", file_slots[items[:, 0]]), _get(s_offset), *_int_parts(items[:, 1]), _get(s_length),
                  *_int_parts(items[:, 2]), b"ub"]
         storage_parts.append(_records(m, parts))
     for fqn, f, off, length in byte_items:
         storage_parts.append(
-            _get(index_cls) + b")\x81}(" + _get(s_fqn) + _str(fqn) + _get(s_index) + b"Nub"
-            + _get(info_cls) + b")\x81}(" + _get(s_path) + _get(int(file_slots[f])) + _get(s_offset)
-            + b"\x8a\x08" + struct.pack("<q", off) + _get(s_length) + b"\x8a\x08" + struct.pack("<q", length) + b"ub")
+            index_head + _str(fqn) + _get(s_index) + b"N" + info_head + struct.pack("<I", int(file_slots[f]))
+            + _get(s_offset) + _int(off) + _get(s_length) + _int(length) + b"ub")
     storage = [_get(storage_slot) + b"(", *storage_parts, b"u0"] if storage_parts else []
     return b"".join([head[:-1], *slots.preamble, *chunk_parts, *storage, pickle.STOP])
