@@ -167,8 +167,10 @@ def validate_local_integrity(shards: Iterable[ShardedBase]) -> None:
 def validate_global_integrity(tables: Sequence[ShardTable]) -> None:
     """Check that the gathered shards of all ranks describe a consistent, complete checkpoint.
 
-    ``tables`` are every rank's :class:`ShardTable` in rank order. All rows go into one array,
-    grouped by key with one stable sort; the checks of each key are vectorized over its rows.
+    ``tables`` are every rank's :class:`ShardTable` in rank order. Ranks with the same layout
+    (data-parallel replicas) are stacked into one array; each key's rows are cut from those and
+    checked vectorized. A failing check is re-run on the key's rows in rank order, so the error
+    names the same first offender whatever the grouping.
 
     Raises:
         CheckpointingException: naming the key, the ranks involved and the problem.
@@ -178,63 +180,74 @@ def validate_global_integrity(tables: Sequence[ShardTable]) -> None:
     ndim = max(t.ndim for t in tables)
     props: List[Tuple] = []                 # global entry id -> (key, is_object, dtype, shape, flat)
     ids: Dict[Tuple, int] = {}
-    row_ids: Dict[object, np.ndarray] = {}   # a rank's layout -> the entry id of each of its rows
-    id_parts, row_parts, ranks, counts = [], [], [], []
+    # A layout -> (rows per rank, (entry id, first row, end row) of each entry, its ranks' tables).
+    groups: Dict[object, Tuple[int, List[Tuple[int, int, int]], List[ShardTable]]] = {}
     for t in tables:
-        per_row = row_ids.get(t.layout)
-        if per_row is None:
-            gids = []
+        group = groups.get(t.layout)
+        if group is None:
+            entry_spans, start = [], 0
             for e in t.entries:
                 gid = ids.get(e[:5])
                 if gid is None:
                     gid = ids[e[:5]] = len(props)
                     props.append(e[:5])
-                gids.append(gid)
-            per_row = row_ids[t.layout or object()] = np.repeat(np.array(gids, dtype=np.int64),
-                                                     [e[5] for e in t.entries])
-        if len(per_row) != len(t.rows):
+                entry_spans.append((gid, start, start + e[5]))
+                start += e[5]
+            group = groups[t.layout or object()] = (start, entry_spans, [])
+        if group[0] != len(t.rows):
             raise CheckpointingException(f"rank {t.rank}: malformed shard table ({len(t.rows)} rows for "
-                                         f"{len(per_row)} shards)")
-        rows = t.rows
-        if t.ndim < ndim:
-            pad = ndim - t.ndim
-            n = len(rows)
-            rows = np.concatenate([rows[:, :1 + t.ndim], np.zeros((n, pad), np.int64),
-                                   rows[:, 1 + t.ndim:1 + 2 * t.ndim], np.ones((n, pad), np.int64),
-                                   rows[:, 1 + 2 * t.ndim:]], axis=1)
-        id_parts.append(per_row)
-        row_parts.append(rows)
-        ranks.append(t.rank)
-        counts.append(len(rows))
-    entry = np.concatenate(id_parts)
-    rank = np.repeat(np.array(ranks, dtype=np.int64), counts)
-    # Stable: within a key, rows keep the ranks' order (error messages name the first offender).
-    order = np.argsort(entry.astype(np.int16) if len(props) < 2**15 else entry, kind="stable")
-    rows = np.concatenate(row_parts)[order]   # grouped by entry: each entry's rows are one slice
-    rank = rank[order]
-    del id_parts, row_parts, order
-    bounds = np.concatenate([[0], np.cumsum(np.bincount(entry, minlength=len(props)))]).tolist()
+                                         f"{group[0]} shards)")
+        group[2].append(t)
+    pieces: List[List[np.ndarray]] = [[] for _ in props]
+    piece_ranks: List[List[np.ndarray]] = [[] for _ in props]
+    for _, entry_spans, members in groups.values():
+        stacked = np.stack([t.rows for t in members])        # [ranks, rows, columns]
+        own = members[0].ndim
+        if own < ndim:
+            r, n, pad = stacked.shape[0], stacked.shape[1], ndim - own
+            stacked = np.concatenate([stacked[:, :, :1 + own], np.zeros((r, n, pad), np.int64),
+                                      stacked[:, :, 1 + own:1 + 2 * own], np.ones((r, n, pad), np.int64),
+                                      stacked[:, :, 1 + 2 * own:]], axis=2)
+        ranks = np.array([t.rank for t in members], dtype=np.int64)
+        for gid, lo, hi in entry_spans:
+            pieces[gid].append(stacked[:, lo:hi].reshape(-1, stacked.shape[2]))
+            piece_ranks[gid].append(np.repeat(ranks, hi - lo))
+        del stacked
     by_key: Dict[str, List[int]] = {}
     for gid, p in enumerate(props):
         by_key.setdefault(p[0], []).append(gid)
     for key, gids in by_key.items():
         if len(gids) > 1:
-            _diagnose_disagreement(key, [(props[g], np.unique(rank[bounds[g]:bounds[g + 1]]).tolist()) for g in gids])
+            _diagnose_disagreement(key, [(props[g], sorted(set(np.concatenate(piece_ranks[g]).tolist())))
+                                         for g in gids])
         g = gids[0]
-        _, is_object, _, global_shape, flat = props[g]
-        part, part_rank = rows[bounds[g]:bounds[g + 1]], rank[bounds[g]:bounds[g + 1]]
-        main = part[:, 0] != 0
-        if not main.all():
-            part, part_rank = part[main], part_rank[main]
-        n = len(global_shape)
-        offs = part[:, 1:1 + n]
-        sizes = part[:, 1 + ndim:1 + ndim + n]
-        if is_object:
-            _check_object_grid(key, global_shape, offs, part_rank)
-        elif flat:
-            _check_flat_tiling(key, global_shape, offs, sizes, part[:, 1 + 2 * ndim:], part_rank)
-        else:
-            check_exact_cover(key, global_shape, offs, sizes, part_rank)
+        part = pieces[g][0] if len(pieces[g]) == 1 else np.concatenate(pieces[g])
+        part_rank = piece_ranks[g][0] if len(piece_ranks[g]) == 1 else np.concatenate(piece_ranks[g])
+        pieces[g] = piece_ranks[g] = []
+        try:
+            _check_rows(key, props[g], ndim, part, part_rank)
+        except CheckpointingException:
+            if (np.diff(part_rank) >= 0).all():
+                raise
+            order = np.argsort(part_rank, kind="stable")
+            _check_rows(key, props[g], ndim, part[order], part_rank[order])
+            raise
+
+
+def _check_rows(key: str, props: Tuple, ndim: int, part: np.ndarray, part_rank: np.ndarray) -> None:
+    _, is_object, _, global_shape, flat = props
+    main = part[:, 0] != 0
+    if not main.all():
+        part, part_rank = part[main], part_rank[main]
+    n = len(global_shape)
+    offs = part[:, 1:1 + n]
+    sizes = part[:, 1 + ndim:1 + ndim + n]
+    if is_object:
+        _check_object_grid(key, global_shape, offs, part_rank)
+    elif flat:
+        _check_flat_tiling(key, global_shape, offs, sizes, part[:, 1 + 2 * ndim:], part_rank)
+    else:
+        check_exact_cover(key, global_shape, offs, sizes, part_rank)
 
 
 def _ranks(ranks: Iterable[int]) -> str:

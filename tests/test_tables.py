@@ -97,6 +97,15 @@ def test_objects_duplicated_or_missing():
         validate([obj("o", (3,), (0,))], [obj("o", (3,), (2,)), obj("o", (3,), (1,), main=False)])
 
 
+def test_errors_name_offenders_in_rank_order_whatever_the_grouping_of_equal_layouts():
+    # Ranks 0 and 2 have the same layout (checked together), rank 1 another.
+    with pytest.raises(CheckpointingException, match=r"'o': offset \[1\] is written by more than one main "
+                                                     r"replica \(ranks 1 and 2\)"):
+        validate([obj("o", (3,), (0,)), tensor("x", (2,), (0,), (2,))],
+                 [obj("o", (3,), (1,))],
+                 [obj("o", (3,), (1,)), tensor("x", (2,), (0,), (2,), main=False)])
+
+
 def test_disagreements_name_the_ranks_of_each_side():
     with pytest.raises(CheckpointingException, match=r"'a': ranks disagree on the global shape: \[4, 6\] on rank\(s\) "
                                                      r"0,2; \[4, 7\] on rank\(s\) 1"):
