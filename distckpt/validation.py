@@ -198,8 +198,15 @@ def validate_global_integrity(tables: Sequence[ShardTable]) -> None:
             raise CheckpointingException(f"rank {t.rank}: malformed shard table ({len(t.rows)} rows for "
                                          f"{group[0]} shards)")
         group[2].append(t)
-    pieces: List[List[np.ndarray]] = [[] for _ in props]
-    piece_ranks: List[List[np.ndarray]] = [[] for _ in props]
+    # Each entry's rows: one array per entry, filled group by group (one copy of every row).
+    total = [0] * len(props)
+    for _, entry_spans, members in groups.values():
+        for gid, lo, hi in entry_spans:
+            total[gid] += len(members) * (hi - lo)
+    width = 3 + 2 * ndim
+    parts = [np.empty((n, width), np.int64) for n in total]
+    part_ranks = [np.empty(n, np.int64) for n in total]
+    filled = [0] * len(props)
     for _, entry_spans, members in groups.values():
         stacked = np.stack([t.rows for t in members])        # [ranks, rows, columns]
         own = members[0].ndim
@@ -210,20 +217,20 @@ def validate_global_integrity(tables: Sequence[ShardTable]) -> None:
                                       stacked[:, :, 1 + 2 * own:]], axis=2)
         ranks = np.array([t.rank for t in members], dtype=np.int64)
         for gid, lo, hi in entry_spans:
-            pieces[gid].append(stacked[:, lo:hi].reshape(-1, stacked.shape[2]))
-            piece_ranks[gid].append(np.repeat(ranks, hi - lo))
+            a, b = filled[gid], filled[gid] + len(members) * (hi - lo)
+            parts[gid][a:b].reshape(len(members), hi - lo, width)[...] = stacked[:, lo:hi]
+            part_ranks[gid][a:b] = np.repeat(ranks, hi - lo)
+            filled[gid] = b
         del stacked
     by_key: Dict[str, List[int]] = {}
     for gid, p in enumerate(props):
         by_key.setdefault(p[0], []).append(gid)
     for key, gids in by_key.items():
         if len(gids) > 1:
-            _diagnose_disagreement(key, [(props[g], sorted(set(np.concatenate(piece_ranks[g]).tolist())))
-                                         for g in gids])
+            _diagnose_disagreement(key, [(props[g], sorted(set(part_ranks[g].tolist()))) for g in gids])
         g = gids[0]
-        part = pieces[g][0] if len(pieces[g]) == 1 else np.concatenate(pieces[g])
-        part_rank = piece_ranks[g][0] if len(piece_ranks[g]) == 1 else np.concatenate(piece_ranks[g])
-        pieces[g] = piece_ranks[g] = []
+        part, part_rank = parts[g], part_ranks[g]
+        parts[g] = part_ranks[g] = None
         try:
             _check_rows(key, props[g], ndim, part, part_rank)
         except CheckpointingException:
