@@ -54,7 +54,7 @@ from distckpt.validation import (
     determine_missing_and_unexpected_keys,
     handle_mismatched_keys,
     parse_strict_flag,
-    shard_meta,
+    shard_table,
     validate_global_integrity,
     validate_local_integrity,
 )
@@ -235,7 +235,7 @@ def save(
         common_view = None
         if preprocess_common_before_consistancy_check is not None:
             common_view = preprocess_common_before_consistancy_check(common_part)
-        payload = ([shard_meta(s, rank) for s in shards] if validate_access_integrity else None, common_view)
+        payload = (shard_table(shards, rank) if validate_access_integrity else None, common_view)
     except Exception as e:  # noqa: BLE001 - shared with every rank below
         exc = e
 
@@ -444,7 +444,7 @@ def load(
                 ckpt_meta.update(common_strategy.load_sharded_metadata(checkpoint_dir))
             ckpt_keys = {v.key for v in ckpt_meta.values()}
         local_keys = {s.key for s in shards}
-        payload = (local_keys, [shard_meta(s, dist.get_rank(group)) for s in shards] if validate_access_integrity else None)
+        payload = (local_keys, shard_table(shards, dist.get_rank(group)) if validate_access_integrity else None)
     except Exception as e:  # noqa: BLE001 - shared with every rank below
         exc = _replaced_or(e, checkpoint_dir, identity)
 

@@ -4,19 +4,18 @@ Global integrity means: for every key, all ranks agree on global shape and dtype
 replicas (replica_id == 0) cover every element of the global tensor exactly once. Flattened
 ranges must tile each chunk of the regular grid exactly once. ShardedObjects must fill their
 grid exactly once. The check runs on one rank over gathered, data-free shard descriptions
-(:class:`ShardMeta`) and its verdict is broadcast, so every rank raises the same error.
+(:class:`ShardTable`) and its verdict is broadcast, so every rank raises the same error.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
 import types
-from collections import defaultdict
 from dataclasses import dataclass
 from enum import Enum
-from operator import attrgetter
 from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
@@ -77,37 +76,83 @@ def parse_strict_flag(strict: Union[str, StrictHandling]) -> StrictHandling:
 
 # --------------------------------------------------------------------------- shard descriptions
 
+# A shard's description: (key, is_object, dtype, global_shape, global_offset, local_shape, flat, main).
+# ``local_shape`` has the full rank of the global tensor (prepended axes have size 1), so the shard
+# is the box ``[global_offset, global_offset + local_shape)``; for a flattened range the box is the
+# whole (un-flattened) chunk and ``flat`` is the ``(start, stop)`` slice of it, else None.
+ShardDesc = Tuple[str, bool, Optional[str], Tuple[int, ...], Tuple[int, ...], Tuple[int, ...],
+                  Optional[Tuple[int, int]], bool]
 
-@dataclass(frozen=True)
-class ShardMeta:
-    """Data-free description of one rank's shard, cheap to gather.
 
-    ``local_shape`` has the full rank of the global tensor (prepended axes have size 1), so the
-    shard is the box ``[global_offset, global_offset + local_shape)``. For flattened ranges the
-    box is the whole (un-flattened) chunk and ``flat`` is the ``(start, stop)`` slice of it.
+@dataclass
+class ShardTable:
+    """One rank's shards, data-free and compact: what each rank sends for the global check.
+
+    The properties that must agree across ranks are sent once per key, the boxes as one array:
+
+    - ``entries``: one ``(key, is_object, dtype, global_shape, flattened, count)`` per distinct
+      description on this rank, in the order first met (normally one per key);
+    - ``rows``: int64 ``[n, 3 + 2 * ndim]``, the ``count`` rows of each entry in entry order:
+      main (0/1), global offset, local shape, flat start, flat stop. ``ndim`` is the largest
+      number of axes among this rank's keys; a key with fewer has its offset padded with 0 and
+      its shape with 1 (``len(global_shape)`` says how many columns are real).
+
+    Pickling it costs a few objects per key instead of a few per shard, and rank 0 validates
+    every rank's rows with numpy (:func:`validate_global_integrity`). ``layout`` is a digest of
+    ``entries``: ranks with the same entries (data-parallel replicas) are recognized by it
+    without comparing the entries themselves.
     """
 
-    key: str
-    is_object: bool
-    dtype: Optional[str]
-    global_shape: Tuple[int, ...]
-    global_offset: Tuple[int, ...]
-    local_shape: Tuple[int, ...]
-    flat: Optional[Tuple[int, int]]
-    main: bool
     rank: int
+    entries: Tuple[Tuple[str, bool, Optional[str], Tuple[int, ...], bool, int], ...]
+    rows: np.ndarray
+    layout: bytes = b""
+
+    @property
+    def ndim(self) -> int:
+        return (self.rows.shape[1] - 3) // 2
+
+    @classmethod
+    def build(cls, rank: int, shards: Iterable[ShardDesc]) -> ShardTable:
+        groups: Dict[Tuple, List[Tuple]] = {}
+        for key, is_object, dtype, global_shape, offset, local, flat, main in shards:
+            props = (key, is_object, dtype, global_shape, flat is not None)
+            group = groups.get(props)
+            if group is None:
+                group = groups[props] = []
+            group.append((main, offset, local, flat))
+        ndim = max((len(p[3]) for p in groups), default=0)
+        rows: List[Tuple[int, ...]] = []
+        for props, group in groups.items():
+            pad = ndim - len(props[3])
+            zeros, ones = (0,) * pad, (1,) * pad
+            for main, offset, local, flat in group:
+                rows.append((1 if main else 0, *offset, *zeros, *local, *ones, *(flat or (0, 0))))
+        entries = tuple(props + (len(group),) for props, group in groups.items())
+        return cls(rank, entries, np.array(rows, dtype=np.int64).reshape(len(rows), 3 + 2 * ndim),
+                   layout_digest(entries))
 
 
-def shard_meta(sh: ShardedBase, rank: int) -> ShardMeta:
+def layout_digest(entries: Tuple) -> bytes:
+    """A digest of a rank's per-key properties (plain tuples of str, int, bool, None, dtypes)."""
+    return hashlib.blake2b(repr(entries).encode(), digest_size=16).digest()
+
+
+def shard_desc(sh: ShardedBase) -> ShardDesc:
     if isinstance(sh, ShardedObject):
         ones = (1,) * len(sh.global_shape)
-        return ShardMeta(sh.key, True, None, tuple(sh.global_shape), tuple(sh.global_offset), ones,
-                         None, is_main_replica(sh.replica_id), rank)
+        return (sh.key, True, None, tuple(sh.global_shape), tuple(sh.global_offset), ones, None,
+                is_main_replica(sh.replica_id))
     assert isinstance(sh, ShardedTensor)
     full_local = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
     flat = None if sh.flattened_range is None else (sh.flattened_range.start, sh.flattened_range.stop)
-    return ShardMeta(sh.key, False, str(sh.dtype), tuple(sh.global_shape), tuple(sh.global_offset),
-                     full_local, flat, is_main_replica(sh.replica_id), rank)
+    return (sh.key, False, str(sh.dtype), tuple(sh.global_shape), tuple(sh.global_offset), full_local, flat,
+            is_main_replica(sh.replica_id))
+
+
+def shard_table(shards: Iterable[ShardedBase], rank: int) -> ShardTable:
+    """This rank's shard descriptions, as sent to rank 0 for the global check."""
+    return ShardTable.build(rank, map(shard_desc, shards))
 
 
 def validate_local_integrity(shards: Iterable[ShardedBase]) -> None:
@@ -119,109 +164,197 @@ def validate_local_integrity(shards: Iterable[ShardedBase]) -> None:
 # --------------------------------------------------------------------------- global integrity
 
 
-def validate_global_integrity(all_ranks: Sequence[Sequence[ShardMeta]]) -> None:
+def validate_global_integrity(tables: Sequence[ShardTable]) -> None:
     """Check that the gathered shards of all ranks describe a consistent, complete checkpoint.
+
+    ``tables`` are every rank's :class:`ShardTable` in rank order. Ranks with the same layout
+    (data-parallel replicas) are stacked into one array; each key's rows are cut from those and
+    checked vectorized. A failing check is re-run on the key's rows in rank order, so the error
+    names the same first offender whatever the grouping.
 
     Raises:
         CheckpointingException: naming the key, the ranks involved and the problem.
     """
-    by_key: Dict[str, List[ShardMeta]] = defaultdict(list)
-    for rank_shards in all_ranks:
-        for m in rank_shards:
-            by_key[m.key].append(m)
-    for key, shards in by_key.items():
-        _check_key(key, shards)
-
-
-def _ranks(shards: Iterable[ShardMeta]) -> str:
-    return ",".join(str(r) for r in sorted({s.rank for s in shards}))
-
-
-_is_object = attrgetter("is_object")
-_global_shape = attrgetter("global_shape")
-_dtype = attrgetter("dtype")
-_is_main = attrgetter("main")
-_flat = attrgetter("flat")
-
-
-_kind = attrgetter("is_object", "global_shape", "dtype")
-
-
-def _check_key(key: str, shards: List[ShardMeta]) -> None:
-    # Fast path: one C-level pass over the three properties that must agree; the detailed
-    # diagnosis (one pass per property) runs only on a mismatch.
-    if len(set(map(_kind, shards))) > 1:
-        _diagnose_disagreement(key, shards)
-    global_shape = shards[0].global_shape
-    main = list(filter(_is_main, shards))
-    if shards[0].is_object:
-        _check_object_grid(key, global_shape, main)
+    if not tables:
         return
-    flat_count = len(shards) - list(map(_flat, shards)).count(None)
-    if 0 < flat_count < len(shards):
-        flat = [s for s in shards if s.flat is not None]
-        raise CheckpointingException(
-            f"key {key!r}: flattened on rank(s) {_ranks(flat)} but not on the others")
-    if flat_count:
-        _check_flat_tiling(key, global_shape, main)
+    ndim = max(t.ndim for t in tables)
+    props: List[Tuple] = []                 # global entry id -> (key, is_object, dtype, shape, flat)
+    ids: Dict[Tuple, int] = {}
+    # A layout -> (rows per rank, (entry id, first row, end row) of each entry, its ranks' tables).
+    groups: Dict[object, Tuple[int, List[Tuple[int, int, int]], List[ShardTable]]] = {}
+    for t in tables:
+        group = groups.get(t.layout)
+        if group is None:
+            entry_spans, start = [], 0
+            for e in t.entries:
+                gid = ids.get(e[:5])
+                if gid is None:
+                    gid = ids[e[:5]] = len(props)
+                    props.append(e[:5])
+                entry_spans.append((gid, start, start + e[5]))
+                start += e[5]
+            group = groups[t.layout or object()] = (start, entry_spans, [])
+        if group[0] != len(t.rows):
+            raise CheckpointingException(f"rank {t.rank}: malformed shard table ({len(t.rows)} rows for "
+                                         f"{group[0]} shards)")
+        group[2].append(t)
+    # Each entry's rows: one array per entry, filled group by group (one copy of every row).
+    total = [0] * len(props)
+    for _, entry_spans, members in groups.values():
+        for gid, lo, hi in entry_spans:
+            total[gid] += len(members) * (hi - lo)
+    width = 3 + 2 * ndim
+    parts = [np.empty((n, width), np.int64) for n in total]
+    part_ranks = [np.empty(n, np.int64) for n in total]
+    filled = [0] * len(props)
+    for _, entry_spans, members in groups.values():
+        stacked = np.stack([t.rows for t in members])        # [ranks, rows, columns]
+        own = members[0].ndim
+        if own < ndim:
+            r, n, pad = stacked.shape[0], stacked.shape[1], ndim - own
+            stacked = np.concatenate([stacked[:, :, :1 + own], np.zeros((r, n, pad), np.int64),
+                                      stacked[:, :, 1 + own:1 + 2 * own], np.ones((r, n, pad), np.int64),
+                                      stacked[:, :, 1 + 2 * own:]], axis=2)
+        ranks = np.array([t.rank for t in members], dtype=np.int64)
+        for gid, lo, hi in entry_spans:
+            a, b = filled[gid], filled[gid] + len(members) * (hi - lo)
+            parts[gid][a:b].reshape(len(members), hi - lo, width)[...] = stacked[:, lo:hi]
+            part_ranks[gid][a:b] = np.repeat(ranks, hi - lo)
+            filled[gid] = b
+        del stacked
+    by_key: Dict[str, List[int]] = {}
+    for gid, p in enumerate(props):
+        by_key.setdefault(p[0], []).append(gid)
+    for key, gids in by_key.items():
+        if len(gids) > 1:
+            _diagnose_disagreement(key, [(props[g], sorted(set(part_ranks[g].tolist()))) for g in gids])
+        g = gids[0]
+        part, part_rank = parts[g], part_ranks[g]
+        parts[g] = part_ranks[g] = None
+        try:
+            _check_rows(key, props[g], ndim, part, part_rank)
+        except CheckpointingException:
+            if (np.diff(part_rank) >= 0).all():
+                raise
+            order = np.argsort(part_rank, kind="stable")
+            _check_rows(key, props[g], ndim, part[order], part_rank[order])
+            raise
+
+
+def _check_rows(key: str, props: Tuple, ndim: int, part: np.ndarray, part_rank: np.ndarray) -> None:
+    _, is_object, _, global_shape, flat = props
+    main = part[:, 0] != 0
+    if not main.all():
+        part, part_rank = part[main], part_rank[main]
+    n = len(global_shape)
+    offs = part[:, 1:1 + n]
+    sizes = part[:, 1 + ndim:1 + ndim + n]
+    if is_object:
+        _check_object_grid(key, global_shape, offs, part_rank)
+    elif flat:
+        _check_flat_tiling(key, global_shape, offs, sizes, part[:, 1 + 2 * ndim:], part_rank)
     else:
-        check_exact_cover(key, global_shape, [(s.global_offset, s.local_shape, s.rank) for s in main])
+        check_exact_cover(key, global_shape, offs, sizes, part_rank)
 
 
-def _diagnose_disagreement(key: str, shards: List[ShardMeta]) -> None:
-    if len(set(map(_is_object, shards))) > 1:
-        tensors = [s for s in shards if not s.is_object]
-        objects = [s for s in shards if s.is_object]
+def _ranks(ranks: Iterable[int]) -> str:
+    return ",".join(str(r) for r in sorted(set(ranks)))
+
+
+def _diagnose_disagreement(key: str, entries: List[Tuple[Tuple, List[int]]]) -> None:
+    """``entries``: ``((key, is_object, dtype, global_shape, flattened), ranks)`` in the order
+    first met; raises on the first property the ranks disagree on."""
+    def ranks_by(i: int) -> Dict:
+        out: Dict = {}
+        for p, rs in entries:
+            out.setdefault(p[i], []).extend(rs)
+        return out
+
+    kinds = ranks_by(1)
+    if len(kinds) > 1:
         raise CheckpointingException(
-            f"key {key!r} is a ShardedTensor on rank(s) {_ranks(tensors)} and a ShardedObject "
-            f"on rank(s) {_ranks(objects)}")
-    if len(set(map(_global_shape, shards))) > 1:
-        shapes = defaultdict(list)
-        for s in shards:
-            shapes[s.global_shape].append(s)
-        desc = "; ".join(f"{list(shape)} on rank(s) {_ranks(v)}" for shape, v in shapes.items())
+            f"key {key!r} is a ShardedTensor on rank(s) {_ranks(kinds.get(False, []))} and a ShardedObject "
+            f"on rank(s) {_ranks(kinds.get(True, []))}")
+    shapes = ranks_by(3)
+    if len(shapes) > 1:
+        desc = "; ".join(f"{list(shape)} on rank(s) {_ranks(rs)}" for shape, rs in shapes.items())
         raise CheckpointingException(f"key {key!r}: ranks disagree on the global shape: {desc}")
-    if len(set(map(_dtype, shards))) > 1:
-        dtypes = defaultdict(list)
-        for s in shards:
-            dtypes[s.dtype].append(s)
-        desc = "; ".join(f"{d} on rank(s) {_ranks(v)}" for d, v in dtypes.items())
+    dtypes = ranks_by(2)
+    if len(dtypes) > 1:
+        desc = "; ".join(f"{d} on rank(s) {_ranks(rs)}" for d, rs in dtypes.items())
         raise CheckpointingException(f"key {key!r}: ranks disagree on the dtype: {desc}")
+    flat = ranks_by(4)
+    raise CheckpointingException(
+        f"key {key!r}: flattened on rank(s) {_ranks(flat.get(True, []))} but not on the others")
 
 
-def _check_object_grid(key: str, global_shape: Tuple[int, ...], main: List[ShardMeta]) -> None:
-    seen: Dict[Tuple[int, ...], int] = {}
-    for s in main:
-        if s.global_offset in seen:
-            raise CheckpointingException(
-                f"ShardedObject {key!r}: offset {list(s.global_offset)} is written by more than one "
-                f"main replica (ranks {seen[s.global_offset]} and {s.rank})")
-        seen[s.global_offset] = s.rank
+def _check_object_grid(key: str, global_shape: Tuple[int, ...], offs: np.ndarray, ranks: np.ndarray) -> None:
     expected = math.prod(global_shape)
-    if len(seen) != expected:
-        missing = next(o for o in np.ndindex(*global_shape) if tuple(o) not in seen)
+    if len(global_shape):
+        inside = ((offs >= 0) & (offs < np.array(global_shape, dtype=np.int64))).all(axis=1)
+        if not inside.all():
+            i = int(np.argmin(inside))
+            raise CheckpointingException(
+                f"ShardedObject {key!r}: offset {offs[i].tolist()} of rank {int(ranks[i])} is outside the "
+                f"grid of global shape {list(global_shape)}")
+        cells = np.ravel_multi_index(offs.T, global_shape)
+    else:
+        cells = np.zeros(len(offs), dtype=np.int64)
+    _, first, inverse = np.unique(cells, return_index=True, return_inverse=True)
+    dup = np.flatnonzero(first[inverse.reshape(-1)] != np.arange(len(cells)))
+    if len(dup):
+        i = int(dup[0])
+        j = int(first[inverse.reshape(-1)[i]])
         raise CheckpointingException(
-            f"ShardedObject {key!r}: {expected - len(seen)} of {expected} shards have no main "
-            f"replica (e.g. offset {list(missing)}); set replica_id=0 on exactly one rank per shard")
+            f"ShardedObject {key!r}: offset {offs[i].tolist()} is written by more than one "
+            f"main replica (ranks {int(ranks[j])} and {int(ranks[i])})")
+    if len(first) != expected:
+        present = np.zeros(expected, dtype=bool)
+        present[cells] = True
+        missing = np.unravel_index(int(np.argmin(present)), global_shape) if global_shape else ()
+        raise CheckpointingException(
+            f"ShardedObject {key!r}: {expected - len(first)} of {expected} shards have no main "
+            f"replica (e.g. offset {[int(m) for m in missing]}); set replica_id=0 on exactly one rank per shard")
 
 
-def _check_flat_tiling(key: str, global_shape: Tuple[int, ...], main: List[ShardMeta]) -> None:
+def _sorted_by_chunk(offs: np.ndarray, sizes: np.ndarray, start: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """The order of the flattened slices by (chunk, start) and each one's chunk number in it
+    (chunks numbered in the order of their boxes)."""
+    n = len(offs)
+    if offs.shape[1] and (sizes == sizes[0]).all() and (sizes[0] > 0).all() and not (offs % sizes[0]).any():
+        # A regular grid (what a distributed optimizer makes): the cell index is the chunk.
+        cells = offs // sizes[0]
+        cid = np.ravel_multi_index(cells.T, tuple(int(c) + 1 for c in cells.max(axis=0)))
+        span = int(start.max()) + 1
+        if int(start.min()) >= 0 and int(cid.max()) < (2**62) // span:
+            order = np.argsort(cid * span + start, kind="stable")
+        else:
+            order = np.lexsort((start, cid))
+        cid = cid[order]
+    else:
+        _, cid = np.unique(np.concatenate([offs, sizes], axis=1), axis=0, return_inverse=True)
+        cid = cid.reshape(-1)
+        order = np.lexsort((start, cid))
+        cid = cid[order]
+    first = np.ones(n, dtype=bool)
+    first[1:] = cid[1:] != cid[:-1]
+    return order, np.cumsum(first) - 1
+
+
+def _check_flat_tiling(key: str, global_shape: Tuple[int, ...], offs: np.ndarray, sizes: np.ndarray,
+                       flat: np.ndarray, ranks: np.ndarray) -> None:
     """Flattened slices of each chunk must tile ``[0, numel)`` exactly once; the chunks (boxes
     of a regular grid) must then cover the tensor exactly once. Vectorized over all slices."""
-    if not main:
-        check_exact_cover(key, global_shape, [])
+    if not len(offs):
+        check_exact_cover(key, global_shape, offs, sizes, ranks)
         return
-    offsets = np.array([s.global_offset for s in main], dtype=np.int64).reshape(len(main), -1)
-    locals_ = np.array([s.local_shape for s in main], dtype=np.int64).reshape(len(main), -1)
-    bounds = np.array([s.flat for s in main], dtype=np.int64)
-    boxes = np.concatenate([offsets, locals_], axis=1)
-    uniq, chunk_id = np.unique(boxes, axis=0, return_inverse=True)
-    chunk_id = chunk_id.reshape(-1)
-    numel = np.prod(uniq[:, offsets.shape[1]:], axis=1) if offsets.shape[1] else np.ones(len(uniq), np.int64)
-    keep = bounds[:, 1] > bounds[:, 0]
-    order = np.lexsort((bounds[keep, 0], chunk_id[keep]))
-    cid, start, stop = chunk_id[keep][order], bounds[keep, 0][order], bounds[keep, 1][order]
-    idx = np.flatnonzero(keep)[order]
+    order, chunk = _sorted_by_chunk(offs, sizes, flat[:, 0])
+    starts = np.flatnonzero(np.concatenate([[True], chunk[1:] != chunk[:-1]]))
+    owner = np.minimum.reduceat(order, starts)   # each chunk's first shard, in the ranks' order
+    numel = np.prod(sizes[owner], axis=1) if sizes.shape[1] else np.ones(len(owner), np.int64)
+    keep = flat[order, 1] > flat[order, 0]
+    idx, cid = order[keep], chunk[keep]
+    start, stop = flat[idx, 0], flat[idx, 1]
     first = np.ones(len(cid), dtype=bool)
     first[1:] = cid[1:] != cid[:-1]
     last = np.ones(len(cid), dtype=bool)
@@ -230,39 +363,37 @@ def _check_flat_tiling(key: str, global_shape: Tuple[int, ...], main: List[Shard
     bad = np.flatnonzero(start != expected_start)
     if len(bad):
         i = bad[0]
-        m = main[idx[i]]
+        where = offs[idx[i]].tolist()
         if start[i] < expected_start[i]:
             raise CheckpointingException(
                 f"ShardedTensor {key!r}: flattened ranges overlap in the chunk at offset "
-                f"{list(m.global_offset)}: [{start[i]}, {stop[i]}) on rank {m.rank} starts before {expected_start[i]}")
+                f"{where}: [{start[i]}, {stop[i]}) on rank {ranks[idx[i]]} starts before {expected_start[i]}")
         raise CheckpointingException(
             f"ShardedTensor {key!r}: flattened range [{expected_start[i]}, {start[i]}) of the chunk at offset "
-            f"{list(m.global_offset)} is not written by any main replica")
-    ends = np.zeros(len(uniq), dtype=np.int64)
+            f"{where} is not written by any main replica")
+    ends = np.zeros(len(owner), dtype=np.int64)
     ends[cid[last]] = stop[last]
     short = np.flatnonzero(ends != numel)
     if len(short):
         c = short[0]
         raise CheckpointingException(
             f"ShardedTensor {key!r}: flattened range [{ends[c]}, {numel[c]}) of the chunk at offset "
-            f"{list(uniq[c, :offsets.shape[1]])} is not written by any main replica")
-    n = offsets.shape[1]
-    _, first_of = np.unique(chunk_id, return_index=True)   # the first shard of each chunk
-    check_exact_cover(key, global_shape, [(tuple(u[:n]), tuple(u[n:]), main[i].rank)
-                                          for u, i in zip(uniq.tolist(), first_of.tolist())])
+            f"{offs[owner[c]].tolist()} is not written by any main replica")
+    check_exact_cover(key, global_shape, offs[owner], sizes[owner], ranks[owner])
 
 
-def _small_exact_cover(global_shape: Sequence[int], boxes) -> bool:
+def _small_exact_cover(global_shape: Sequence[int], offs: List[List[int]], sizes: List[List[int]]) -> bool:
     """True if a handful of boxes certainly cover ``global_shape`` exactly once: each inside
     the tensor, pairwise disjoint, volumes adding up. False means "check the long way" (which
     also describes the problem)."""
     total = 0
-    for off, size, _ in boxes:
+    for off, size in zip(offs, sizes):
         if any(o < 0 or o + s > g for o, s, g in zip(off, size, global_shape)):
             return False
         total += math.prod(size)
-    for i, (a_off, a_size, _) in enumerate(boxes):
-        for b_off, b_size, _ in boxes[i + 1:]:
+    boxes = list(zip(offs, sizes))
+    for i, (a_off, a_size) in enumerate(boxes):
+        for b_off, b_size in boxes[i + 1:]:
             if all(ao < bo + bs and bo < ao + az for ao, az, bo, bs in zip(a_off, a_size, b_off, b_size)):
                 return False
     return total == math.prod(global_shape)
@@ -272,33 +403,36 @@ def _small_exact_cover(global_shape: Sequence[int], boxes) -> bool:
 _MAX_GRID_CELLS = 50_000_000
 
 
-def check_exact_cover(key: str, global_shape: Sequence[int],
-                      boxes: Sequence[Tuple[Sequence[int], Sequence[int], int]]) -> None:
-    """Check that boxes ``(offset, size, rank)`` cover ``global_shape`` exactly once.
+def check_exact_cover(key: str, global_shape: Sequence[int], offs: np.ndarray, sizes: np.ndarray,
+                      ranks: np.ndarray) -> None:
+    """Check that the boxes ``[offs[i], offs[i] + sizes[i])`` (written by ``ranks[i]``) cover
+    ``global_shape`` exactly once.
 
-    Uses coordinate compression: the cut points of all boxes along each axis split the tensor
-    into a grid of cells, each of which is either fully inside or fully outside any box.
+    A regular grid is checked by counting the boxes per grid cell; anything else by coordinate
+    compression: the cut points of all boxes along each axis split the tensor into a grid of
+    cells, each of which is either fully inside or fully outside any box.
     """
     ndim = len(global_shape)
-    boxes = [b for b in boxes if all(s > 0 for s in b[1])]
     if math.prod(global_shape) == 0:
         return
     if ndim == 0:
-        if len(boxes) != 1:
+        if len(offs) != 1:
             raise CheckpointingException(
-                f"ShardedTensor {key!r}: a scalar needs exactly one main replica, got {len(boxes)} "
-                f"(ranks {sorted(b[2] for b in boxes)})")
+                f"ShardedTensor {key!r}: a scalar needs exactly one main replica, got {len(offs)} "
+                f"(ranks {sorted(ranks.tolist())})")
         return
-    if len(boxes) <= 4 and _small_exact_cover(global_shape, boxes):
-        return  # a few boxes (most keys of most models): plain Python, no numpy overhead
-    offs = np.array([b[0] for b in boxes], dtype=np.int64).reshape(len(boxes), ndim)
-    sizes = np.array([b[1] for b in boxes], dtype=np.int64).reshape(len(boxes), ndim)
+    nonempty = (sizes > 0).all(axis=1)
+    if not nonempty.all():
+        offs, sizes, ranks = offs[nonempty], sizes[nonempty], ranks[nonempty]
+    if len(offs) <= 4 and _small_exact_cover(global_shape, offs.tolist(), sizes.tolist()):
+        return  # a few boxes (most keys of most models): plain Python, no more numpy
     gshape = np.array(global_shape, dtype=np.int64)
-    if len(boxes) and (sizes == sizes[0]).all() and not (offs % sizes[0]).any() and not (gshape % sizes[0]).any():
+    if len(offs) and (sizes == sizes[0]).all() and not (offs % sizes[0]).any() and not (gshape % sizes[0]).any() \
+            and (offs >= 0).all() and (offs + sizes <= gshape).all():
         # Regular grid (the common case): exact cover <=> every grid cell held exactly once.
         cells = offs // sizes[0]
         grid_shape = gshape // sizes[0]
-        flat = np.ravel_multi_index(cells.T, grid_shape) if ndim else np.zeros(len(boxes), np.int64)
+        flat = np.ravel_multi_index(cells.T, grid_shape)
         counts = np.bincount(flat, minlength=int(np.prod(grid_shape)))
         if counts.max() <= 1 and counts.min() == 1:
             return
@@ -306,19 +440,19 @@ def check_exact_cover(key: str, global_shape: Sequence[int],
             for a in range(ndim)]
     grid = tuple(len(c) - 1 for c in cuts)
     if math.prod(grid) > _MAX_GRID_CELLS:
-        _check_cover_by_volume(key, global_shape, boxes)
+        _check_cover_by_volume(key, global_shape, offs.tolist(), sizes.tolist(), ranks.tolist())
         return
     lo = np.stack([np.searchsorted(cuts[a], offs[:, a]) for a in range(ndim)], axis=1)
     hi = np.stack([np.searchsorted(cuts[a], offs[:, a] + sizes[:, a]) for a in range(ndim)], axis=1)
     counts = np.zeros(grid, dtype=np.int32)
     cell_slices = []
-    for b in range(len(boxes)):
+    for b in range(len(offs)):
         sl = tuple(slice(int(lo[b, a]), int(hi[b, a])) for a in range(ndim))
         cell_slices.append(sl)
         counts[sl] += 1
     if (counts > 1).any():
         cell = tuple(int(i) for i in np.argwhere(counts > 1)[0])
-        owners = [b[2] for b, sl in zip(boxes, cell_slices)
+        owners = [int(r) for r, sl in zip(ranks, cell_slices)
                   if all(s.start <= c < s.stop for s, c in zip(sl, cell))]
         raise CheckpointingException(
             f"ShardedTensor {key!r}: main replicas overlap at global region {_region(cuts, cell)} "
@@ -334,7 +468,8 @@ def _region(cuts: List[np.ndarray], cell: Tuple[int, ...]) -> str:
     return "[" + ", ".join(f"{int(c[i])}:{int(c[i + 1])}" for c, i in zip(cuts, cell)) + "]"
 
 
-def _check_cover_by_volume(key, global_shape, boxes) -> None:
+def _check_cover_by_volume(key, global_shape, offs, sizes, ranks) -> None:
+    boxes = list(zip(offs, sizes, ranks))
     total = sum(math.prod(size) for _, size, _ in boxes)
     expected = math.prod(global_shape)
     order = sorted(boxes, key=lambda b: b[0][0])

@@ -1,21 +1,27 @@
 """How global validation, planning and metadata building scale with the number of ranks.
 
-    python tools/scale.py [--max-ranks 4096] [--out bench_out]
+    python tools/scale.py [--max-ranks 4096] [--out bench_out] [--tmp /dev/shm] [--profile]
 
 Simulates, in one process, the sharding metadata that every rank of a GPT-3 175B-like model
 (96 layers, hidden 12288) would send at TP8 x PP16 x DP: bf16 parameters TP-split and replicated
 over DP, and a distributed optimizer whose fp32 states (master weights, exp_avg, exp_avg_sq)
 are flattened slices spread over DP. At TP8 x PP16 x DP32 = 4096 ranks this is over a million
-shards. For each world size it times what rank 0 does on every save:
+shards. Each simulated rank builds and pickles what it sends to rank 0 with the same code as
+``distckpt.save`` (a ``ShardTable`` for validation, a ``RecordTable`` at commit; not timed: the
+ranks do it in parallel). For each world size it times what rank 0 does on a save with a new
+structure:
 
-- validation: ``validate_global_integrity`` over every rank's shard descriptions
-- planning:   assigning main replicas to files (``_buckets``), summed over all ranks (each
-              rank plans only its own share, so this overstates a rank's time by ``world``x)
-- metadata:   building the DCP ``Metadata`` from every rank's write records
+- gather:     unpickling every rank's two payloads (rank 0's side of the two gathers)
+- validation: ``validate_global_integrity`` over every rank's shard table
+- planning:   rank 0 assigning its own main replicas to files (``_buckets``)
+- metadata:   merging every rank's record table and building the DCP ``Metadata`` from it
 
-and prints the time and the resident memory growth (validation + the Metadata object), with the ratio to the smallest world size so
-the growth is easy to read (near-linear: time/shards stays flat). All of it runs with the cyclic GC
-paused, as inside ``distckpt.save``.
+and prints the time and the peak resident memory above the simulation's inputs (sampled every
+5 ms during these stages, the pickling of ``.metadata`` and the sidecar build), with the
+ratio to the smallest world size so the growth is easy to read (near-linear: time/shards stays
+flat). "total" is validation + planning + metadata. All of it runs with the cyclic GC paused,
+as inside ``distckpt.save``. ``--profile`` prints a cProfile of those stages at the largest
+world size.
 
 Then what a *loading* rank pays: ``.metadata`` (pickled, every chunk of every key: each rank of
 a load without the sidecar reads and unpickles all of it) against the sidecar index
@@ -27,12 +33,16 @@ share. For three ranks (first, middle, last) it queries the sidecar for that ran
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
 import json
 import math
 import pickle
+import pstats
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -44,14 +54,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from distckpt.core import gc_paused  # noqa: E402
 from distckpt.strategies.index import INDEX_FNAME, IndexReader  # noqa: E402
 from distckpt.strategies.torch import (  # noqa: E402
+    GatheredRecords,
+    RecordTable,
     _buckets,
     _KeyDecl,
     _Record,
     _WriteItem,
     build_metadata,
+    metadata_bytes,
     sidecar_index,
 )
-from distckpt.validation import ShardMeta, validate_global_integrity  # noqa: E402
+from distckpt.validation import ShardTable, validate_global_integrity  # noqa: E402
 
 HIDDEN, LAYERS, VOCAB, TP, PP_MAX = 12288, 96, 51200, 8, 16
 WEIGHTS = [  # name, shape (per layer), split axis (None: replicated over TP)
@@ -99,7 +112,7 @@ def rank_shards(rank: int, world: int):
                 offset[1 + axis] = tp_rank * local[axis]
             full_local = (1,) + tuple(local)
             main = tp_replica == 0 and dp_rank == 0
-            metas.append(ShardMeta(key, False, "torch.bfloat16", gshape, tuple(offset), full_local, None, main, rank))
+            metas.append((key, False, "torch.bfloat16", gshape, tuple(offset), full_local, None, main))
             if main:
                 items.append(_WriteItem(key, tuple(offset), full_local, None, 2 * math.prod(local)))
             numel = math.prod(local)
@@ -108,8 +121,8 @@ def rank_shards(rank: int, world: int):
             for state in OPT_STATES:
                 okey = f"optimizer.state.{state}.{key}"
                 opt_main = tp_replica == 0
-                metas.append(ShardMeta(okey, False, "torch.float32", gshape, tuple(offset), full_local,
-                                       (start, stop), opt_main, rank))
+                metas.append((okey, False, "torch.float32", gshape, tuple(offset), full_local,
+                              (start, stop), opt_main))
                 if opt_main and stop > start:
                     grid_index = (layer,) + tuple(o // max(1, s) for o, s in zip(offset[1:], local))
                     items.append(_WriteItem(okey, grid_index + (start,), (1,) * len(gshape) + (stop - start,),
@@ -127,7 +140,7 @@ def records_of(rank: int, items, buckets: int = 2):
     return out
 
 
-def decls_of(items_by_rank, world):
+def decls_of(world):
     decls = {}
     for name, shape, _ in WEIGHTS:
         key = f"decoder.layers.{name}"
@@ -146,59 +159,105 @@ def decls_of(items_by_rank, world):
 def load_boxes(metas) -> dict:
     """The boxes (stored coordinates) one rank asks for when it loads its own share."""
     boxes: dict = {}
-    for m in metas:
-        if m.flat is None:
-            box = (m.global_offset, m.local_shape)
+    for key, _, _, _, offset, local, flat, _ in metas:
+        if flat is None:
+            box = (offset, local)
         else:
-            grid_index = tuple(o // max(1, s) for o, s in zip(m.global_offset, m.local_shape))
-            box = (grid_index + (m.flat[0],), (1,) * len(grid_index) + (m.flat[1] - m.flat[0],))
-        boxes.setdefault(m.key, []).append(box)
+            grid_index = tuple(o // max(1, s) for o, s in zip(offset, local))
+            box = (grid_index + (flat[0],), (1,) * len(grid_index) + (flat[1] - flat[0],))
+        boxes.setdefault(key, []).append(box)
     return boxes
 
 
-def measure(world: int, tmp: Path) -> dict:
-    all_metas, all_items = [], []
+class PeakRss:
+    """The highest resident memory seen (sampled every 5 ms) while the block runs."""
+
+    def __init__(self, proc):
+        self.proc, self.peak, self._stop = proc, 0, threading.Event()
+
+    def _run(self):
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+
+    def __enter__(self):
+        self.peak = self.proc.memory_info().rss
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+
+
+def measure(world: int, tmp: Path, profile: bool = False, objects: bool = False) -> dict:
+    queried = (0, world // 2, world - 1)
+    all_metas, payloads, records, shards = {}, [], [], 0
+    decls = decls_of(world)
     for rank in range(world):
         metas, items = rank_shards(rank, world)
-        all_metas.append(metas)
-        all_items.append(items)
-    shards = sum(len(m) for m in all_metas)
+        shards += len(metas)
+        if rank in queried:
+            all_metas[rank] = metas
+        # What each rank sends (built and pickled on that rank, in parallel: not timed).
+        payloads.append(pickle.dumps(ShardTable.build(rank, metas)))
+        recs = records_of(rank, items)
+        rank_decls = {it.fqn: decls[it.fqn] for it in items}
+        records.append(pickle.dumps(("full", RecordTable.of(rank_decls, recs), {})))
+        if rank == 0:
+            planned = items
+    written = sum(len(pickle.loads(p)[1].rows) for p in records)
     gc.collect()
     proc = psutil.Process()
     rss0 = proc.memory_info().rss
+    profiler = cProfile.Profile() if profile else None
+    with gc_paused(), PeakRss(proc) as peak:
+        if profiler:
+            profiler.enable()
+        t0 = time.perf_counter()
+        tables = [pickle.loads(p) for p in payloads]     # rank 0's side of the validation gather
+        t_gather = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        validate_global_integrity(tables)
+        t_validate = time.perf_counter() - t0
+        del tables
+        t0 = time.perf_counter()
+        _buckets(planned, 2)   # each rank plans its own files: rank 0's share
+        t_plan = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        gathered = [pickle.loads(p) for p in records]    # rank 0's side of the commit gather
+        t_gather += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        merged = GatheredRecords.of([p[1] for p in gathered])
+        md_bytes = metadata_bytes(merged, "sim", "save-id")
+        t_meta = time.perf_counter() - t0
+        if profiler:
+            profiler.disable()
+        t0 = time.perf_counter()
+        index = sidecar_index(merged, len(md_bytes))
+        t_index = time.perf_counter() - t0
+    t_objects = None
+    if objects:   # the same .metadata the way it was built before: DCP's objects, then pickle (not in RSS)
+        with gc_paused():
+            t0 = time.perf_counter()
+            pickle.dumps(build_metadata(merged, "sim"))
+            t_objects = time.perf_counter() - t0
+    del merged, gathered
+    (tmp / ".metadata").write_bytes(md_bytes)
+    (tmp / INDEX_FNAME).write_bytes(index)
+    if profiler:
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(22)
+        print(out.getvalue())
     with gc_paused():
         t0 = time.perf_counter()
-        validate_global_integrity(all_metas)
-        t_validate = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        for items in all_items:  # every rank plans its own files; rank 0's share is 1/world of this
-            _buckets(items, 2)
-        t_plan = time.perf_counter() - t0
-        records = [records_of(rank, items) for rank, items in enumerate(all_items)]
-        decls = decls_of(all_items, world)
-        rss1 = proc.memory_info().rss
-        t0 = time.perf_counter()
-        md = build_metadata([(decls if r == 0 else {}, recs) for r, recs in enumerate(records)], "sim")
-        t_meta = time.perf_counter() - t0
-        peak = max(rss1, proc.memory_info().rss) - rss0
-        t0 = time.perf_counter()
-        md_bytes = pickle.dumps(md)
-        t_pickle = time.perf_counter() - t0
-        chunks = sum(len(v.chunks) for v in md.state_dict_metadata.values())
-        del md
-        per_rank = [(decls if r == 0 else {}, recs, {}) for r, recs in enumerate(records)]
-        t0 = time.perf_counter()
-        index = sidecar_index(per_rank, len(md_bytes))
-        t_index = time.perf_counter() - t0
-        peak = max(peak, proc.memory_info().rss - rss0)
-        (tmp / ".metadata").write_bytes(md_bytes)
-        (tmp / INDEX_FNAME).write_bytes(index)
-        del per_rank, records
-        t0 = time.perf_counter()
-        pickle.loads(md_bytes)
+        md = pickle.loads(md_bytes)
         t_unpickle = time.perf_counter() - t0
+        chunks = sum(len(v.chunks) for v in md.state_dict_metadata.values() if hasattr(v, "chunks"))
+        del md
         read_bytes, read_s, found = [], [], []
-        for rank in (0, world // 2, world - 1):
+        for rank in queried:
             t0 = time.perf_counter()
             reader = IndexReader.open(tmp)
             hits = reader.query(load_boxes(all_metas[rank]))
@@ -207,9 +266,9 @@ def measure(world: int, tmp: Path) -> dict:
             found.append(sum(len(v) for v in hits.values()))
     pp, dp = layout(world)
     return {"ranks": world, "layout": f"TP{TP}xPP{pp}xDP{dp}", "shards": shards,
-            "written_items": sum(len(m) for m in all_items), "validate_s": t_validate, "plan_s": t_plan,
-            "metadata_s": t_meta, "total_s": t_validate + t_plan + t_meta, "rss_growth_mib": peak / 2**20,
-            "chunks_in_metadata": chunks, "pickle_s": t_pickle, "index_build_s": t_index,
+            "written_items": written, "gather_s": t_gather, "validate_s": t_validate, "plan_s": t_plan,
+            "metadata_s": t_meta, "total_s": t_validate + t_plan + t_meta, "rss_growth_mib": (peak.peak - rss0) / 2**20,
+            "chunks_in_metadata": chunks, "objects_and_pickle_s": t_objects, "index_build_s": t_index,
             "metadata_mib": len(md_bytes) / 2**20, "index_mib": len(index) / 2**20, "unpickle_s": t_unpickle,
             "share_shards": len(all_metas[0]), "load_records": sum(found) / len(found),
             "load_index_kib": sum(read_bytes) / len(read_bytes) / 2**10, "load_index_s": sum(read_s) / len(read_s)}
@@ -218,19 +277,25 @@ def measure(world: int, tmp: Path) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-ranks", type=int, default=4096)
+    parser.add_argument("--min-ranks", type=int, default=64)
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--tmp", default=None, help="where the simulated .metadata and sidecar are written")
+    parser.add_argument("--objects", action="store_true",
+                        help="also time building DCP's Metadata objects and pickling them (the old way)")
+    parser.add_argument("--profile", action="store_true",
+                        help="cProfile gather + validation + planning + metadata at the largest world size")
     args = parser.parse_args()
-    worlds = [w for w in (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384) if w <= args.max_ranks]
+    worlds = [w for w in (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384) if args.min_ranks <= w <= args.max_ranks]
     rows = []
-    print(f"| {'ranks':>5} | {'layout':>15} | {'shards':>9} | {'validate s':>10} | {'plan s':>7} | "
-          f"{'metadata s':>10} | {'total s':>7} | {'us/shard':>8} | {'RSS +MiB':>8} |")
-    print("|" + "|".join("-" * (n + 2) for n in (5, 15, 9, 10, 7, 10, 7, 8, 8)) + "|")
+    print(f"| {'ranks':>5} | {'layout':>15} | {'shards':>9} | {'items':>9} | {'gather s':>8} | {'validate s':>10} | "
+          f"{'plan s':>7} | {'metadata s':>10} | {'total s':>7} | {'us/shard':>8} | {'RSS +MiB':>8} |")
+    print("|" + "|".join("-" * (n + 2) for n in (5, 15, 9, 9, 8, 10, 7, 10, 7, 8, 8)) + "|")
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         for world in worlds:
-            r = measure(world, Path(tmp))
+            r = measure(world, Path(tmp), profile=args.profile and world == worlds[-1], objects=args.objects)
             rows.append(r)
-            print(f"| {r['ranks']:5d} | {r['layout']:>15} | {r['shards']:9d} | {r['validate_s']:10.2f} | "
+            print(f"| {r['ranks']:5d} | {r['layout']:>15} | {r['shards']:9d} | {r['written_items']:9d} | "
+                  f"{r['gather_s']:8.2f} | {r['validate_s']:10.2f} | "
                   f"{r['plan_s']:7.2f} | {r['metadata_s']:10.2f} | {r['total_s']:7.2f} | "
                   f"{1e6 * r['total_s'] / r['shards']:8.2f} | {r['rss_growth_mib']:8.0f} |", flush=True)
     first, last = rows[0], rows[-1]
@@ -238,11 +303,12 @@ def main() -> int:
     print(f"\n{first['ranks']} -> {last['ranks']} ranks: shards x{last['shards'] / first['shards']:.0f}, "
           f"time x{last['total_s'] / first['total_s']:.1f} (time growth / shard growth = {growth:.2f}; 1.0 is linear)")
     print("\nWhat one loading rank reads to find its share (same layout; mean of ranks 0, world/2, world-1):\n")
-    print(f"| {'ranks':>5} | {'.metadata MiB':>13} | {'pickle s':>8} | {'unpickle s':>10} | {'index MiB':>9} | "
+    print(f"| {'ranks':>5} | {'.metadata MiB':>13} | {'objects s':>9} | {'unpickle s':>10} | {'index MiB':>9} | "
           f"{'build s':>7} | {'share shards':>12} | {'records read':>12} | {'index KiB read':>14} | {'query s':>7} |")
-    print("|" + "|".join("-" * (n + 2) for n in (5, 13, 8, 10, 9, 7, 12, 12, 14, 7)) + "|")
+    print("|" + "|".join("-" * (n + 2) for n in (5, 13, 9, 10, 9, 7, 12, 12, 14, 7)) + "|")
     for r in rows:
-        print(f"| {r['ranks']:5d} | {r['metadata_mib']:13.1f} | {r['pickle_s']:8.2f} | {r['unpickle_s']:10.2f} | "
+        objects = "-" if r["objects_and_pickle_s"] is None else f"{r['objects_and_pickle_s']:.2f}"
+        print(f"| {r['ranks']:5d} | {r['metadata_mib']:13.1f} | {objects:>9} | {r['unpickle_s']:10.2f} | "
               f"{r['index_mib']:9.1f} | {r['index_build_s']:7.2f} | {r['share_shards']:12d} | "
               f"{r['load_records']:12.0f} | {r['load_index_kib']:14.0f} | {r['load_index_s']:7.3f} |")
     out = Path(args.out)

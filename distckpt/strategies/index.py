@@ -76,19 +76,6 @@ class _Blob:
         return ref
 
 
-def _leaf(rows: np.ndarray, names: List[str], ndim: int) -> bytes:
-    col = 2 * ndim
-    used, inverse = np.unique(rows[:, col], return_inverse=True)
-    rows = rows.copy()
-    rows[:, col] = inverse.reshape(-1)
-    names_json = json.dumps([names[i] for i in used.tolist()], separators=(",", ":")).encode()
-    return struct.pack("<I", len(names_json)) + names_json + rows.astype("<i8").tobytes()
-
-
-def _bbox(rows: np.ndarray, ndim: int) -> Tuple[np.ndarray, np.ndarray]:
-    return rows[:, :ndim].min(axis=0), (rows[:, :ndim] + rows[:, ndim:2 * ndim]).max(axis=0)
-
-
 def _small_key(blob: _Blob, rows: List[Tuple[int, ...]], names: List[str], ndim: int) -> Dict[str, Any]:
     """A key whose records fit one leaf (most keys of most checkpoints): plain Python, no numpy
     (whose per-call overhead was most of a small save's sidecar cost)."""
@@ -110,16 +97,52 @@ def _small_key(blob: _Blob, rows: List[Tuple[int, ...]], names: List[str], ndim:
     return {"count": len(rows), "depth": 1, "root": ref, "bbox": [lo, hi]}
 
 
-def _build_key(blob: _Blob, rows: np.ndarray, names: List[str], ndim: int, fanout: int, leaf: int) -> Dict[str, Any]:
+def _leaves(rows: np.ndarray, names: List[str], ndim: int, leaf: int,
+            quoted: Dict[int, str]) -> List[Tuple[bytes, np.ndarray, np.ndarray]]:
+    """The leaves of a key's sorted records, ``leaf`` rows each: their bytes (as :func:`_leaf`
+    makes them) and bounding boxes, with numpy over all leaves at once. ``quoted``: a cache of
+    JSON-quoted file names by index."""
+    m, col = len(rows), 2 * ndim
+    starts = np.arange(0, m, leaf)
+    leaf_of = np.arange(m) // leaf
+    fid = rows[:, col]
+    nfiles = max(len(names), int(fid.max()) + 1)
+    # Each leaf names the files it uses, in file-index order, and its rows point into that list.
+    codes, inverse = np.unique(leaf_of * nfiles + fid, return_inverse=True)
+    code_bounds = np.searchsorted(codes, np.arange(len(starts) + 1) * nfiles)
+    table = rows.copy()
+    table[:, col] = inverse.reshape(-1) - code_bounds[leaf_of]
+    data = table.astype("<i8").tobytes()
+    width = 8 * (2 * ndim + 4)
+    if ndim:
+        lo = np.minimum.reduceat(rows[:, :ndim], starts)
+        hi = np.maximum.reduceat(rows[:, :ndim] + rows[:, ndim:col], starts)
+    else:
+        lo = hi = np.zeros((len(starts), 0), dtype=np.int64)
+    files, bounds = (codes % nfiles).tolist(), code_bounds.tolist()
+    out = []
+    for i, s in enumerate(starts.tolist()):
+        used = []
+        for f in files[bounds[i]:bounds[i + 1]]:
+            q = quoted.get(f)
+            if q is None:
+                q = quoted[f] = json.dumps(names[f])
+            used.append(q)
+        names_json = ("[" + ",".join(used) + "]").encode()
+        out.append((struct.pack("<I", len(names_json)) + names_json + data[s * width:min(s + leaf, m) * width],
+                     lo[i], hi[i]))
+    return out
+
+
+def _build_key(blob: _Blob, rows: np.ndarray, names: List[str], ndim: int, fanout: int, leaf: int,
+               quoted: Optional[Dict[int, str]] = None) -> Dict[str, Any]:
     """Pack one key's records (sorted here) into a tree; returns the directory fields."""
+    quoted = {} if quoted is None else quoted
     if ndim:
         order = np.lexsort(rows[:, ndim - 1::-1].T)
         rows = rows[order]
-    level: List[Tuple[List[int], np.ndarray, np.ndarray]] = []
-    for s in range(0, len(rows), leaf):
-        part = rows[s:s + leaf]
-        lo, hi = _bbox(part, ndim)
-        level.append((blob.add(_leaf(part, names, ndim)), lo, hi))
+    level: List[Tuple[List[int], np.ndarray, np.ndarray]] = [
+        (blob.add(data), lo, hi) for data, lo, hi in _leaves(rows, names, ndim, leaf, quoted)]
     depth = 1
     while len(level) > 1:
         nxt = []
@@ -164,7 +187,33 @@ def build_index(keys: Dict[str, Dict[str, Any]],
         if lst is None:
             lst = rows_by_key[fqn] = []
         lst.append((*off, *size, nid, foff, length, crc))
+    return _write_index(keys, rows_by_key, items, names, metadata_bytes, fanout, leaf)
+
+
+def build_index_from_rows(keys: Dict[str, Dict[str, Any]], rows: Dict[str, np.ndarray], names: List[str],
+                          metadata_bytes: int, fanout: int = FANOUT, leaf: int = LEAF) -> bytes:
+    """:func:`build_index` from arrays: ``rows[fqn]`` is int64 ``[n, 2 * ndim + 4]``, one row per
+    record: chunk offset, chunk size, file (an index into ``names``), file offset, length,
+    crc32c (a byte key's rows have ``ndim`` 0; its last row is its item)."""
+    items: Dict[str, List[Any]] = {}
+    tensor_rows: Dict[str, np.ndarray] = {}
+    for fqn, r in rows.items():
+        info = keys.get(fqn)
+        if info is None:
+            raise CheckpointingException(f"index: record for undeclared key {fqn!r}")
+        if info.get("bytes"):
+            if len(r):
+                f, foff, length, crc = r[-1, -4:].tolist()
+                items[fqn] = [names[f], foff, length, crc]
+        elif len(r):
+            tensor_rows[fqn] = r
+    return _write_index(keys, tensor_rows, items, names, metadata_bytes, fanout, leaf)
+
+
+def _write_index(keys: Dict[str, Dict[str, Any]], rows_by_key: Dict[str, Any], items: Dict[str, List[Any]],
+                 names: List[str], metadata_bytes: int, fanout: int, leaf: int) -> bytes:
     blob = _Blob()
+    quoted: Dict[int, str] = {}
     directory: Dict[str, Any] = {}
     for fqn, info in keys.items():
         if info.get("bytes"):
@@ -177,11 +226,14 @@ def build_index(keys: Dict[str, Dict[str, Any]],
         entry = {"dtype": _dtype_name(info["dtype"]), "size": list(info["size"]),
                  "orig_shape": list(info["orig_shape"]) if info.get("orig_shape") is not None else None}
         rows = rows_by_key.get(fqn)
-        if rows and len(rows) <= leaf:
+        if rows is not None and 0 < len(rows) <= leaf:
+            if isinstance(rows, np.ndarray):
+                rows = [tuple(r) for r in rows.tolist()]
             entry.update(_small_key(blob, rows, names, ndim))
-        elif rows:
-            entry.update(_build_key(blob, np.array(rows, dtype=np.int64).reshape(len(rows), 2 * ndim + 4),
-                                    names, ndim, fanout, leaf))
+        elif rows is not None and len(rows):
+            if not isinstance(rows, np.ndarray):
+                rows = np.array(rows, dtype=np.int64).reshape(len(rows), 2 * ndim + 4)
+            entry.update(_build_key(blob, rows, names, ndim, fanout, leaf, quoted))
         else:
             entry["count"] = 0
         directory[fqn] = entry

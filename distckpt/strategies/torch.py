@@ -22,6 +22,7 @@ with the stored chunks, and each stored chunk is read at most once per rank.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import itertools
 import logging
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-import numpy
+import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -85,8 +86,9 @@ from distckpt.strategies.filesystem import (
     write_tensor_item,
     zip_crc_disabled,
 )
-from distckpt.strategies.index import INDEX_FNAME, IndexReader, build_index, index_from_metadata
+from distckpt.strategies.index import INDEX_FNAME, IndexReader, build_index_from_rows, index_from_metadata
 from distckpt.strategies.index import _dtype_of as _sidecar_dtype
+from distckpt.strategies.metadata_pickle import pickle_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -656,7 +658,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             ``<hint>__R_B.distcp`` so they can later be dropped without rewriting the rest.
         cached_metadata: remember this save's structure; a later save through the same strategy
             object whose ranks wrote exactly the same items sends only checksums to rank 0,
-            which reuses the cached ``.metadata``.
+            which reuses their cached records.
         stage_cpu_tensors: for async saves, copy CPU tensors into reused staging buffers (the
             blocking part of the save). False writes them from the caller's memory: the caller
             then promises not to change them until the save is finalized. CUDA tensors are
@@ -677,9 +679,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.thread_count = thread_count
         self.separation_hint = separation_hint
         self.cached_metadata = cached_metadata
-        # This rank's last structure, and on rank 0 every rank's structure and the Metadata.
+        # This rank's last structure, and on rank 0 every rank's record table.
         self._local_structure: Optional[Tuple] = None
-        self._global_cache: Optional[Tuple[List[Tuple[Dict[str, _KeyDecl], List[_Record]]], Metadata]] = None
+        self._global_cache: Optional[List[Tuple[RecordTable, Dict[str, int]]]] = None
         self.last_save_reused_metadata = False
 
     @property
@@ -757,48 +759,44 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         payload = None
         if exc is None:
             structure = (plan.decls, [r.structure() for r in plan.records], plan.file_sizes)
-            crcs = [r.crc32c for r in plan.records]
             if self.cached_metadata and structure == self._local_structure:
-                payload = ("same", crcs, plan.table_crcs)
+                payload = ("same", np.array([r.crc32c for r in plan.records], dtype=np.int64), plan.table_crcs)
             else:
-                payload = ("full", plan.decls, plan.records, plan.file_sizes, plan.table_crcs)
+                payload = ("full", RecordTable.of(plan.decls, plan.records), plan.file_sizes, plan.table_crcs)
 
         def decide(payloads):
             cache = self._global_cache
             per_rank, reused, tables = [], cache is not None, {}
             for r, p in enumerate(payloads):
                 if p[0] == "same" and cache is not None:
-                    decls, records, sizes = cache[0][r]
-                    records = [dataclasses.replace(rec, crc32c=c) for rec, c in zip(records, p[1])]
+                    table, rank_sizes = cache[r]
+                    table = table.with_crcs(p[1])
                 else:
-                    _, decls, records, sizes, _ = p
+                    _, table, rank_sizes, _ = p
                     reused = False
                 tables.update(p[-1])
-                per_rank.append((decls, records, sizes))
-            if reused:
-                md = cache[1]
-                md.storage_meta = StorageMeta(checkpoint_id=str(checkpoint_dir), save_id=str(uuid.uuid4()))
-            else:
-                md = build_metadata([(d, r) for d, r, _ in per_rank], str(checkpoint_dir))
-            md_bytes = pickle.dumps(md)
-            index_bytes = sidecar_index(per_rank, len(md_bytes)) if self.write_index else None
+                per_rank.append((table, rank_sizes))
+            records = GatheredRecords.of([t for t, _ in per_rank])
+            save_id = str(uuid.uuid4())
+            md_bytes = metadata_bytes(records, str(checkpoint_dir), save_id)
+            index_bytes = sidecar_index(records, len(md_bytes)) if self.write_index else None
             if index_bytes is not None:
                 storage.write_bytes(checkpoint_dir, INDEX_FNAME, index_bytes)
             if isinstance(checkpoint_dir, storage.Store):
                 checkpoint_dir.put(METADATA_FNAME, md_bytes)
             else:
                 atomic_write_bytes(checkpoint_dir / METADATA_FNAME, md_bytes)
-            ranges = [(r.relative_path, r.offset, r.length, r.crc32c, r.fqn) for _, rs, _ in per_rank for r in rs]
-            sizes = {name: size for _, _, sz in per_rank for name, size in sz.items()}
+            ranges = records.ranges()
+            sizes = {name: size for _, sz in per_rank for name, size in sz.items()}
             ranges.extend((name, 0, sizes[name], crc, name) for name, crc in tables.items())
             ranges.append((METADATA_FNAME, 0, len(md_bytes), crc32c(md_bytes), METADATA_FNAME))
             sizes[METADATA_FNAME] = len(md_bytes)
             if index_bytes is not None:
                 ranges.append((INDEX_FNAME, 0, len(index_bytes), crc32c(index_bytes), INDEX_FNAME))
                 sizes[INDEX_FNAME] = len(index_bytes)
-            write_manifest(checkpoint_dir, build_manifest(md.storage_meta.save_id, "torch_dist", ranges, sizes))
+            write_manifest(checkpoint_dir, build_manifest(save_id, "torch_dist", ranges, sizes))
             if self.cached_metadata:
-                self._global_cache = (per_rank, md)
+                self._global_cache = per_rank
             return reused
 
         self.last_save_reused_metadata = bool(dist.gather_and_decide("torch_dist write", exc, payload, decide))
@@ -806,17 +804,154 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             self._local_structure = (plan.decls, [r.structure() for r in plan.records], plan.file_sizes)
 
 
-def sidecar_index(per_rank: List[Tuple[Dict[str, _KeyDecl], List[_Record], Any]], metadata_bytes: int) -> bytes:
+@dataclass
+class RecordTable:
+    """One rank's key declarations and written records, compact: what ``finalize`` gathers.
+
+    - ``keys``: ``(fqn, is_bytes, dtype, size, orig_shape)`` of every key this rank declared
+      (its :class:`_KeyDecl`\\ s);
+    - ``files``: the names of the files the rows point into;
+    - ``rows``: int64 ``[n, 5 + 2 * ndim]``, one per record: key index, file index, file offset,
+      length, crc32c, chunk offset, chunk size (``ndim`` the most axes of this rank's keys; a
+      key with fewer has its columns padded with 0 / 1).
+
+    A few objects per key and file instead of one per record, so rank 0 unpickles
+    ``world`` small payloads and builds ``.metadata`` and the sidecar from arrays. ``layout``:
+    a digest of ``keys`` (ranks that declare the same keys are recognized by it).
+    """
+
+    keys: Tuple[Tuple[str, bool, Optional[torch.dtype], Shape, Optional[Shape]], ...]
+    files: Tuple[str, ...]
+    rows: Any   # np.ndarray
+    layout: bytes = b""
+
+    @property
+    def ndim(self) -> int:
+        return (self.rows.shape[1] - 5) // 2
+
+    @classmethod
+    def of(cls, decls: Dict[str, _KeyDecl], records: Sequence[_Record]) -> RecordTable:
+        keys = tuple((fqn, d.is_bytes, d.dtype, tuple(d.size), None if d.orig_shape is None else tuple(d.orig_shape))
+                     for fqn, d in decls.items())
+        key_ids = {k[0]: i for i, k in enumerate(keys)}
+        file_ids: Dict[str, int] = {}
+        ndim = max((len(k[3]) for k in keys), default=0)
+        flat: List[int] = []
+        for r in records:
+            kid = key_ids.get(r.fqn)
+            if kid is None:
+                raise CheckpointingException(f"record for undeclared key {r.fqn!r}")
+            pad = ndim - len(r.chunk_offset)
+            flat += (kid, file_ids.setdefault(r.relative_path, len(file_ids)), r.offset, r.length, r.crc32c)
+            flat += r.chunk_offset
+            flat += (0,) * pad
+            flat += r.chunk_size
+            flat += (1,) * pad
+        rows = np.array(flat, dtype=np.int64).reshape(len(records), 5 + 2 * ndim)
+        return cls(keys, tuple(file_ids), rows, hashlib.blake2b(repr(keys).encode(), digest_size=16).digest())
+
+    def with_crcs(self, crcs: Any) -> RecordTable:
+        rows = self.rows.copy()
+        rows[:, 4] = crcs
+        return RecordTable(self.keys, self.files, rows, self.layout)
+
+    def decls(self) -> Dict[str, _KeyDecl]:
+        return {fqn: _KeyDecl(is_bytes, dtype, size, orig) for fqn, is_bytes, dtype, size, orig in self.keys}
+
+    def ranges(self) -> List[Tuple[str, int, int, int, str]]:
+        """``(file, offset, length, crc32c, key)`` of every record (what the manifest takes)."""
+        keys, files = self.keys, self.files
+        return [(files[f], off, length, crc, keys[k][0]) for k, f, off, length, crc in self.rows[:, :5].tolist()]
+
+
+@dataclass
+class GatheredRecords:
+    """Every rank's :class:`RecordTable` in one array (rank 0, at commit).
+
+    ``decls``: fqn -> (is_bytes, dtype, size, orig_shape), every rank's declarations merged in
+    rank order; ``fqns``: key index -> fqn; ``files``: file index -> name; ``rows``: int64
+    ``[n, 5 + 2 * ndim]`` as in a RecordTable, with global key and file indices, grouped by key
+    (in rank order within a key).
+    """
+
+    decls: Dict[str, Tuple[bool, Optional[torch.dtype], Shape, Optional[Shape]]]
+    fqns: List[str]
+    files: List[str]
+    rows: Any
+
+    @property
+    def ndim(self) -> int:
+        return (self.rows.shape[1] - 5) // 2
+
+    @classmethod
+    def of(cls, tables: Sequence[RecordTable]) -> GatheredRecords:
+        decls: Dict[str, Tuple] = {}
+        fqns: List[str] = []
+        key_ids: Dict[str, int] = {}
+        key_maps: Dict[object, Any] = {}   # a rank's layout -> its keys' global indices (DP ranks share it)
+        files: List[str] = []
+        ndim = max((t.ndim for t in tables), default=0)
+        parts = []
+        for t in tables:
+            kmap = key_maps.get(t.layout)
+            if kmap is None:
+                ids = []
+                for fqn, *decl in t.keys:
+                    decls[fqn] = tuple(decl)
+                    kid = key_ids.get(fqn)
+                    if kid is None:
+                        kid = key_ids[fqn] = len(fqns)
+                        fqns.append(fqn)
+                    ids.append(kid)
+                kmap = key_maps[t.layout or object()] = np.array(ids, dtype=np.int64)
+            rows = t.rows
+            if not len(rows):
+                continue
+            fmap = np.arange(len(files), len(files) + len(t.files), dtype=np.int64)
+            files.extend(t.files)
+            if t.ndim < ndim:
+                pad, n = ndim - t.ndim, len(rows)
+                rows = np.concatenate([rows[:, :5 + t.ndim], np.zeros((n, pad), np.int64),
+                                       rows[:, 5 + t.ndim:], np.ones((n, pad), np.int64)], axis=1)
+            else:
+                rows = rows.copy()
+            rows[:, 0] = kmap[rows[:, 0]]
+            rows[:, 1] = fmap[rows[:, 1]]
+            parts.append(rows)
+        rows = np.concatenate(parts) if parts else np.zeros((0, 5 + 2 * ndim), np.int64)
+        # Grouped by key (stable: each key's rows stay in rank order).
+        kid = rows[:, 0]
+        rows = rows[np.argsort(kid.astype(np.int16) if len(fqns) < 2**15 else kid, kind="stable")]
+        return cls(decls, fqns, files, rows)
+
+    def by_key(self):
+        """``(fqn, rows)`` of every key with records; rows in rank order."""
+        bounds = np.concatenate([[0], np.cumsum(np.bincount(self.rows[:, 0], minlength=len(self.fqns)))]).tolist()
+        for k, fqn in enumerate(self.fqns):
+            if bounds[k + 1] > bounds[k]:
+                yield fqn, self.rows[bounds[k]:bounds[k + 1]]
+
+    def ranges(self) -> List[Tuple[str, int, int, int, str]]:
+        """``(file, offset, length, crc32c, key)`` of every record (what the manifest takes)."""
+        fqns, files = self.fqns, self.files
+        return [(files[f], off, length, crc, fqns[k]) for k, f, off, length, crc in self.rows[:, :5].tolist()]
+
+
+def sidecar_index(records: GatheredRecords, metadata_bytes: int) -> bytes:
     """The sidecar index (see distckpt/strategies/index.py) of every rank's declarations and records."""
     keys: Dict[str, Dict[str, Any]] = {}
-    for decls, _, _ in per_rank:
-        for fqn, d in decls.items():
-            keys[fqn] = {"bytes": True} if d.is_bytes else {"dtype": d.dtype, "size": d.size,
-                                                             "orig_shape": d.orig_shape}
-    records = ((r.fqn, r.chunk_offset, r.chunk_size, r.relative_path, r.offset, r.length, r.crc32c)
-               for _, rs, _ in per_rank for r in rs)
+    for fqn, (is_bytes, dtype, size, orig_shape) in records.decls.items():
+        keys[fqn] = {"bytes": True} if is_bytes else {"dtype": dtype, "size": size, "orig_shape": orig_shape}
+    rows: Dict[str, Any] = {}
+    for fqn, r in records.by_key():
+        if fqn not in keys:
+            raise CheckpointingException(f"index: record for undeclared key {fqn!r}")
+        n = 0 if keys[fqn].get("bytes") else len(keys[fqn]["size"])
+        d = records.ndim
+        # index rows: offset[n], size[n], file index, file offset, length, crc32c
+        rows[fqn] = np.concatenate([r[:, 5:5 + n], r[:, 5 + d:5 + d + n], r[:, 1:5]], axis=1)
     with gc_paused():
-        return build_index(keys, records, metadata_bytes)
+        return build_index_from_rows(keys, rows, records.files, metadata_bytes)
 
 
 def _reindex(md: Metadata, md_bytes: bytes, manifest: Optional[Any]) -> Optional[bytes]:
@@ -837,46 +972,83 @@ def _reindex(md: Metadata, md_bytes: bytes, manifest: Optional[Any]) -> Optional
     return data
 
 
-def _chunk_order(chunk: ChunkStorageMetadata) -> torch.Size:
-    return chunk.offsets
-
-
-def build_metadata(payloads: List[Tuple[Dict[str, _KeyDecl], List[_Record]]], checkpoint_id: str) -> Metadata:
-    """Assemble DCP Metadata from every rank's key declarations and written records."""
+def build_metadata(records: GatheredRecords, checkpoint_id: str) -> Metadata:
+    """Assemble DCP Metadata from every rank's key declarations and written records (the
+    objects; a save writes :func:`metadata_bytes`, which unpickle to the same)."""
     with gc_paused():
-        return _build_metadata(payloads, checkpoint_id)
+        md = _skeleton(records, checkpoint_id, str(uuid.uuid4()))
+        size, chunk_meta, info = torch.Size, ChunkStorageMetadata, _StorageInfo
+        files = records.files
+        chunks, byte_items = _sorted_chunks(records)
+        for fqn, (offs, sizes, items) in chunks.items():
+            out = md.state_dict_metadata[fqn].chunks
+            shapes, shape_of = np.unique(sizes, axis=0, return_inverse=True)
+            shapes = [size(s) for s in shapes.tolist()]
+            for o, s, (f, foff, length) in zip(offs.tolist(), shape_of.reshape(-1).tolist(), items.tolist()):
+                o = size(o)
+                out.append(chunk_meta(o, shapes[s]))
+                md.storage_data[_metadata_index(fqn, o)] = info(files[f], foff, length)
+        for fqn, f, foff, length in byte_items:
+            md.storage_data[_metadata_index(fqn, None)] = info(files[f], foff, length)
+        return md
 
 
-def _build_metadata(payloads, checkpoint_id: str) -> Metadata:
-    decls: Dict[str, _KeyDecl] = {}
-    for rank_decls, _ in payloads:
-        decls.update(rank_decls)
-    chunks: Dict[str, List[ChunkStorageMetadata]] = defaultdict(list)
-    storage_data: Dict[MetadataIndex, _StorageInfo] = {}
-    byte_keys = {k for k, d in decls.items() if d.is_bytes}
-    size = torch.Size
-    for _, records in payloads:
-        for r in records:
-            if r.fqn in byte_keys:
-                index = MetadataIndex(r.fqn)
-            else:
-                offset = size(r.chunk_offset)
-                index = MetadataIndex(r.fqn, offset)
-                chunks[r.fqn].append(ChunkStorageMetadata(offset, size(r.chunk_size)))
-            storage_data[index] = _StorageInfo(r.relative_path, r.offset, r.length)
+def metadata_bytes(records: GatheredRecords, checkpoint_id: str, save_id: str) -> bytes:
+    """The pickled ``.metadata`` of every rank's records, written from the arrays without
+    building a Python object per chunk (distckpt.strategies.metadata_pickle); unpickles to
+    what :func:`build_metadata` builds."""
+    with gc_paused():
+        chunks, byte_items = _sorted_chunks(records)
+        return pickle_metadata(_skeleton(records, checkpoint_id, save_id), chunks, byte_items, records.files)
+
+
+def _metadata_index(fqn: str, offset: Optional[torch.Size]) -> MetadataIndex:
+    """``MetadataIndex(fqn, offset)`` holding ``offset`` itself (its ``__init__`` copies it into
+    a new torch.Size): the chunk and its index share one object, so ``.metadata`` pickles it once."""
+    index = object.__new__(MetadataIndex)
+    d = index.__dict__
+    d["fqn"] = fqn
+    d["index"] = None
+    if offset is not None:
+        d["offset"] = offset
+    return index
+
+
+def _sorted_chunks(records: GatheredRecords):
+    """Per tensor key ``(offsets, sizes, (file, file offset, length))`` arrays in chunk-offset
+    order (DCP lists chunks sorted); byte keys' ``(fqn, file, file offset, length)``."""
+    ndim = records.ndim
+    chunks: Dict[str, Tuple[Any, Any, Any]] = {}
+    byte_items: List[Tuple[str, int, int, int]] = []
+    for fqn, rows in records.by_key():
+        decl = records.decls.get(fqn)
+        if decl is None:
+            raise CheckpointingException(f"record for undeclared key {fqn!r}")
+        if decl[0]:
+            byte_items.extend((fqn, f, off, length) for f, off, length in rows[:, 1:4].tolist())
+            continue
+        n = len(decl[2])
+        order = np.lexsort(rows[:, 5:5 + n].T[::-1]) if n else np.arange(len(rows))
+        rows = rows[order]
+        chunks[fqn] = (rows[:, 5:5 + n], rows[:, 5 + ndim:5 + ndim + n], rows[:, 1:4])
+    return chunks, byte_items
+
+
+def _skeleton(records: GatheredRecords, checkpoint_id: str, save_id: str) -> Metadata:
+    """The Metadata without chunks: every key's properties, an empty chunk list per tensor key
+    and an empty ``storage_data``."""
     state_dict_metadata: Dict[str, Any] = {}
     mcore_data: Dict[str, Dict[str, Shape]] = {}
-    for fqn, d in decls.items():
-        if d.is_bytes:
+    for fqn, (is_bytes, dtype, shape, orig_shape) in records.decls.items():
+        if is_bytes:
             state_dict_metadata[fqn] = BytesStorageMetadata()
             continue
         state_dict_metadata[fqn] = TensorStorageMetadata(
-            properties=TensorProperties(dtype=d.dtype), size=torch.Size(d.size),
-            chunks=sorted(chunks.get(fqn, []), key=_chunk_order))
-        if d.orig_shape is not None:
-            mcore_data[fqn] = {_ORIG_SHAPE: tuple(d.orig_shape)}
-    md = Metadata(state_dict_metadata=state_dict_metadata, planner_data=None, storage_data=storage_data,
-                  storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=str(uuid.uuid4())))
+            properties=TensorProperties(dtype=dtype), size=torch.Size(shape), chunks=[])
+        if orig_shape is not None:
+            mcore_data[fqn] = {_ORIG_SHAPE: tuple(orig_shape)}
+    md = Metadata(state_dict_metadata=state_dict_metadata, planner_data=None, storage_data={},
+                  storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id))
     md.mcore_data = mcore_data
     return md
 
@@ -1303,7 +1475,7 @@ class _PartialRead:
                         f"against its block table {blockcrc.table_name(self.st.relative_path)}: the data is "
                         f"corrupted")
             s, t = self._span(a, b)
-            out[s - lo:t - lo] = numpy.frombuffer(view, dtype=numpy.uint8)
+            out[s - lo:t - lo] = np.frombuffer(view, dtype=np.uint8)
         itemsize = e.dtype.itemsize
         _copy_boxes(buf.view(e.dtype), lo // itemsize, [op for op in ops if op.numel])
 
