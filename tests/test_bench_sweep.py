@@ -31,3 +31,17 @@ def test_fit_recovers_fixed_and_marginal_cost():
     text = bench_sweep.fit(rows)
     assert "| s | save | 0.020 | 1.200 | 1.20 |" in text
     assert "| s | load resharded | 0.030 | 0.600 | 1.20 |" in text
+
+
+def test_table_marks_each_goal_missed():
+    row = {"shape": "s", "size_mib": 256, "layers": 4, "gib_per_rank": 0.25,
+           "seconds": {"raw write": 1.0, "raw read": 0.9, "save": 1.25, "load": 1.0, "load resharded": 1.3}}
+    q = bench_sweep.ratios(row)
+    assert (round(q["save"], 2), round(q["load"], 2), round(q["resharded"], 2)) == (0.8, 0.9, 1.3)
+    line = bench_sweep.table([row]).splitlines()[-1]
+    assert line.endswith("| 0.80 ✗ | 0.90 | 1.30 ✗ |")
+
+
+def test_layer_size_matches_layers_for():
+    shape = bench_sweep.parse_shape("h1024-tp2-opt80")
+    assert bench_sweep.layers_for(4 * bench_sweep.layer_mib(shape), 1024, 2, 80) == 4
