@@ -18,6 +18,7 @@ Archives that do not have the expected shape fall back to ``torch.load`` of the 
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import math
 import os
@@ -280,8 +281,17 @@ def tensor_archive_frame(tensor: torch.Tensor, serialization_id: str) -> Optiona
             or not tensor.is_contiguous() or tensor.storage_offset() != 0 or tensor.requires_grad
             or tensor.untyped_storage().nbytes() != nbytes or nbytes > _MAX_FRAMED):
         return None
+    return _archive_frame(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.numel(), nbytes,
+                          serialization_id)
+
+
+# The frame depends only on dtype, shape, stride and the serialization id; the tensors of a
+# model repeat a few shapes, and a save repeats the last save's: build each frame once.
+@functools.lru_cache(maxsize=4096)
+def _archive_frame(dtype: torch.dtype, shape: Tuple[int, ...], stride: Tuple[int, ...], numel: int, nbytes: int,
+                   serialization_id: str) -> Tuple[bytes, bytes]:
     zf = _ZipFramer()
-    zf.record("data.pkl", _tensor_pickle(tensor.dtype, tensor.shape, tensor.stride(), tensor.numel()))
+    zf.record("data.pkl", _tensor_pickle(dtype, shape, stride, numel))
     for name, data in _SMALL_RECORDS_BEFORE:
         zf.record(name, data)
     zf.local("data/0", nbytes)

@@ -30,9 +30,10 @@ import pickle
 import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -75,6 +76,7 @@ from distckpt.strategies.common import safe_torch_load
 from distckpt.strategies.filesystem import (
     ChecksummingSink,
     WriterSink,
+    pread_exact,
     pread_into,
     read_archive_layout,
     write_bytes_item,
@@ -530,7 +532,7 @@ def _stage_wave(plan: SavePlan, wave: Wave) -> Optional[Any]:
     return plan.staging.seal() if plan.staging is not None else None
 
 
-def _write_wave(plan: SavePlan, wave: Wave, pool: ThreadPoolExecutor, last: bool) -> None:
+def _write_wave(plan: SavePlan, wave: Wave, pool: Optional[ThreadPoolExecutor], last: bool) -> None:
     def one(name: str, items: List[_WriteItem]) -> None:
         out = plan.outputs.get(name)
         if out is None:
@@ -544,6 +546,10 @@ def _write_wave(plan: SavePlan, wave: Wave, pool: ThreadPoolExecutor, last: bool
     names = dict(wave)
     if last:  # every file closes in the last wave, also those it adds nothing to
         names = {name: names.get(name, []) for name, _ in plan.jobs}
+    if pool is None:
+        for name, items in names.items():
+            one(name, items)
+        return
     for fut in [pool.submit(one, name, items) for name, items in names.items()]:
         fut.result()
 
@@ -554,13 +560,30 @@ def _abort_outputs(plan: SavePlan) -> None:
     plan.outputs.clear()
 
 
+# A plan with at most this many bytes is written by the calling thread, file after file: for a few
+# MB, starting and feeding writer threads costs more than the writes themselves.
+INLINE_WRITE_BYTES = 4 << 20
+
+
+@contextmanager
+def _writer_pool(plan: SavePlan, thread_count: int) -> Iterator[Optional[ThreadPoolExecutor]]:
+    """The writer threads of ``plan`` (one per file up to ``thread_count``), or None: write
+    inline (a single file, one thread, or a small plan)."""
+    workers = max(1, min(thread_count, len(plan.jobs)))
+    if workers == 1 or sum(it.nbytes for _, items in plan.jobs for it in items) <= INLINE_WRITE_BYTES:
+        yield None
+        return
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        yield pool
+
+
 def write_waves(plan: SavePlan, waves: List[Wave], thread_count: int) -> None:
     """The blocking part of a bounded async save: stage and write every wave but the last, then
     stage the last one, which ``write_plan`` writes. A failure is kept in the plan and raised by
     ``write_plan`` (so every rank learns of it at finalization)."""
     plan.waves = len(waves)
     try:
-        with zip_crc_disabled(), ThreadPoolExecutor(max_workers=max(1, min(thread_count, len(plan.jobs)))) as pool:
+        with zip_crc_disabled(), _writer_pool(plan, thread_count) as pool:
             for wave in waves[:-1]:
                 staged = _stage_wave(plan, wave)
                 try:
@@ -589,7 +612,7 @@ def write_plan(plan: SavePlan, thread_count: int = 2, budget: Optional[int] = No
     try:
         if plan.error is not None:
             raise plan.error
-        with zip_crc_disabled(), ThreadPoolExecutor(max_workers=max(1, min(thread_count, len(plan.jobs)))) as pool:
+        with zip_crc_disabled(), _writer_pool(plan, thread_count) as pool:
             if plan.pending is not None:
                 _write_wave(plan, plan.pending, pool, last=True)
             else:
@@ -1195,6 +1218,22 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[_CopyOp],
     return nbytes
 
 
+# Loads of at most this many item bytes read in the calling thread, file after file; a file whose
+# items are each at most SMALL_ITEM_BYTES and lie within a span of at most INLINE_READ_BYTES is
+# read with one pread of that span (a few syscalls per file instead of a few per item).
+INLINE_READ_BYTES = 4 << 20
+SMALL_ITEM_BYTES = 64 << 10
+
+
+def _small_span(items: List[_Stored]) -> Optional[int]:
+    """The length of the span ``items`` (sorted by offset) cover, when one read of it serves them."""
+    if not items or any(st.length > SMALL_ITEM_BYTES for st in items):
+        return None
+    span = max(st.file_offset + st.length for st in items) - items[0].file_offset
+    needed = sum(st.length for st in items)
+    return span if span <= INLINE_READ_BYTES and span <= 2 * needed else None
+
+
 def _fresh_name(checkpoint_dir: Path, name: str) -> str:
     stem = name[: -len(DATA_SUFFIX)] if name.endswith(DATA_SUFFIX) else name
     n = 1
@@ -1579,11 +1618,25 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             try:
                 nbytes = 0
                 file_size = os.fstat(fd).st_size
-                for st in sorted(by_file[name], key=lambda c: c.file_offset):
+                items = sorted(by_file[name], key=lambda c: c.file_offset)
+                for st in items:
                     if st.file_offset + st.length > file_size:
                         raise CheckpointingException(
                             f"key {plan.ops[st][0].key!r} in {path} at offset {st.file_offset} (rank {rank}): file "
                             f"is truncated ({file_size} bytes, the record ends at {st.file_offset + st.length})")
+                span = _small_span(items)
+                if span is not None:
+                    # Small items: one read of the span they lie in, then each item from memory.
+                    first = items[0].file_offset
+                    raw = bytearray(span)
+                    pread_exact(fd, memoryview(raw), first, str(path))
+                    for st in items:
+                        start = st.file_offset - first
+                        _read_chunk(fd, path, st, plan.ops[st], checksums, rank, verify,
+                                    raw[start:start + st.length])
+                    counted.append(len(raw))
+                    return
+                for st in items:
                     nbytes += _read_chunk(fd, path, st, plan.ops[st], checksums, rank, verify)
                 counted.append(nbytes)
             finally:
@@ -1592,7 +1645,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         names = sorted(by_file)
         if isinstance(checkpoint_dir, storage.Store):
             read_file = read_object  # noqa: F811 - the object-store reader replaces the POSIX one
-        if len(names) <= 1 or self.thread_count <= 1:
+        small = sum(st.length for st in plan.ops) <= INLINE_READ_BYTES
+        if len(names) <= 1 or self.thread_count <= 1 or small:
             for n in names:
                 read_file(n)
         else:
