@@ -678,6 +678,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self._local_structure: Optional[Tuple] = None
         self._global_cache: Optional[Tuple[List[Tuple[Dict[str, _KeyDecl], List[_Record]]], Metadata]] = None
         self.last_save_reused_metadata = False
+        self._commit: Optional[Tuple[Any, Callable[[List[Any]], None]]] = None
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -729,6 +730,26 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             exc = e
         self.finalize(plan, _location(checkpoint_dir), exc)
 
+    def save_and_commit(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path,
+                        exc: Optional[BaseException], commit_payload: Any,
+                        commit_decide: Callable[[List[Any]], None]) -> None:
+        """``save``, and the caller's commit in the same collective: rank 0 runs
+        ``commit_decide(every rank's commit_payload)`` right after it wrote ``.metadata`` and the
+        manifest, and only if every rank wrote its part. ``exc``: this rank already failed (it
+        writes nothing and reports the error). One stage instead of two (``serialization.save``
+        calls it; the stage is named "torch_dist write and commit")."""
+        plan = None
+        if exc is None:
+            try:
+                plan = write_plan(self.prepare(sharded_state_dict, checkpoint_dir), self.thread_count)
+            except Exception as e:  # noqa: BLE001 - shared with every rank in finalize
+                exc = e
+        self._commit = (commit_payload, commit_decide)
+        try:
+            self.finalize(plan, _location(checkpoint_dir), exc)
+        finally:
+            self._commit = None
+
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path):
         """Stage the local bytes now; return an AsyncRequest that writes them in the background
         and, at finalize (every rank, main thread), writes ``.metadata`` and the manifest.
@@ -759,6 +780,14 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 payload = ("same", crcs)
             else:
                 payload = ("full", plan.decls, plan.records, plan.file_sizes)
+        commit, stage = getattr(self, "_commit", None), "torch_dist write"
+        if commit is not None:
+            payload, stage = (payload, commit[0]), "torch_dist write and commit"
+
+        def decide_and_commit(payloads):
+            reused = decide([p[0] for p in payloads])
+            commit[1]([p[1] for p in payloads])
+            return reused
 
         def decide(payloads):
             cache = self._global_cache
@@ -796,7 +825,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 self._global_cache = (per_rank, md)
             return reused
 
-        self.last_save_reused_metadata = bool(dist.gather_and_decide("torch_dist write", exc, payload, decide))
+        self.last_save_reused_metadata = bool(dist.gather_and_decide(
+            stage, exc, payload, decide if commit is None else decide_and_commit))
         if self.cached_metadata:
             self._local_structure = (plan.decls, [r.structure() for r in plan.records], plan.file_sizes)
 
