@@ -304,10 +304,37 @@ def _archive_frame(dtype: torch.dtype, shape: Tuple[int, ...], stride: Tuple[int
     return header, bytes(zf.out)
 
 
+def framed_layout(raw, size: Tuple[int, ...], dtype: torch.dtype) -> Optional[ArchiveLayout]:
+    """The layout of the archive ``raw`` when it is byte for byte the frame :func:`write_tensor_item`
+    builds for a contiguous tensor of ``size`` and ``dtype`` around its bytes (then nothing needs
+    parsing); None otherwise (parse it with :func:`read_archive_layout`)."""
+    if dtype not in _FRAMED_DTYPES:
+        return None
+    numel = math.prod(size)
+    nbytes = numel * dtype.itemsize
+    if nbytes == 0 or nbytes > _MAX_FRAMED:
+        return None
+    stride, acc = [], 1
+    for s in reversed(size):
+        stride.append(acc)
+        acc *= s
+    stride = tuple(reversed(stride))
+    header, trailer = _archive_frame(dtype, tuple(size), stride, numel, nbytes, _SERIALIZATION_ID)
+    view = memoryview(raw)
+    if len(view) != len(header) + nbytes + len(trailer):
+        return None
+    if view[:len(header)] != header or view[len(header) + nbytes:] != trailer:
+        return None
+    return ArchiveLayout(len(header), nbytes, dtype, 0, tuple(size), stride)
+
+
+_SERIALIZATION_ID = "0" * 40
+
+
 def write_tensor_item(sink: ChecksummingSink, tensor: torch.Tensor) -> Tuple[int, int, int]:
     """Append one tensor archive; returns (offset, length, crc32c) of the item."""
     start, sink.crc = sink.position, 0
-    frame = tensor_archive_frame(tensor, "0" * 40)
+    frame = tensor_archive_frame(tensor, _SERIALIZATION_ID)
     if frame is None:
         save_to_sink(tensor, sink)
     else:

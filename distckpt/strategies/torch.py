@@ -76,6 +76,7 @@ from distckpt.strategies.common import safe_torch_load
 from distckpt.strategies.filesystem import (
     ChecksummingSink,
     WriterSink,
+    framed_layout,
     pread_exact,
     pread_into,
     read_archive_layout,
@@ -1212,7 +1213,11 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[_CopyOp],
             return os.pread(fd, n, st.file_offset + offset)
 
     numel = math.prod(st.size)
-    layout = read_archive_layout(read, st.length) if st.length else None
+    layout = None
+    if raw is not None and st.length:
+        layout = framed_layout(raw, tuple(st.size), ops[0].dst.dtype)  # our own frame: no parsing
+    if layout is None and st.length:
+        layout = read_archive_layout(read, st.length)
     if layout is None or not layout.is_contiguous or math.prod(layout.size) != numel:
         whole = raw if raw is not None else read(0, st.length)
         if len(whole) != st.length:
