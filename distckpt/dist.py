@@ -459,12 +459,23 @@ def _error_record(exc: Optional[BaseException], group: ProcessGroup) -> Optional
     return None if exc is None else (get_rank(group), _one_line(exc), describe_error(exc))
 
 
+class _Pickled:
+    """A payload pickled once: pickling it again copies the bytes, unpickling gives the payload."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def __reduce__(self):
+        return pickle.loads, (self.data,)
+
+
 def _checked_payload(exc: Optional[BaseException], payload: Any) -> tuple:
     """Turn an unpicklable payload into this rank's error *before* any collective, so the
-    collective itself cannot fail on one rank and leave the others waiting."""
+    collective itself cannot fail on one rank and leave the others waiting. The pickle made
+    for the check is the one sent."""
     if exc is None and payload is not None and is_initialized():
         try:
-            pickle.dumps(payload)
+            return exc, _Pickled(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
         except Exception as e:  # noqa: BLE001 - reported to every rank by the caller
             return e, None
     return exc, payload
