@@ -283,6 +283,7 @@ class IndexReader:
         Walks every key's tree level by level; each level is one batch of ranged reads.
         """
         out: Dict[str, List[Any]] = {k: [] for k in boxes}
+        parsed_names: Dict[bytes, List[str]] = {}
         frontier = []   # (key, ndim, ref, levels below, query lo array, query hi array)
         for fqn, bxs in boxes.items():
             e = self.keys.get(fqn)
@@ -308,7 +309,10 @@ class IndexReader:
                     nxt.extend((fqn, ndim, ref, below - 1, qlo, qhi) for ref in table[hit, :3].tolist())
                     continue
                 (nn,) = struct.unpack_from("<I", raw)
-                names = json.loads(bytes(raw[4:4 + nn]))
+                names_raw = bytes(raw[4:4 + nn])
+                names = parsed_names.get(names_raw)
+                if names is None:  # leaves mostly name the same few files: parse each list once
+                    names = parsed_names[names_raw] = json.loads(names_raw)
                 width = 2 * ndim + 4
                 if len(qlo) == 1 and len(raw) - 4 - nn <= 8 * width * 16:
                     # A small leaf and one box (the common case of a small key): plain Python.
