@@ -295,7 +295,8 @@ def _write_and_commit(staging: commit_protocol.Staging, protocol, sharded_part, 
         protocol.commit(staging, config)
 
     if merged is not None:
-        merged(sharded_part, ckpt, exc, written, decide)
+        # ``written`` goes into the strategy's manifest; then only the commit itself is left.
+        merged(sharded_part, ckpt, exc, written, lambda: protocol.commit(staging, config))
         return None
 
     def commit(exc: Optional[BaseException] = None) -> None:

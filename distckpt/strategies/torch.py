@@ -679,7 +679,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self._local_structure: Optional[Tuple] = None
         self._global_cache: Optional[Tuple[List[Tuple[Dict[str, _KeyDecl], List[_Record]]], Metadata]] = None
         self.last_save_reused_metadata = False
-        self._commit: Optional[Tuple[Any, Callable[[List[Any]], None]]] = None
+        self._commit: Optional[Tuple[Dict[str, Tuple[int, int]], Callable[[], None]]] = None
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -732,20 +732,21 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.finalize(plan, _location(checkpoint_dir), exc)
 
     def save_and_commit(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path,
-                        exc: Optional[BaseException], commit_payload: Any,
-                        commit_decide: Callable[[List[Any]], None]) -> None:
-        """``save``, and the caller's commit in the same collective: rank 0 runs
-        ``commit_decide(every rank's commit_payload)`` right after it wrote ``.metadata`` and the
-        manifest, and only if every rank wrote its part. ``exc``: this rank already failed (it
-        writes nothing and reports the error). One stage instead of two (``serialization.save``
-        calls it; the stage is named "torch_dist write and commit")."""
+                        exc: Optional[BaseException], whole_files: Dict[str, Tuple[int, int]],
+                        commit: Callable[[], None]) -> None:
+        """``save``, and the caller's commit in the same collective: rank 0 enters every rank's
+        ``whole_files`` (files the caller wrote, ``{name: (size, crc32c)}``, e.g. ``common.pt``)
+        into the manifest with the strategy's items, and runs ``commit()`` right after it wrote
+        ``.metadata`` and the manifest, only if every rank wrote its part. ``exc``: this rank
+        already failed (it writes nothing and reports the error). One stage instead of two
+        (``serialization.save`` calls it; the stage is named "torch_dist write and commit")."""
         plan = None
         if exc is None:
             try:
                 plan = write_plan(self.prepare(sharded_state_dict, checkpoint_dir), self.thread_count)
             except Exception as e:  # noqa: BLE001 - shared with every rank in finalize
                 exc = e
-        self._commit = (commit_payload, commit_decide)
+        self._commit = (whole_files, commit)
         try:
             self.finalize(plan, _location(checkpoint_dir), exc)
         finally:
@@ -786,11 +787,11 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             payload, stage = (payload, commit[0]), "torch_dist write and commit"
 
         def decide_and_commit(payloads):
-            reused = decide([p[0] for p in payloads])
-            commit[1]([p[1] for p in payloads])
+            reused = decide([p[0] for p in payloads], {name: v for p in payloads for name, v in p[1].items()})
+            commit[1]()
             return reused
 
-        def decide(payloads):
+        def decide(payloads, whole_files=None):
             cache = self._global_cache
             per_rank, reused = [], cache is not None
             for r, p in enumerate(payloads):
@@ -821,7 +822,11 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             if index_bytes is not None:
                 ranges.append((INDEX_FNAME, 0, len(index_bytes), crc32c(index_bytes), INDEX_FNAME))
                 sizes[INDEX_FNAME] = len(index_bytes)
-            write_manifest(checkpoint_dir, build_manifest(md.storage_meta.save_id, "torch_dist", ranges, sizes))
+            manifest = build_manifest(md.storage_meta.save_id, "torch_dist", ranges, sizes)
+            for name, (size, crc) in (whole_files or {}).items():
+                manifest.files[name] = size
+                manifest.ranges[name] = [RangeChecksum(0, size, crc, name)]
+            write_manifest(checkpoint_dir, manifest)
             if self.cached_metadata:
                 self._global_cache = (per_rank, md)
             return reused
