@@ -279,15 +279,102 @@ def barrier(group: ProcessGroup = None, stage: str = "barrier", checked: bool = 
         _guarded(stage, lambda: tdist.barrier(group=group), group)
 
 
+# Object collectives send each rank's pickle in a fixed slot of ``_slot_bytes(world)`` bytes (an
+# 8-byte length, then the pickle when it fits): the small payloads of most stages (no error, a
+# digest, a staging path) take one collective instead of torch's two (sizes first, then the
+# padded pickles). A payload too large for its slot goes in a second round, as torch does.
+_LEN = 8
+
+
+def _slot_bytes(world: int) -> int:
+    return max(64, min(1024, (1 << 20) // max(1, world)))
+
+
+def _pack(obj: Any, slot: int, device: torch.device) -> Tuple[torch.Tensor, bytes]:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    buf = bytearray(slot)
+    buf[:_LEN] = len(data).to_bytes(_LEN, "little")
+    if len(data) <= slot - _LEN:
+        buf[_LEN:_LEN + len(data)] = data
+    return torch.frombuffer(buf, dtype=torch.uint8).to(device), data
+
+
+def _length(slot: torch.Tensor) -> int:
+    return int.from_bytes(slot[:_LEN].cpu().numpy().tobytes(), "little")
+
+
+def _unpack(slot_bytes: bytes, length: int) -> Any:
+    return pickle.loads(slot_bytes[_LEN:_LEN + length])
+
+
+def _padded(data: bytes, size: int, device: torch.device) -> torch.Tensor:
+    buf = bytearray(size)
+    buf[:len(data)] = data
+    return torch.frombuffer(buf, dtype=torch.uint8).to(device)
+
+
+def _all_gather_object(obj: Any, group: ProcessGroup) -> List[Any]:
+    world, device = get_world_size(group), collective_device(group)
+    slot = _slot_bytes(world)
+    mine, data = _pack(obj, slot, device)
+    slots = [torch.empty(slot, dtype=torch.uint8, device=device) for _ in range(world)]
+    tdist.all_gather(slots, mine, group=group)
+    raw = [t.cpu().numpy().tobytes() for t in slots]
+    lengths = [int.from_bytes(r[:_LEN], "little") for r in raw]
+    longest = max(lengths)
+    if longest <= slot - _LEN:
+        return [_unpack(r, n) for r, n in zip(raw, lengths)]
+    full = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
+    tdist.all_gather(full, _padded(data, longest, device), group=group)
+    return [pickle.loads(t.cpu().numpy().tobytes()[:n]) for t, n in zip(full, lengths)]
+
+
+def _gather_object(obj: Any, dst: int, group: ProcessGroup) -> Optional[List[Any]]:
+    """Every rank learns the lengths (first round, an all-gather of the slots); payloads that do
+    not fit their slot then go to ``dst`` alone in a second round (a gather)."""
+    world, device = get_world_size(group), collective_device(group)
+    slot = _slot_bytes(world)
+    mine, data = _pack(obj, slot, device)
+    slots = [torch.empty(slot, dtype=torch.uint8, device=device) for _ in range(world)]
+    tdist.all_gather(slots, mine, group=group)
+    raw = [t.cpu().numpy().tobytes() for t in slots]
+    lengths = [int.from_bytes(r[:_LEN], "little") for r in raw]
+    longest = max(lengths)
+    me = get_rank(group)
+    if longest <= slot - _LEN:
+        return [_unpack(r, n) for r, n in zip(raw, lengths)] if me == dst else None
+    full = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)] if me == dst else None
+    tdist.gather(_padded(data, longest, device), full, dst=global_rank_of(dst, group), group=group)
+    if me != dst:
+        return None
+    return [_unpack(r, n) if n <= slot - _LEN else pickle.loads(t.cpu().numpy().tobytes()[:n])
+            for r, n, t in zip(raw, lengths, full)]
+
+
+def _broadcast_object(obj: Any, src: int, group: ProcessGroup) -> Any:
+    world, device = get_world_size(group), collective_device(group)
+    slot = _slot_bytes(world)
+    me = get_rank(group)
+    if me == src:
+        buf, data = _pack(obj, slot, device)
+    else:
+        buf, data = torch.empty(slot, dtype=torch.uint8, device=device), b""
+    tdist.broadcast(buf, src=global_rank_of(src, group), group=group)
+    length = _length(buf)
+    if length <= slot - _LEN:
+        return obj if me == src else _unpack(buf.cpu().numpy().tobytes(), length)
+    full = _padded(data, length, device) if me == src else torch.empty(length, dtype=torch.uint8, device=device)
+    tdist.broadcast(full, src=global_rank_of(src, group), group=group)
+    return obj if me == src else pickle.loads(full.cpu().numpy().tobytes())
+
+
 def all_gather_object(obj: T, group: ProcessGroup = None, stage: str = "all-gather",
                       checked: bool = True) -> List[T]:
     if not is_initialized():
         return [obj]
     if checked:
         check_in(stage, group)
-    out: List[Any] = [None] * get_world_size(group)
-    _guarded(stage, lambda: tdist.all_gather_object(out, obj, group=group), group)
-    return out
+    return _guarded(stage, lambda: _all_gather_object(obj, group), group)
 
 
 def gather_object(obj: T, dst: int = 0, group: ProcessGroup = None, stage: str = "gather",
@@ -297,11 +384,7 @@ def gather_object(obj: T, dst: int = 0, group: ProcessGroup = None, stage: str =
         return [obj]
     if checked:
         check_in(stage, group)
-    world = get_world_size(group)
-    me = get_rank(group)
-    out: Optional[List[Any]] = [None] * world if me == dst else None
-    _guarded(stage, lambda: tdist.gather_object(obj, out, dst=global_rank_of(dst, group), group=group), group)
-    return out
+    return _guarded(stage, lambda: _gather_object(obj, dst, group), group)
 
 
 def broadcast_object(obj: T, src: int = 0, group: ProcessGroup = None, stage: str = "broadcast",
@@ -310,10 +393,7 @@ def broadcast_object(obj: T, src: int = 0, group: ProcessGroup = None, stage: st
         return obj
     if checked:
         check_in(stage, group)
-    holder = [obj]
-    _guarded(stage,
-             lambda: tdist.broadcast_object_list(holder, src=global_rank_of(src, group), group=group), group)
-    return holder[0]
+    return _guarded(stage, lambda: _broadcast_object(obj, src, group), group)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup = None) -> None:
@@ -379,12 +459,23 @@ def _error_record(exc: Optional[BaseException], group: ProcessGroup) -> Optional
     return None if exc is None else (get_rank(group), _one_line(exc), describe_error(exc))
 
 
+class _Pickled:
+    """A payload pickled once: pickling it again copies the bytes, unpickling gives the payload."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def __reduce__(self):
+        return pickle.loads, (self.data,)
+
+
 def _checked_payload(exc: Optional[BaseException], payload: Any) -> tuple:
     """Turn an unpicklable payload into this rank's error *before* any collective, so the
-    collective itself cannot fail on one rank and leave the others waiting."""
+    collective itself cannot fail on one rank and leave the others waiting. The pickle made
+    for the check is the one sent."""
     if exc is None and payload is not None and is_initialized():
         try:
-            pickle.dumps(payload)
+            return exc, _Pickled(pickle.dumps(payload, protocol=pickle.HIGHEST_PROTOCOL))
         except Exception as e:  # noqa: BLE001 - reported to every rank by the caller
             return e, None
     return exc, payload

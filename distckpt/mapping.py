@@ -56,6 +56,8 @@ def is_main_replica(replica_id: ReplicaId) -> bool:
 
 
 def _to_int(value: Any, what: str, owner: str) -> int:
+    if type(value) is int:  # the common case, first and cheapest
+        return value
     # bool and float are rejected on purpose: a shape of 2.0, NaN or True is a caller bug.
     if not isinstance(value, (bool, float)):
         try:
@@ -68,6 +70,8 @@ def _to_int(value: Any, what: str, owner: str) -> int:
 
 
 def _to_int_tuple(values: Any, what: str, owner: str) -> Tuple[int, ...]:
+    if type(values) is tuple and all(type(v) is int for v in values):
+        return values  # already normalised (every validation after the first)
     try:
         if isinstance(values, (str, bytes)):
             raise TypeError

@@ -269,6 +269,10 @@ def _write_and_commit(staging: commit_protocol.Staging, protocol, sharded_part, 
                       common_strategy, async_sharded_save: bool) -> Any:
     """Every rank writes into the staging directory; rank 0 commits it (after ``metadata.json``)."""
     ckpt = protocol.where(staging)
+    # A strategy with ``save_and_commit`` writes, reports and commits in one stage; a failure of
+    # the common state write then reaches every rank in that stage (the others' writes into the
+    # staging directory are dropped with it).
+    merged = None if async_sharded_save else getattr(sharded_strategy, "save_and_commit", None)
     exc = None
     try:
         common_strategy.save_common(common_part, ckpt)
@@ -277,19 +281,25 @@ def _write_and_commit(staging: commit_protocol.Staging, protocol, sharded_part, 
             common_strategy.save_sharded_objects(objects, ckpt)
     except Exception as e:  # noqa: BLE001
         exc = e
-    dist.sync_errors("common state write", exc)
+    if merged is None:
+        dist.sync_errors("common state write", exc)
 
     config = CheckpointingConfig(sharded_strategy.backend, sharded_strategy.version,
                                  common_strategy.backend, common_strategy.version)
     written = dict(getattr(common_strategy, "written_files", {}))
 
-    def commit(exc: Optional[BaseException] = None) -> None:
-        def decide(payloads):
-            entries = {name: v for p in payloads for name, v in p.items()}
-            if entries:
-                add_whole_files(ckpt, entries, config.sharded_backend, save_id=staging.save_id)
-            protocol.commit(staging, config)
+    def decide(payloads):
+        entries = {name: v for p in payloads for name, v in p.items()}
+        if entries:
+            add_whole_files(ckpt, entries, config.sharded_backend, save_id=staging.save_id)
+        protocol.commit(staging, config)
 
+    if merged is not None:
+        # ``written`` goes into the strategy's manifest; then only the commit itself is left.
+        merged(sharded_part, ckpt, exc, written, lambda: protocol.commit(staging, config))
+        return None
+
+    def commit(exc: Optional[BaseException] = None) -> None:
         dist.gather_and_decide("commit", exc, written, decide)
 
     if async_sharded_save:

@@ -18,6 +18,7 @@ Archives that do not have the expected shape fall back to ``torch.load`` of the 
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import math
 import os
@@ -309,8 +310,17 @@ def tensor_archive_frame(tensor: torch.Tensor, serialization_id: str) -> Optiona
             or not tensor.is_contiguous() or tensor.storage_offset() != 0 or tensor.requires_grad
             or tensor.untyped_storage().nbytes() != nbytes or nbytes > _MAX_FRAMED):
         return None
+    return _archive_frame(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.numel(), nbytes,
+                          serialization_id)
+
+
+# The frame depends only on dtype, shape, stride and the serialization id; the tensors of a
+# model repeat a few shapes, and a save repeats the last save's: build each frame once.
+@functools.lru_cache(maxsize=4096)
+def _archive_frame(dtype: torch.dtype, shape: Tuple[int, ...], stride: Tuple[int, ...], numel: int, nbytes: int,
+                   serialization_id: str) -> Tuple[bytes, bytes]:
     zf = _ZipFramer()
-    zf.record("data.pkl", _tensor_pickle(tensor.dtype, tensor.shape, tensor.stride(), tensor.numel()))
+    zf.record("data.pkl", _tensor_pickle(dtype, shape, stride, numel))
     for name, data in _SMALL_RECORDS_BEFORE:
         zf.record(name, data)
     zf.local("data/0", nbytes)
@@ -323,13 +333,40 @@ def tensor_archive_frame(tensor: torch.Tensor, serialization_id: str) -> Optiona
     return header, bytes(zf.out)
 
 
+def framed_layout(raw, size: Tuple[int, ...], dtype: torch.dtype) -> Optional[ArchiveLayout]:
+    """The layout of the archive ``raw`` when it is byte for byte the frame :func:`write_tensor_item`
+    builds for a contiguous tensor of ``size`` and ``dtype`` around its bytes (then nothing needs
+    parsing); None otherwise (parse it with :func:`read_archive_layout`)."""
+    if dtype not in _FRAMED_DTYPES:
+        return None
+    numel = math.prod(size)
+    nbytes = numel * dtype.itemsize
+    if nbytes == 0 or nbytes > _MAX_FRAMED:
+        return None
+    stride, acc = [], 1
+    for s in reversed(size):
+        stride.append(acc)
+        acc *= s
+    stride = tuple(reversed(stride))
+    header, trailer = _archive_frame(dtype, tuple(size), stride, numel, nbytes, _SERIALIZATION_ID)
+    view = memoryview(raw)
+    if len(view) != len(header) + nbytes + len(trailer):
+        return None
+    if view[:len(header)] != header or view[len(header) + nbytes:] != trailer:
+        return None
+    return ArchiveLayout(len(header), nbytes, dtype, 0, tuple(size), stride)
+
+
+_SERIALIZATION_ID = "0" * 40
+
+
 def write_tensor_item(sink: ChecksummingSink, tensor: torch.Tensor,
                       blocks: Optional[List[blockcrc.Entry]] = None) -> Tuple[int, int, int]:
     """Append one tensor archive; returns (offset, length, crc32c) of the item. With ``blocks``,
     an item whose tensor bytes span at least ``blockcrc.MIN_PAYLOAD`` appends its per-block
     CRC32Cs there (see :mod:`distckpt.strategies.blockcrc`)."""
     start, sink.crc = sink.position, 0
-    frame = tensor_archive_frame(tensor, "0" * 40)
+    frame = tensor_archive_frame(tensor, _SERIALIZATION_ID)
     if frame is None:
         save_to_sink(tensor, sink)
         return start, sink.position - start, sink.crc

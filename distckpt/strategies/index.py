@@ -335,43 +335,53 @@ class IndexReader:
         Walks every key's tree level by level; each level is one batch of ranged reads.
         """
         out: Dict[str, List[Any]] = {k: [] for k in boxes}
-        frontier = []   # (key, ndim, ref, levels below, query lo array, query hi array)
+        parsed_names: Dict[bytes, List[str]] = {}
+        frontier = []   # (key, ndim, ref, levels below, query lo tuples, query hi tuples)
         for fqn, bxs in boxes.items():
             e = self.keys.get(fqn)
             if e is None or e.get("bytes") or not e.get("count") or not bxs:
                 continue
             ndim = len(e["size"])
-            qlo = np.array([b[0] for b in bxs], dtype=np.int64).reshape(len(bxs), ndim)
-            qhi = qlo + np.array([b[1] for b in bxs], dtype=np.int64).reshape(len(bxs), ndim)
+            # Plain lists (a key of a few boxes needs no numpy); arrays only where a node or a
+            # large leaf is searched.
+            qlo = [tuple(b[0]) for b in bxs]
+            qhi = [tuple(o + n for o, n in zip(b[0], b[1])) for b in bxs]
+            if any(len(q) != ndim or len(b[1]) != ndim for q, b in zip(qlo, bxs)):
+                raise ValueError(f"{fqn}: query boxes must have {ndim} axes")
             lo, hi = e["bbox"]
             if any(all(lo[d] < q1[d] and hi[d] > q0[d] for d in range(ndim))
-                   for q0, q1 in zip(qlo.tolist(), qhi.tolist())):
+                   for q0, q1 in zip(qlo, qhi)):
                 frontier.append((fqn, ndim, e["root"], e["depth"] - 1, qlo, qhi))
         while frontier:
             blobs = self._fetch([f[2] for f in frontier])
             nxt = []
-            for (fqn, ndim, _, below, qlo, qhi), raw in zip(frontier, blobs):
+            for (fqn, ndim, _, below, qlo_list, qhi_list), raw in zip(frontier, blobs):
                 if below:
+                    qlo, qhi = _arrays(qlo_list, qhi_list, ndim)
                     table = np.frombuffer(raw, dtype="<i8").reshape(-1, 3 + 2 * ndim)
                     lo, hi = table[:, 3:3 + ndim], table[:, 3 + ndim:]
                     hit = np.zeros(len(table), dtype=bool)
                     for a, b in zip(qlo, qhi):
                         hit |= np.all((lo < b) & (hi > a), axis=1)
-                    nxt.extend((fqn, ndim, ref, below - 1, qlo, qhi) for ref in table[hit, :3].tolist())
+                    nxt.extend((fqn, ndim, ref, below - 1, qlo_list, qhi_list) for ref in table[hit, :3].tolist())
                     continue
                 (nn,) = struct.unpack_from("<I", raw)
-                names = json.loads(bytes(raw[4:4 + nn]))
+                names_raw = bytes(raw[4:4 + nn])
+                names = parsed_names.get(names_raw)
+                if names is None:  # leaves mostly name the same few files: parse each list once
+                    names = parsed_names[names_raw] = json.loads(names_raw)
                 width = 2 * ndim + 4
-                if len(qlo) == 1 and len(raw) - 4 - nn <= 8 * width * 16:
+                if len(qlo_list) == 1 and len(raw) - 4 - nn <= 8 * width * 16:
                     # A small leaf and one box (the common case of a small key): plain Python.
                     flat = struct.unpack_from(f"<{(len(raw) - 4 - nn) // 8}q", raw, 4 + nn)
-                    a, b = qlo[0].tolist(), qhi[0].tolist()
+                    a, b = qlo_list[0], qhi_list[0]
                     for i in range(0, len(flat), width):
                         r = flat[i:i + width]
                         if all(r[d] < b[d] and r[d] + r[ndim + d] > a[d] for d in range(ndim)):
                             out[fqn].append((tuple(r[:ndim]), tuple(r[ndim:2 * ndim]), names[r[2 * ndim]],
                                              r[2 * ndim + 1], r[2 * ndim + 2], r[2 * ndim + 3]))
                     continue
+                qlo, qhi = _arrays(qlo_list, qhi_list, ndim)
                 rows = np.frombuffer(raw, dtype="<i8", offset=4 + nn).reshape(-1, width)
                 off, end = rows[:, :ndim], rows[:, :ndim] + rows[:, ndim:2 * ndim]
                 hit = np.zeros(len(rows), dtype=bool)
@@ -395,6 +405,11 @@ class IndexReader:
                     f"{self.where}: sidecar index node at offset {starts[refs.index(r)]} fails its CRC32C "
                     f"check (corrupted)")
         return views
+
+
+def _arrays(qlo: List[Tuple[int, ...]], qhi: List[Tuple[int, ...]], ndim: int) -> Tuple[np.ndarray, np.ndarray]:
+    return (np.array(qlo, dtype=np.int64).reshape(len(qlo), ndim),
+            np.array(qhi, dtype=np.int64).reshape(len(qhi), ndim))
 
 
 def _meets(lo: np.ndarray, hi: np.ndarray, qlo: np.ndarray, qhi: np.ndarray) -> bool:

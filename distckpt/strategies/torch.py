@@ -33,9 +33,10 @@ import pickle
 import uuid
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -80,6 +81,8 @@ from distckpt.strategies.common import safe_torch_load
 from distckpt.strategies.filesystem import (
     ChecksummingSink,
     WriterSink,
+    framed_layout,
+    pread_exact,
     pread_into,
     read_archive_layout,
     write_bytes_item,
@@ -554,7 +557,7 @@ def _stage_wave(plan: SavePlan, wave: Wave) -> Optional[Any]:
     return plan.staging.seal() if plan.staging is not None else None
 
 
-def _write_wave(plan: SavePlan, wave: Wave, pool: ThreadPoolExecutor, last: bool) -> None:
+def _write_wave(plan: SavePlan, wave: Wave, pool: Optional[ThreadPoolExecutor], last: bool) -> None:
     def one(name: str, items: List[_WriteItem]) -> None:
         out = plan.outputs.get(name)
         if out is None:
@@ -572,6 +575,10 @@ def _write_wave(plan: SavePlan, wave: Wave, pool: ThreadPoolExecutor, last: bool
     names = dict(wave)
     if last:  # every file closes in the last wave, also those it adds nothing to
         names = {name: names.get(name, []) for name, _ in plan.jobs}
+    if pool is None:
+        for name, items in names.items():
+            one(name, items)
+        return
     for fut in [pool.submit(one, name, items) for name, items in names.items()]:
         fut.result()
 
@@ -582,13 +589,30 @@ def _abort_outputs(plan: SavePlan) -> None:
     plan.outputs.clear()
 
 
+# A plan with at most this many bytes is written by the calling thread, file after file: for a few
+# MB, starting and feeding writer threads costs more than the writes themselves.
+INLINE_WRITE_BYTES = 4 << 20
+
+
+@contextmanager
+def _writer_pool(plan: SavePlan, thread_count: int) -> Iterator[Optional[ThreadPoolExecutor]]:
+    """The writer threads of ``plan`` (one per file up to ``thread_count``), or None: write
+    inline (a single file, one thread, or a small plan)."""
+    workers = max(1, min(thread_count, len(plan.jobs)))
+    if workers == 1 or sum(it.nbytes for _, items in plan.jobs for it in items) <= INLINE_WRITE_BYTES:
+        yield None
+        return
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        yield pool
+
+
 def write_waves(plan: SavePlan, waves: List[Wave], thread_count: int) -> None:
     """The blocking part of a bounded async save: stage and write every wave but the last, then
     stage the last one, which ``write_plan`` writes. A failure is kept in the plan and raised by
     ``write_plan`` (so every rank learns of it at finalization)."""
     plan.waves = len(waves)
     try:
-        with zip_crc_disabled(), ThreadPoolExecutor(max_workers=max(1, min(thread_count, len(plan.jobs)))) as pool:
+        with zip_crc_disabled(), _writer_pool(plan, thread_count) as pool:
             for wave in waves[:-1]:
                 staged = _stage_wave(plan, wave)
                 try:
@@ -617,7 +641,7 @@ def write_plan(plan: SavePlan, thread_count: int = 2, budget: Optional[int] = No
     try:
         if plan.error is not None:
             raise plan.error
-        with zip_crc_disabled(), ThreadPoolExecutor(max_workers=max(1, min(thread_count, len(plan.jobs)))) as pool:
+        with zip_crc_disabled(), _writer_pool(plan, thread_count) as pool:
             if plan.pending is not None:
                 _write_wave(plan, plan.pending, pool, last=True)
             else:
@@ -683,6 +707,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self._local_structure: Optional[Tuple] = None
         self._global_cache: Optional[List[Tuple[RecordTable, Dict[str, int]]]] = None
         self.last_save_reused_metadata = False
+        self._commit: Optional[Tuple[Dict[str, Tuple[int, int]], Callable[[], None]]] = None
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -734,6 +759,27 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             exc = e
         self.finalize(plan, _location(checkpoint_dir), exc)
 
+    def save_and_commit(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path,
+                        exc: Optional[BaseException], whole_files: Dict[str, Tuple[int, int]],
+                        commit: Callable[[], None]) -> None:
+        """``save``, and the caller's commit in the same collective: rank 0 enters every rank's
+        ``whole_files`` (files the caller wrote, ``{name: (size, crc32c)}``, e.g. ``common.pt``)
+        into the manifest with the strategy's items, and runs ``commit()`` right after it wrote
+        ``.metadata`` and the manifest, only if every rank wrote its part. ``exc``: this rank
+        already failed (it writes nothing and reports the error). One stage instead of two
+        (``serialization.save`` calls it; the stage is named "torch_dist write and commit")."""
+        plan = None
+        if exc is None:
+            try:
+                plan = write_plan(self.prepare(sharded_state_dict, checkpoint_dir), self.thread_count)
+            except Exception as e:  # noqa: BLE001 - shared with every rank in finalize
+                exc = e
+        self._commit = (whole_files, commit)
+        try:
+            self.finalize(plan, _location(checkpoint_dir), exc)
+        finally:
+            self._commit = None
+
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path):
         """Stage the local bytes now; return an AsyncRequest that writes them in the background
         and, at finalize (every rank, main thread), writes ``.metadata`` and the manifest.
@@ -763,8 +809,16 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 payload = ("same", np.array([r.crc32c for r in plan.records], dtype=np.int64), plan.table_crcs)
             else:
                 payload = ("full", RecordTable.of(plan.decls, plan.records), plan.file_sizes, plan.table_crcs)
+        commit, stage = getattr(self, "_commit", None), "torch_dist write"
+        if commit is not None:
+            payload, stage = (payload, commit[0]), "torch_dist write and commit"
 
-        def decide(payloads):
+        def decide_and_commit(payloads):
+            reused = decide([p[0] for p in payloads], {name: v for p in payloads for name, v in p[1].items()})
+            commit[1]()
+            return reused
+
+        def decide(payloads, whole_files=None):
             cache = self._global_cache
             per_rank, reused, tables = [], cache is not None, {}
             for r, p in enumerate(payloads):
@@ -794,12 +848,17 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             if index_bytes is not None:
                 ranges.append((INDEX_FNAME, 0, len(index_bytes), crc32c(index_bytes), INDEX_FNAME))
                 sizes[INDEX_FNAME] = len(index_bytes)
-            write_manifest(checkpoint_dir, build_manifest(save_id, "torch_dist", ranges, sizes))
+            manifest = build_manifest(save_id, "torch_dist", ranges, sizes)
+            for name, (size, crc) in (whole_files or {}).items():
+                manifest.files[name] = size
+                manifest.ranges[name] = [RangeChecksum(0, size, crc, name)]
+            write_manifest(checkpoint_dir, manifest)
             if self.cached_metadata:
                 self._global_cache = per_rank
             return reused
 
-        self.last_save_reused_metadata = bool(dist.gather_and_decide("torch_dist write", exc, payload, decide))
+        self.last_save_reused_metadata = bool(dist.gather_and_decide(
+            stage, exc, payload, decide if commit is None else decide_and_commit))
         if self.cached_metadata:
             self._local_structure = (plan.decls, [r.structure() for r in plan.records], plan.file_sizes)
 
@@ -1359,7 +1418,11 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[_CopyOp],
             return os.pread(fd, n, st.file_offset + offset)
 
     numel = math.prod(st.size)
-    layout = read_archive_layout(read, st.length) if st.length else None
+    layout = None
+    if raw is not None and st.length:
+        layout = framed_layout(raw, tuple(st.size), ops[0].dst.dtype)  # our own frame: no parsing
+    if layout is None and st.length:
+        layout = read_archive_layout(read, st.length)
     if layout is None or not layout.is_contiguous or math.prod(layout.size) != numel:
         whole = raw if raw is not None else read(0, st.length)
         if len(whole) != st.length:
@@ -1531,6 +1594,22 @@ def _enter_tables(manifest, tables: Dict[str, bytes]) -> None:
     for tname, data in tables.items():
         manifest.files[tname] = len(data)
         manifest.ranges[tname] = [RangeChecksum(0, len(data), crc32c(data), tname)]
+
+
+# Loads of at most this many item bytes read in the calling thread, file after file; a file whose
+# items are each at most SMALL_ITEM_BYTES and lie within a span of at most INLINE_READ_BYTES is
+# read with one pread of that span (a few syscalls per file instead of a few per item).
+INLINE_READ_BYTES = 4 << 20
+SMALL_ITEM_BYTES = 64 << 10
+
+
+def _small_span(items: List[_Stored]) -> Optional[int]:
+    """The length of the span ``items`` (sorted by offset) cover, when one read of it serves them."""
+    if not items or any(st.length > SMALL_ITEM_BYTES for st in items):
+        return None
+    span = max(st.file_offset + st.length for st in items) - items[0].file_offset
+    needed = sum(st.length for st in items)
+    return span if span <= INLINE_READ_BYTES and span <= 2 * needed else None
 
 
 def _fresh_name(checkpoint_dir: Path, name: str) -> str:
@@ -1960,11 +2039,25 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             try:
                 nbytes = 0
                 file_size = os.fstat(fd).st_size
-                for st in sorted(by_file[name], key=lambda c: c.file_offset):
+                items = sorted(by_file[name], key=lambda c: c.file_offset)
+                for st in items:
                     if st.file_offset + st.length > file_size:
                         raise CheckpointingException(
                             f"key {plan.ops[st][0].key!r} in {path} at offset {st.file_offset} (rank {rank}): file "
                             f"is truncated ({file_size} bytes, the record ends at {st.file_offset + st.length})")
+                span = _small_span(items)
+                if span is not None:
+                    # Small items: one read of the span they lie in, then each item from memory.
+                    first = items[0].file_offset
+                    raw = bytearray(span)
+                    pread_exact(fd, memoryview(raw), first, str(path))
+                    for st in items:
+                        start = st.file_offset - first
+                        _read_chunk(fd, path, st, plan.ops[st], checksums, rank, verify,
+                                    raw[start:start + st.length])
+                    counted.append(len(raw))
+                    return
+                for st in items:
                     nbytes += _read_chunk(fd, path, st, plan.ops[st], checksums, rank, verify)
                 counted.append(nbytes)
             finally:
@@ -1973,7 +2066,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         names = sorted(by_file)
         if isinstance(checkpoint_dir, storage.Store):
             read_file = read_object  # noqa: F811 - the object-store reader replaces the POSIX one
-        if len(names) <= 1 or self.thread_count <= 1:
+        small = sum(st.length for st in plan.ops) <= INLINE_READ_BYTES
+        if len(names) <= 1 or self.thread_count <= 1 or small:
             for n in names:
                 read_file(n)
         else:
