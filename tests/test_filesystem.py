@@ -68,6 +68,36 @@ def test_tensors_the_framer_declines_are_written_by_torch_save(tensor, tmp_path)
     assert torch.equal(back.float(), tensor.float())
 
 
+def test_own_frames_are_recognised_from_their_header_and_trailer_only(tmp_path):
+    t = _sample(torch.bfloat16, (64, 48))
+    path = tmp_path / "item"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    sink = fs.ChecksummingSink(fd)
+    offset, length, _ = fs.write_tensor_item(sink, t)
+    sink.drain()
+    os.close(fd)
+    data = path.read_bytes()
+    reads = []
+
+    def read(at, n):
+        reads.append(n)
+        return data[at:at + n]
+
+    layout = fs.framed_layout(None, (64, 48), torch.bfloat16, length, read)
+    assert layout is not None and layout == fs.framed_layout(data, (64, 48), torch.bfloat16)
+    assert sum(reads) < 4096 and len(reads) == 2  # the frame only, never the tensor bytes
+    payload = data[layout.data_offset:layout.data_offset + layout.data_length]
+    assert torch.equal(torch.frombuffer(bytearray(payload), dtype=torch.bfloat16).reshape(64, 48), t)
+    # Another shape, dtype or length, or torch.save's own archive (another serialization id):
+    # not ours, so the caller parses the zip.
+    assert fs.framed_layout(None, (48, 64), torch.bfloat16, length, read) is None
+    assert fs.framed_layout(None, (64, 48), torch.float16, length, read) is None
+    assert fs.framed_layout(None, (64, 48), torch.bfloat16, length + 1, read) is None
+    theirs = _torch_save_bytes(t)
+    assert fs.framed_layout(None, (64, 48), torch.bfloat16, len(theirs), lambda a, n: theirs[a:a + n]) is None
+    assert fs.framed_layout(theirs, (64, 48), torch.bfloat16) is None
+
+
 def test_sink_gathers_small_writes_and_counts_every_byte(tmp_path):
     """Many items, small and large: the file, the offsets and the per-item CRC32C all match
     what writing each item on its own produces."""

@@ -27,7 +27,7 @@ import struct
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -333,10 +333,10 @@ def _archive_frame(dtype: torch.dtype, shape: Tuple[int, ...], stride: Tuple[int
     return header, bytes(zf.out)
 
 
-def framed_layout(raw, size: Tuple[int, ...], dtype: torch.dtype) -> Optional[ArchiveLayout]:
-    """The layout of the archive ``raw`` when it is byte for byte the frame :func:`write_tensor_item`
-    builds for a contiguous tensor of ``size`` and ``dtype`` around its bytes (then nothing needs
-    parsing); None otherwise (parse it with :func:`read_archive_layout`)."""
+@functools.lru_cache(maxsize=4096)
+def _expected_frame(dtype: torch.dtype, size: Tuple[int, ...]) -> Optional[Tuple[bytes, bytes, ArchiveLayout]]:
+    """The header and trailer :func:`write_tensor_item` puts around a contiguous tensor of ``size``
+    and ``dtype``, with the layout they describe; None for tensors it leaves to ``torch.save``."""
     if dtype not in _FRAMED_DTYPES:
         return None
     numel = math.prod(size)
@@ -348,13 +348,31 @@ def framed_layout(raw, size: Tuple[int, ...], dtype: torch.dtype) -> Optional[Ar
         stride.append(acc)
         acc *= s
     stride = tuple(reversed(stride))
-    header, trailer = _archive_frame(dtype, tuple(size), stride, numel, nbytes, _SERIALIZATION_ID)
-    view = memoryview(raw)
-    if len(view) != len(header) + nbytes + len(trailer):
+    header, trailer = _archive_frame(dtype, size, stride, numel, nbytes, _SERIALIZATION_ID)
+    return header, trailer, ArchiveLayout(len(header), nbytes, dtype, 0, size, stride)
+
+
+def framed_layout(raw, size: Tuple[int, ...], dtype: torch.dtype, length: Optional[int] = None,
+                  read: Optional[Callable[[int, int], bytes]] = None) -> Optional[ArchiveLayout]:
+    """The layout of an archive that is byte for byte the frame :func:`write_tensor_item` builds
+    for a contiguous tensor of ``size`` and ``dtype`` around its bytes (then nothing needs
+    parsing); None otherwise (parse it with :func:`read_archive_layout`).
+
+    The archive is ``raw``, or (``raw`` None) the ``length`` bytes ``read(offset, n)`` serves: then
+    only its header and trailer are read, two small reads instead of the zip directory's."""
+    frame = _expected_frame(dtype, tuple(size))
+    if frame is None:
         return None
-    if view[:len(header)] != header or view[len(header) + nbytes:] != trailer:
+    header, trailer, layout = frame
+    total = len(header) + layout.data_length + len(trailer)
+    if raw is not None:
+        view = memoryview(raw)
+        if len(view) != total or view[:len(header)] != header or view[total - len(trailer):] != trailer:
+            return None
+        return layout
+    if length != total or read(0, len(header)) != header or read(total - len(trailer), len(trailer)) != trailer:
         return None
-    return ArchiveLayout(len(header), nbytes, dtype, 0, tuple(size), stride)
+    return layout
 
 
 _SERIALIZATION_ID = "0" * 40

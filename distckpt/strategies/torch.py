@@ -1419,8 +1419,8 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[_CopyOp],
 
     numel = math.prod(st.size)
     layout = None
-    if raw is not None and st.length:
-        layout = framed_layout(raw, tuple(st.size), ops[0].dst.dtype)  # our own frame: no parsing
+    if st.length:  # distckpt's own frame: compared with the expected one, not parsed
+        layout = framed_layout(raw, tuple(st.size), ops[0].dst.dtype, st.length, read)
     if layout is None and st.length:
         layout = read_archive_layout(read, st.length)
     if layout is None or not layout.is_contiguous or math.prod(layout.size) != numel:
