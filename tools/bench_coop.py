@@ -57,6 +57,10 @@ class ThrottledStore(LocalStore):
     """
 
     supports_mmap = False  # the loader takes the object-store path: ranged reads through get_ranges
+    # No per-request latency here, only bandwidth: a gap between two wanted ranges costs its bytes
+    # and a second request costs nothing, so ranges are never merged across gaps (an object store
+    # merges gaps up to its ``coalesce`` option, 1 MiB by default, to save round trips).
+    coalesce = 0
 
     def __init__(self, root, rate: float, clock, lock):
         super().__init__(root)
