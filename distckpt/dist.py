@@ -313,14 +313,21 @@ def _padded(data: bytes, size: int, device: torch.device) -> torch.Tensor:
     return torch.frombuffer(buf, dtype=torch.uint8).to(device)
 
 
-def _all_gather_object(obj: Any, group: ProcessGroup) -> List[Any]:
+def _slot_round(obj: Any, group: ProcessGroup):
+    """The first round of both object collectives: every rank's pickle (or, when it does not fit
+    the fixed slot, its length) all-gathered in slots. Returns the world size, the collective
+    device, the slot size, this rank's pickle, every rank's slot bytes and pickle length."""
     world, device = get_world_size(group), collective_device(group)
     slot = _slot_bytes(world)
     mine, data = _pack(obj, slot, device)
     slots = [torch.empty(slot, dtype=torch.uint8, device=device) for _ in range(world)]
     tdist.all_gather(slots, mine, group=group)
     raw = [t.cpu().numpy().tobytes() for t in slots]
-    lengths = [int.from_bytes(r[:_LEN], "little") for r in raw]
+    return world, device, slot, data, raw, [int.from_bytes(r[:_LEN], "little") for r in raw]
+
+
+def _all_gather_object(obj: Any, group: ProcessGroup) -> List[Any]:
+    world, device, slot, data, raw, lengths = _slot_round(obj, group)
     longest = max(lengths)
     if longest <= slot - _LEN:
         return [_unpack(r, n) for r, n in zip(raw, lengths)]
@@ -332,13 +339,7 @@ def _all_gather_object(obj: Any, group: ProcessGroup) -> List[Any]:
 def _gather_object(obj: Any, dst: int, group: ProcessGroup) -> Optional[List[Any]]:
     """Every rank learns the lengths (first round, an all-gather of the slots); payloads that do
     not fit their slot then go to ``dst`` alone in a second round (a gather)."""
-    world, device = get_world_size(group), collective_device(group)
-    slot = _slot_bytes(world)
-    mine, data = _pack(obj, slot, device)
-    slots = [torch.empty(slot, dtype=torch.uint8, device=device) for _ in range(world)]
-    tdist.all_gather(slots, mine, group=group)
-    raw = [t.cpu().numpy().tobytes() for t in slots]
-    lengths = [int.from_bytes(r[:_LEN], "little") for r in raw]
+    world, device, slot, data, raw, lengths = _slot_round(obj, group)
     longest = max(lengths)
     me = get_rank(group)
     if longest <= slot - _LEN:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import pytest
 
 from tests import harness
@@ -38,6 +41,23 @@ def run_ranks():
 S3_BUCKET = "distckpt-test"
 
 
+@contextlib.contextmanager
+def _server_env(env):
+    """``env`` in this process's environment and every rank-pool worker's, restored afterwards."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    harness.WORKER_ENV.update(env)
+    try:
+        yield
+    finally:
+        for k in env:
+            harness.WORKER_ENV.pop(k, None)
+            if saved[k] is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = saved[k]
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """A real S3-compatible server (moto's) on 127.0.0.1 with one bucket, for the whole session.
@@ -46,8 +66,6 @@ def s3_server():
     environment and into every rank-pool worker's (``harness.WORKER_ENV``), so any code that opens
     an ``s3://`` URL reaches this server, as it would reach AWS from ``AWS_ENDPOINT_URL``.
     """
-    import os
-
     from moto.server import ThreadedMotoServer
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -60,9 +78,6 @@ def s3_server():
         "AWS_REGION": "us-east-1",
         "AWS_ALLOW_HTTP": "true",
     }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    harness.WORKER_ENV.update(env)
     try:
         import urllib.request
 
@@ -70,15 +85,10 @@ def s3_server():
 
         # moto creates a bucket on an unsigned PUT /<bucket>; no SDK needed.
         urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/{S3_BUCKET}", method="PUT"), timeout=10)
-        S3Store.from_url(f"s3://{S3_BUCKET}")  # the env is complete enough to build a client
-        yield f"s3://{S3_BUCKET}"
+        with _server_env(env):
+            S3Store.from_url(f"s3://{S3_BUCKET}")  # the env is complete enough to build a client
+            yield f"s3://{S3_BUCKET}"
     finally:
-        for k in env:
-            harness.WORKER_ENV.pop(k, None)
-            if saved[k] is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = saved[k]
         server.stop()
 
 
@@ -105,7 +115,6 @@ def azurite_binary():
     """The Azurite blob server to run, or None: ``$DISTCKPT_AZURITE`` (a path), else
     ``azurite-blob`` / ``azurite`` on PATH. Azurite is an npm package (``npm install -g azurite``),
     not part of scripts/setup.sh, so the Azure tests skip where it is absent."""
-    import os
     import shutil
 
     given = os.environ.get("DISTCKPT_AZURITE")
@@ -152,7 +161,6 @@ def azure_server(tmp_path_factory):
     ``AZURITE_BLOB_STORAGE_URL``; both go into this process's and the rank-pool workers'
     environment, as in :func:`s3_server`.
     """
-    import os
     import socket
     import subprocess
     import time
@@ -183,18 +191,8 @@ def azure_server(tmp_path_factory):
         endpoint = f"http://127.0.0.1:{port}"
         _azurite_create_container(endpoint, AZURE_CONTAINER)
         env = {"AZURE_STORAGE_USE_EMULATOR": "true", "AZURITE_BLOB_STORAGE_URL": endpoint}
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        harness.WORKER_ENV.update(env)
-        try:
+        with _server_env(env):
             yield f"az://{AZURE_CONTAINER}"
-        finally:
-            for k in env:
-                harness.WORKER_ENV.pop(k, None)
-                if saved[k] is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = saved[k]
     finally:
         proc.terminate()
         try:

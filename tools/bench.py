@@ -192,22 +192,24 @@ def _raw_read(path: Path, tensors) -> None:
         os.close(fd)
 
 
-class _PeakRss:
-    def __init__(self):
+class PeakRss:
+    """The highest resident memory of ``proc`` (default: this process) seen while the block
+    runs, sampled every ``interval`` seconds."""
+
+    def __init__(self, proc=None, interval: float = 0.002):
         import psutil
 
-        self.proc = psutil.Process()
-        self.peak = 0
+        self.proc = proc if proc is not None else psutil.Process()
+        self.interval, self.peak = interval, 0
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
-        while not self._stop.is_set():
+        while not self._stop.wait(self.interval):
             self.peak = max(self.peak, self.proc.memory_info().rss)
-            time.sleep(0.002)
 
     def __enter__(self):
         self.peak = self.proc.memory_info().rss
+        self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         return self
 
@@ -330,7 +332,7 @@ def _rank_main(rank, world, port, args, queue):
     # would be counted against the save.
     ckpt = root / "ckpt_rss"
     tdist.barrier()
-    with _PeakRss() as rss:
+    with PeakRss() as rss:
         distckpt.save(sd, ckpt, sharded_strategy=TorchDistSaveShardedStrategy(thread_count=args.threads))
     results["save peak RSS above baseline (x local bytes)"] = (rss.peak - rss_before_state) / local_bytes(sd)
     tdist.barrier()
@@ -425,7 +427,7 @@ def _rss_pass(rank, root, sd, reshard, full_req, threads, tdist):
     def measure(name, fn):
         tdist.barrier()
         start = psutil.Process().memory_info().rss
-        with _PeakRss() as rss:
+        with PeakRss() as rss:
             fn()
         peaks[name] = max(0, rss.peak - start)
 

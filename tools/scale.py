@@ -42,7 +42,6 @@ import pickle
 import pstats
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -65,6 +64,7 @@ from distckpt.strategies.torch import (  # noqa: E402
     sidecar_index,
 )
 from distckpt.validation import ShardTable, validate_global_integrity  # noqa: E402
+from tools.bench import PeakRss  # noqa: E402
 
 HIDDEN, LAYERS, VOCAB, TP, PP_MAX = 12288, 96, 51200, 8, 16
 WEIGHTS = [  # name, shape (per layer), split axis (None: replicated over TP)
@@ -169,28 +169,6 @@ def load_boxes(metas) -> dict:
     return boxes
 
 
-class PeakRss:
-    """The highest resident memory seen (sampled every 5 ms) while the block runs."""
-
-    def __init__(self, proc):
-        self.proc, self.peak, self._stop = proc, 0, threading.Event()
-
-    def _run(self):
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, self.proc.memory_info().rss)
-
-    def __enter__(self):
-        self.peak = self.proc.memory_info().rss
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.proc.memory_info().rss)
-
-
 def measure(world: int, tmp: Path, profile: bool = False, objects: bool = False) -> dict:
     queried = (0, world // 2, world - 1)
     all_metas, payloads, records, shards = {}, [], [], 0
@@ -212,7 +190,7 @@ def measure(world: int, tmp: Path, profile: bool = False, objects: bool = False)
     proc = psutil.Process()
     rss0 = proc.memory_info().rss
     profiler = cProfile.Profile() if profile else None
-    with gc_paused(), PeakRss(proc) as peak:
+    with gc_paused(), PeakRss(proc, interval=0.005) as peak:
         if profiler:
             profiler.enable()
         t0 = time.perf_counter()
