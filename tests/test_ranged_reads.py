@@ -230,3 +230,38 @@ def test_spans_cover_exactly_the_elements_a_box_touches():
     assert blockcrc.block_runs([(0, 10), (25, 30), (95, 100)], 10, 10, 0) == [(0, 1), (2, 3), (9, 10)]
     assert blockcrc.block_runs([(0, 10), (25, 30), (95, 100)], 10, 10, 1) == [(0, 3), (9, 10)]
     assert blockcrc.block_runs([(0, 10), (25, 30)], 10, 10, 2) == [(0, 3)]
+
+
+@pytest.mark.parametrize("damage", ["none", "stale", "blocks"])
+def test_verify_checks_block_tables_against_the_items_they_describe(tmp_path, damage):
+    """A table whose own bytes match the manifest (as after a faulty rewrite by a tool that also
+    rewrote the manifest) but whose entries disagree with the items is a problem for verify."""
+    from distckpt.manifest import RangeChecksum, crc32c, read_manifest, write_manifest
+    from distckpt.tools import verify
+
+    ckpt = tmp_path / "ckpt"
+    run_ranks(2, _save_rows, str(ckpt))
+    name = "__1_0.distcp.crc"
+    if damage != "none":
+        t = blockcrc.decode((ckpt / name).read_bytes(), name)
+        for e in t.entries.values():
+            if damage == "stale":
+                e.item_crc ^= 1     # another save's item at the same offset
+            else:
+                e.blocks[3] ^= 1    # block CRCs that no longer add up to the item's
+        raw = blockcrc.encode(list(t.entries.values()), t.block)
+        (ckpt / name).write_bytes(raw)
+        manifest = read_manifest(ckpt)
+        manifest.files[name] = len(raw)
+        manifest.ranges[name] = [RangeChecksum(0, len(raw), crc32c(raw), name)]
+        write_manifest(ckpt, manifest)
+    report = verify.verify_checkpoint(ckpt)
+    if damage == "none":
+        assert report.ok, report.problems
+        assert any("2 block CRC tables (4 items)" in c for c in report.checked), report.checked
+    elif damage == "stale":
+        assert len(report.problems) == 2 and all(name in p and "stale" in p and "key " in p
+                                                 for p in report.problems), report.problems
+    else:
+        assert len(report.problems) == 2 and all(name in p and "do not add up" in p
+                                                 for p in report.problems), report.problems

@@ -12,7 +12,8 @@ Checks, in order (each problem is one line naming the file and, where known, the
      exact size where chunks are stored raw;
    - ``common.pt`` and every ShardedObject file are present;
 3. integrity, from the manifest (``.distckpt_manifest.json``) where there is one: every file
-   it lists has its recorded size and (unless ``checksums=False``) every byte range its CRC32C;
+   it lists has its recorded size and (unless ``checksums=False``) every byte range its CRC32C,
+   and every block CRC table (``torch_dist``) agrees with the items it describes;
 4. with ``deep=True``: every tensor, object and the common state are read back through the
    library (the only content check for checkpoints without a manifest, e.g. Megatron's).
 
@@ -127,6 +128,7 @@ def verify_checkpoint(path: PathLike, *, checksums: bool = True, deep: bool = Fa
         report.problems.extend(verify_files(root, manifest, checksums=checksums, progress=advance))
         if checksums:
             report.problems.extend(manifest_coverage_problems(manifest))
+            _check_block_tables(root, manifest, report)
         report.bytes_checksummed += counted[0] if checksums else 0
         report.checked.append(f"{len(manifest.files)} files against the manifest"
                               + (" (sizes and CRC32C)" if checksums else " (sizes only)"))
@@ -162,6 +164,48 @@ def manifest_coverage_problems(manifest) -> List[str]:
         if name not in manifest.files:
             problems.append(f"{MANIFEST_FNAME}: checksums for {name!r}, a file it does not list (damaged manifest)")
     return problems
+
+
+def _check_block_tables(root, manifest, report: VerifyReport) -> None:
+    """Every block CRC table the manifest lists (``<data file>.crc``, torch_dist) against the
+    items it describes: each entry must name an item the manifest checksums, with the same length
+    and CRC32C, and its block CRCs must add up to that CRC32C. A load trusts a table that passes
+    these checks for ranged reads of single blocks, so a table that fails them (written wrong, or
+    carried over wrongly by a tool) is a problem even when its own bytes match the manifest."""
+    from distckpt.strategies import blockcrc
+
+    names = sorted(n for n in manifest.files if n.endswith(".distcp" + blockcrc.SUFFIX))
+    if not names:
+        return
+    ranges = manifest.range_index()
+    items = 0
+    for name in names:
+        data = name[:-len(blockcrc.SUFFIX)]
+        try:
+            table = blockcrc.decode(storage.read_bytes(root, name), storage.join(root, name))
+        except FileNotFoundError:
+            continue  # already reported missing by the manifest check
+        except CheckpointingException as e:
+            report.problems.append(str(e))
+            continue
+        for offset, e in sorted(table.entries.items()):
+            items += 1
+            what = f"{name}: block table entry of the item at offset {offset} of {data}"
+            expected = ranges.get((data, offset))
+            if expected is None:
+                report.problems.append(f"{what}: {MANIFEST_FNAME} checksums no item there")
+            elif expected.length != e.item_length or expected.crc32c != e.item_crc:
+                key = f" (key {expected.key!r})" if expected.key else ""
+                report.problems.append(
+                    f"{what}{key}: stale: the table says {e.item_length} bytes with CRC32C {e.item_crc:#010x}, "
+                    f"{MANIFEST_FNAME} {expected.length} bytes with {expected.crc32c:#010x}")
+            elif (e.payload_offset + e.payload_length > e.item_length
+                  or len(e.blocks) != -(-e.payload_length // table.block)):
+                report.problems.append(f"{what}: its blocks do not fit the item (damaged table)")
+            elif e.combined(table.block) != e.item_crc:
+                report.problems.append(f"{what}: its block CRC32Cs do not add up to the item's CRC32C "
+                                       f"(a damaged table: ranged reads would reject good data)")
+    report.checked.append(f"{len(names)} block CRC tables ({items} items) against the manifest")
 
 
 def _check_backends_known(config, report: VerifyReport) -> None:
