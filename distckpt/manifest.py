@@ -65,6 +65,20 @@ class Manifest:
             "ranges": {f: [[r.offset, r.length, r.crc32c, r.key] for r in rs] for f, rs in self.ranges.items()},
         }, separators=(",", ":")).encode()
 
+    def set_whole(self, name: str, size: int, crc: int, key: Optional[str] = None) -> None:
+        """List ``name`` as ``size`` bytes checksummed in one range (replacing what was listed)."""
+        self.files[name] = size
+        self.ranges[name] = [RangeChecksum(0, size, crc, key or name)]
+
+    def set_bytes(self, name: str, data: bytes) -> None:
+        """List file ``name`` holding exactly ``data``."""
+        self.set_whole(name, len(data), crc32c(data))
+
+    def drop(self, name: str) -> None:
+        """Stop listing ``name`` (no error if it was not listed)."""
+        self.files.pop(name, None)
+        self.ranges.pop(name, None)
+
     def range_index(self) -> Dict[Tuple[str, int], RangeChecksum]:
         return {(f, r.offset): r for f, rs in self.ranges.items() for r in rs}
 
@@ -139,8 +153,7 @@ def add_whole_files(checkpoint_dir: PathLike, entries: Dict[str, Tuple[int, int]
     sharded strategy wrote none). Called on one rank, before ``metadata.json`` is written."""
     manifest = read_manifest(checkpoint_dir) or Manifest(save_id, backend)
     for name, (size, crc) in entries.items():
-        manifest.files[name] = size
-        manifest.ranges[name] = [RangeChecksum(0, size, crc, name)]
+        manifest.set_whole(name, size, crc)
     write_manifest(checkpoint_dir, manifest)
 
 

@@ -43,7 +43,15 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench import _raw_read, _raw_write, _start_moto, build_state, empty_like_request, model_dims  # noqa: E402
+from bench import (  # noqa: E402
+    _barrier_time,
+    _raw_read,
+    _raw_write,
+    _start_moto,
+    build_state,
+    empty_like_request,
+    model_dims,
+)
 
 from distckpt.storage.local import LocalStore  # noqa: E402
 
@@ -90,14 +98,6 @@ class ThrottledStore(LocalStore):
         return out
 
 
-def _timed(tdist, fn, *args, **kwargs):
-    tdist.barrier()
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    tdist.barrier()
-    return time.perf_counter() - t0, out
-
-
 def _check(req, ref) -> None:
     for k, sh in req.items():
         if not torch.equal(sh.data, ref[k]):
@@ -136,7 +136,7 @@ def _rank_main(rank, world, port, args, clock, lock, queue):
     for rep in range(-args.warmup, args.reps):
         raw = root / f"raw_{rank}.bin"
         _raw_write(raw, tensors)
-        t, _ = _timed(tdist, _raw_read, raw, tensors)
+        t, _ = _barrier_time(_raw_read, raw, tensors)
         raw.unlink()
         if rep >= 0:
             times.setdefault("raw os.read of the model, each rank", []).append(t)
@@ -145,7 +145,7 @@ def _rank_main(rank, world, port, args, clock, lock, queue):
                 inner = TorchDistLoadShardedStrategy()
                 strategy = inner if mode == "plain" else FullyParallelLoadStrategyWrapper(inner)
                 req = empty_like_request(full)
-                t, _ = _timed(tdist, distckpt.load, req, where(), sharded_strategy=strategy)
+                t, _ = _barrier_time(distckpt.load, req, where(), sharded_strategy=strategy)
                 if reference is None:
                     reference = {k: sh.data.clone() for k, sh in req.items()}
                 else:

@@ -154,6 +154,20 @@ class Entry:
             crc = combine(crc, c, min(block, self.payload_length - i * block))
         return combine(crc, self.tail_crc, self.item_length - self.payload_offset - self.payload_length)
 
+    def problem(self, block: int, length: int, crc: int) -> Optional[str]:
+        """Why this entry cannot be trusted for the item of ``length`` bytes with CRC32C ``crc``
+        (a stale or damaged table), or None: the item it describes, blocks that fit it, block
+        CRCs that add up to its CRC32C. A load checks this before reading single blocks."""
+        if self.item_length != length or self.item_crc != crc:
+            return (f"stale: the table says {self.item_length} bytes with CRC32C {self.item_crc:#010x}, "
+                    f"the item has {length} bytes with {crc:#010x}")
+        if (self.payload_offset + self.payload_length > self.item_length
+                or len(self.blocks) != -(-self.payload_length // block)):
+            return "its blocks do not fit the item (damaged table)"
+        if self.combined(block) != self.item_crc:
+            return "its block CRC32Cs do not add up to the item's CRC32C (damaged table)"
+        return None
+
 
 def dtype_code(dtype: torch.dtype) -> Optional[int]:
     return _DTYPE_CODE.get(dtype)

@@ -333,6 +333,15 @@ def _archive_frame(dtype: torch.dtype, shape: Tuple[int, ...], stride: Tuple[int
     return header, bytes(zf.out)
 
 
+def contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
+    """The strides (in elements) of a row-major contiguous tensor of ``shape``."""
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= s
+    return tuple(reversed(strides))
+
+
 @functools.lru_cache(maxsize=4096)
 def _expected_frame(dtype: torch.dtype, size: Tuple[int, ...]) -> Optional[Tuple[bytes, bytes, ArchiveLayout]]:
     """The header and trailer :func:`write_tensor_item` puts around a contiguous tensor of ``size``
@@ -343,11 +352,7 @@ def _expected_frame(dtype: torch.dtype, size: Tuple[int, ...]) -> Optional[Tuple
     nbytes = numel * dtype.itemsize
     if nbytes == 0 or nbytes > _MAX_FRAMED:
         return None
-    stride, acc = [], 1
-    for s in reversed(size):
-        stride.append(acc)
-        acc *= s
-    stride = tuple(reversed(stride))
+    stride = contiguous_strides(size)
     header, trailer = _archive_frame(dtype, size, stride, numel, nbytes, _SERIALIZATION_ID)
     return header, trailer, ArchiveLayout(len(header), nbytes, dtype, 0, size, stride)
 
@@ -449,11 +454,7 @@ class ArchiveLayout:
 
     @property
     def is_contiguous(self) -> bool:
-        expected, acc = [], 1
-        for s in reversed(self.size):
-            expected.append(acc)
-            acc *= s
-        return tuple(reversed(expected)) == tuple(self.stride) or math.prod(self.size) <= 1
+        return contiguous_strides(self.size) == tuple(self.stride) or math.prod(self.size) <= 1
 
 
 TAIL_BYTES = 4096

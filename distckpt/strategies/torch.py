@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from distckpt import bounds, dist, storage
 from distckpt.budget import host_memory_budget
-from distckpt.core import CheckpointingException, atomic_write_bytes, gc_paused, write_all
+from distckpt.core import CheckpointingException, atomic_write_bytes, gc_paused
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
 from distckpt.manifest import (
     RangeChecksum,
@@ -81,6 +81,7 @@ from distckpt.strategies.common import safe_torch_load
 from distckpt.strategies.filesystem import (
     ChecksummingSink,
     WriterSink,
+    contiguous_strides,
     framed_layout,
     pread_exact,
     pread_into,
@@ -515,15 +516,7 @@ class _Output:
         if self.blocks:
             data = blockcrc.encode(self.blocks)
             name = blockcrc.table_name(self.name)
-            if isinstance(self.location, storage.Store):
-                self.location.put(name, data)
-            else:
-                fd = os.open(self.location / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                try:
-                    write_all(fd, data)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+            storage.write_bytes(self.location, name, data)
             self.table = (name, len(data), crc32c(data))
         return self.sink.position
 
@@ -850,8 +843,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 sizes[INDEX_FNAME] = len(index_bytes)
             manifest = build_manifest(save_id, "torch_dist", ranges, sizes)
             for name, (size, crc) in (whole_files or {}).items():
-                manifest.files[name] = size
-                manifest.ranges[name] = [RangeChecksum(0, size, crc, name)]
+                manifest.set_whole(name, size, crc)
             write_manifest(checkpoint_dir, manifest)
             if self.cached_metadata:
                 self._global_cache = per_rank
@@ -1019,15 +1011,13 @@ def _reindex(md: Metadata, md_bytes: bytes, manifest: Optional[Any]) -> Optional
     items' checksums from."""
     if manifest is None:
         return None
-    manifest.files.pop(INDEX_FNAME, None)
-    manifest.ranges.pop(INDEX_FNAME, None)
+    manifest.drop(INDEX_FNAME)
     try:
         data = index_from_metadata(md, manifest.range_index(), len(md_bytes))
     except CheckpointingException as e:
         logger.info("not rebuilding the sidecar index: %s", e)
         return None
-    manifest.files[INDEX_FNAME] = len(data)
-    manifest.ranges[INDEX_FNAME] = [RangeChecksum(0, len(data), crc32c(data), INDEX_FNAME)]
+    manifest.set_bytes(INDEX_FNAME, data)
     return data
 
 
@@ -1348,14 +1338,6 @@ def _index_from_sidecar(reader: IndexReader, sharded_state_dict: ShardedStateDic
     return out
 
 
-def _contiguous_strides(shape: Shape) -> Shape:
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= s
-    return tuple(reversed(strides))
-
-
 def _check_item(raw: bytes, st: _Stored, checksums: Optional[Dict], what: str) -> None:
     """Compare an item's bytes with the manifest (``checksums`` is None without a manifest)."""
     if checksums is None:
@@ -1553,8 +1535,7 @@ def _partial_read(st: _Stored, ops: List[_CopyOp], table: blockcrc.Table, checks
     if e is None or expected is None or not _partial_candidate(st, ops):
         return None
     itemsize = e.dtype.itemsize
-    if (e.item_length != st.length or expected.length != st.length or e.item_crc != expected.crc32c
-            or e.payload_length != math.prod(st.size) * itemsize):
+    if expected.length != st.length or e.payload_length != math.prod(st.size) * itemsize:
         logger.info("%s: the block table entry of the item at offset %d does not match it; reading it whole",
                     where, st.file_offset)
         return None
@@ -1567,9 +1548,10 @@ def _partial_read(st: _Stored, ops: List[_CopyOp], table: blockcrc.Table, checks
     fetched = sum(min(b * block, e.payload_length) - a * block for a, b in runs)
     if not runs or fetched > _PARTIAL_SHARE * st.length:
         return None
-    if e.combined(block) != e.item_crc:
-        logger.warning("%s: the block CRCs of the item at offset %d do not add up to its CRC32C; reading it whole",
-                       where, st.file_offset)
+    problem = e.problem(block, expected.length, expected.crc32c)
+    if problem is not None:
+        logger.warning("%s: block table entry of the item at offset %d: %s; reading it whole",
+                       where, st.file_offset, problem)
         return None
     return _PartialRead(st, e, block, runs, where)
 
@@ -1588,12 +1570,6 @@ def _carried_table(store, name: str, offsets: List[Tuple[int, int]]) -> Optional
         if e is not None:
             entries.append(dataclasses.replace(e, item_offset=new_offset))
     return blockcrc.encode(entries, table.block) if entries else None
-
-
-def _enter_tables(manifest, tables: Dict[str, bytes]) -> None:
-    for tname, data in tables.items():
-        manifest.files[tname] = len(data)
-        manifest.ranges[tname] = [RangeChecksum(0, len(data), crc32c(data), tname)]
 
 
 # Loads of at most this many item bytes read in the calling thread, file after file; a file whose
@@ -1745,18 +1721,17 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         if manifest is not None:
             old = manifest.range_index()
             for name in to_delete:
-                for dropped in (name, blockcrc.table_name(name)):
-                    manifest.files.pop(dropped, None)
-                    manifest.ranges.pop(dropped, None)
-            _enter_tables(manifest, tables)
+                manifest.drop(name)
+                manifest.drop(blockcrc.table_name(name))
+            for tname, data in tables.items():
+                manifest.set_bytes(tname, data)
             for index, (old_info, new_info) in moved.items():
                 prev = old.get((old_info.relative_path, old_info.offset))
                 if prev is not None:
                     manifest.ranges.setdefault(new_info.relative_path, []).append(
                         RangeChecksum(new_info.offset, new_info.length, prev.crc32c, index.fqn))
                 manifest.files[new_info.relative_path] = (checkpoint_dir / new_info.relative_path).stat().st_size
-            manifest.files[METADATA_FNAME] = len(md_bytes)
-            manifest.ranges[METADATA_FNAME] = [RangeChecksum(0, len(md_bytes), crc32c(md_bytes), METADATA_FNAME)]
+            manifest.set_bytes(METADATA_FNAME, md_bytes)
         index_bytes = _reindex(md, md_bytes, manifest)
         if manifest is not None:
             write_manifest(checkpoint_dir, manifest)
@@ -1795,9 +1770,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 continue
             to_delete.append(name)
             if manifest is not None:
-                for dropped in (name, blockcrc.table_name(name)):
-                    manifest.files.pop(dropped, None)
-                    manifest.ranges.pop(dropped, None)
+                manifest.drop(name)
+                manifest.drop(blockcrc.table_name(name))
             if not kept:
                 continue
             stem = name[: -len(DATA_SUFFIX)] if name.endswith(DATA_SUFFIX) else name
@@ -1819,7 +1793,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             if table is not None:
                 store.put(blockcrc.table_name(new_name), table)
                 if manifest is not None:
-                    _enter_tables(manifest, {blockcrc.table_name(new_name): table})
+                    manifest.set_bytes(blockcrc.table_name(new_name), table)
         md.state_dict_metadata = {k: v for k, v in md.state_dict_metadata.items() if k not in doomed}
         md.storage_data = new_storage
         mcore = getattr(md, "mcore_data", None)
@@ -1827,8 +1801,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             md.mcore_data = {k: v for k, v in mcore.items() if k not in doomed}
         md_bytes = pickle.dumps(md)
         if manifest is not None:
-            manifest.files[METADATA_FNAME] = len(md_bytes)
-            manifest.ranges[METADATA_FNAME] = [RangeChecksum(0, len(md_bytes), crc32c(md_bytes), METADATA_FNAME)]
+            manifest.set_bytes(METADATA_FNAME, md_bytes)
         index_bytes = _reindex(md, md_bytes, manifest)
         if manifest is not None:
             write_manifest(store, manifest)
@@ -1877,7 +1850,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             if inter is None:
                 continue
             lo = tuple(a - b for a, b in zip(inter[0], ch.offset))
-            plan.add(ch, _CopyOp(key, _ravel(lo, ch.size), inter[1], _contiguous_strides(ch.size),
+            plan.add(ch, _CopyOp(key, _ravel(lo, ch.size), inter[1], contiguous_strides(ch.size),
                                  view[_rel_slices(*inter, off)]))
 
     @staticmethod
@@ -1889,7 +1862,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     def _plan_box_from_flat(plan, key, stored: _StoredKey, off, size, view) -> None:
         chunk = stored.chunk_local_shape
         grid = stored.size[:-1]
-        strides = _contiguous_strides(chunk)
+        strides = contiguous_strides(chunk)
         ranges = [range(o // c, min(g, -(-(o + s) // c))) for o, s, c, g in zip(off, size, chunk, grid)]
         for idx in itertools.product(*ranges):
             chunk_off = tuple(i * c for i, c in zip(idx, chunk))

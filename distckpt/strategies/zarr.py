@@ -58,7 +58,7 @@ import torch
 from distckpt import bounds, dist, storage
 from distckpt.core import CheckpointingException, atomic_write_bytes, write_all
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
-from distckpt.manifest import RangeChecksum, build_manifest, crc32c, read_manifest, write_manifest
+from distckpt.manifest import build_manifest, crc32c, read_manifest, write_manifest
 from distckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from distckpt.strategies.base import (
     AsyncSaveShardedStrategy,
@@ -1311,11 +1311,9 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         if manifest is not None:
             dropped = tuple(f"{k}/" for k in gone)
             for name in [n for n in manifest.files if n.startswith(dropped)]:
-                manifest.files.pop(name, None)
-                manifest.ranges.pop(name, None)
+                manifest.drop(name)
             for path, size, crc, key in records:
-                manifest.files[path] = size
-                manifest.ranges[path] = [RangeChecksum(0, size, crc, key)]
+                manifest.set_whole(path, size, crc, key)
             write_manifest(root, manifest)
         for key in gone:
             if _is_store(root):

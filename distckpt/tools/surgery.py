@@ -45,7 +45,7 @@ from distckpt.core import (
     write_file_durably,
 )
 from distckpt.dcp_native import is_dcp_native
-from distckpt.manifest import MANIFEST_FNAME, Manifest, RangeChecksum, crc32c, read_manifest
+from distckpt.manifest import MANIFEST_FNAME, Manifest, RangeChecksum, read_manifest
 from distckpt.tools.inspect import CheckpointSource, NoProgress, Progress, _suggest
 
 _SHARD_SEP = "/shard_"
@@ -358,8 +358,7 @@ def _renamed_manifest(manifest: Manifest, moved: Dict[str, str], contents: Dict[
         rel = moved.get(old_rel, old_rel)
         if rel in contents:
             data = contents[rel]
-            out.files[rel] = len(data)
-            out.ranges[rel] = [RangeChecksum(0, len(data), crc32c(data), rel)]
+            out.set_bytes(rel, data)
             continue
         out.files[rel] = size
         out.ranges[rel] = [RangeChecksum(r.offset, r.length, r.crc32c, rel if r.key == old_rel else name(r.key))

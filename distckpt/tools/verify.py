@@ -194,17 +194,10 @@ def _check_block_tables(root, manifest, report: VerifyReport) -> None:
             expected = ranges.get((data, offset))
             if expected is None:
                 report.problems.append(f"{what}: {MANIFEST_FNAME} checksums no item there")
-            elif expected.length != e.item_length or expected.crc32c != e.item_crc:
-                key = f" (key {expected.key!r})" if expected.key else ""
-                report.problems.append(
-                    f"{what}{key}: stale: the table says {e.item_length} bytes with CRC32C {e.item_crc:#010x}, "
-                    f"{MANIFEST_FNAME} {expected.length} bytes with {expected.crc32c:#010x}")
-            elif (e.payload_offset + e.payload_length > e.item_length
-                  or len(e.blocks) != -(-e.payload_length // table.block)):
-                report.problems.append(f"{what}: its blocks do not fit the item (damaged table)")
-            elif e.combined(table.block) != e.item_crc:
-                report.problems.append(f"{what}: its block CRC32Cs do not add up to the item's CRC32C "
-                                       f"(a damaged table: ranged reads would reject good data)")
+                continue
+            problem = e.problem(table.block, expected.length, expected.crc32c)
+            if problem is not None:
+                report.problems.append(f"{what} (key {expected.key!r}): {problem}")
     report.checked.append(f"{len(names)} block CRC tables ({items} items) against the manifest")
 
 
