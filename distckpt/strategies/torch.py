@@ -1402,7 +1402,7 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[_CopyOp],
     numel = math.prod(st.size)
     layout = None
     if st.length:  # distckpt's own frame: compared with the expected one, not parsed
-        layout = framed_layout(raw, tuple(st.size), ops[0].dst.dtype, st.length, read)
+        layout = framed_layout(raw, tuple(st.size), ops[0].dst.dtype, st.length, read, st.file_offset)
     if layout is None and st.length:
         layout = read_archive_layout(read, st.length)
     if layout is None or not layout.is_contiguous or math.prod(layout.size) != numel:
@@ -1419,8 +1419,15 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[_CopyOp],
     if base + numel * itemsize > layout.data_offset + layout.data_length:
         raise CheckpointingException(f"{what}: tensor bytes extend past the item")
     if raw is not None:
-        _copy_boxes(torch.frombuffer(raw if isinstance(raw, bytearray) else bytearray(raw), dtype=torch.uint8)[base:base + numel * itemsize]
-                    .view(layout.dtype), 0, [op for op in ops if op.numel])
+        if not numel:
+            return st.length
+        if base % itemsize or not isinstance(raw, bytearray):
+            # The data is aligned in the file, not necessarily within the item: copy it to a
+            # buffer of its own so that it can be viewed as its dtype.
+            src = torch.frombuffer(bytearray(memoryview(raw)[base:base + numel * itemsize]), dtype=layout.dtype)
+        else:
+            src = torch.frombuffer(raw, dtype=torch.uint8)[base:base + numel * itemsize].view(layout.dtype)
+        _copy_boxes(src, 0, [op for op in ops if op.numel])
         return st.length
     nbytes = 0
     strided = []
