@@ -124,7 +124,7 @@ def test_tensor_bytes_are_aligned_to_64_bytes_of_the_file(tmp_path):
         if offset % 64:
             # The frame of another offset is not this one: the caller would parse the zip instead.
             assert fs.framed_layout(item, tuple(t.shape), t.dtype, offset=offset + 1) is None
-            assert fs.read_archive_layout(lambda a, n: item[a:a + n], length).data_offset == layout.data_offset
+            assert fs.read_archive_layout(lambda a, n, item=item: item[a:a + n], length).data_offset == layout.data_offset
 
 
 def test_sink_gathers_small_writes_and_counts_every_byte(tmp_path):
