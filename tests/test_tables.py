@@ -97,6 +97,24 @@ def test_objects_duplicated_or_missing():
         validate([obj("o", (3,), (0,))], [obj("o", (3,), (2,)), obj("o", (3,), (1,), main=False)])
 
 
+def test_a_pattern_checked_once_still_catches_each_key_that_differs_from_it():
+    """Keys with the same rows, ranks and properties are checked once; a key that differs in
+    anything but its name (global shape, rows, ranks, flattened or not) is checked on its own."""
+    layers = [f"layer{i}.w" for i in range(6)]
+    good = ([tensor(k, (4, 6), (0, 0), (2, 6)) for k in layers], [tensor(k, (4, 6), (2, 0), (2, 6)) for k in layers])
+    validate(*good)
+    # Same rows as the layers before it, but a larger tensor: a gap.
+    with pytest.raises(CheckpointingException, match=r"'late': global region \[4:6, 0:6\] of shape \[6, 6\]"):
+        validate(good[0] + [tensor("late", (6, 6), (0, 0), (2, 6))], good[1] + [tensor("late", (6, 6), (2, 0), (2, 6))])
+    # Same shape, one row moved: an overlap.
+    with pytest.raises(CheckpointingException, match=r"'late': main replicas overlap"):
+        validate(good[0] + [tensor("late", (4, 6), (0, 0), (2, 6))], good[1] + [tensor("late", (4, 6), (1, 0), (3, 6))])
+    # Same geometry held by one rank twice: a duplicate.
+    with pytest.raises(CheckpointingException, match=r"'late': main replicas overlap"):
+        validate(good[0] + [tensor("late", (4, 6), (0, 0), (2, 6)), tensor("late", (4, 6), (0, 0), (2, 6))],
+                 good[1] + [tensor("late", (4, 6), (2, 0), (2, 6))])
+
+
 def test_errors_name_offenders_in_rank_order_whatever_the_grouping_of_equal_layouts():
     # Ranks 0 and 2 have the same layout (checked together), rank 1 another.
     with pytest.raises(CheckpointingException, match=r"'o': offset \[1\] is written by more than one main "
