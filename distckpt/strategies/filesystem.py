@@ -7,9 +7,10 @@ Writing: :func:`tensor_archive_frame` builds the zip records around a plain tens
 (byte-identical to ``torch.save``'s output with its zip CRC32 off when the item starts at a
 multiple of 64 bytes; other tensors and objects go through ``torch.save``). Its padding aligns
 each record's data to 64 bytes of the *file*, not of the archive: a copy between a 64-byte
-aligned tensor and a file offset that is not costs ~30% more in the kernel, reading and writing. A :class:`ChecksummingSink` writes the storage straight from the tensor's
-memory, gathers the small writes, and folds every byte into a CRC32C for the manifest. The zip
-format's own CRC32 stays 0 (torch.load does not check it, and it would cost more than the write).
+aligned tensor and a file offset that is not costs ~30% more in the kernel, reading and
+writing. A :class:`ChecksummingSink` writes the storage straight from the tensor's memory,
+gathers the small writes, and folds every byte into a CRC32C for the manifest. The zip format's
+own CRC32 stays 0 (torch.load does not check it, and it would cost more than the write).
 
 Reading: instead of ``torch.load`` (which copies the bytes twice), :func:`read_archive_layout`
 parses the archive's local zip headers and its ``data.pkl`` with a restricted unpickler to find

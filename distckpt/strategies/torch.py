@@ -1421,12 +1421,10 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[_CopyOp],
     if raw is not None:
         if not numel:
             return st.length
-        if base % itemsize or not isinstance(raw, bytearray):
-            # The data is aligned in the file, not necessarily within the item: copy it to a
-            # buffer of its own so that it can be viewed as its dtype.
-            src = torch.frombuffer(bytearray(memoryview(raw)[base:base + numel * itemsize]), dtype=layout.dtype)
-        else:
-            src = torch.frombuffer(raw, dtype=torch.uint8)[base:base + numel * itemsize].view(layout.dtype)
+        # A byte offset, not a view of a uint8 tensor: the data is aligned in the file, not
+        # necessarily within the item, and viewing uint8 as the dtype needs the latter.
+        src = torch.frombuffer(raw if isinstance(raw, bytearray) else bytearray(raw), dtype=layout.dtype,
+                               count=numel, offset=base)
         _copy_boxes(src, 0, [op for op in ops if op.numel])
         return st.length
     nbytes = 0

@@ -197,7 +197,8 @@ def _check_block_tables(root, manifest, report: VerifyReport) -> None:
                 continue
             problem = e.problem(table.block, expected.length, expected.crc32c)
             if problem is not None:
-                report.problems.append(f"{what} (key {expected.key!r}): {problem}")
+                key = f" (key {expected.key!r})" if expected.key else ""
+                report.problems.append(f"{what}{key}: {problem}")
     report.checked.append(f"{len(names)} block CRC tables ({items} items) against the manifest")
 
 
