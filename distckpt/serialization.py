@@ -401,6 +401,8 @@ def load(
     LocalNonpersistentObjects unwrapped.
 
     Args:
+        validate_access_integrity: check on rank 0 that the requests of all ranks tile every
+            tensor (one gather of each rank's shard table to rank 0; the others get the verdict).
         verify: check every byte read against the integrity manifest's CRC32C (files without
             a manifest entry are checked structurally only).
         trusted: unpickle common state, objects and metadata without the allowlist. Only for
@@ -424,9 +426,11 @@ def load(
     exc: Optional[BaseException] = None
     payload = None
     identity = None
+    need_keys = False
     try:
         checkpoint_dir = storage.resolve(checkpoint_dir, storage_options)
         strict_mode = parse_strict_flag(strict)
+        need_keys = StrictHandling.requires_global_app_metadata(strict_mode)
         commit_protocol.recover(checkpoint_dir)
         identity = commit_protocol.tree_identity(checkpoint_dir)
         sharded_strategy, common_strategy = _load_strategies(checkpoint_dir, sharded_strategy, common_strategy)
@@ -454,22 +458,26 @@ def load(
                 ckpt_meta.update(common_strategy.load_sharded_metadata(checkpoint_dir))
             ckpt_keys = {v.key for v in ckpt_meta.values()}
         local_keys = {s.key for s in shards}
-        payload = (local_keys, shard_table(shards, dist.get_rank(group)) if validate_access_integrity else None)
+        payload = (local_keys if need_keys else None,
+                   shard_table(shards, dist.get_rank(group)) if validate_access_integrity else None)
     except Exception as e:  # noqa: BLE001 - shared with every rank below
         exc = _replaced_or(e, checkpoint_dir, identity)
 
-    need_global = validate_access_integrity or StrictHandling.requires_global_app_metadata(strict_mode)
-    gathered = dist.all_gather_or_raise("load preparation", exc, payload if need_global else None, group=group)
-    global_keys = set().union(*(p[0] for p in gathered)) if need_global else None
+    def check(payloads):
+        # Rank 0 alone sees every rank's request, as on a save: the other ranks receive the
+        # verdict (and the union of requested keys when the strict mode reports missing ones),
+        # not every rank's shard table (which at 16k ranks is gigabytes per rank).
+        if validate_access_integrity:
+            validate_global_integrity([p[1] for p in payloads])
+        return set().union(*(p[0] or () for p in payloads)) if need_keys else None
+
+    global_keys = dist.gather_and_decide("load preparation", exc, payload, check, group=group)
 
     exc = None
     try:
-        if validate_access_integrity:
-            validate_global_integrity([p[1] for p in gathered])
         if StrictHandling.requires_explicit_ckpt_mismatch_check(strict_mode):
             missing, unexpected = determine_missing_and_unexpected_keys(
-                ckpt_keys, local_keys,
-                global_keys if StrictHandling.requires_global_app_metadata(strict_mode) else None)
+                ckpt_keys, local_keys, global_keys)
             handle_mismatched_keys(strict_mode, missing, unexpected, str(checkpoint_dir))
             if unexpected:
                 sharded_part, _ = extract_matching_values(

@@ -453,6 +453,46 @@ def test_non_contiguous_target_is_filled_through_a_staging_copy(backend, store, 
     assert run_ranks(1, _load_into_transposed_view, location, backend) == [True]
 
 
+def _load_with_a_bad_request(ckpt, world):
+    """Save a (world x 6) tensor, one row per rank; then load with every rank asking for its row
+    but rank 1 asking for rank 0's (two main replicas of row 0, no one asks for row 1). Returns
+    this rank's calls of the global check: how many, with how many ranks' tables."""
+    from distckpt import serialization
+
+    rank = ddist.get_rank()
+    full = layouts.full_tensor("bad", (world, 6))
+    distckpt.save({"w": ShardedTensor.from_rank_offsets("w", full[rank:rank + 1].clone(), (0, rank, world))}, ckpt)
+    seen = []
+    check = serialization.validate_global_integrity
+
+    def spy(tables):
+        seen.append(len(tables))
+        return check(tables)
+
+    serialization.validate_global_integrity = spy
+    try:
+        distckpt.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(1, 6), (0, rank, world))}, ckpt)
+        row = 0 if rank == 1 else rank
+        bad = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(1, 6), (0, row, world))}
+        try:
+            distckpt.load(bad, ckpt)
+        except distckpt.CheckpointingException as e:
+            return seen, str(e)
+        return seen, "loaded"
+    finally:
+        serialization.validate_global_integrity = check
+
+
+def test_a_bad_load_request_is_checked_on_rank_0_and_raised_on_every_rank(tmp_path):
+    """The requests of all ranks are checked once, on rank 0, which alone receives the ranks'
+    shard tables (at 16k ranks, every rank receiving every table would be gigabytes each); the
+    verdict reaches every rank before anything is read."""
+    results = run_ranks(3, _load_with_a_bad_request, str(tmp_path), 3)
+    assert [seen for seen, _ in results] == [[3, 3], [], []]
+    for _, message in results:
+        assert "load preparation failed on rank(s) 0" in message and "'w': main replicas overlap" in message, message
+
+
 def _load_other_shape(ckpt, backend, rows, allow):
     rank = ddist.get_rank()
     full = layouts.full_tensor("sm", (4, 6))

@@ -87,7 +87,7 @@ def _run(rank: int, world: int, port: int, args, queue) -> None:
     if rank == 0:
         out = io.StringIO()
         if prof is not None:
-            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(args.top)
+            pstats.Stats(prof, stream=out).sort_stats(args.sort).print_stats(args.top)
         queue.put((times, out.getvalue()))
     if world > 1:
         tdist.destroy_process_group()
@@ -101,6 +101,8 @@ def main() -> int:
     parser.add_argument("--dir", default="/dev/shm/distckpt-fixed-cost")
     parser.add_argument("--profile", choices=["save", "load"], default=None)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--sort", choices=["tottime", "cumulative"], default="tottime",
+                        help="order of the profile: own time or time including callees")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     ctx = mp.get_context("spawn")

@@ -27,7 +27,11 @@ Then what a *loading* rank pays: ``.metadata`` (pickled, every chunk of every ke
 a load without the sidecar reads and unpickles all of it) against the sidecar index
 ``.distckpt_index``, from which a rank reads the directory and the tree nodes that meet its
 share. For three ranks (first, middle, last) it queries the sidecar for that rank's own share
-(same layout) and reports the bytes read and the time (the mean of the three).
+(same layout) and reports the bytes read and the time (the mean of the three). Before
+reading, a load checks the requests of all ranks: each rank's shard table (the same payload as
+the save's validation) goes to rank 0, which alone receives all of them ("tables MiB"); every
+other rank receives the slot round of the gather and the verdict ("other rank KiB"). An
+all-gather of the tables, as a load did before, would hand "tables MiB" to every rank.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from distckpt.core import gc_paused  # noqa: E402
+from distckpt.dist import _slot_bytes  # noqa: E402
 from distckpt.strategies.index import INDEX_FNAME, IndexReader  # noqa: E402
 from distckpt.strategies.torch import (  # noqa: E402
     GatheredRecords,
@@ -186,6 +191,7 @@ def measure(world: int, tmp: Path, profile: bool = False, objects: bool = False)
         if rank == 0:
             planned = items
     written = sum(len(pickle.loads(p)[1].rows) for p in records)
+    tables_bytes = sum(len(p) for p in payloads)
     gc.collect()
     proc = psutil.Process()
     rss0 = proc.memory_info().rss
@@ -249,7 +255,10 @@ def measure(world: int, tmp: Path, profile: bool = False, objects: bool = False)
             "chunks_in_metadata": chunks, "objects_and_pickle_s": t_objects, "index_build_s": t_index,
             "metadata_mib": len(md_bytes) / 2**20, "index_mib": len(index) / 2**20, "unpickle_s": t_unpickle,
             "share_shards": len(all_metas[0]), "load_records": sum(found) / len(found),
-            "load_index_kib": sum(read_bytes) / len(read_bytes) / 2**10, "load_index_s": sum(read_s) / len(read_s)}
+            "load_index_kib": sum(read_bytes) / len(read_bytes) / 2**10, "load_index_s": sum(read_s) / len(read_s),
+            "load_tables_mib": tables_bytes / 2**20,
+            # the slot all-gather (world slots) and the verdict's broadcast (one slot)
+            "load_other_rank_kib": (world + 1) * _slot_bytes(world) / 2**10}
 
 
 def main() -> int:
@@ -282,13 +291,15 @@ def main() -> int:
           f"time x{last['total_s'] / first['total_s']:.1f} (time growth / shard growth = {growth:.2f}; 1.0 is linear)")
     print("\nWhat one loading rank reads to find its share (same layout; mean of ranks 0, world/2, world-1):\n")
     print(f"| {'ranks':>5} | {'.metadata MiB':>13} | {'objects s':>9} | {'unpickle s':>10} | {'index MiB':>9} | "
-          f"{'build s':>7} | {'share shards':>12} | {'records read':>12} | {'index KiB read':>14} | {'query s':>7} |")
-    print("|" + "|".join("-" * (n + 2) for n in (5, 13, 9, 10, 9, 7, 12, 12, 14, 7)) + "|")
+          f"{'build s':>7} | {'share shards':>12} | {'records read':>12} | {'index KiB read':>14} | {'query s':>7} | "
+          f"{'tables MiB':>10} | {'other rank KiB':>14} |")
+    print("|" + "|".join("-" * (n + 2) for n in (5, 13, 9, 10, 9, 7, 12, 12, 14, 7, 10, 14)) + "|")
     for r in rows:
         objects = "-" if r["objects_and_pickle_s"] is None else f"{r['objects_and_pickle_s']:.2f}"
         print(f"| {r['ranks']:5d} | {r['metadata_mib']:13.1f} | {objects:>9} | {r['unpickle_s']:10.2f} | "
               f"{r['index_mib']:9.1f} | {r['index_build_s']:7.2f} | {r['share_shards']:12d} | "
-              f"{r['load_records']:12.0f} | {r['load_index_kib']:14.0f} | {r['load_index_s']:7.3f} |")
+              f"{r['load_records']:12.0f} | {r['load_index_kib']:14.0f} | {r['load_index_s']:7.3f} | "
+              f"{r['load_tables_mib']:10.1f} | {r['load_other_rank_kib']:14.0f} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "scale.json").write_text(json.dumps(rows, indent=2))
