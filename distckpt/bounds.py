@@ -55,6 +55,21 @@ def natural(value: Any, source: PathLike, what: str, limit: int = MAX_BYTES) -> 
     return value
 
 
+def plain_shape(values: Any) -> Any:
+    """``values`` when it is already a tuple of at most 64 naturals with at most
+    :data:`MAX_NUMEL` elements (what :func:`shape` accepts), else None: a check without the
+    message, for the millions of records of a large checkpoint (on None, call :func:`shape`
+    for the error)."""
+    if type(values) is not tuple or len(values) > 64:
+        return None
+    numel = 1
+    for d in values:
+        if type(d) is not int or not 0 <= d <= MAX_NUMEL:
+            return None
+        numel *= d
+    return values if numel <= MAX_NUMEL else None
+
+
 def shape(values: Any, source: PathLike, what: str) -> Tuple[int, ...]:
     """A shape (sequence of naturals) whose element count is at most :data:`MAX_NUMEL`."""
     try:

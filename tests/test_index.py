@@ -80,6 +80,28 @@ def test_a_rank_reads_the_records_of_its_share_not_of_the_world(tmp_path):
     assert reader.bytes_read < len(data) / 10, (reader.bytes_read, len(data))
 
 
+@pytest.mark.parametrize("record, match", [
+    (("w", (4,), (4,), "../outside.distcp", 0, 100, 0), r"key 'w': file name '\.\./outside\.distcp' points outside"),
+    (("w", (4,), (4,), "__0_0.distcp", -1, 100, 0), r"key 'w': offset -1 is not an integer"),
+    (("w", (4,), (4,), "__0_0.distcp", 0, 1 << 60, 0), r"key 'w': length 1152921504606846976 is not an integer"),
+    (("w", (4,), (1 << 50,), "__0_0.distcp", 0, 100, 0), r"key 'w': chunk size 1125899906842624 is not an integer"),
+    (("w", (4,), (4,), "__0_0.distcp", 0, 8, 0), r"key 'w': chunk at \[4\] of \[4\] elements needs 16 bytes"),
+])
+def test_a_sidecar_record_with_a_hostile_claim_is_refused_naming_the_key(tmp_path, record, match):
+    """A sidecar that passes its CRC32Cs (built, not corrupted) but claims a file outside the
+    checkpoint, an impossible offset, length or shape: refused before any read, also when an
+    earlier record of the same load was fine (each file name and number is checked)."""
+    from distckpt.strategies.torch import _index_from_sidecar
+
+    keys = {"w": {"dtype": torch.float32, "size": (8,), "orig_shape": None}}
+    good = ("w", (0,), (4,), "__0_0.distcp", 0, 100, 0)
+    (tmp_path / ".metadata").write_bytes(b"x" * 10)
+    (tmp_path / INDEX_FNAME).write_bytes(build_index(keys, [good, record], 10))
+    request = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(8))}
+    with pytest.raises(CheckpointingException, match=r"\.distckpt_index: " + match):
+        _index_from_sidecar(IndexReader.open(tmp_path), request, None)
+
+
 def test_without_sidecar_the_load_falls_back_to_metadata(many):
     (many / INDEX_FNAME).unlink()
     out, strategy = _load_some(many, {"k3"})

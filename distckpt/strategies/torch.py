@@ -36,7 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 import torch
@@ -1277,14 +1277,20 @@ def _request_box(sh: ShardedTensor, size: Shape, orig_shape: Optional[Shape]) ->
     return lo + (f_lo,), tuple(h - a for h, a in zip(hi, lo)) + (f_hi - f_lo,)
 
 
-def _checked_sidecar_chunk(source: str, fqn: str, dtype: torch.dtype, row) -> _Stored:
+def _checked_sidecar_chunk(source: str, fqn: str, dtype: torch.dtype, row, names: Set[str]) -> _Stored:
     """One chunk record of the sidecar, with the claims checks ``_index`` applies to ``.metadata``:
-    a file name inside the checkpoint, natural offsets and lengths, a chunk its record can hold."""
+    a file name inside the checkpoint, natural offsets and lengths, a chunk its record can hold.
+    ``names``: the file names checked already (a load's records name a few files)."""
     off, size, path, foff, length, _crc = row
-    bounds.relative_name(path, source, f"key {fqn!r}: file name")
-    bounds.natural(foff, source, f"key {fqn!r}: offset")
-    bounds.natural(length, source, f"key {fqn!r}: length")
-    size = bounds.shape(size, source, f"key {fqn!r}: chunk size")
+    if path not in names:
+        bounds.relative_name(path, source, f"key {fqn!r}: file name")
+        names.add(path)
+    if not (type(foff) is int and type(length) is int and 0 <= foff <= bounds.MAX_BYTES
+            and 0 <= length <= bounds.MAX_BYTES):
+        bounds.natural(foff, source, f"key {fqn!r}: offset")
+        bounds.natural(length, source, f"key {fqn!r}: length")
+    checked = bounds.plain_shape(size)
+    size = checked if checked is not None else bounds.shape(size, source, f"key {fqn!r}: chunk size")
     if math.prod(size) * dtype.itemsize > length:
         raise CheckpointingException(
             f"{source}: key {fqn!r}: chunk at {list(off)} of {list(size)} elements needs "
@@ -1308,13 +1314,14 @@ def _index_from_sidecar(reader: IndexReader, sharded_state_dict: ShardedStateDic
             objects.append(sh.unique_key)
     found = reader.query(boxes)
     out: Dict[str, Any] = {}
+    names: Set[str] = set()
     for fqn, rows in found.items():
         e = reader.entry(fqn)
         try:
             dtype = _sidecar_dtype(e["dtype"])
         except ValueError as err:
             raise CheckpointingException(f"{reader.where}: key {fqn!r}: {err}") from None
-        chunks = [_checked_sidecar_chunk(reader.where, fqn, dtype, row) for row in rows]
+        chunks = [_checked_sidecar_chunk(reader.where, fqn, dtype, row, names) for row in rows]
         orig = e.get("orig_shape")
         size = bounds.shape(e["size"], reader.where, f"key {fqn!r}: global shape")
         out[fqn] = _stored_key(fqn, dtype, size, chunks, tuple(orig) if orig else None)
