@@ -149,6 +149,11 @@ def pickle_metadata(skeleton: Metadata, chunks: Dict[str, Tuple[np.ndarray, np.n
     info_head = b"ub" + _get(info_cls) + b")\x81}(" + _get(s_path) + b"j"
     chunk_parts: List[bytes] = []
     storage_parts: List[bytes] = []
+    # The small-key path below runs once per chunk of most checkpoints: its constant pieces are
+    # built here, once.
+    pack_index = struct.Struct("<I").pack
+    get_sizes, get_offset, get_length = _get(s_sizes), _get(s_offset), _get(s_length)
+    file_indices = [pack_index(int(v)) for v in file_slots.tolist()]
     for fqn, (offs, sizes, items) in chunks.items():
         m, n = offs.shape
         if not m:
@@ -157,19 +162,19 @@ def pickle_metadata(skeleton: Metadata, chunks: Dict[str, Tuple[np.ndarray, np.n
         fqn_slot = slots.put(_str(fqn))
         if m <= _SMALL:
             # A few chunks (most keys of most models): plain Python, no numpy per key.
-            shape_slots: Dict[Tuple[int, ...], int] = {}
+            shape_tails: Dict[Tuple[int, ...], bytes] = {}
             out = [_get(list_slot) + b"("]
+            key_head = index_head + _get(fqn_slot) + index_tail
             for off, size, (f, foff, length) in zip(offs.tolist(), sizes.tolist(), items.tolist()):
                 size = tuple(size)
-                shape = shape_slots.get(size)
-                if shape is None:
-                    shape = shape_slots[size] = slots.put(_get(size_cls) + b"(" + b"".join(map(_int, size)) + b"t\x85R")
-                slot = slots.reserve(1)
-                out.append(chunk_head + b"".join(map(_int, off)) + b"t\x85R" + _PUT.pack(b"r", slot) + _get(s_sizes)
-                           + _get(shape) + b"ub")
-                storage_parts.append(index_head + _get(fqn_slot) + index_tail + struct.pack("<I", slot) + info_head
-                                     + struct.pack("<I", int(file_slots[f])) + _get(s_offset) + _int(foff)
-                                     + _get(s_length) + _int(length) + b"ub")
+                shape_tail = shape_tails.get(size)
+                if shape_tail is None:
+                    shape_slot = slots.put(_get(size_cls) + b"(" + b"".join(map(_int, size)) + b"t\x85R")
+                    shape_tail = shape_tails[size] = get_sizes + _get(shape_slot) + b"ub"
+                slot = pack_index(slots.reserve(1))
+                out.append(b"".join((chunk_head, *map(_int, off), b"t\x85Rr", slot, shape_tail)))
+                storage_parts.append(b"".join((key_head, slot, info_head, file_indices[f], get_offset, _int(foff),
+                                               get_length, _int(length), b"ub")))
             out.append(b"e0")
             chunk_parts.append(b"".join(out))
             continue
