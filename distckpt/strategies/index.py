@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import json
 import struct
-import sys
-from array import array
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -76,35 +74,34 @@ class _Blob:
         return ref
 
 
-def _small_key(blob: _Blob, rows: List[Tuple[int, ...]], names: List[str], ndim: int) -> Dict[str, Any]:
-    """A key whose records fit one leaf (most keys of most checkpoints): plain Python, no numpy
-    (whose per-call overhead was most of a small save's sidecar cost)."""
-    rows = sorted(rows)
-    local: Dict[int, int] = {}
-    flat: List[int] = []
-    col = 2 * ndim
-    for r in rows:
-        flat.extend(r[:col])
-        flat.append(local.setdefault(r[col], len(local)))
-        flat.extend(r[col + 1:])
-    names_json = json.dumps([names[i] for i in local], separators=(",", ":")).encode()
-    table = array("q", flat)
-    if sys.byteorder != "little":
-        table.byteswap()
-    lo = [min(r[d] for r in rows) for d in range(ndim)]
-    hi = [max(r[d] + r[ndim + d] for r in rows) for d in range(ndim)]
-    ref = blob.add(struct.pack("<I", len(names_json)) + names_json + table.tobytes())
-    return {"count": len(rows), "depth": 1, "root": ref, "bbox": [lo, hi]}
+def _small_keys(blob: _Blob, group: List[Tuple[str, np.ndarray]], names: List[str], ndim: int,
+                quoted: Dict[int, str]) -> Dict[str, Dict[str, Any]]:
+    """The directory fields of keys whose records fit one leaf (most keys of most checkpoints),
+    ``group`` all of ``ndim`` axes: one sort and one packing for all of them, each key's leaf
+    then cut out, rather than numpy calls (or Python loops) per key."""
+    counts = [len(r) for _, r in group]
+    rows = np.concatenate([r for _, r in group])
+    kid = np.repeat(np.arange(len(group)), counts)
+    order = np.lexsort([rows[:, d] for d in reversed(range(ndim))] + [kid])
+    starts = np.cumsum([0] + counts[:-1])
+    leaves = _pack_leaves(rows[order], names, ndim, starts, quoted)
+    return {fqn: {"count": c, "depth": 1, "root": blob.add(data), "bbox": [lo.tolist(), hi.tolist()]}
+            for (fqn, _), c, (data, lo, hi) in zip(group, counts, leaves)}
 
 
 def _leaves(rows: np.ndarray, names: List[str], ndim: int, leaf: int,
             quoted: Dict[int, str]) -> List[Tuple[bytes, np.ndarray, np.ndarray]]:
-    """The leaves of a key's sorted records, ``leaf`` rows each: their bytes (as :func:`_leaf`
-    makes them) and bounding boxes, with numpy over all leaves at once. ``quoted``: a cache of
+    """The leaves of a key's sorted records, ``leaf`` rows each (see :func:`_pack_leaves`)."""
+    return _pack_leaves(rows, names, ndim, np.arange(0, len(rows), leaf), quoted)
+
+
+def _pack_leaves(rows: np.ndarray, names: List[str], ndim: int, starts: np.ndarray,
+                 quoted: Dict[int, str]) -> List[Tuple[bytes, np.ndarray, np.ndarray]]:
+    """Leaves of sorted records, leaf ``i`` the rows from ``starts[i]`` to the next start: their
+    bytes and bounding boxes, with numpy over all leaves at once. ``quoted``: a cache of
     JSON-quoted file names by index."""
     m, col = len(rows), 2 * ndim
-    starts = np.arange(0, m, leaf)
-    leaf_of = np.arange(m) // leaf
+    leaf_of = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, m)))
     fid = rows[:, col]
     nfiles = max(len(names), int(fid.max()) + 1)
     # Each leaf names the files it uses, in file-index order, and its rows point into that list.
@@ -121,7 +118,8 @@ def _leaves(rows: np.ndarray, names: List[str], ndim: int, leaf: int,
         lo = hi = np.zeros((len(starts), 0), dtype=np.int64)
     files, bounds = (codes % nfiles).tolist(), code_bounds.tolist()
     out = []
-    for i, s in enumerate(starts.tolist()):
+    starts_list = starts.tolist()
+    for i, s in enumerate(starts_list):
         used = []
         for f in files[bounds[i]:bounds[i + 1]]:
             q = quoted.get(f)
@@ -129,8 +127,8 @@ def _leaves(rows: np.ndarray, names: List[str], ndim: int, leaf: int,
                 q = quoted[f] = json.dumps(names[f])
             used.append(q)
         names_json = ("[" + ",".join(used) + "]").encode()
-        out.append((struct.pack("<I", len(names_json)) + names_json + data[s * width:min(s + leaf, m) * width],
-                     lo[i], hi[i]))
+        end = starts_list[i + 1] if i + 1 < len(starts_list) else m
+        out.append((struct.pack("<I", len(names_json)) + names_json + data[s * width:end * width], lo[i], hi[i]))
     return out
 
 
@@ -215,6 +213,17 @@ def _write_index(keys: Dict[str, Dict[str, Any]], rows_by_key: Dict[str, Any], i
     blob = _Blob()
     quoted: Dict[int, str] = {}
     directory: Dict[str, Any] = {}
+    small: Dict[int, List[Tuple[str, np.ndarray]]] = {}
+    for fqn, info in keys.items():
+        rows = rows_by_key.get(fqn)
+        if not info.get("bytes") and rows is not None and 0 < len(rows) <= leaf:
+            ndim = len(info["size"])
+            if not isinstance(rows, np.ndarray):
+                rows = np.array(rows, dtype=np.int64).reshape(len(rows), 2 * ndim + 4)
+            small.setdefault(ndim, []).append((fqn, rows))
+    small_entries: Dict[str, Dict[str, Any]] = {}
+    for ndim, group in small.items():
+        small_entries.update(_small_keys(blob, group, names, ndim, quoted))
     for fqn, info in keys.items():
         if info.get("bytes"):
             entry: Dict[str, Any] = {"bytes": True}
@@ -226,10 +235,8 @@ def _write_index(keys: Dict[str, Dict[str, Any]], rows_by_key: Dict[str, Any], i
         entry = {"dtype": _dtype_name(info["dtype"]), "size": list(info["size"]),
                  "orig_shape": list(info["orig_shape"]) if info.get("orig_shape") is not None else None}
         rows = rows_by_key.get(fqn)
-        if rows is not None and 0 < len(rows) <= leaf:
-            if isinstance(rows, np.ndarray):
-                rows = [tuple(r) for r in rows.tolist()]
-            entry.update(_small_key(blob, rows, names, ndim))
+        if fqn in small_entries:
+            entry.update(small_entries[fqn])
         elif rows is not None and len(rows):
             if not isinstance(rows, np.ndarray):
                 rows = np.array(rows, dtype=np.int64).reshape(len(rows), 2 * ndim + 4)

@@ -48,7 +48,7 @@ def _int(v: int) -> bytes:
     return b"J" + struct.pack("<i", v) if -2**31 <= v < 2**31 else b"\x8a\x08" + struct.pack("<q", v)
 
 
-_SMALL = 16   # keys with at most this many chunks are written without numpy
+_SMALL = 16   # keys with at most this many chunks are packed together (per number of axes)
 
 
 def _int_op(col: np.ndarray) -> Tuple[bytes, str]:
@@ -114,6 +114,22 @@ def _unique_rows(a: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     return rows, inverse.reshape(-1)
 
 
+def _chunk_records(slots: _Memo, offs: np.ndarray, sizes: np.ndarray, chunk_head: bytes, size_cls: int,
+                   get_sizes: bytes) -> Tuple[bytes, np.ndarray]:
+    """The packed ``ChunkStorageMetadata`` of ``len(offs)`` chunks (each offset stored in a memo
+    slot of its own, equal sizes sharing one ``torch.Size``) and those offsets' memo slots."""
+    m, n = offs.shape
+    shapes, shape_of = _unique_rows(sizes)
+    shape_slots = np.array([slots.put(_get(size_cls) + b"(" + b"".join(map(_int, s)) + b"t\x85R")
+                            for s in shapes.tolist()], dtype=np.uint32)
+    offset_slots = np.arange(slots.reserve(m), slots.next, dtype=np.uint32)
+    parts: List[Any] = [chunk_head]
+    for d in range(n):
+        parts += _int_parts(offs[:, d])
+    parts += [b"t\x85Rr", ("<u4", offset_slots), get_sizes + b"j", ("<u4", shape_slots[shape_of]), b"ub"]
+    return _records(m, parts), offset_slots
+
+
 def pickle_metadata(skeleton: Metadata, chunks: Dict[str, Tuple[np.ndarray, np.ndarray, np.ndarray]],
                     byte_items: Sequence[Tuple[str, int, int, int]], files: Sequence[str]) -> bytes:
     """The pickled ``Metadata``: ``skeleton`` with its chunks and storage entries filled in.
@@ -149,11 +165,19 @@ def pickle_metadata(skeleton: Metadata, chunks: Dict[str, Tuple[np.ndarray, np.n
     info_head = b"ub" + _get(info_cls) + b")\x81}(" + _get(s_path) + b"j"
     chunk_parts: List[bytes] = []
     storage_parts: List[bytes] = []
-    # The small-key path below runs once per chunk of most checkpoints: its constant pieces are
-    # built here, once.
-    pack_index = struct.Struct("<I").pack
-    get_sizes, get_offset, get_length = _get(s_sizes), _get(s_offset), _get(s_length)
-    file_indices = [pack_index(int(v)) for v in file_slots.tolist()]
+    get_sizes = _get(s_sizes)
+
+    def storage_rows(offset_slots: np.ndarray, items: np.ndarray) -> List[Any]:
+        # A storage entry after its MetadataIndex's fqn: the offset (memo), file, offset, length.
+        return [("<u4", offset_slots), info_head, ("<u4", file_slots[items[:, 0]]), _get(s_offset),
+                *_int_parts(items[:, 1]), _get(s_length), *_int_parts(items[:, 2]), b"ub"]
+
+    # Keys of a few chunks (most keys of most models) are written together, per number of axes:
+    # one packed table for all their chunks, cut into each key's list afterwards, so the work per
+    # key is a few slices, not a numpy call per column.
+    # Storage entries stay in key order (as DCP's own pickle has them): a small key's place in
+    # ``storage_parts`` is kept and filled from its group's table.
+    small: Dict[int, List[Tuple[int, int, np.ndarray, np.ndarray, np.ndarray, int]]] = {}
     for fqn, (offs, sizes, items) in chunks.items():
         m, n = offs.shape
         if not m:
@@ -161,36 +185,25 @@ def pickle_metadata(skeleton: Metadata, chunks: Dict[str, Tuple[np.ndarray, np.n
         list_slot = memo[id(skeleton.state_dict_metadata[fqn].chunks)][0]
         fqn_slot = slots.put(_str(fqn))
         if m <= _SMALL:
-            # A few chunks (most keys of most models): plain Python, no numpy per key.
-            shape_tails: Dict[Tuple[int, ...], bytes] = {}
-            out = [_get(list_slot) + b"("]
-            key_head = index_head + _get(fqn_slot) + index_tail
-            for off, size, (f, foff, length) in zip(offs.tolist(), sizes.tolist(), items.tolist()):
-                size = tuple(size)
-                shape_tail = shape_tails.get(size)
-                if shape_tail is None:
-                    shape_slot = slots.put(_get(size_cls) + b"(" + b"".join(map(_int, size)) + b"t\x85R")
-                    shape_tail = shape_tails[size] = get_sizes + _get(shape_slot) + b"ub"
-                slot = pack_index(slots.reserve(1))
-                out.append(b"".join((chunk_head, *map(_int, off), b"t\x85Rr", slot, shape_tail)))
-                storage_parts.append(b"".join((key_head, slot, info_head, file_indices[f], get_offset, _int(foff),
-                                               get_length, _int(length), b"ub")))
-            out.append(b"e0")
-            chunk_parts.append(b"".join(out))
+            small.setdefault(n, []).append((list_slot, fqn_slot, offs, sizes, items, len(storage_parts)))
+            storage_parts.append(b"")
             continue
-        shapes, shape_of = _unique_rows(sizes)
-        shape_slots_arr = np.array([slots.put(_get(size_cls) + b"(" + b"".join(map(_int, s)) + b"t\x85R")
-                                    for s in shapes.tolist()], dtype=np.uint32)
-        offset_slots = np.arange(slots.reserve(m), slots.next, dtype=np.uint32)
-        parts: List[Any] = [chunk_head]
-        for d in range(n):
-            parts += _int_parts(offs[:, d])
-        parts += [b"t\x85Rr", ("<u4", offset_slots), _get(s_sizes) + b"j", ("<u4", shape_slots_arr[shape_of]), b"ub"]
-        chunk_parts.append(_get(list_slot) + b"(" + _records(m, parts) + b"e0")
-        parts = [index_head + _get(fqn_slot) + index_tail, ("<u4", offset_slots), info_head,
-                 ("<u4", file_slots[items[:, 0]]), _get(s_offset), *_int_parts(items[:, 1]), _get(s_length),
-                 *_int_parts(items[:, 2]), b"ub"]
-        storage_parts.append(_records(m, parts))
+        chunk_rows, offset_slots = _chunk_records(slots, offs, sizes, chunk_head, size_cls, get_sizes)
+        chunk_parts.append(_get(list_slot) + b"(" + chunk_rows + b"e0")
+        storage_parts.append(_records(m, [index_head + _get(fqn_slot) + index_tail,
+                                          *storage_rows(offset_slots, items)]))
+    for group in small.values():
+        counts = [len(k[2]) for k in group]
+        offs, sizes, items = (np.concatenate([k[i] for k in group]) for i in (2, 3, 4))
+        chunk_rows, offset_slots = _chunk_records(slots, offs, sizes, chunk_head, size_cls, get_sizes)
+        fqn_slots = np.repeat(np.array([k[1] for k in group], dtype=np.uint32), counts)
+        entries = _records(len(offs), [index_head + b"j", ("<u4", fqn_slots), index_tail,
+                                       *storage_rows(offset_slots, items)])
+        width, entry_width, at = len(chunk_rows) // len(offs), len(entries) // len(offs), 0
+        for (list_slot, _, _, _, _, place), c in zip(group, counts):
+            chunk_parts.append(_get(list_slot) + b"(" + chunk_rows[at * width:(at + c) * width] + b"e0")
+            storage_parts[place] = entries[at * entry_width:(at + c) * entry_width]
+            at += c
     for fqn, f, off, length in byte_items:
         storage_parts.append(
             index_head + _str(fqn) + _get(s_index) + b"N" + info_head + struct.pack("<I", int(file_slots[f]))
