@@ -405,6 +405,11 @@ def write_tensor_item(sink: ChecksummingSink, tensor: torch.Tensor,
         return start, sink.position - start, sink.crc
     header, trailer = frame
     payload = tensor.reshape(-1).view(torch.uint8).numpy()
+    if payload.nbytes < sink.SMALL:
+        # A small tensor: its whole item is gathered anyway, so one write (one CRC32C call and
+        # one append) instead of three.
+        sink.write(b"".join((header, payload, trailer)))
+        return start, sink.position - start, sink.crc
     sink.write(header)
     if blocks is None or payload.nbytes < blockcrc.MIN_PAYLOAD:
         sink.write(payload)
