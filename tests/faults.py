@@ -158,9 +158,10 @@ class FailBeforeCommit(SaveShardedStrategy):
 
 
 class FaultySink(ChecksummingSink):
-    """A ``.distcp`` writer whose storage runs out of space after a few writes (mid-file)."""
+    """A ``.distcp`` writer whose storage runs out of space after its first item (mid-file: a
+    small tensor item is one write, a large one several)."""
 
-    writes_before_failure = 3
+    writes_before_failure = 1
 
     def __init__(self, fd: int):
         super().__init__(fd)
@@ -367,7 +368,8 @@ def tree_digest(root: Path) -> Dict[str, str]:
 
 
 class StallingSink(ChecksummingSink):
-    """Writes a few records of a ``.distcp`` file, then announces it and stalls (to be killed)."""
+    """Writes the first item of a ``.distcp`` file, then announces it and stalls at the second
+    (to be killed)."""
 
     marker: Optional[Path] = None
 
@@ -377,7 +379,7 @@ class StallingSink(ChecksummingSink):
 
     def write(self, data) -> int:
         self.writes += 1
-        if self.writes == 4:
+        if self.writes == 2:
             os.fsync(self.fd)
             self.marker.write_text(str(self.position))
             time.sleep(600)
