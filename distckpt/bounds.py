@@ -48,23 +48,31 @@ def inside(root: PathLike, name: Any, source: PathLike, what: str = "file name")
     return path
 
 
+def fits(value: Any, limit: int = MAX_BYTES) -> bool:
+    """Whether ``value`` is a plain int in ``[0, limit]``: the test :func:`natural` makes first,
+    without building a message (callers that check millions of records test this and call
+    :func:`natural` only to word the error)."""
+    return type(value) is int and 0 <= value <= limit
+
+
 def natural(value: Any, source: PathLike, what: str, limit: int = MAX_BYTES) -> int:
     """``value`` as an int in ``[0, limit]``; else raise naming ``source``."""
+    if fits(value, limit):
+        return value
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= limit:
         raise CheckpointingException(f"{source}: {what} {value!r} is not an integer in [0, {limit}]")
     return value
 
 
 def plain_shape(values: Any) -> Any:
-    """``values`` when it is already a tuple of at most 64 naturals with at most
-    :data:`MAX_NUMEL` elements (what :func:`shape` accepts), else None: a check without the
-    message, for the millions of records of a large checkpoint (on None, call :func:`shape`
-    for the error)."""
+    """``values`` when it is already a tuple of at most 64 plain ints in ``[0, MAX_NUMEL]`` with
+    at most :data:`MAX_NUMEL` elements, else None: the test :func:`shape` makes first, without
+    building a message (on None, :func:`shape` words the error or accepts other sequences)."""
     if type(values) is not tuple or len(values) > 64:
         return None
     numel = 1
     for d in values:
-        if type(d) is not int or not 0 <= d <= MAX_NUMEL:
+        if not fits(d, MAX_NUMEL):
             return None
         numel *= d
     return values if numel <= MAX_NUMEL else None
@@ -72,6 +80,9 @@ def plain_shape(values: Any) -> Any:
 
 def shape(values: Any, source: PathLike, what: str) -> Tuple[int, ...]:
     """A shape (sequence of naturals) whose element count is at most :data:`MAX_NUMEL`."""
+    plain = plain_shape(values)
+    if plain is not None:
+        return plain
     try:
         dims = tuple(values)
     except TypeError:

@@ -119,7 +119,7 @@ def _pack_leaves(rows: np.ndarray, names: List[str], ndim: int, starts: np.ndarr
     files, bounds = (codes % nfiles).tolist(), code_bounds.tolist()
     out = []
     starts_list = starts.tolist()
-    for i, s in enumerate(starts_list):
+    for i, (s, end) in enumerate(zip(starts_list, starts_list[1:] + [m])):
         used = []
         for f in files[bounds[i]:bounds[i + 1]]:
             q = quoted.get(f)
@@ -127,7 +127,6 @@ def _pack_leaves(rows: np.ndarray, names: List[str], ndim: int, starts: np.ndarr
                 q = quoted[f] = json.dumps(names[f])
             used.append(q)
         names_json = ("[" + ",".join(used) + "]").encode()
-        end = starts_list[i + 1] if i + 1 < len(starts_list) else m
         out.append((struct.pack("<I", len(names_json)) + names_json + data[s * width:end * width], lo[i], hi[i]))
     return out
 
@@ -213,13 +212,18 @@ def _write_index(keys: Dict[str, Dict[str, Any]], rows_by_key: Dict[str, Any], i
     blob = _Blob()
     quoted: Dict[int, str] = {}
     directory: Dict[str, Any] = {}
+    # Every tensor key's records as an array; those that fit one leaf go in groups by axes.
+    arrays: Dict[str, np.ndarray] = {}
     small: Dict[int, List[Tuple[str, np.ndarray]]] = {}
     for fqn, info in keys.items():
         rows = rows_by_key.get(fqn)
-        if not info.get("bytes") and rows is not None and 0 < len(rows) <= leaf:
-            ndim = len(info["size"])
-            if not isinstance(rows, np.ndarray):
-                rows = np.array(rows, dtype=np.int64).reshape(len(rows), 2 * ndim + 4)
+        if info.get("bytes") or rows is None or not len(rows):
+            continue
+        ndim = len(info["size"])
+        if not isinstance(rows, np.ndarray):
+            rows = np.array(rows, dtype=np.int64).reshape(len(rows), 2 * ndim + 4)
+        arrays[fqn] = rows
+        if len(rows) <= leaf:
             small.setdefault(ndim, []).append((fqn, rows))
     small_entries: Dict[str, Dict[str, Any]] = {}
     for ndim, group in small.items():
@@ -234,13 +238,10 @@ def _write_index(keys: Dict[str, Dict[str, Any]], rows_by_key: Dict[str, Any], i
         ndim = len(info["size"])
         entry = {"dtype": _dtype_name(info["dtype"]), "size": list(info["size"]),
                  "orig_shape": list(info["orig_shape"]) if info.get("orig_shape") is not None else None}
-        rows = rows_by_key.get(fqn)
         if fqn in small_entries:
             entry.update(small_entries[fqn])
-        elif rows is not None and len(rows):
-            if not isinstance(rows, np.ndarray):
-                rows = np.array(rows, dtype=np.int64).reshape(len(rows), 2 * ndim + 4)
-            entry.update(_build_key(blob, rows, names, ndim, fanout, leaf, quoted))
+        elif fqn in arrays:
+            entry.update(_build_key(blob, arrays[fqn], names, ndim, fanout, leaf, quoted))
         else:
             entry["count"] = 0
         directory[fqn] = entry

@@ -1305,12 +1305,12 @@ def _checked_sidecar_chunk(source: str, fqn: str, dtype: torch.dtype, row, names
     if path not in names:
         bounds.relative_name(path, source, f"key {fqn!r}: file name")
         names.add(path)
-    if not (type(foff) is int and type(length) is int and 0 <= foff <= bounds.MAX_BYTES
-            and 0 <= length <= bounds.MAX_BYTES):
+    # The message-free tests first: the checks that word an error run only when they fail.
+    if not (bounds.fits(foff) and bounds.fits(length)):
         bounds.natural(foff, source, f"key {fqn!r}: offset")
         bounds.natural(length, source, f"key {fqn!r}: length")
-    checked = bounds.plain_shape(size)
-    size = checked if checked is not None else bounds.shape(size, source, f"key {fqn!r}: chunk size")
+    plain = bounds.plain_shape(size)
+    size = plain if plain is not None else bounds.shape(size, source, f"key {fqn!r}: chunk size")
     if math.prod(size) * dtype.itemsize > length:
         raise CheckpointingException(
             f"{source}: key {fqn!r}: chunk at {list(off)} of {list(size)} elements needs "
