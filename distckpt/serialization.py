@@ -210,6 +210,7 @@ def save(
 
     exc: Optional[BaseException] = None
     payload = None
+    prestaged = False
     try:
         # A bad location raises here and reaches every rank with the validation below.
         checkpoint_dir = storage.resolve(checkpoint_dir, storage_options)
@@ -227,6 +228,9 @@ def save(
             sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject))
         sharded_part, common_part = extract_matching_values(
             sharded_state_dict, lambda v: isinstance(v, ShardedBase))
+        if async_sharded_save and hasattr(sharded_strategy, "prestage"):
+            # Device-to-host copies first: they run while the checks and the planning below do.
+            prestaged = sharded_strategy.prestage(sharded_part)
         if content_metadata is not None:
             common_part[CONTENT_METADATA_KEY] = content_metadata
         shards = list(nested_values(sharded_part))
@@ -252,15 +256,18 @@ def save(
             _log_common_differences([p[1] for p in payloads])
         return begin()
 
-    if validate_access_integrity and preprocess_common_before_consistancy_check is None:
-        staging = _validate_with_cache(exc, payload, check, begin)
-    else:
-        staging = dist.gather_and_decide("validation", exc, payload, check)
+    staging = None
     try:
+        if validate_access_integrity and preprocess_common_before_consistancy_check is None:
+            staging = _validate_with_cache(exc, payload, check, begin)
+        else:
+            staging = dist.gather_and_decide("validation", exc, payload, check)
         return _write_and_commit(staging, protocol, sharded_part, common_part, sharded_strategy,
                                  common_strategy, async_sharded_save)
     except BaseException:
-        if rank == 0:
+        if prestaged:
+            sharded_strategy.discard_prestaged()
+        if rank == 0 and staging is not None:
             protocol.abort(staging)
         raise
 

@@ -341,4 +341,57 @@ def test_cuda_tensors_are_staged_into_pinned_memory_with_one_synchronize():
     batch.release()
     again = staging.acquire(src[0])
     staging.seal()
-    assert again.data_ptr() == copies[0].data_ptr()
+    # All three buffers share one pool key: any of them may come back, none is allocated anew.
+    assert again.data_ptr() in {c.data_ptr() for c in copies} and again.is_pinned()
+    assert torch.equal(again, src[0].cpu())
+
+
+def test_a_prestaged_copy_is_taken_by_the_acquire_of_the_same_view_only():
+    staging = StagingBuffers()
+    src = torch.arange(12.0)
+    staging.prestage(src)
+    early_bytes = staging.allocated_bytes
+    src.add_(100)  # after the prestage: the early copy is what the save takes
+    assert staging.acquire(src[:6]).data_ptr() != 0 and staging.allocated_bytes == early_bytes + 24
+    got = staging.acquire(src)
+    assert staging.allocated_bytes == early_bytes + 24  # no new buffer for the same view
+    assert torch.equal(got, torch.arange(12.0))
+    again = staging.acquire(src)  # a second acquire copies anew
+    assert torch.equal(again, src)
+    staging.seal().release()
+    assert staging.in_use == 0
+
+
+def test_discarding_an_unsealed_save_gives_every_buffer_back():
+    staging = StagingBuffers()
+    staging.prestage(torch.ones(4))
+    staging.acquire(torch.ones(8))
+    assert staging.in_use == 2
+    staging.discard_unsealed()
+    assert staging.in_use == 0
+    assert torch.equal(staging.acquire(torch.full((4,), 3.0)), torch.full((4,), 3.0))  # no stale early copy
+
+
+@pytest.mark.cuda
+def test_an_async_cuda_save_copies_each_tensor_once_and_a_failed_one_keeps_no_buffer(tmp_path):
+    import distckpt
+    from distckpt import ShardedTensor
+    from distckpt.core import CheckpointingException
+    from distckpt.strategies.torch import TorchDistSaveShardedStrategy
+
+    model = {f"w{i}": torch.randn(64, 32, device="cuda") for i in range(5)}
+    strategy = TorchDistSaveShardedStrategy()
+    request = distckpt.save({k: ShardedTensor.from_rank_offsets(k, t) for k, t in model.items()},
+                            tmp_path / "ok", sharded_strategy=strategy, async_sharded_save=True)
+    assert strategy._staging.allocated_bytes == 5 * 64 * 32 * 4  # the early copies were taken up
+    for t in model.values():
+        t.zero_()
+    request.execute_sync()
+    targets = {k: torch.empty(64, 32, device="cuda") for k in model}
+    distckpt.load({k: ShardedTensor.from_rank_offsets(k, t) for k, t in targets.items()}, tmp_path / "ok")
+    assert all(torch.count_nonzero(t) > 0 for t in targets.values())  # the saved values, not the zeros
+    bad = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(4, 4, device="cuda"), (0, 0, 2)),
+           "v": ShardedTensor.from_rank_offsets("w", torch.ones(4, 4, device="cuda"), (0, 0, 2))}  # overlap
+    with pytest.raises(CheckpointingException):
+        distckpt.save(bad, tmp_path / "bad", sharded_strategy=strategy, async_sharded_save=True)
+    assert strategy._staging.in_use == 0

@@ -395,6 +395,8 @@ class StagingBuffers:
         self._open: List[Tuple[_PoolKey, torch.Tensor]] = []
         self._sealed: List[StagedBatch] = []
         self._cuda_devices: set = set()
+        # Copies started ahead of the save's planning (prestage), by the source's identity.
+        self._early: Dict[tuple, List[torch.Tensor]] = collections.defaultdict(list)
         self.allocated_bytes = 0
         # Bytes handed out and not yet released, and the most of them at any one time.
         self.staged_bytes = 0
@@ -410,6 +412,10 @@ class StagingBuffers:
 
         For a CUDA tensor the copy is asynchronous: call :meth:`seal` before reading it.
         """
+        if self._early:
+            early = self._early.get(self._identity(tensor))
+            if early:
+                return early.pop()
         device = tensor.device
         if device.type not in ("cpu", "cuda"):
             raise CheckpointingException(f"cannot stage a tensor on device {device} (only cpu and cuda)")
@@ -431,8 +437,32 @@ class StagingBuffers:
             self._cuda_devices.add(device)
         return out
 
+    @staticmethod
+    def _identity(tensor: torch.Tensor) -> tuple:
+        """Same memory, same view: the same bytes (within one save call)."""
+        return (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.device)
+
+    def prestage(self, tensor: torch.Tensor) -> None:
+        """Start the copy of ``tensor`` now; the save's :meth:`acquire` of the same tensor (same
+        memory and view) then returns it instead of copying again. A CUDA save issues every
+        device-to-host copy first and plans while they run."""
+        out = self.acquire(tensor)
+        self._early[self._identity(tensor)].append(out)
+
+    def discard_unsealed(self) -> None:
+        """A save failed before :meth:`seal`: wait for its copies, give its buffers back."""
+        for device in self._cuda_devices:
+            torch.cuda.synchronize(device)
+        self._cuda_devices.clear()
+        with self._lock:
+            open_buffers, self._open = self._open, []
+            self._early.clear()
+        self._give_back(open_buffers)
+
     def seal(self) -> StagedBatch:
-        """End the current save's staging: wait once for CUDA copies; return its buffers' batch."""
+        """End the current save's staging: wait once for CUDA copies; return its buffers' batch
+        (prestaged copies the save did not take included)."""
+        self._early.clear()
         for device in self._cuda_devices:
             torch.cuda.synchronize(device)
         self._cuda_devices.clear()

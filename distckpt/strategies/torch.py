@@ -70,7 +70,7 @@ from distckpt.mapping import (
     StateDict,
     is_main_replica,
 )
-from distckpt.strategies import blockcrc
+from distckpt.strategies import blockcrc, device_io
 from distckpt.strategies.base import (
     AsyncSaveShardedStrategy,
     LoadShardedStrategy,
@@ -78,6 +78,7 @@ from distckpt.strategies.base import (
     register_default_strategy,
 )
 from distckpt.strategies.common import safe_torch_load
+from distckpt.strategies.device_io import HostBounce
 from distckpt.strategies.filesystem import (
     ChecksummingSink,
     WriterSink,
@@ -773,6 +774,39 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         finally:
             self._commit = None
 
+    def prestage(self, sharded_state_dict: ShardedStateDict) -> bool:
+        """Start the device-to-host copies of this rank's CUDA main replicas now, before the
+        save validates and plans (``serialization.save`` calls it first for an async save), so
+        the copies run while the CPU works; :meth:`async_save` takes them up. Not done when a
+        host memory budget smaller than the save's staged bytes makes it stage in waves. Returns
+        whether anything was started (then :meth:`discard_prestaged` undoes it on failure)."""
+        sources, staged = [], 0
+        for sh in nested_values(sharded_state_dict):
+            if not (isinstance(sh, ShardedTensor) and is_main_replica(sh.replica_id) and sh.data is not None):
+                continue
+            on_cuda = sh.data.device.type == "cuda"
+            if on_cuda or self.stage_cpu_tensors:
+                staged += sh.data.numel() * sh.data.element_size()
+            if on_cuda and type(sh.data) in (torch.Tensor, torch.nn.Parameter) and sh.data.numel():
+                sources.append(sh.data.detach())
+        if not sources or staged > host_memory_budget():
+            return False  # nothing to copy, or the save stages in waves: prestaging would hold more
+        from distckpt.strategies.async_utils import StagingBuffers
+
+        if self._staging is None:
+            self._staging = StagingBuffers()
+        try:
+            for t in sources:
+                self._staging.prestage(t)
+        except BaseException:
+            self._staging.discard_unsealed()
+            raise
+        return True
+
+    def discard_prestaged(self) -> None:
+        if self._staging is not None:
+            self._staging.discard_unsealed()
+
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path):
         """Stage the local bytes now; return an AsyncRequest that writes them in the background
         and, at finalize (every rank, main thread), writes ``.metadata`` and the manifest.
@@ -1404,11 +1438,13 @@ def _copy_from_mapping(fd: int, offset: int, count: int, dtype: torch.dtype, ops
 
 
 def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[_CopyOp],
-                checksums: Optional[Dict], rank: int, verify: bool, raw: Optional[bytes] = None) -> int:
+                checksums: Optional[Dict], rank: int, verify: bool, raw: Optional[bytes] = None,
+                bounce: Optional[HostBounce] = None) -> int:
     """Serve every copy of one stored item; returns the bytes taken from storage.
 
     A box that is a plain element range lands in a contiguous destination of the same dtype
-    with one ``preadv``. Other boxes (column blocks, strided flat slices, other dtypes or
+    with one ``preadv`` (a CUDA destination: through ``bounce``'s pinned slots, its copies
+    overlapping the next reads). Other boxes (column blocks, strided flat slices, other dtypes or
     layouts) are copied out of a read-only mapping of the bytes they span.
     """
     what = f"key {ops[0].key!r} in {path} at offset {st.file_offset} (rank {rank})"
@@ -1459,11 +1495,18 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[_CopyOp],
     for op in ops:
         if op.numel == 0:
             continue
-        if op.is_range and op.dst.dtype == layout.dtype and op.dst.is_contiguous() and op.dst.device.type == "cpu":
-            pread_into(fd, op.dst, st.file_offset + base + op.start * itemsize, what)
+        if op.is_range and op.dst.dtype == layout.dtype and op.dst.is_contiguous():
+            if op.dst.device.type == "cpu":
+                pread_into(fd, op.dst, st.file_offset + base + op.start * itemsize, what)
+            elif bounce is not None and op.dst.device.type == "cuda":
+                bounce.fill(fd, st.file_offset + base + op.start * itemsize, op.dst, what)
+            else:
+                strided.append(op)
         else:
             strided.append(op)
         nbytes += op.numel * itemsize
+    if strided and bounce is not None and all(op.dst.device.type == "cuda" for op in strided):
+        strided = bounce.fill_boxes(fd, st.file_offset + base, layout.dtype, strided, what)
     if strided:
         first = min(op.start for op in strided)
         last = max(op.end for op in strided)
@@ -1642,11 +1685,18 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         verify: read every needed item whole and check its CRC32C against the manifest.
         use_index: read the sidecar index ``.distckpt_index`` when the checkpoint has one (only
             the records of the requested keys and boxes); False always reads ``.metadata``.
+        pinned_slot_bytes: CUDA targets are filled through two pinned host slots of this size
+            per reader thread, each slot's copy to the device overlapping the read into the
+            other; 0 copies into them from pageable memory instead.
     """
 
     def __init__(self, backend: str = "torch_dist", version: int = 1, trusted: bool = False,
-                 thread_count: int = 4, verify: bool = False, use_index: bool = True):
+                 thread_count: int = 4, verify: bool = False, use_index: bool = True,
+                 pinned_slot_bytes: int = device_io.SLOT_BYTES):
         super().__init__(backend, version)
+        if pinned_slot_bytes < 0:
+            raise CheckpointingException(f"pinned_slot_bytes must be >= 0, got {pinned_slot_bytes}")
+        self.pinned_slot_bytes = pinned_slot_bytes
         self.trusted = trusted
         self.thread_count = thread_count
         self.verify = verify
@@ -2062,8 +2112,13 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                                     raw[start:start + st.length])
                     counted.append(len(raw))
                     return
-                for st in items:
-                    nbytes += _read_chunk(fd, path, st, plan.ops[st], checksums, rank, verify)
+                bounce = HostBounce(self.pinned_slot_bytes) if self.pinned_slot_bytes else None
+                try:
+                    for st in items:
+                        nbytes += _read_chunk(fd, path, st, plan.ops[st], checksums, rank, verify, bounce=bounce)
+                finally:
+                    if bounce is not None:
+                        bounce.close()
                 counted.append(nbytes)
             finally:
                 os.close(fd)

@@ -1,0 +1,195 @@
+"""File bytes into device (CUDA) tensors through pinned host memory.
+
+A load that copies file bytes into a CUDA tensor straight from pageable memory (a mapping of the
+file, or a bytes object) pays twice: the driver stages every pageable copy through its own
+pinned buffer, and the host thread waits for each copy before it reads the next bytes. Here a
+reader thread ``pread``s into one of a few pinned *slots*, starts the slot's host-to-device copy
+on a side stream, and reads the next bytes into the next slot while that copy runs; a slot is
+reused once its copy's event has fired. ``close`` waits for every copy, so the tensors are ready
+when a load returns.
+
+A box that is not one element range of its stored item (a column block of a resharded load)
+goes the same way, whole item rows at a time: the rows its box touches are read into a slot,
+uploaded into a device scratch buffer of the slot's size, and the box is cut out of them on the
+device (a strided device-to-device copy), all on the side stream.
+
+Pinned memory per reader thread is ``slots * slot_bytes`` (default 2 x 32 MiB); slots go back to
+a small process-wide pool for the next load (``cudaHostAlloc`` costs milliseconds per slot), at
+most :data:`POOL_SLOTS` of them (those of the default 4 reader threads) are kept.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Dict, List, Optional, Protocol, Sequence, Tuple
+
+import torch
+
+from .filesystem import pread_exact
+
+SLOT_BYTES = 32 << 20
+SLOTS = 2
+POOL_SLOTS = 8  # 256 MiB of pinned memory at most stays with the process between loads
+
+_pool_lock = threading.Lock()
+_pool: Dict[tuple, List[torch.Tensor]] = {}
+
+
+def _take(nbytes: int, pinned: bool) -> torch.Tensor:
+    with _pool_lock:
+        free = _pool.get((nbytes, pinned))
+        if free:
+            return free.pop()
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+
+
+def _give(buf: torch.Tensor, pinned: bool) -> None:
+    with _pool_lock:
+        if sum(len(v) for (_, p), v in _pool.items() if p == pinned) < POOL_SLOTS:
+            _pool.setdefault((buf.numel(), pinned), []).append(buf)
+
+
+class _Slot:
+    def __init__(self, buf: torch.Tensor):
+        self.buf = buf
+        self.event: Optional[torch.cuda.Event] = None
+
+
+class Box(Protocol):
+    """What :meth:`HostBounce.fill_boxes` needs of a copy: element ``i`` of ``dst`` (shape
+    ``size``) is item element ``start + sum(i[d] * strides[d])``."""
+
+    start: int
+    size: Tuple[int, ...]
+    strides: Tuple[int, ...]
+    dst: torch.Tensor
+
+    @property
+    def end(self) -> int: ...
+
+
+class HostBounce:
+    """One reader thread's pinned slots and copy stream (created on first use).
+
+    ``fill`` copies ``dst.numel()`` elements of a file at a byte offset into the contiguous
+    tensor ``dst``. For a CUDA ``dst`` the copies are asynchronous until ``close``; for a CPU
+    ``dst`` (tests) they are plain copies through the same slots.
+    """
+
+    def __init__(self, slot_bytes: int = SLOT_BYTES, slots: int = SLOTS):
+        self.slot_bytes = max(1, int(slot_bytes))
+        self.count = max(1, int(slots))
+        self._slots: List[_Slot] = []
+        self._next = 0
+        self._streams: Dict[torch.device, torch.cuda.Stream] = {}
+        self._scratch: Dict[torch.device, torch.Tensor] = {}
+        self._pinned = False
+
+    def _slot(self, device: torch.device) -> _Slot:
+        if not self._slots:
+            self._pinned = device.type == "cuda"
+        if len(self._slots) < self.count:
+            slot = _Slot(_take(self.slot_bytes, self._pinned))
+            self._slots.append(slot)
+            return slot
+        slot = self._slots[self._next]
+        self._next = (self._next + 1) % self.count
+        if slot.event is not None:
+            slot.event.synchronize()  # its previous copy has left the slot
+            slot.event = None
+        return slot
+
+    def _stream(self, device: torch.device) -> Optional[torch.cuda.Stream]:
+        if device.type != "cuda":
+            return None
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+            # The side stream starts after whatever the caller queued on the device (e.g. the
+            # allocation and zeroing of the target tensors).
+            stream.wait_stream(torch.cuda.current_stream(device))
+        return stream
+
+    def fill(self, fd: int, offset: int, dst: torch.Tensor, what: str) -> None:
+        target = dst.detach().reshape(-1).view(torch.uint8)
+        total = target.numel()
+        on_cuda = dst.device.type == "cuda"
+        stream = self._stream(dst.device)
+        pos = 0
+        while pos < total:
+            slot = self._slot(dst.device)
+            n = min(self.slot_bytes, total - pos)
+            host = slot.buf[:n]
+            pread_exact(fd, memoryview(host.numpy()).cast("B"), offset + pos, what)
+            if on_cuda:
+                with torch.cuda.stream(stream):
+                    target[pos:pos + n].copy_(host, non_blocking=True)
+                    slot.event = torch.cuda.Event()
+                    slot.event.record(stream)
+            else:
+                target[pos:pos + n].copy_(host)
+            pos += n
+
+    def fill_boxes(self, fd: int, offset: int, dtype: torch.dtype, boxes: Sequence[Box], what: str) -> List[Box]:
+        """Copy each box of the item whose element 0 is at byte ``offset`` (elements of
+        ``dtype``) into its ``dst``, whole item rows at a time; all ``dst`` on one device.
+        Returns the boxes it cannot serve that way (to be copied otherwise): boxes of one axis,
+        boxes of another row length than the first, or rows larger than a slot."""
+        if not boxes:
+            return []
+        row = boxes[0].strides[0] if len(boxes[0].size) > 1 else 0
+        itemsize = dtype.itemsize
+        served, rest = [], []
+        for b in boxes:
+            fits = (len(b.size) > 1 and b.strides[0] == row and row > 0 and row * itemsize <= self.slot_bytes
+                    and b.start % row + (b.end - b.start - (b.size[0] - 1) * row) <= row
+                    and b.dst.device == boxes[0].dst.device)
+            (served if fits else rest).append(b)
+        if not served:
+            return rest
+        device = served[0].dst.device
+        stream = self._stream(device)
+        per_window = self.slot_bytes // (row * itemsize)
+        first_row = min(b.start // row for b in served)
+        stop_row = max((b.end - 1) // row for b in served) + 1
+        stop_element = max(b.end for b in served)
+        for r in range(first_row, stop_row, per_window):
+            r_end = min(r + per_window, stop_row)
+            n = (min(r_end * row, stop_element) - r * row) * itemsize
+            slot = self._slot(device)
+            host = slot.buf[:n]
+            pread_exact(fd, memoryview(host.numpy()).cast("B"), offset + r * row * itemsize, what)
+            if stream is not None:
+                with torch.cuda.stream(stream):
+                    scratch = self._scratch.get(device)
+                    if scratch is None:
+                        scratch = self._scratch[device] = torch.empty(self.slot_bytes, dtype=torch.uint8, device=device)
+                    window = scratch[:n]
+                    window.copy_(host, non_blocking=True)
+                    self._cut(window.view(dtype), served, r, r_end, row)
+                    slot.event = torch.cuda.Event()
+                    slot.event.record(stream)
+            else:
+                self._cut(host.view(dtype), served, r, r_end, row)
+        return rest
+
+    @staticmethod
+    def _cut(window: torch.Tensor, boxes: Sequence[Box], r: int, r_end: int, row: int) -> None:
+        """Copy the rows ``[r, r_end)`` of the item (held by ``window``) that fall in each box."""
+        for b in boxes:
+            b_row = b.start // row
+            lo, hi = max(0, r - b_row), min(b.size[0], r_end - b_row)
+            if lo >= hi:
+                continue
+            src = window.as_strided((hi - lo,) + tuple(b.size[1:]), b.strides,
+                                    window.storage_offset() + b.start + lo * row - r * row)
+            b.dst[lo:hi].copy_(src, non_blocking=True)
+
+    def close(self) -> None:
+        """Wait for every copy in flight, then hand the slots back to the pool."""
+        slots, streams = self._slots, self._streams
+        self._slots, self._streams, self._scratch = [], {}, {}
+        for stream in streams.values():
+            stream.synchronize()  # if this raises, the slots are not reused: a copy may be running
+        for slot in slots:
+            _give(slot.buf, self._pinned)
