@@ -395,3 +395,19 @@ def test_an_async_cuda_save_copies_each_tensor_once_and_a_failed_one_keeps_no_bu
     with pytest.raises(CheckpointingException):
         distckpt.save(bad, tmp_path / "bad", sharded_strategy=strategy, async_sharded_save=True)
     assert strategy._staging.in_use == 0
+
+
+@pytest.mark.cuda
+def test_cuda_staging_pins_exactly_the_bytes_staged_and_unpins_what_the_pool_drops():
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    before = stats().get("allocated_bytes.current", 0) if stats else 0
+    staging = StagingBuffers()
+    src = [torch.randn(3 << 18, device="cuda") for _ in range(4)]  # 3 MiB each: torch would pin 4 MiB
+    copies = [staging.acquire(t) for t in src]
+    staging.seal().release()
+    assert all(c.is_pinned() and torch.equal(c, t.cpu()) for c, t in zip(copies, src))
+    assert staging.allocated_bytes == 4 * (3 << 20) and len(staging._registrations) == 4
+    if stats:
+        assert stats().get("allocated_bytes.current", 0) == before  # nothing from torch's rounding pool
+    staging.keep_only({})
+    assert not staging._registrations and staging.allocated_bytes == 0

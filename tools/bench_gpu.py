@@ -181,9 +181,13 @@ def measure(size_gib: float, args) -> dict:
         req = None
         shutil.rmtree(ckpt, ignore_errors=True)
     queue.close()
+    staged = save_strategy._staging.allocated_bytes if save_strategy._staging is not None else 0
+    # What torch's pinned allocator (pin_memory=True, blocks rounded up to powers of two) would hold.
+    rounded = sum(1 << max(0, (t.numel() * t.element_size() - 1).bit_length()) for t in tensors)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"size_gib": nbytes / 2**30, "tensors": len(sd), "hidden": hidden, "layers": layers,
             "threads": args.threads, "first async save blocking (allocates the pinned pool)": first_blocking,
+            "staging pool GiB": staged / 2**30, "power-of-two pinned blocks GiB": rounded / 2**30,
             "seconds": med, "all": times,
             "ratios": {
                 "async blocking / D2H": med["async save blocking"] / med["D2H pinned"],
@@ -209,6 +213,8 @@ def report(results: list) -> str:
             lines.append(f"  {name:44s} {s:9.4f} {gib / s:8.2f}")
         lines.append(f"  {'first async save blocking':44s} {r['first async save blocking (allocates the pinned pool)']:9.4f}"
                      "  (allocates the pinned pool)")
+        lines.append(f"  staging pool {r['staging pool GiB']:.3f} GiB for {gib:.3f} GiB staged (power-of-two pinned "
+                     f"blocks would be {r['power-of-two pinned blocks GiB']:.3f} GiB)")
         for name, v in r["ratios"].items():
             lines.append(f"  {name:46s} {v:6.2f}")
     return "\n".join(lines)

@@ -353,6 +353,50 @@ def _wait_quietly(future: Future) -> None:
 _PoolKey = Tuple[int, torch.dtype, bool]
 
 
+# Staging buffers of at least this size are pinned by registering an ordinary allocation (exact
+# size); smaller ones come from torch's pinned allocator.
+EXACT_PIN_BYTES = 1 << 20
+
+
+class _Registration:
+    """Keeps ``tensor``'s memory page-locked (``cudaHostRegister``) until this object goes. It
+    holds the tensor, so the memory is unregistered before it can be freed."""
+
+    __slots__ = ("tensor", "ptr")
+
+    def __init__(self, tensor: torch.Tensor, ptr: int):
+        self.tensor = tensor
+        self.ptr = ptr
+
+    def __del__(self) -> None:
+        try:
+            torch.cuda.cudart().cudaHostUnregister(self.ptr)
+        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone already
+            pass
+
+
+def pinned_empty(numel: int, dtype: torch.dtype) -> Tuple[torch.Tensor, Optional[_Registration]]:
+    """A CPU tensor of ``numel`` elements in page-locked memory, pinned to its exact size, and
+    the registration to keep while it is used (None: torch's allocator owns the pinning).
+
+    ``torch.empty(..., pin_memory=True)`` goes through torch's caching host allocator, which
+    rounds every block up to a power of two: a 48 MiB tensor holds 64 MiB of pinned memory, and a
+    staging pool of a model's tensors up to twice the model. Here an ordinary allocation is
+    registered with CUDA instead; small buffers, and any whose registration fails, use torch's
+    allocator.
+    """
+    nbytes = numel * dtype.itemsize
+    if nbytes < EXACT_PIN_BYTES:
+        return torch.empty(numel, dtype=dtype, pin_memory=True), None
+    out = torch.empty(numel, dtype=dtype)
+    cudart = torch.cuda.cudart()
+    ptr = out.data_ptr()
+    if cudart.cudaHostRegister(ptr, nbytes, 0) != cudart.cudaError.success:
+        logger.debug("cudaHostRegister of %d bytes failed; torch's pinned allocator instead", nbytes)
+        return torch.empty(numel, dtype=dtype, pin_memory=True), None
+    return out, _Registration(out, ptr)
+
+
 class StagedBatch:
     """The host buffers staged for one save; ``release()`` returns them to their pool."""
 
@@ -397,6 +441,8 @@ class StagingBuffers:
         self._cuda_devices: set = set()
         # Copies started ahead of the save's planning (prestage), by the source's identity.
         self._early: Dict[tuple, List[torch.Tensor]] = collections.defaultdict(list)
+        # Exactly pinned buffers (see pinned_empty), by address: dropped with their buffer.
+        self._registrations: Dict[int, _Registration] = {}
         self.allocated_bytes = 0
         # Bytes handed out and not yet released, and the most of them at any one time.
         self.staged_bytes = 0
@@ -425,7 +471,13 @@ class StagingBuffers:
             free = self._free.get(key)
             buffer = free.pop() if free else None
         if buffer is None:
-            buffer = torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=on_cuda)
+            if on_cuda:
+                buffer, registration = pinned_empty(tensor.numel(), tensor.dtype)
+                if registration is not None:
+                    with self._lock:
+                        self._registrations[buffer.data_ptr()] = registration
+            else:
+                buffer = torch.empty(tensor.numel(), dtype=tensor.dtype)
             self.allocated_bytes += key[0]
         out = buffer.view(tensor.shape)
         out.copy_(tensor.detach(), non_blocking=on_cuda)
@@ -495,6 +547,8 @@ class StagingBuffers:
                 bufs = self._free[key]
                 extra = len(bufs) - keys.get(key, 0)
                 if extra > 0:
+                    for buf in bufs[len(bufs) - extra:]:
+                        self._registrations.pop(buf.data_ptr(), None)  # unpinned before it is freed
                     del bufs[len(bufs) - extra:]
                     self.allocated_bytes -= extra * key[0]
                 if not bufs:
