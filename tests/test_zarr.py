@@ -230,27 +230,39 @@ def test_resharded_load_reads_only_overlapping_chunks(tmp_path):
 
 
 def test_partial_chunk_reads_fetch_only_the_needed_bytes(tmp_path, monkeypatch):
+    """A contiguous run is one read of its bytes; a strided region is copied out of a mapping of
+    the span from its first to its last element (no reads, no temporary)."""
+    import mmap
+
     full = torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)
     distckpt.save({"w": ShardedTensor.from_rank_offsets("w", full)}, tmp_path, sharded_strategy=("zarr", 2))
-    read_bytes = []
-    original = os.preadv
+    read_bytes, mapped = [], []
+    original_preadv, original_mmap = os.preadv, mmap.mmap
 
     def counting(fd, buffers, offset):
-        n = original(fd, buffers, offset)
+        n = original_preadv(fd, buffers, offset)
         read_bytes.append(n)
         return n
 
+    def mapping(fd, length, *args, **kwargs):
+        mapped.append((length, kwargs.get("offset", 0)))
+        return original_mmap(fd, length, *args, **kwargs)
+
     monkeypatch.setattr(os, "preadv", counting)
-    for sl, expected_bytes in [((slice(8, 16), slice(0, 64)), 8 * 64 * 4),   # one contiguous run
-                               ((slice(0, 64), slice(0, 8)), 64 * 8 * 4),    # narrow columns: per-row runs
-                               ((slice(0, 64), slice(0, 40)), 64 * 64 * 4)]:  # wide columns: one slab
+    monkeypatch.setattr(mmap, "mmap", mapping)
+    for sl, expected_read, expected_map in [
+            ((slice(8, 16), slice(0, 64)), 8 * 64 * 4, []),                       # one contiguous run
+            ((slice(0, 64), slice(0, 8)), 0, [((63 * 64 + 8) * 4, 0)]),          # narrow columns
+            ((slice(4, 64), slice(24, 40)), 0, [((59 * 64 + 16) * 4 + (4 * 64 + 24) * 4, 0)])]:  # a block
         read_bytes.clear()
+        mapped.clear()
         piece = full[sl]
         req = ShardedTensor("w", torch.zeros_like(piece), torch.float32, tuple(piece.shape), (64, 64),
                             (sl[0].start, sl[1].start), None, 0)
         out = zs.ZarrLoadShardedStrategy().load({"w": req}, tmp_path)["w"]
         assert torch.equal(out, piece)
-        assert sum(read_bytes) == expected_bytes
+        assert sum(read_bytes) == expected_read
+        assert mapped == expected_map
 
 
 # --------------------------------------------------------------------------- data types

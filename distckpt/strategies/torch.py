@@ -1416,7 +1416,7 @@ def _copy_boxes(src: torch.Tensor, first: int, ops: List[_CopyOp]) -> None:
         op.dst.copy_(src.as_strided(op.size, op.strides, src.storage_offset() + op.start - first))
 
 
-def _copy_from_mapping(fd: int, offset: int, count: int, dtype: torch.dtype, ops: List[_CopyOp],
+def copy_from_mapping(fd: int, offset: int, count: int, dtype: torch.dtype, ops: List[_CopyOp],
                        first: int, what: str) -> None:
     """Copy the ops' boxes out of ``count`` elements of the file at byte ``offset``, mapped
     rather than read: only the pages and cache lines the boxes touch are visited, so a box
@@ -1510,7 +1510,7 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[_CopyOp],
     if strided:
         first = min(op.start for op in strided)
         last = max(op.end for op in strided)
-        _copy_from_mapping(fd, st.file_offset + base + first * itemsize, last - first, layout.dtype,
+        copy_from_mapping(fd, st.file_offset + base + first * itemsize, last - first, layout.dtype,
                            strided, first, what)
     return nbytes
 
