@@ -228,7 +228,7 @@ def save(
             sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject))
         sharded_part, common_part = extract_matching_values(
             sharded_state_dict, lambda v: isinstance(v, ShardedBase))
-        if async_sharded_save and hasattr(sharded_strategy, "prestage"):
+        if async_sharded_save and isinstance(sharded_strategy, AsyncSaveShardedStrategy):
             # Device-to-host copies first: they run while the checks and the planning below do.
             prestaged = sharded_strategy.prestage(sharded_part)
         if content_metadata is not None:

@@ -116,15 +116,15 @@ def test_host_bounce_fills_a_tensor_across_slot_boundaries(tmp_path, slot_bytes)
 @pytest.mark.parametrize("slot_bytes", [40, 100, 4096])
 def test_host_bounce_cuts_column_blocks_out_of_whole_rows(tmp_path, slot_bytes):
     from distckpt.strategies.device_io import HostBounce
-    from distckpt.strategies.torch import _CopyOp
+    from distckpt.strategies.torch import CopyOp
 
     item = torch.arange(9 * 10, dtype=torch.int32).reshape(9, 10)
     path = tmp_path / "bytes"
     path.write_bytes(b"\xff" * 8 + item.numpy().tobytes())
     left, right = torch.zeros(6, 4, dtype=torch.int32), torch.zeros(6, 6, dtype=torch.float64)
-    boxes = [_CopyOp("k", 2 * 10, (6, 4), (10, 1), left),        # rows 2..7, columns 0..3
-             _CopyOp("k", 3 * 10 + 4, (6, 6), (10, 1), right),   # rows 3..8, columns 4..9 (another dtype)
-             _CopyOp("k", 1, (5,), (3,), torch.zeros(5, dtype=torch.int32))]  # one axis: not served
+    boxes = [CopyOp("k", 2 * 10, (6, 4), (10, 1), left),        # rows 2..7, columns 0..3
+             CopyOp("k", 3 * 10 + 4, (6, 6), (10, 1), right),   # rows 3..8, columns 4..9 (another dtype)
+             CopyOp("k", 1, (5,), (3,), torch.zeros(5, dtype=torch.int32))]  # one axis: not served
     fd = os.open(path, os.O_RDONLY)
     bounce = HostBounce(slot_bytes, slots=2)
     try:
@@ -138,9 +138,9 @@ def test_host_bounce_cuts_column_blocks_out_of_whole_rows(tmp_path, slot_bytes):
 
 def test_host_bounce_leaves_rows_larger_than_a_slot_to_another_path(tmp_path):
     from distckpt.strategies.device_io import HostBounce
-    from distckpt.strategies.torch import _CopyOp
+    from distckpt.strategies.torch import CopyOp
 
-    box = _CopyOp("k", 0, (2, 3), (100, 1), torch.zeros(2, 3))
+    box = CopyOp("k", 0, (2, 3), (100, 1), torch.zeros(2, 3))
     assert HostBounce(64).fill_boxes(-1, 0, torch.float32, [box], "test") == [box]
 
 

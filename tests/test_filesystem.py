@@ -168,12 +168,12 @@ def test_column_block_load_is_exact_and_a_truncated_file_is_an_error(tmp_path):
 
 
 def test_mapping_past_the_end_of_a_file_is_refused_before_any_page_is_touched(tmp_path):
-    from distckpt.strategies.torch import _CopyOp, copy_from_mapping
+    from distckpt.strategies.torch import CopyOp, copy_from_mapping
 
     path = tmp_path / "short"
     path.write_bytes(bytes(10_000))
     dst = torch.empty(4, 100)
-    op = _CopyOp("w", 0, (4, 100), (600, 1), dst)  # rows 600 elements apart; ends at 1900
+    op = CopyOp("w", 0, (4, 100), (600, 1), dst)  # rows 600 elements apart; ends at 1900
     fd = os.open(path, os.O_RDONLY)
     try:
         copy_from_mapping(fd, 0, 2500, torch.float32, [op], 0, "key 'w' in short")  # exactly fits

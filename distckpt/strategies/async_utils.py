@@ -501,11 +501,14 @@ class StagingBuffers:
         out = self.acquire(tensor)
         self._early[self._identity(tensor)].append(out)
 
-    def discard_unsealed(self) -> None:
-        """A save failed before :meth:`seal`: wait for its copies, give its buffers back."""
+    def _wait_for_copies(self) -> None:
         for device in self._cuda_devices:
             torch.cuda.synchronize(device)
         self._cuda_devices.clear()
+
+    def discard_unsealed(self) -> None:
+        """A save failed before :meth:`seal`: wait for its copies, give its buffers back."""
+        self._wait_for_copies()
         with self._lock:
             open_buffers, self._open = self._open, []
             self._early.clear()
@@ -515,9 +518,7 @@ class StagingBuffers:
         """End the current save's staging: wait once for CUDA copies; return its buffers' batch
         (prestaged copies the save did not take included)."""
         self._early.clear()
-        for device in self._cuda_devices:
-            torch.cuda.synchronize(device)
-        self._cuda_devices.clear()
+        self._wait_for_copies()
         with self._lock:
             batch = StagedBatch(self, self._open)
             self._open = []

@@ -179,3 +179,12 @@ class AsyncSaveShardedStrategy(SaveShardedStrategy):
     @abstractmethod
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path):
         """Stage the local bytes and return an AsyncRequest that writes them."""
+
+    def prestage(self, sharded_state_dict: ShardedStateDict) -> bool:
+        """Start copying the local bytes off the device before the save validates and plans
+        (``serialization.save`` calls it first); returns whether anything was started. The
+        default starts nothing."""
+        return False
+
+    def discard_prestaged(self) -> None:
+        """Undo :meth:`prestage` after a save failed before :meth:`async_save` took the copies."""

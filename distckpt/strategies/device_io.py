@@ -110,6 +110,19 @@ class HostBounce:
             stream.wait_stream(torch.cuda.current_stream(device))
         return stream
 
+    def _read(self, fd: int, offset: int, n: int, device: torch.device, what: str) -> Tuple[_Slot, torch.Tensor]:
+        """The next free slot, its first ``n`` bytes read from the file at ``offset``."""
+        slot = self._slot(device)
+        host = slot.buf[:n]
+        pread_exact(fd, memoryview(host.numpy()).cast("B"), offset, what)
+        return slot, host
+
+    @staticmethod
+    def _mark(slot: _Slot, stream: torch.cuda.Stream) -> None:
+        """The slot is free again once what ``stream`` has queued so far is done."""
+        slot.event = torch.cuda.Event()
+        slot.event.record(stream)
+
     def fill(self, fd: int, offset: int, dst: torch.Tensor, what: str) -> None:
         target = dst.detach().reshape(-1).view(torch.uint8)
         total = target.numel()
@@ -117,15 +130,12 @@ class HostBounce:
         stream = self._stream(dst.device)
         pos = 0
         while pos < total:
-            slot = self._slot(dst.device)
             n = min(self.slot_bytes, total - pos)
-            host = slot.buf[:n]
-            pread_exact(fd, memoryview(host.numpy()).cast("B"), offset + pos, what)
+            slot, host = self._read(fd, offset + pos, n, dst.device, what)
             if on_cuda:
                 with torch.cuda.stream(stream):
                     target[pos:pos + n].copy_(host, non_blocking=True)
-                    slot.event = torch.cuda.Event()
-                    slot.event.record(stream)
+                    self._mark(slot, stream)
             else:
                 target[pos:pos + n].copy_(host)
             pos += n
@@ -156,9 +166,7 @@ class HostBounce:
         for r in range(first_row, stop_row, per_window):
             r_end = min(r + per_window, stop_row)
             n = (min(r_end * row, stop_element) - r * row) * itemsize
-            slot = self._slot(device)
-            host = slot.buf[:n]
-            pread_exact(fd, memoryview(host.numpy()).cast("B"), offset + r * row * itemsize, what)
+            slot, host = self._read(fd, offset + r * row * itemsize, n, device, what)
             if stream is not None:
                 with torch.cuda.stream(stream):
                     scratch = self._scratch.get(device)
@@ -167,8 +175,7 @@ class HostBounce:
                     window = scratch[:n]
                     window.copy_(host, non_blocking=True)
                     self._cut(window.view(dtype), served, r, r_end, row)
-                    slot.event = torch.cuda.Event()
-                    slot.event.record(stream)
+                    self._mark(slot, stream)
             else:
                 self._cut(host.view(dtype), served, r, r_end, row)
         return rest

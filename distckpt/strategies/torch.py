@@ -396,6 +396,11 @@ def _standalone_cpu(t: torch.Tensor, shape: Shape, staging: Optional[Any]) -> to
     return t
 
 
+def _is_plain(t: torch.Tensor) -> bool:
+    """A plain tensor or parameter, not a subclass (e.g. an FP8 wrapper with a scale)."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
 def _owns_its_bytes(t: torch.Tensor) -> bool:
     return (t.is_contiguous() and t.storage_offset() == 0
             and t.untyped_storage().nbytes() == t.numel() * t.element_size())
@@ -420,7 +425,7 @@ def _tensor_item(sh: ShardedTensor, stage: bool) -> Tuple[Optional[_WriteItem], 
     if math.prod(size) == 0:
         return None, decl
     data = sh.data.detach()
-    if type(data) not in (torch.Tensor, torch.nn.Parameter):
+    if not _is_plain(data):
         # A tensor subclass (e.g. FP8 with a scale): store its values in the nominal dtype
         # without touching the caller's object.
         data = data.reshape(-1).to(sh.dtype)
@@ -787,7 +792,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             on_cuda = sh.data.device.type == "cuda"
             if on_cuda or self.stage_cpu_tensors:
                 staged += sh.data.numel() * sh.data.element_size()
-            if on_cuda and type(sh.data) in (torch.Tensor, torch.nn.Parameter) and sh.data.numel():
+            if on_cuda and _is_plain(sh.data) and sh.data.numel():
                 sources.append(sh.data.detach())
         if not sources or staged > host_memory_budget():
             return False  # nothing to copy, or the save stages in waves: prestaging would hold more
@@ -1190,7 +1195,7 @@ class _StoredKey:
 
 
 @dataclass
-class _CopyOp:
+class CopyOp:
     """Copy elements of a stored item into ``dst`` (a view of shape ``size``): element ``i`` of
     the box is item element ``start + sum(i[d] * strides[d])`` (row-major item order)."""
 
@@ -1221,10 +1226,10 @@ class _Plan:
     """Copy operations grouped by stored chunk, plus finalizers that run once all are read."""
 
     def __init__(self) -> None:
-        self.ops: Dict[_Stored, List[_CopyOp]] = defaultdict(list)
+        self.ops: Dict[_Stored, List[CopyOp]] = defaultdict(list)
         self.finalizers: List[Callable[[], None]] = []
 
-    def add(self, stored: _Stored, op: _CopyOp) -> None:
+    def add(self, stored: _Stored, op: CopyOp) -> None:
         self.ops[stored].append(op)
 
 
@@ -1238,7 +1243,7 @@ def _plan_flat_slices(plan: _Plan, key: str, stored: _StoredKey, idx: Shape, f_l
         a, b = max(s, f_lo), min(s + ch.size[-1], f_hi)
         if b > a:
             covered += b - a
-            plan.add(ch, _CopyOp(key, a - s, (b - a,), (1,), target[a - origin:b - origin]))
+            plan.add(ch, CopyOp(key, a - s, (b - a,), (1,), target[a - origin:b - origin]))
     if covered != f_hi - f_lo:
         raise CheckpointingException(
             f"ShardedTensor {key!r}: stored flattened ranges of chunk {list(idx)} do not cover "
@@ -1410,14 +1415,14 @@ def _check_item(raw: bytes, st: _Stored, checksums: Optional[Dict], what: str) -
         raise CheckpointingException(f"{what}: CRC32C mismatch against the manifest (corrupted data)")
 
 
-def _copy_boxes(src: torch.Tensor, first: int, ops: List[_CopyOp]) -> None:
+def _copy_boxes(src: torch.Tensor, first: int, ops: List[CopyOp]) -> None:
     """Copy each op's box out of ``src``, the 1-D run of item elements starting at ``first``."""
     for op in ops:
         op.dst.copy_(src.as_strided(op.size, op.strides, src.storage_offset() + op.start - first))
 
 
-def copy_from_mapping(fd: int, offset: int, count: int, dtype: torch.dtype, ops: List[_CopyOp],
-                       first: int, what: str) -> None:
+def copy_from_mapping(fd: int, offset: int, count: int, dtype: torch.dtype, ops: List[CopyOp],
+                      first: int, what: str) -> None:
     """Copy the ops' boxes out of ``count`` elements of the file at byte ``offset``, mapped
     rather than read: only the pages and cache lines the boxes touch are visited, so a box
     that takes every other run of a chunk does not pull the runs between them through memory."""
@@ -1437,7 +1442,7 @@ def copy_from_mapping(fd: int, offset: int, count: int, dtype: torch.dtype, ops:
             pass
 
 
-def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[_CopyOp],
+def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[CopyOp],
                 checksums: Optional[Dict], rank: int, verify: bool, raw: Optional[bytes] = None,
                 bounce: Optional[HostBounce] = None) -> int:
     """Serve every copy of one stored item; returns the bytes taken from storage.
@@ -1511,7 +1516,7 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[_CopyOp],
         first = min(op.start for op in strided)
         last = max(op.end for op in strided)
         copy_from_mapping(fd, st.file_offset + base + first * itemsize, last - first, layout.dtype,
-                           strided, first, what)
+                          strided, first, what)
     return nbytes
 
 
@@ -1519,7 +1524,7 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[_CopyOp],
 _PARTIAL_SHARE = 0.75
 
 
-def _partial_candidate(st: _Stored, ops: List[_CopyOp]) -> bool:
+def _partial_candidate(st: _Stored, ops: List[CopyOp]) -> bool:
     """Whether a partial read of ``st`` may pay (then its file's block table is fetched)."""
     numel = math.prod(st.size)
     return (st.length >= blockcrc.MIN_PAYLOAD and numel > 0
@@ -1578,7 +1583,7 @@ class _PartialRead:
             out.append((base + lo, hi - lo))
         return out
 
-    def copy(self, views: List[memoryview], ops: List[_CopyOp], rank: int) -> None:
+    def copy(self, views: List[memoryview], ops: List[CopyOp], rank: int) -> None:
         """Check every fetched block against its CRC32C, then copy the ops' boxes out."""
         e, block = self.entry, self.block
         lo, hi = self._span(self.runs[0][0], self.runs[-1][1])
@@ -1600,7 +1605,7 @@ class _PartialRead:
         _copy_boxes(buf.view(e.dtype), lo // itemsize, [op for op in ops if op.numel])
 
 
-def _partial_read(st: _Stored, ops: List[_CopyOp], table: blockcrc.Table, checksums: Dict, gap: int,
+def _partial_read(st: _Stored, ops: List[CopyOp], table: blockcrc.Table, checksums: Dict, gap: int,
                   where: str) -> Optional[_PartialRead]:
     """The blocks of ``st`` its copies need, or None to read it whole: no block CRCs for it, a
     table entry that does not match the item's checksum (a stale or damaged table), or so much
@@ -1673,7 +1678,7 @@ def _fresh_name(checkpoint_dir: Path, name: str) -> str:
 
 def _needs_staging(t: torch.Tensor) -> bool:
     """True if copies cannot go into ``t`` directly (subclass, e.g. FP8 wrappers, or non-contiguous)."""
-    return type(t) not in (torch.Tensor, torch.nn.Parameter) or not t.is_contiguous()
+    return not _is_plain(t) or not t.is_contiguous()
 
 
 class TorchDistLoadShardedStrategy(LoadShardedStrategy):
@@ -1932,7 +1937,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             if inter is None:
                 continue
             lo = tuple(a - b for a, b in zip(inter[0], ch.offset))
-            plan.add(ch, _CopyOp(key, _ravel(lo, ch.size), inter[1], contiguous_strides(ch.size),
+            plan.add(ch, CopyOp(key, _ravel(lo, ch.size), inter[1], contiguous_strides(ch.size),
                                  view[_rel_slices(*inter, off)]))
 
     @staticmethod
@@ -1963,7 +1968,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                            if ch.offset[-1] <= f_lo and f_hi <= ch.offset[-1] + ch.size[-1]), None)
             if holder is not None:
                 # One stored slice holds the whole box: copy it out strided, no staging.
-                plan.add(holder, _CopyOp(key, f_lo - holder.offset[-1], inter[1], strides, dst))
+                plan.add(holder, CopyOp(key, f_lo - holder.offset[-1], inter[1], strides, dst))
                 continue
             # The box spans several stored slices: gather its flat span, then copy the box out.
             buf = torch.empty(f_hi - f_lo, dtype=stored.dtype)

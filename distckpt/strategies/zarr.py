@@ -67,7 +67,7 @@ from distckpt.strategies.base import (
     register_default_strategy,
 )
 from distckpt.strategies.filesystem import byte_view, pread_exact
-from distckpt.strategies.torch import copy_from_mapping, flat_range_boxes
+from distckpt.strategies.torch import CopyOp, copy_from_mapping, flat_range_boxes
 
 logger = logging.getLogger(__name__)
 
@@ -690,17 +690,6 @@ class RawIO:
         self._map(read_file, sorted(by_file.items()), OBJECT_STORE_REQUESTS)
 
 
-@dataclass(frozen=True)
-class _Box:
-    """A region of a chunk as :func:`distckpt.strategies.torch.copy_from_mapping` copies it:
-    element ``i`` of ``dst`` is chunk element ``start + sum(i[d] * strides[d])``."""
-
-    start: int
-    size: Tuple[int, ...]
-    strides: Tuple[int, ...]
-    dst: torch.Tensor
-
-
 def _read_region(fd: int, meta: ArrayMeta, op: ChunkRead, where: str) -> None:
     """Read region ``[op.lo, op.hi)`` of one uncompressed C-order chunk into ``op.dest``.
 
@@ -728,7 +717,8 @@ def _read_region(fd: int, meta: ArrayMeta, op: ChunkRead, where: str) -> None:
     strides = tuple(math.prod(chunks[d + 1:]) for d in range(ndim))
     first = _ravel(lo, chunks)
     last = _ravel(tuple(b - 1 for b in hi), chunks) + 1
-    copy_from_mapping(fd, first * isz, last - first, meta.dtype, [_Box(first, ext, strides, dest)], first, where)
+    box = CopyOp(meta.key, first, ext, strides, dest)
+    copy_from_mapping(fd, first * isz, last - first, meta.dtype, [box], first, where)
 
 
 def _tensorstore_io(thread_count: int):
