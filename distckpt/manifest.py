@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Tuple
 
-import crc32c as _crc32c
+import fastcrc.crc32 as _fastcrc32
 
 from distckpt import bounds, storage
 from distckpt.core import CheckpointingException, PathLike
@@ -32,13 +32,16 @@ MANIFEST_FNAME = ".distckpt_manifest.json"
 FORMAT = "distckpt-manifest"
 VERSION = 1
 
-# Buffers at least this large are checksummed with the GIL released.
-_GIL_RELEASE = 1
-
 
 def crc32c(data, value: int = 0) -> int:
-    """CRC32C of any bytes-like object (writable buffers too), continuing from ``value``."""
-    return _crc32c.crc32c(data, value, gil_release_mode=_GIL_RELEASE)
+    """CRC32C (Castagnoli, iSCSI) of any bytes-like object (writable buffers too), continuing
+    from ``value``.
+
+    ``fastcrc`` folds the bytes with carry-less multiplies (VPCLMULQDQ / PMULL where the CPU has
+    them) and releases the GIL for inputs of 16 KiB and more: on the 2-core development VM it runs
+    at 51 GiB/s on cached bytes against 25 GiB/s for the SSE4.2 ``crc32c`` package distckpt used
+    before, which makes a save to tmpfs 6-12% faster (docs/performance.md)."""
+    return _fastcrc32.iscsi(data, value)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 import re
 
-import crc32c as crc32c_lib
+import google_crc32c
+import numpy as np
 import pytest
 import torch
 
@@ -174,10 +175,36 @@ def test_removing_keys_locally_keeps_tables_consistent(tmp_path):
 # --------------------------------------------------------------------------- units
 
 
+def _reference(data) -> int:
+    """CRC32C from another library (Google's C implementation, which zarr brings)."""
+    return google_crc32c.value(bytes(data))
+
+
+def test_crc32c_matches_the_rfc_3720_vectors_and_an_independent_implementation():
+    from distckpt.manifest import crc32c
+
+    # RFC 3720, appendix B.4
+    assert crc32c(b"123456789") == 0xE3069283
+    assert crc32c(bytes(32)) == 0x8A9136AA
+    assert crc32c(b"\xff" * 32) == 0x62A8AB43
+    assert crc32c(bytes(range(32))) == 0x46DD794E
+    assert crc32c(b"") == 0
+    rng = np.random.default_rng(0)
+    for n in (1, 15, 16 << 10, (16 << 10) + 3, 1 << 20, (3 << 20) + 5):
+        a = rng.integers(0, 256, n, dtype=np.uint8)
+        expected = _reference(a.tobytes())
+        # any buffer: numpy arrays, writable memoryviews of other formats, bytearrays
+        assert crc32c(a) == crc32c(memoryview(a)) == crc32c(bytearray(a.tobytes())) == expected
+        if n % 4 == 0:
+            assert crc32c(memoryview(a).cast("f")) == expected
+        cut = n // 3
+        assert crc32c(memoryview(a)[cut:], crc32c(memoryview(a)[:cut])) == expected  # continued
+
+
 @pytest.mark.parametrize("n", [0, 1, 63, 4096, blockcrc.BLOCK_SIZE, blockcrc.BLOCK_SIZE + 17, 3 << 20])
 def test_crc32c_combine_matches_the_crc_of_the_concatenation(n):
     a, b = os.urandom(1000), os.urandom(n)
-    assert blockcrc.combine(crc32c_lib.crc32c(a), crc32c_lib.crc32c(b), n) == crc32c_lib.crc32c(a + b)
+    assert blockcrc.combine(_reference(a), _reference(b), n) == _reference(a + b)
 
 
 def test_the_writer_records_block_crcs_that_add_up_to_the_item_crc(tmp_path):
@@ -188,8 +215,8 @@ def test_the_writer_records_block_crcs_that_add_up_to_the_item_crc(tmp_path):
     raw = (tmp_path / "__0_0.distcp").read_bytes()[e.item_offset:e.item_offset + e.item_length]
     payload = raw[e.payload_offset:e.payload_offset + e.payload_length]
     assert payload == t.numpy().tobytes() and e.dtype == torch.float32
-    assert e.blocks == [crc32c_lib.crc32c(payload[i:i + table.block]) for i in range(0, len(payload), table.block)]
-    assert e.item_crc == crc32c_lib.crc32c(raw) == e.combined(table.block)
+    assert e.blocks == [_reference(payload[i:i + table.block]) for i in range(0, len(payload), table.block)]
+    assert e.item_crc == _reference(raw) == e.combined(table.block)
     ranges = read_manifest(tmp_path).ranges["__0_0.distcp"]
     assert [r.crc32c for r in ranges if r.offset == e.item_offset] == [e.item_crc]
 
@@ -202,7 +229,7 @@ def test_hostile_block_tables_are_refused_with_a_clear_error(cut):
     raw = bytearray(blockcrc.encode([e]))
 
     def resealed(b: bytearray) -> bytes:
-        b[-4:] = struct.pack("<I", crc32c_lib.crc32c(bytes(b[:-4])))
+        b[-4:] = struct.pack("<I", _reference(bytes(b[:-4])))
         return bytes(b)
 
     if cut == "truncated":
