@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import pickle
@@ -89,6 +90,42 @@ def test_cached_metadata_is_reused_only_for_an_unchanged_structure(tmp_path):
         assert run_ranks(4, _check_layout, str(tmp_path / f"ckpt{i}"), layout) == [True] * 4
     ids = {pickle.loads((tmp_path / f"ckpt{i}" / ".metadata").read_bytes()).storage_meta.save_id for i in range(2)}
     assert len(ids) == 2
+    # The reused .metadata (saves 1 and 3) is the one pickled anew for saves 0 and 2 but for
+    # storage_meta, whose ids are the new save's (its manifest names the same save id).
+    for first, again in [(0, 1), (2, 3)]:
+        a, b = (pickle.loads((tmp_path / f"ckpt{i}" / ".metadata").read_bytes()) for i in (first, again))
+        assert b.state_dict_metadata == a.state_dict_metadata and b.storage_data == a.storage_data
+        assert b.mcore_data == a.mcore_data
+        manifest = json.loads((tmp_path / f"ckpt{again}" / ".distckpt_manifest.json").read_text())
+        assert b.storage_meta.save_id == manifest["save_id"] != a.storage_meta.save_id
+        assert b.storage_meta.checkpoint_id != a.storage_meta.checkpoint_id
+        assert f"ckpt{again}" in str(b.storage_meta.checkpoint_id)
+
+
+def test_respell_replaces_the_pickled_ids_in_the_head_or_declines():
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    from distckpt.strategies.metadata_pickle import respell
+
+    head = pickle.dumps({"meta": StorageMeta(checkpoint_id="/ckpt/a", save_id="id-1"), "keys": ["x", "/ckpt/a/b"]},
+                        protocol=2)[:-1]
+    tail = pickle.dumps("/ckpt/a", protocol=2)[2:]  # a tail that pickles the same text again
+    data = bytearray(head + b"0" + tail)  # (the dict popped, the string left as the result)
+    new_head = respell(data, len(head), [("/ckpt/a", "/a/much/longer/path"), ("id-1", "id-2")])
+    assert new_head == len(head) + len("/a/much/longer/path") - len("/ckpt/a")
+    assert data[new_head:] == b"0" + tail  # only the head changed
+    meta = pickle.loads(data[:new_head] + b".")
+    assert meta["meta"].checkpoint_id == "/a/much/longer/path" and meta["meta"].save_id == "id-2"
+    assert meta["keys"] == ["x", "/ckpt/a/b"]  # a string that merely contains the old one stays
+    assert pickle.loads(data) == "/ckpt/a"
+    # the same length: patched where it lies
+    assert respell(data, new_head, [("id-2", "id-3")]) == new_head
+    assert pickle.loads(data[:new_head] + b".")["meta"].save_id == "id-3"
+    before = bytes(data)
+    assert respell(data, new_head, [("id-3", "id-4"), ("absent", "y")]) is None
+    assert data == before  # declined: untouched, the first pair included
+    twice = bytearray(pickle.dumps(["same", b"same".decode()], protocol=2))  # two objects: pickled twice
+    assert respell(twice, len(twice), [("same", "other")]) is None
 
 
 def _save_with_threads(ckpt, threads):

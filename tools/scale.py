@@ -19,7 +19,9 @@ structure:
 and prints the time and the peak resident memory above the simulation's inputs (sampled every
 5 ms during these stages, the pickling of ``.metadata`` and the sidecar build), with the
 ratio to the smallest world size so the growth is easy to read (near-linear: time/shards stays
-flat). "total" is validation + planning + metadata. All of it runs with the cyclic GC paused,
+flat). "total" is validation + planning + metadata. "reused" is the ``.metadata`` of the next save of
+the same items with ``cached_metadata=True``: the last one, its two ids respelled (not in
+"total"). All of it runs with the cyclic GC paused,
 as inside ``distckpt.save``. ``--profile`` prints a cProfile of those stages at the largest
 world size.
 
@@ -57,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from distckpt.core import gc_paused  # noqa: E402
 from distckpt.dist import _slot_bytes  # noqa: E402
 from distckpt.strategies.index import INDEX_FNAME, IndexReader  # noqa: E402
+from distckpt.strategies.metadata_pickle import respell  # noqa: E402
 from distckpt.strategies.torch import (  # noqa: E402
     GatheredRecords,
     RecordTable,
@@ -65,7 +68,7 @@ from distckpt.strategies.torch import (  # noqa: E402
     _Record,
     _WriteItem,
     build_metadata,
-    metadata_bytes,
+    metadata_bytes_and_head,
     sidecar_index,
 )
 from distckpt.validation import ShardTable, validate_global_integrity  # noqa: E402
@@ -214,13 +217,21 @@ def measure(world: int, tmp: Path, profile: bool = False, objects: bool = False)
         t_gather += time.perf_counter() - t0
         t0 = time.perf_counter()
         merged = GatheredRecords.of([p[1] for p in gathered])
-        md_bytes = metadata_bytes(merged, "sim", "save-id")
+        md_bytes, head = metadata_bytes_and_head(merged, "sim", "save-id")
         t_meta = time.perf_counter() - t0
         if profiler:
             profiler.disable()
         t0 = time.perf_counter()
         index = sidecar_index(merged, len(md_bytes))
         t_index = time.perf_counter() - t0
+        # The next save of the same items with cached_metadata: last .metadata, its ids changed.
+        cached = bytearray(md_bytes)
+        t0 = time.perf_counter()
+        again = respell(cached, head, [("sim", "/sim/next"), ("save-id", "save-id-2")])
+        t_reused = time.perf_counter() - t0
+        if again is None:
+            raise RuntimeError("the simulated .metadata could not be reused")
+        del cached
     t_objects = None
     if objects:   # the same .metadata the way it was built before: DCP's objects, then pickle (not in RSS)
         with gc_paused():
@@ -251,7 +262,7 @@ def measure(world: int, tmp: Path, profile: bool = False, objects: bool = False)
     pp, dp = layout(world)
     return {"ranks": world, "layout": f"TP{TP}xPP{pp}xDP{dp}", "shards": shards,
             "written_items": written, "gather_s": t_gather, "validate_s": t_validate, "plan_s": t_plan,
-            "metadata_s": t_meta, "total_s": t_validate + t_plan + t_meta, "rss_growth_mib": (peak.peak - rss0) / 2**20,
+            "metadata_s": t_meta, "metadata_reused_s": t_reused, "total_s": t_validate + t_plan + t_meta, "rss_growth_mib": (peak.peak - rss0) / 2**20,
             "chunks_in_metadata": chunks, "objects_and_pickle_s": t_objects, "index_build_s": t_index,
             "metadata_mib": len(md_bytes) / 2**20, "index_mib": len(index) / 2**20, "unpickle_s": t_unpickle,
             "share_shards": len(all_metas[0]), "load_records": sum(found) / len(found),
@@ -275,8 +286,8 @@ def main() -> int:
     worlds = [w for w in (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384) if args.min_ranks <= w <= args.max_ranks]
     rows = []
     print(f"| {'ranks':>5} | {'layout':>15} | {'shards':>9} | {'items':>9} | {'gather s':>8} | {'validate s':>10} | "
-          f"{'plan s':>7} | {'metadata s':>10} | {'total s':>7} | {'us/shard':>8} | {'RSS +MiB':>8} |")
-    print("|" + "|".join("-" * (n + 2) for n in (5, 15, 9, 9, 8, 10, 7, 10, 7, 8, 8)) + "|")
+          f"{'plan s':>7} | {'metadata s':>10} | {'total s':>7} | {'us/shard':>8} | {'RSS +MiB':>8} | {'reused s':>8} |")
+    print("|" + "|".join("-" * (n + 2) for n in (5, 15, 9, 9, 8, 10, 7, 10, 7, 8, 8, 8)) + "|")
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         for world in worlds:
             r = measure(world, Path(tmp), profile=args.profile and world == worlds[-1], objects=args.objects)
@@ -284,7 +295,8 @@ def main() -> int:
             print(f"| {r['ranks']:5d} | {r['layout']:>15} | {r['shards']:9d} | {r['written_items']:9d} | "
                   f"{r['gather_s']:8.2f} | {r['validate_s']:10.2f} | "
                   f"{r['plan_s']:7.2f} | {r['metadata_s']:10.2f} | {r['total_s']:7.2f} | "
-                  f"{1e6 * r['total_s'] / r['shards']:8.2f} | {r['rss_growth_mib']:8.0f} |", flush=True)
+                  f"{1e6 * r['total_s'] / r['shards']:8.2f} | {r['rss_growth_mib']:8.0f} | "
+                  f"{r['metadata_reused_s']:8.3f} |", flush=True)
     first, last = rows[0], rows[-1]
     growth = (last["total_s"] / first["total_s"]) / (last["shards"] / first["shards"])
     print(f"\n{first['ranks']} -> {last['ranks']} ranks: shards x{last['shards'] / first['shards']:.0f}, "

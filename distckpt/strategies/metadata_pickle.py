@@ -21,7 +21,7 @@ from __future__ import annotations
 import io
 import pickle
 import struct
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -131,8 +131,10 @@ def _chunk_records(slots: _Memo, offs: np.ndarray, sizes: np.ndarray, chunk_head
 
 
 def pickle_metadata(skeleton: Metadata, chunks: Dict[str, Tuple[np.ndarray, np.ndarray, np.ndarray]],
-                    byte_items: Sequence[Tuple[str, int, int, int]], files: Sequence[str]) -> bytes:
-    """The pickled ``Metadata``: ``skeleton`` with its chunks and storage entries filled in.
+                    byte_items: Sequence[Tuple[str, int, int, int]], files: Sequence[str]) -> Tuple[bytes, int]:
+    """The pickled ``Metadata``: ``skeleton`` with its chunks and storage entries filled in, and
+    the length of its head (the skeleton's own pickle, where ``storage_meta`` lies; see
+    :func:`respell`).
 
     ``skeleton``: every key's ``TensorStorageMetadata`` with ``chunks`` an empty list (one list
     object per key) and an empty ``storage_data``. ``chunks[fqn]``: ``(offsets [m, n], sizes
@@ -209,4 +211,34 @@ def pickle_metadata(skeleton: Metadata, chunks: Dict[str, Tuple[np.ndarray, np.n
             index_head + _str(fqn) + _get(s_index) + b"N" + info_head + struct.pack("<I", int(file_slots[f]))
             + _get(s_offset) + _int(off) + _get(s_length) + _int(length) + b"ub")
     storage = [_get(storage_slot) + b"(", *storage_parts, b"u0"] if storage_parts else []
-    return b"".join([head[:-1], *slots.preamble, *chunk_parts, *storage, pickle.STOP])
+    return b"".join([head[:-1], *slots.preamble, *chunk_parts, *storage, pickle.STOP]), len(head) - 1
+
+
+def _pickled_str(text: str) -> bytes:
+    """How protocol 2 pickles a str: BINUNICODE, a 4-byte length, the UTF-8 bytes."""
+    data = text.encode("utf-8", "surrogatepass")
+    return b"X" + struct.pack("<I", len(data)) + data
+
+
+def respell(data: bytearray, head: int, replacements: Sequence[Tuple[str, str]]) -> Optional[int]:
+    """Replace, in place, the pickled string ``old`` by ``new`` for each pair in ``data``, a
+    protocol-2 pickle, looking only in its first ``head`` bytes; returns the new length of that
+    head, or None (``data`` unchanged: pickle anew) when an ``old`` string is not pickled exactly
+    once there.
+
+    What lets a save of an unchanged structure reuse the previous ``.metadata``: its bytes differ
+    only in the two strings of ``storage_meta`` (where and which save), which lie in the head
+    that :func:`pickle_metadata` reports. Protocol 2 has no frames and no absolute offsets, and
+    the memo counts objects, not bytes, so a string of another length shifts what follows it
+    and nothing else (one ``memmove`` of the rest; none when the lengths agree)."""
+    places = []
+    for old, new in replacements:
+        before = _pickled_str(old)
+        at = data.find(before, 0, head)
+        if at < 0 or data.find(before, at + 1, head) >= 0:
+            return None
+        places.append((at, before, _pickled_str(new)))
+    for at, before, after in sorted(places, reverse=True):  # from the end: earlier places stay put
+        data[at:at + len(before)] = after
+        head += len(after) - len(before)
+    return head

@@ -93,7 +93,7 @@ from distckpt.strategies.filesystem import (
 )
 from distckpt.strategies.index import INDEX_FNAME, IndexReader, build_index_from_rows, index_from_metadata
 from distckpt.strategies.index import _dtype_of as _sidecar_dtype
-from distckpt.strategies.metadata_pickle import pickle_metadata
+from distckpt.strategies.metadata_pickle import pickle_metadata, respell
 
 logger = logging.getLogger(__name__)
 
@@ -681,7 +681,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             ``<hint>__R_B.distcp`` so they can later be dropped without rewriting the rest.
         cached_metadata: remember this save's structure; a later save through the same strategy
             object whose ranks wrote exactly the same items sends only checksums to rank 0,
-            which reuses their cached records.
+            which reuses their cached records and the last ``.metadata`` (its two ids changed).
         stage_cpu_tensors: for async saves, copy CPU tensors into reused staging buffers (the
             blocking part of the save). False writes them from the caller's memory: the caller
             then promises not to change them until the save is finalized. CUDA tensors are
@@ -705,6 +705,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         # This rank's last structure, and on rank 0 every rank's record table.
         self._local_structure: Optional[Tuple] = None
         self._global_cache: Optional[List[Tuple[RecordTable, Dict[str, int]]]] = None
+        # Rank 0: the last ``.metadata`` written, its head's length, its checkpoint id and save id.
+        self._metadata_cache: Optional[Tuple[bytes, int, str, str]] = None
         self.last_save_reused_metadata = False
         self._commit: Optional[Tuple[Dict[str, Tuple[int, int]], Callable[[], None]]] = None
 
@@ -863,8 +865,17 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 tables.update(p[-1])
                 per_rank.append((table, rank_sizes))
             records = GatheredRecords.of([t for t, _ in per_rank])
-            save_id = str(uuid.uuid4())
-            md_bytes = metadata_bytes(records, str(checkpoint_dir), save_id)
+            save_id, checkpoint_id = str(uuid.uuid4()), str(checkpoint_dir)
+            md_bytes, head = None, None
+            if reused and self._metadata_cache is not None:
+                # Same items as the last save: its .metadata, the two ids respelled in place.
+                md_bytes, head, old_checkpoint_id, old_save_id = self._metadata_cache
+                head = respell(md_bytes, head, [(old_checkpoint_id, checkpoint_id), (old_save_id, save_id)])
+            if head is None:
+                md_bytes, head = metadata_bytes_and_head(records, checkpoint_id, save_id)
+                if self.cached_metadata:
+                    md_bytes = bytearray(md_bytes)
+            self._metadata_cache = (md_bytes, head, checkpoint_id, save_id) if self.cached_metadata else None
             index_bytes = sidecar_index(records, len(md_bytes)) if self.write_index else None
             if index_bytes is not None:
                 storage.write_bytes(checkpoint_dir, INDEX_FNAME, index_bytes)
@@ -1085,6 +1096,11 @@ def metadata_bytes(records: GatheredRecords, checkpoint_id: str, save_id: str) -
     """The pickled ``.metadata`` of every rank's records, written from the arrays without
     building a Python object per chunk (distckpt.strategies.metadata_pickle); unpickles to
     what :func:`build_metadata` builds."""
+    return metadata_bytes_and_head(records, checkpoint_id, save_id)[0]
+
+
+def metadata_bytes_and_head(records: GatheredRecords, checkpoint_id: str, save_id: str) -> Tuple[bytes, int]:
+    """:func:`metadata_bytes` and the length of its head (where :func:`respell` finds the ids)."""
     with gc_paused():
         chunks, byte_items = _sorted_chunks(records)
         return pickle_metadata(_skeleton(records, checkpoint_id, save_id), chunks, byte_items, records.files)
