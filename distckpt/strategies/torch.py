@@ -705,8 +705,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         # This rank's last structure, and on rank 0 every rank's record table.
         self._local_structure: Optional[Tuple] = None
         self._global_cache: Optional[List[Tuple[RecordTable, Dict[str, int]]]] = None
-        # Rank 0: the last ``.metadata`` written, its head's length, its checkpoint id and save id.
-        self._metadata_cache: Optional[Tuple[bytes, int, str, str]] = None
+        # Rank 0: the last ``.metadata`` written (respelled in place by the next save of the
+        # same items), its head's length, its checkpoint id and save id.
+        self._metadata_cache: Optional[Tuple[bytearray, int, str, str]] = None
         self.last_save_reused_metadata = False
         self._commit: Optional[Tuple[Dict[str, Tuple[int, int]], Callable[[], None]]] = None
 
