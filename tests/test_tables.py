@@ -22,7 +22,7 @@ from distckpt.strategies.torch import (
     _MetadataUnpickler,
     _Record,
     build_metadata,
-    metadata_bytes,
+    metadata_bytes_and_head,
 )
 from distckpt.validation import ShardTable, validate_global_integrity
 
@@ -167,7 +167,7 @@ def random_tables(seed):
 def test_metadata_bytes_unpickle_to_the_metadata_objects(seed):
     records = GatheredRecords.of(random_tables(seed))
     md = build_metadata(records, "ckpt")
-    raw = metadata_bytes(records, "ckpt", md.storage_meta.save_id)
+    raw, _ = metadata_bytes_and_head(records, "ckpt", md.storage_meta.save_id)
     for loaded in (pickle.loads(raw), _MetadataUnpickler(io.BytesIO(raw)).load()):
         assert loaded == md
         assert loaded.mcore_data == md.mcore_data == {"b": {"nd_reformulated_orig_global_shape": (4, 10, 10)}}

@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-from .filesystem import pread_exact
+from .filesystem import byte_view, pread_exact
 
 SLOT_BYTES = 32 << 20
 SLOTS = 2
@@ -114,7 +114,7 @@ class HostBounce:
         """The next free slot, its first ``n`` bytes read from the file at ``offset``."""
         slot = self._slot(device)
         host = slot.buf[:n]
-        pread_exact(fd, memoryview(host.numpy()).cast("B"), offset, what)
+        pread_exact(fd, byte_view(host), offset, what)
         return slot, host
 
     @staticmethod

@@ -1074,7 +1074,7 @@ def _reindex(md: Metadata, md_bytes: bytes, manifest: Optional[Any]) -> Optional
 
 def build_metadata(records: GatheredRecords, checkpoint_id: str) -> Metadata:
     """Assemble DCP Metadata from every rank's key declarations and written records (the
-    objects; a save writes :func:`metadata_bytes`, which unpickle to the same)."""
+    objects; a save writes :func:`metadata_bytes_and_head`, which unpickle to the same)."""
     with gc_paused():
         md = _skeleton(records, checkpoint_id, str(uuid.uuid4()))
         size, chunk_meta, info = torch.Size, ChunkStorageMetadata, _StorageInfo
@@ -1093,15 +1093,11 @@ def build_metadata(records: GatheredRecords, checkpoint_id: str) -> Metadata:
         return md
 
 
-def metadata_bytes(records: GatheredRecords, checkpoint_id: str, save_id: str) -> bytes:
-    """The pickled ``.metadata`` of every rank's records, written from the arrays without
-    building a Python object per chunk (distckpt.strategies.metadata_pickle); unpickles to
-    what :func:`build_metadata` builds."""
-    return metadata_bytes_and_head(records, checkpoint_id, save_id)[0]
-
-
 def metadata_bytes_and_head(records: GatheredRecords, checkpoint_id: str, save_id: str) -> Tuple[bytes, int]:
-    """:func:`metadata_bytes` and the length of its head (where :func:`respell` finds the ids)."""
+    """The pickled ``.metadata`` of every rank's records, written from the arrays without
+    building a Python object per chunk (distckpt.strategies.metadata_pickle; unpickles to what
+    :func:`build_metadata` builds), and the length of its head (where :func:`respell` finds
+    the ids)."""
     with gc_paused():
         chunks, byte_items = _sorted_chunks(records)
         return pickle_metadata(_skeleton(records, checkpoint_id, save_id), chunks, byte_items, records.files)

@@ -66,7 +66,7 @@ from distckpt.strategies.base import (
     StrategyAction,
     register_default_strategy,
 )
-from distckpt.strategies.filesystem import byte_view, pread_exact
+from distckpt.strategies.filesystem import byte_view, contiguous_strides, pread_exact
 from distckpt.strategies.torch import CopyOp, copy_from_mapping, flat_range_boxes
 
 logger = logging.getLogger(__name__)
@@ -714,10 +714,9 @@ def _read_region(fd: int, meta: ArrayMeta, op: ChunkRead, where: str) -> None:
         if not direct:
             dest.copy_(target)
         return
-    strides = tuple(math.prod(chunks[d + 1:]) for d in range(ndim))
     first = _ravel(lo, chunks)
     last = _ravel(tuple(b - 1 for b in hi), chunks) + 1
-    box = CopyOp(meta.key, first, ext, strides, dest)
+    box = CopyOp(meta.key, first, ext, contiguous_strides(tuple(chunks)), dest)
     copy_from_mapping(fd, first * isz, last - first, meta.dtype, [box], first, where)
 
 
