@@ -17,8 +17,13 @@ arrive) within :func:`collective_timeout` seconds. Set it with the environment v
 ``DISTCKPT_COLLECTIVE_TIMEOUT`` (seconds) or :func:`set_collective_timeout`; default 300 s.
 The first rank to time out words the verdict into the store, and every rank — also one that
 arrives late — raises that same message. Cost: four store round trips per stage (never per
-tensor), plus deleting the previous stage's keys. A collective that fails
-after every rank checked in (a peer died inside it; gloo notices a closed connection) is turned
+tensor), plus deleting the previous stage's keys. The collective itself is bounded too: on
+gloo (and any backend but NCCL, whose watchdog owns its timeouts) every rank waits for it at most
+:func:`collective_timeout` seconds, so a rank that checked in and then stalled, or a survivor left
+waiting on a peer that gave up, cannot hold the others to the process group's own timeout (30
+minutes by default). A collective that fails
+after every rank checked in (a peer died inside it; gloo notices a closed connection; the bounded
+wait ran out) is turned
 into a CollectiveTimeout naming the stage, and its message is posted to the group's next
 check-in, so that the ranks the failure did not reach raise the same message at their next stage. A rank
 that raised a verdict re-raises it at once at any later stage of the same operation (a failure is
@@ -131,6 +136,11 @@ _check_ins: Dict[str, int] = {}
 # stage (``sync_errors`` and the like); in a broken group that stage re-raises the same verdict
 # at once instead of waiting for ranks that will not come.
 _broken: Dict[str, Tuple[float, str]] = {}
+# Per process group (its name): the verdict of a collective this rank abandoned when its bounded
+# wait ran out. The abandoned operation stays queued in the backend, so this rank's sequence of
+# collectives may no longer match its peers'; distckpt never issues another one on that group
+# (``reset_failures`` does not clear it). Re-create the group, or restart, to go on.
+_out_of_step: Dict[str, str] = {}
 
 
 def reset_failures() -> None:
@@ -142,7 +152,17 @@ def _break(group_id: str, verdict: str) -> None:
     _broken[group_id] = (time.monotonic() + collective_timeout(), verdict)
 
 
+def _group_name(group: ProcessGroup) -> str:
+    return (tdist.group.WORLD if group is None else group).group_name
+
+
 def _raise_if_broken(stage: str, group: ProcessGroup) -> None:
+    if _out_of_step:
+        verdict = _out_of_step.get(_group_name(group))
+        if verdict is not None:
+            raise CollectiveTimeout.from_verdict(
+                stage, f"{stage}: refused, the process group is out of step since a collective was abandoned "
+                       f"(re-create the group or restart the job); it was abandoned because {verdict}")
     if _broken:
         until, verdict = _broken.get(_group_id(_group_ranks(group)), (0.0, ""))
         if time.monotonic() < until:
@@ -242,17 +262,54 @@ def _delete(store, key: str) -> None:
         pass
 
 
+class _Unfinished(RuntimeError):
+    """A collective this rank started did not complete within the collective timeout."""
+
+
+def _bounded(works: Sequence[Any], group: ProcessGroup) -> None:
+    """Wait for the works of collectives started with ``async_op=True``. On NCCL a plain wait
+    (what the blocking call does; the NCCL watchdog enforces the group's own timeout); on gloo
+    and the other CPU backends at most :func:`collective_timeout` seconds for all of them
+    together, then :class:`_Unfinished`. An abandoned operation stays queued in the backend, so
+    :func:`_guarded` marks the group out of step for distckpt."""
+    if tdist.get_backend(group) == "nccl":
+        for work in works:
+            work.wait()
+        return
+    timeout = collective_timeout()
+    deadline = time.monotonic() + timeout
+    for work in works:
+        try:
+            work.wait(timeout=timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        except RuntimeError as e:
+            if work.is_completed():           # it completed (or failed) as the wait ran out
+                work.wait()
+                continue
+            raise _Unfinished(f"it did not complete within {timeout:g} s (a rank died or hung inside it; "
+                              f"{TIMEOUT_ENV} sets the timeout)") from e
+
+
+def _run(collective: Callable, /, *args, group: ProcessGroup = None, **kwargs) -> None:
+    """One torch.distributed collective, waited for as :func:`_bounded` says."""
+    work = collective(*args, group=group, async_op=True, **kwargs)
+    if work is not None:                      # None: this rank is not in ``group``
+        _bounded([work], group)
+
+
 def _guarded(stage: str, fn: Callable[[], T], group: ProcessGroup = None) -> T:
-    """Run a collective; a failure inside it (a peer died mid-way) becomes a CollectiveTimeout,
-    the same on every rank (see :func:`_post_verdict`)."""
+    """Run a collective; a failure inside it (a peer died mid-way, or it did not complete in
+    time) becomes a CollectiveTimeout, the same on every rank (see :func:`_post_verdict`)."""
     _raise_if_broken(stage, group)
     try:
         return fn()
     except CheckpointingException:
         raise
     except Exception as e:  # noqa: BLE001 - gloo reports a lost peer as RuntimeError
+        detail = str(e) if isinstance(e, _Unfinished) else f"{type(e).__name__}: {e}"
         verdict = _post_verdict(group, f"{stage}: a collective failed (a rank died or stopped answering), "
-                                       f"first seen on rank {get_rank()}: {type(e).__name__}: {e}")
+                                       f"first seen on rank {get_rank()}: {detail}")
+        if isinstance(e, _Unfinished):
+            _out_of_step[_group_name(group)] = verdict
         _break(_group_id(_group_ranks(group)), verdict)
         raise CollectiveTimeout.from_verdict(stage, verdict) from e
 
@@ -276,7 +333,7 @@ def barrier(group: ProcessGroup = None, stage: str = "barrier", checked: bool = 
     if is_initialized():
         if checked:
             check_in(stage, group)
-        _guarded(stage, lambda: tdist.barrier(group=group), group)
+        _guarded(stage, lambda: _run(tdist.barrier, group=group), group)
 
 
 # Object collectives send each rank's pickle in a fixed slot of ``_slot_bytes(world)`` bytes (an
@@ -321,7 +378,7 @@ def _slot_round(obj: Any, group: ProcessGroup):
     slot = _slot_bytes(world)
     mine, data = _pack(obj, slot, device)
     slots = [torch.empty(slot, dtype=torch.uint8, device=device) for _ in range(world)]
-    tdist.all_gather(slots, mine, group=group)
+    _run(tdist.all_gather, slots, mine, group=group)
     raw = [t.cpu().numpy().tobytes() for t in slots]
     return world, device, slot, data, raw, [int.from_bytes(r[:_LEN], "little") for r in raw]
 
@@ -332,7 +389,7 @@ def _all_gather_object(obj: Any, group: ProcessGroup) -> List[Any]:
     if longest <= slot - _LEN:
         return [_unpack(r, n) for r, n in zip(raw, lengths)]
     full = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
-    tdist.all_gather(full, _padded(data, longest, device), group=group)
+    _run(tdist.all_gather, full, _padded(data, longest, device), group=group)
     return [pickle.loads(t.cpu().numpy().tobytes()[:n]) for t, n in zip(full, lengths)]
 
 
@@ -345,7 +402,7 @@ def _gather_object(obj: Any, dst: int, group: ProcessGroup) -> Optional[List[Any
     if longest <= slot - _LEN:
         return [_unpack(r, n) for r, n in zip(raw, lengths)] if me == dst else None
     full = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)] if me == dst else None
-    tdist.gather(_padded(data, longest, device), full, dst=global_rank_of(dst, group), group=group)
+    _run(tdist.gather, _padded(data, longest, device), full, dst=global_rank_of(dst, group), group=group)
     if me != dst:
         return None
     return [_unpack(r, n) if n <= slot - _LEN else pickle.loads(t.cpu().numpy().tobytes()[:n])
@@ -360,12 +417,12 @@ def _broadcast_object(obj: Any, src: int, group: ProcessGroup) -> Any:
         buf, data = _pack(obj, slot, device)
     else:
         buf, data = torch.empty(slot, dtype=torch.uint8, device=device), b""
-    tdist.broadcast(buf, src=global_rank_of(src, group), group=group)
+    _run(tdist.broadcast, buf, src=global_rank_of(src, group), group=group)
     length = _length(buf)
     if length <= slot - _LEN:
         return obj if me == src else _unpack(buf.cpu().numpy().tobytes(), length)
     full = _padded(data, length, device) if me == src else torch.empty(length, dtype=torch.uint8, device=device)
-    tdist.broadcast(full, src=global_rank_of(src, group), group=group)
+    _run(tdist.broadcast, full, src=global_rank_of(src, group), group=group)
     return obj if me == src else pickle.loads(full.cpu().numpy().tobytes())
 
 
@@ -400,7 +457,7 @@ def broadcast_object(obj: T, src: int = 0, group: ProcessGroup = None, stage: st
 def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup = None) -> None:
     """Broadcast ``tensor`` in place from group rank ``src``; identity without a process group."""
     if is_initialized():
-        _guarded("broadcast", lambda: tdist.broadcast(tensor, src=global_rank_of(src, group), group=group), group)
+        _guarded("broadcast", lambda: _run(tdist.broadcast, tensor, src=global_rank_of(src, group), group=group), group)
 
 
 def all_gather(outputs: List[torch.Tensor], tensor: torch.Tensor, group: ProcessGroup = None) -> None:
@@ -408,7 +465,7 @@ def all_gather(outputs: List[torch.Tensor], tensor: torch.Tensor, group: Process
     if not is_initialized():
         outputs[0].copy_(tensor)
         return
-    _guarded("all-gather", lambda: tdist.all_gather(outputs, tensor, group=group), group)
+    _guarded("all-gather", lambda: _run(tdist.all_gather, outputs, tensor, group=group), group)
 
 
 def all_reduce_max(values: Sequence[int], group: ProcessGroup = None, stage: str = "all-reduce",
@@ -419,7 +476,7 @@ def all_reduce_max(values: Sequence[int], group: ProcessGroup = None, stage: str
     if checked:
         check_in(stage, group)
     t = torch.tensor(list(values), dtype=torch.int64, device=collective_device(group))
-    _guarded(stage, lambda: tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=group), group)
+    _guarded(stage, lambda: _run(tdist.all_reduce, t, op=tdist.ReduceOp.MAX, group=group), group)
     return t.tolist()
 
 
@@ -559,5 +616,4 @@ def send_recv(sends: Sequence[tuple], recvs: Sequence[tuple], group: ProcessGrou
         raise CheckpointingException("point-to-point transfer needs an initialized process group")
     ops = [tdist.P2POp(tdist.isend, t, global_rank_of(peer, group), group) for t, peer in sends]
     ops += [tdist.P2POp(tdist.irecv, t, global_rank_of(peer, group), group) for t, peer in recvs]
-    for work in tdist.batch_isend_irecv(ops):
-        work.wait()
+    _guarded("point-to-point exchange", lambda: _bounded(tdist.batch_isend_irecv(ops), group), group)

@@ -22,6 +22,7 @@ recorded too. Trials are derived from ``--seed``, the same in every launcher.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import random
@@ -72,6 +73,9 @@ def _rank_child(scenario: str, rank: int, world: int, trial_dir: Path, collectiv
     from tests import faults
 
     torch.set_num_threads(1)
+    # A child still alive after 45 s is stuck (a trial takes seconds): its threads' stacks go to
+    # the launcher's log, which the test shows when it fails.
+    faulthandler.dump_traceback_later(45)
     store = torch.distributed.PrefixStore(
         f"{trial_dir.name}/", torch.distributed.TCPStore("127.0.0.1", store_port, is_master=False,
                                                          timeout=timedelta(seconds=60)))
@@ -221,12 +225,16 @@ def _launcher(args: argparse.Namespace) -> int:
         (trial_dir / f"exited.{args.rank}").write_text(str(status))
         if args.rank == 0:
             if not _wait_for([trial_dir / f"exited.{r}" for r in range(args.world)], args.trial_timeout):
-                _write_json(trial_dir / "trial.json", {"outcome": "stuck", "victim": trial["victim"]})
+                stuck = [r for r in range(args.world) if not (trial_dir / f"exited.{r}").exists()]
+                _write_json(trial_dir / "trial.json", {"outcome": "stuck", "victim": trial["victim"], "stuck": stuck})
+                print(f"trial {k} ({trial}): the children of rank(s) {stuck} did not end within "
+                      f"{args.trial_timeout:g} s of rank 0's", flush=True)
                 return 2
             checker = _fork(_check_trial, args.scenario, trial_dir, trial, args.world)
             os.waitpid(checker, 0)
             (trial_dir / "checked").write_text("")
         elif not _wait_for([trial_dir / "checked"], args.trial_timeout + 60):
+            print(f"trial {k}: rank 0's launcher did not check it in time", flush=True)
             return 2
     return 0
 

@@ -316,12 +316,14 @@ class RankPool:
 
     # -- running ------------------------------------------------------------------------------
 
-    def run(self, fn: Callable, *args, timeout: float = 60, **kwargs) -> list:
+    def run(self, fn: Callable, *args, timeout: float = 60, breaks_group: bool = False, **kwargs) -> list:
         """Call ``fn(*args, **kwargs)`` on every rank; return the values, index = rank.
 
         ``fn`` must be a module-level function of an importable module (workers unpickle it by
         reference). Raises :class:`RankFailure` if any rank raised or died, :class:`RankTimeout`
-        if not every rank answered within ``timeout`` seconds.
+        if not every rank answered within ``timeout`` seconds. ``breaks_group``: the task leaves
+        the process group out of step on purpose (it abandons a collective); the pool is killed
+        after it instead of checked, and the next run spawns a fresh one.
         """
         if not self.alive:
             self._kill()
@@ -336,13 +338,19 @@ class RankPool:
         try:
             results = self._dispatch(payload, _describe(fn), timeout)
         except RankFailure:
-            self._check_in_step_or_kill(after_failure=True)
+            if breaks_group:
+                self._kill()
+            else:
+                self._check_in_step_or_kill(after_failure=True)
             raise
         except BaseException:
             # A timeout, or an interrupt (Ctrl-C, pytest-timeout) while ranks are mid-task.
             self._kill()
             raise
-        self._check_in_step_or_kill(after_failure=False)
+        if breaks_group:
+            self._kill()
+        else:
+            self._check_in_step_or_kill(after_failure=False)
         return results
 
     def _dispatch(self, payload: bytes, what: str, timeout: float) -> list:
@@ -512,12 +520,14 @@ def shutdown_pools() -> None:
 atexit.register(shutdown_pools)
 
 
-def run_ranks(world_size: int, fn: Callable, *args, timeout: float = 60, **kwargs) -> list:
+def run_ranks(world_size: int, fn: Callable, *args, timeout: float = 60, breaks_group: bool = False,
+              **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on every rank of the session's pool for ``world_size``.
 
-    Returns the per-rank values (index = rank). See :meth:`RankPool.run` for what it raises.
+    Returns the per-rank values (index = rank). See :meth:`RankPool.run` for what it raises and
+    for ``breaks_group``.
     """
-    return get_pool(world_size).run(fn, *args, timeout=timeout, **kwargs)
+    return get_pool(world_size).run(fn, *args, timeout=timeout, breaks_group=breaks_group, **kwargs)
 
 
 def expect_all_ranks_raise(

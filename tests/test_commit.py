@@ -240,6 +240,61 @@ def test_a_rank_that_never_arrives_is_named_on_every_other_rank_within_the_timeo
     assert run_ranks(4, load_with_fault, str(ckpt), 1) == [[]] * 4              # the old checkpoint, intact
 
 
+def _stall_inside_first_collective(ckpt: str, stalled: int, timeout: float):
+    """Every rank saves with a short timeout; ``stalled`` checks in like the others, then stalls
+    for ``timeout + 2`` s inside the stage's collective before it joins. Afterwards every rank
+    tries one more collective, which distckpt must refuse at once (the group is out of step)."""
+    rank = ddist.get_rank()
+    real = ddist._slot_round
+    stalls = []
+
+    def slow_slot_round(obj, group):
+        if not stalls:
+            stalls.append(rank)
+            time.sleep(timeout + 2.0)
+        return real(obj, group)
+
+    if rank == stalled:
+        ddist._slot_round = slow_slot_round
+    distckpt.set_collective_timeout(timeout)
+    start = time.monotonic()
+    try:
+        save_with_fault(ckpt, 2, None)
+        outcome = "returned", round(time.monotonic() - start, 2)
+    except distckpt.CollectiveTimeout as e:
+        outcome = str(e), round(time.monotonic() - start, 2)
+    finally:
+        ddist._slot_round = real
+        distckpt.set_collective_timeout(None)
+    start = time.monotonic()
+    try:
+        ddist.all_gather_object(rank, stage="next")
+        refusal = "issued"
+    except distckpt.CollectiveTimeout as e:
+        refusal = str(e)
+    return outcome, refusal, round(time.monotonic() - start, 2)
+
+
+def test_a_rank_that_stalls_inside_a_collective_is_an_error_on_every_rank_within_the_timeout(tmp_path):
+    """Checking in is not enough: a rank that stalls after it (inside the collective) must not
+    hold the others to the process group's own timeout (45 s in the rank pool). The abandoned
+    collective leaves the group out of step, so distckpt refuses to use it again."""
+    ckpt = tmp_path / "ckpt"
+    run_ranks(4, save_with_fault, str(ckpt), 1, None)
+    results = run_ranks(4, _stall_inside_first_collective, str(ckpt), 2, 1.5, breaks_group=True)
+    messages = {outcome[0] for outcome, _, _ in results}
+    assert len(messages) == 1, results
+    message = messages.pop()
+    assert "a collective failed" in message and "did not complete within 1.5 s" in message, message
+    for rank in (0, 1, 3):
+        assert 1.4 <= results[rank][0][1] < 6, results
+    assert results[2][0][1] >= 3.5, results        # the stalled rank raised the same error when it came back
+    for _, refusal, elapsed in results:
+        assert refusal.startswith("next: refused, the process group is out of step") and message in refusal, refusal
+        assert elapsed < 0.5, results
+    assert run_ranks(4, load_with_fault, str(ckpt), 1) == [[]] * 4              # the old checkpoint, intact
+
+
 def test_collective_timeout_comes_from_the_environment_and_rejects_nonsense(monkeypatch):
     monkeypatch.setenv(ddist.TIMEOUT_ENV, "12.5")
     assert distckpt.collective_timeout() == 12.5
