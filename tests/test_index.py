@@ -202,3 +202,84 @@ def test_megatron_fixtures_have_no_sidecar_so_their_loads_take_the_fallback(tmp_
     strategy = TorchDistLoadShardedStrategy()
     out = distckpt.load(sd, tmp_path / "ckpt", sharded_strategy=strategy)
     assert not strategy.last_load_used_index and set(out) >= set(meta)
+
+
+def _random_rows(rng, n, ndim, nfiles):
+    import numpy as np
+
+    rows = np.zeros((n, 2 * ndim + 4), dtype=np.int64)
+    if ndim:
+        rows[:, :ndim] = rng.integers(0, 1000, (n, ndim))
+        rows[:, ndim:2 * ndim] = rng.integers(1, 50, (n, ndim))
+    rows[:, 2 * ndim] = rng.integers(0, nfiles, n)
+    rows[:, 2 * ndim + 1:2 * ndim + 3] = rng.integers(0, 1 << 40, (n, 2))
+    rows[:, -1] = rng.integers(0, 1 << 32, n)
+    return rows
+
+
+@pytest.mark.parametrize("fanout,leaf", [(64, 16), (3, 2)])
+def test_a_sidecar_template_patched_with_new_crcs_is_the_sidecar_built_anew(fanout, leaf):
+    """The template kept for ``cached_metadata`` saves: the same records with other CRC32Cs give
+    byte for byte the sidecar a fresh build gives (small keys, deep trees, byte items, 0-d keys,
+    keys without records), again and again; records that do not fit it are declined."""
+    import numpy as np
+
+    from distckpt.strategies.index import build_index_from_rows
+
+    rng = np.random.default_rng(7)
+    names = [f"__{r}_0.distcp" for r in range(9)] + ['odd "name".distcp']
+    keys, rows = {}, {}
+    for i, (n, ndim) in enumerate([(1, 2), (5, 1), (16, 3), (17, 2), (200, 2), (1000, 1), (3, 0), (0, 2)]):
+        keys[f"t{i}"] = {"dtype": torch.bfloat16, "size": (4096,) * ndim, "orig_shape": (7,) if i == 2 else None}
+        rows[f"t{i}"] = _random_rows(rng, n, ndim, len(names))
+    for i in range(3):
+        keys[f"obj{i}"] = {"bytes": True}
+        rows[f"obj{i}"] = _random_rows(rng, 1 + i, 0, len(names))
+    keys["obj_without_bytes"] = {"bytes": True}
+    first, template = build_index_from_rows(keys, rows, names, 1234, fanout, leaf, template=True)
+    assert first == build_index_from_rows(keys, rows, names, 1234, fanout, leaf)
+    for round_ in range(3):
+        for r in rows.values():
+            r[:, -1] = rng.integers(0, 1 << 32, len(r))
+        crcs = {fqn: r[:, -1] for fqn, r in rows.items() if len(r)}
+        patched = template.patch(crcs, 1234 + round_)
+        assert patched == build_index_from_rows(keys, rows, names, 1234 + round_, fanout, leaf), round_
+    assert template.patch({**crcs, "t4": crcs["t4"][:-1]}, 1) is None        # a record fewer
+    assert template.patch({fqn: v for fqn, v in crcs.items() if fqn != "obj1"}, 1) is None
+
+
+def _save_constant_structure(base, saves):
+    """``saves`` saves of one structure with new values, through one ``cached_metadata``
+    strategy into ``ckpt<i>``, and each also through a fresh strategy into ``fres<i>`` (a path
+    of the same length, so that ``.metadata`` has the same length too)."""
+    from distckpt.strategies.torch import TorchDistSaveShardedStrategy
+
+    strategy = TorchDistSaveShardedStrategy(cached_metadata=True)
+    templates = []
+    for i in range(saves):
+        # Every value depends on the generation, no key does: new CRC32Cs, the same structure.
+        sd = faults.generation_state(ddist.get_rank(), ddist.get_world_size(), i + 1)
+        distckpt.save(sd, f"{base}/ckpt{i}", sharded_strategy=strategy)
+        templates.append(id(strategy._index_template))
+        sd = faults.generation_state(ddist.get_rank(), ddist.get_world_size(), i + 1)
+        distckpt.save(sd, f"{base}/fres{i}", sharded_strategy=TorchDistSaveShardedStrategy())
+    return templates
+
+
+def _load_generation(ckpt, generation):
+    rank, world = ddist.get_rank(), ddist.get_world_size()
+    reader = TorchDistLoadShardedStrategy()
+    out = distckpt.load(faults.generation_state(rank, world, generation, with_data=False), ckpt,
+                        sharded_strategy=reader, verify=True)
+    return reader.index_bytes_read > 0, faults.generation_mismatches(out, rank, world, generation)
+
+
+def test_saves_of_an_unchanged_structure_patch_the_last_sidecar(tmp_path):
+    templates = run_ranks(2, _save_constant_structure, str(tmp_path), 3)
+    assert len(set(templates[0])) == 1 and templates[0][0] != id(None)     # built once, then patched
+    for i in range(3):
+        ckpt = tmp_path / f"ckpt{i}"
+        assert verify_files(ckpt, read_manifest(ckpt)) == [], i
+        assert run_ranks(2, _load_generation, str(ckpt), i + 1) == [(True, [])] * 2, i
+        # The patched sidecar is byte for byte the one a save without the cache builds.
+        assert (ckpt / INDEX_FNAME).read_bytes() == (tmp_path / f"fres{i}" / INDEX_FNAME).read_bytes(), i

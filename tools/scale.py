@@ -21,7 +21,9 @@ and prints the time and the peak resident memory above the simulation's inputs (
 ratio to the smallest world size so the growth is easy to read (near-linear: time/shards stays
 flat). "total" is validation + planning + metadata. "reused" is the ``.metadata`` of the next save of
 the same items with ``cached_metadata=True``: the last one, its two ids respelled (not in
-"total"). All of it runs with the cyclic GC paused,
+"total"). In the second table, "template s" builds the sidecar as a ``cached_metadata`` save
+keeps it (with where every CRC32C and node checksum lies) and "patched s" is the next such
+save's sidecar: the template with new CRC32Cs patched in. All of it runs with the cyclic GC paused,
 as inside ``distckpt.save``. ``--profile`` prints a cProfile of those stages at the largest
 world size.
 
@@ -51,6 +53,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import torch
 
@@ -69,6 +72,7 @@ from distckpt.strategies.torch import (  # noqa: E402
     _WriteItem,
     build_metadata,
     metadata_bytes_and_head,
+    patched_sidecar_index,
     sidecar_index,
 )
 from distckpt.validation import ShardTable, validate_global_integrity  # noqa: E402
@@ -224,6 +228,19 @@ def measure(world: int, tmp: Path, profile: bool = False, objects: bool = False)
         t0 = time.perf_counter()
         index = sidecar_index(merged, len(md_bytes))
         t_index = time.perf_counter() - t0
+        # The sidecar of the next save of the same items with cached_metadata: the last one kept
+        # as a template (built once, with the first such save), new CRC32Cs patched in.
+        t0 = time.perf_counter()
+        _, template = sidecar_index(merged, len(md_bytes), template=True)
+        t_template = time.perf_counter() - t0
+        rng = np.random.default_rng(0)
+        next_save = GatheredRecords.of([p[1].with_crcs(rng.integers(0, 2**32, len(p[1].rows))) for p in gathered])
+        t0 = time.perf_counter()
+        patched = patched_sidecar_index(template, next_save, len(md_bytes))
+        t_patched = time.perf_counter() - t0
+        if patched is None:
+            raise RuntimeError("the simulated sidecar could not be patched")
+        del template, next_save, patched
         # The next save of the same items with cached_metadata: last .metadata, its ids changed.
         cached = bytearray(md_bytes)
         t0 = time.perf_counter()
@@ -264,6 +281,7 @@ def measure(world: int, tmp: Path, profile: bool = False, objects: bool = False)
             "written_items": written, "gather_s": t_gather, "validate_s": t_validate, "plan_s": t_plan,
             "metadata_s": t_meta, "metadata_reused_s": t_reused, "total_s": t_validate + t_plan + t_meta, "rss_growth_mib": (peak.peak - rss0) / 2**20,
             "chunks_in_metadata": chunks, "objects_and_pickle_s": t_objects, "index_build_s": t_index,
+            "index_template_s": t_template, "index_patched_s": t_patched,
             "metadata_mib": len(md_bytes) / 2**20, "index_mib": len(index) / 2**20, "unpickle_s": t_unpickle,
             "share_shards": len(all_metas[0]), "load_records": sum(found) / len(found),
             "load_index_kib": sum(read_bytes) / len(read_bytes) / 2**10, "load_index_s": sum(read_s) / len(read_s),
@@ -303,13 +321,14 @@ def main() -> int:
           f"time x{last['total_s'] / first['total_s']:.1f} (time growth / shard growth = {growth:.2f}; 1.0 is linear)")
     print("\nWhat one loading rank reads to find its share (same layout; mean of ranks 0, world/2, world-1):\n")
     print(f"| {'ranks':>5} | {'.metadata MiB':>13} | {'objects s':>9} | {'unpickle s':>10} | {'index MiB':>9} | "
-          f"{'build s':>7} | {'share shards':>12} | {'records read':>12} | {'index KiB read':>14} | {'query s':>7} | "
+          f"{'build s':>7} | {'template s':>10} | {'patched s':>9} | {'share shards':>12} | {'records read':>12} | {'index KiB read':>14} | {'query s':>7} | "
           f"{'tables MiB':>10} | {'other rank KiB':>14} |")
-    print("|" + "|".join("-" * (n + 2) for n in (5, 13, 9, 10, 9, 7, 12, 12, 14, 7, 10, 14)) + "|")
+    print("|" + "|".join("-" * (n + 2) for n in (5, 13, 9, 10, 9, 7, 10, 9, 12, 12, 14, 7, 10, 14)) + "|")
     for r in rows:
         objects = "-" if r["objects_and_pickle_s"] is None else f"{r['objects_and_pickle_s']:.2f}"
         print(f"| {r['ranks']:5d} | {r['metadata_mib']:13.1f} | {objects:>9} | {r['unpickle_s']:10.2f} | "
-              f"{r['index_mib']:9.1f} | {r['index_build_s']:7.2f} | {r['share_shards']:12d} | "
+              f"{r['index_mib']:9.1f} | {r['index_build_s']:7.2f} | {r['index_template_s']:10.2f} | "
+              f"{r['index_patched_s']:9.2f} | {r['share_shards']:12d} | "
               f"{r['load_records']:12.0f} | {r['load_index_kib']:14.0f} | {r['load_index_s']:7.3f} | "
               f"{r['load_tables_mib']:10.1f} | {r['load_other_rank_kib']:14.0f} |")
     out = Path(args.out)

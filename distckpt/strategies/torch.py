@@ -91,7 +91,13 @@ from distckpt.strategies.filesystem import (
     write_tensor_item,
     zip_crc_disabled,
 )
-from distckpt.strategies.index import INDEX_FNAME, IndexReader, build_index_from_rows, index_from_metadata
+from distckpt.strategies.index import (
+    INDEX_FNAME,
+    IndexReader,
+    IndexTemplate,
+    build_index_from_rows,
+    index_from_metadata,
+)
 from distckpt.strategies.index import _dtype_of as _sidecar_dtype
 from distckpt.strategies.metadata_pickle import pickle_metadata, respell
 
@@ -708,6 +714,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         # Rank 0: the last ``.metadata`` written (respelled in place by the next save of the
         # same items), its head's length, its checkpoint id and save id.
         self._metadata_cache: Optional[Tuple[bytearray, int, str, str]] = None
+        self._index_template: Optional[IndexTemplate] = None   # the last sidecar, for cached_metadata
         self.last_save_reused_metadata = False
         self._commit: Optional[Tuple[Dict[str, Tuple[int, int]], Callable[[], None]]] = None
 
@@ -877,7 +884,15 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 if self.cached_metadata:
                     md_bytes = bytearray(md_bytes)
             self._metadata_cache = (md_bytes, head, checkpoint_id, save_id) if self.cached_metadata else None
-            index_bytes = sidecar_index(records, len(md_bytes)) if self.write_index else None
+            index_bytes = None
+            if self.write_index:
+                # Same items: the last sidecar with the new CRC32Cs patched in.
+                if reused and self._index_template is not None:
+                    index_bytes = patched_sidecar_index(self._index_template, records, len(md_bytes))
+                if index_bytes is None and self.cached_metadata:
+                    index_bytes, self._index_template = sidecar_index(records, len(md_bytes), template=True)
+                elif index_bytes is None:
+                    index_bytes = sidecar_index(records, len(md_bytes))
             if index_bytes is not None:
                 storage.write_bytes(checkpoint_dir, INDEX_FNAME, index_bytes)
             if isinstance(checkpoint_dir, storage.Store):
@@ -1039,8 +1054,9 @@ class GatheredRecords:
         return [(files[f], off, length, crc, fqns[k]) for k, f, off, length, crc in self.rows[:, :5].tolist()]
 
 
-def sidecar_index(records: GatheredRecords, metadata_bytes: int) -> bytes:
-    """The sidecar index (see distckpt/strategies/index.py) of every rank's declarations and records."""
+def sidecar_index(records: GatheredRecords, metadata_bytes: int, template: bool = False) -> Any:
+    """The sidecar index (see distckpt/strategies/index.py) of every rank's declarations and
+    records; with ``template``, ``(bytes, IndexTemplate)`` (see :func:`patched_sidecar_index`)."""
     keys: Dict[str, Dict[str, Any]] = {}
     for fqn, (is_bytes, dtype, size, orig_shape) in records.decls.items():
         keys[fqn] = {"bytes": True} if is_bytes else {"dtype": dtype, "size": size, "orig_shape": orig_shape}
@@ -1053,7 +1069,13 @@ def sidecar_index(records: GatheredRecords, metadata_bytes: int) -> bytes:
         # index rows: offset[n], size[n], file index, file offset, length, crc32c
         rows[fqn] = np.concatenate([r[:, 5:5 + n], r[:, 5 + d:5 + d + n], r[:, 1:5]], axis=1)
     with gc_paused():
-        return build_index_from_rows(keys, rows, records.files, metadata_bytes)
+        return build_index_from_rows(keys, rows, records.files, metadata_bytes, template=template)
+
+
+def patched_sidecar_index(template: IndexTemplate, records: GatheredRecords, metadata_bytes: int) -> Optional[bytes]:
+    """The sidecar of ``records`` from the template of an earlier save's records that differed
+    only in their CRC32Cs (None if they do not fit it)."""
+    return template.patch({fqn: r[:, 4] for fqn, r in records.by_key()}, metadata_bytes)
 
 
 def _reindex(md: Metadata, md_bytes: bytes, manifest: Optional[Any]) -> Optional[bytes]:
