@@ -144,8 +144,6 @@ def _small_keys(blob: _Blob, group: List[Tuple[str, np.ndarray]], ndim: int,
     return out
 
 
-
-
 _U32 = struct.Struct("<I")
 
 
