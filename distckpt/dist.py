@@ -282,11 +282,19 @@ def _bounded(works: Sequence[Any], group: ProcessGroup) -> None:
         try:
             work.wait(timeout=timedelta(seconds=max(0.001, deadline - time.monotonic())))
         except RuntimeError as e:
-            if work.is_completed():           # it completed (or failed) as the wait ran out
-                work.wait()
-                continue
-            raise _Unfinished(f"it did not complete within {timeout:g} s (a rank died or hung inside it; "
-                              f"{TIMEOUT_ENV} sets the timeout)") from e
+            error = e
+            if work.is_completed():           # it completed as the wait ran out, or failed on its own
+                try:
+                    work.wait()
+                    continue
+                except RuntimeError as own:
+                    error = own
+            text = str(error).lower()
+            # gloo words a timed-out point-to-point wait "Application timeout caused pair closure".
+            if not work.is_completed() or "timed out" in text or "timeout" in text:
+                raise _Unfinished(f"it did not complete within {timeout:g} s (a rank died or hung inside it; "
+                                  f"{TIMEOUT_ENV} sets the timeout)") from error
+            raise error from None  # the error itself, not the wait that reported it
 
 
 def _run(collective: Callable, /, *args, group: ProcessGroup = None, **kwargs) -> None:

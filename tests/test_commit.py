@@ -295,6 +295,32 @@ def test_a_rank_that_stalls_inside_a_collective_is_an_error_on_every_rank_within
     assert run_ranks(4, load_with_fault, str(ckpt), 1) == [[]] * 4              # the old checkpoint, intact
 
 
+def _receive_from_a_late_sender(timeout: float):
+    """Rank 0 waits to receive a tensor that rank 1 sends only ``timeout + 1.5`` s later."""
+    import torch
+
+    distckpt.set_collective_timeout(timeout)
+    start = time.monotonic()
+    try:
+        if ddist.get_rank() == 0:
+            ddist.send_recv([], [(torch.zeros(4), 1)])
+        else:
+            time.sleep(timeout + 1.5)
+            ddist.send_recv([(torch.ones(4), 0)], [])
+        return "completed", round(time.monotonic() - start, 2)
+    except distckpt.CollectiveTimeout as e:
+        return str(e), round(time.monotonic() - start, 2)
+    finally:
+        distckpt.set_collective_timeout(None)
+
+
+def test_a_point_to_point_receive_is_bounded_by_the_collective_timeout():
+    results = run_ranks(2, _receive_from_a_late_sender, 1.0, breaks_group=True)
+    message, elapsed = results[0]
+    assert message.startswith("point-to-point exchange: a collective failed") and "did not complete within 1 s" in message
+    assert 0.9 <= elapsed < 4, results
+
+
 def test_collective_timeout_comes_from_the_environment_and_rejects_nonsense(monkeypatch):
     monkeypatch.setenv(ddist.TIMEOUT_ENV, "12.5")
     assert distckpt.collective_timeout() == 12.5
