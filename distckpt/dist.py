@@ -157,16 +157,18 @@ def _group_name(group: ProcessGroup) -> str:
 
 
 def _raise_if_broken(stage: str, group: ProcessGroup) -> None:
+    # The verdict of the operation under way first: a failure shared at its later stages keeps
+    # the words every rank raised.
+    if _broken:
+        until, verdict = _broken.get(_group_id(_group_ranks(group)), (0.0, ""))
+        if time.monotonic() < until:
+            raise CollectiveTimeout.from_verdict(stage, verdict)
     if _out_of_step:
         verdict = _out_of_step.get(_group_name(group))
         if verdict is not None:
             raise CollectiveTimeout.from_verdict(
                 stage, f"{stage}: refused, the process group is out of step since a collective was abandoned "
                        f"(re-create the group or restart the job); it was abandoned because {verdict}")
-    if _broken:
-        until, verdict = _broken.get(_group_id(_group_ranks(group)), (0.0, ""))
-        if time.monotonic() < until:
-            raise CollectiveTimeout.from_verdict(stage, verdict)
 
 
 def _store():

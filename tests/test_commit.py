@@ -243,7 +243,8 @@ def test_a_rank_that_never_arrives_is_named_on_every_other_rank_within_the_timeo
 def _stall_inside_first_collective(ckpt: str, stalled: int, timeout: float):
     """Every rank saves with a short timeout; ``stalled`` checks in like the others, then stalls
     for ``timeout + 2`` s inside the stage's collective before it joins. Afterwards every rank
-    tries one more collective, which distckpt must refuse at once (the group is out of step)."""
+    tries one more collective (as the next save would), which distckpt must refuse at once (the
+    group is out of step)."""
     rank = ddist.get_rank()
     real = ddist._slot_round
     stalls = []
@@ -266,6 +267,7 @@ def _stall_inside_first_collective(ckpt: str, stalled: int, timeout: float):
     finally:
         ddist._slot_round = real
         distckpt.set_collective_timeout(None)
+    ddist.reset_failures()           # what the next save or load does first
     start = time.monotonic()
     try:
         ddist.all_gather_object(rank, stage="next")
