@@ -63,28 +63,27 @@ def _dtype_of(name: str) -> torch.dtype:
 
 
 class _Blob:
-    """The node bytes, appended in order. ``traced``: also note where each node's checksum and
-    each record's CRC32C land (:class:`IndexTemplate`)."""
+    """The node bytes, appended in order, and where each node's checksum is recorded. ``traced``:
+    also note where each record's CRC32C lands (what an :class:`IndexTemplate` needs)."""
 
     def __init__(self, traced: bool = False) -> None:
         self.parts: List[bytes] = []
         self.size = 0
         # Per node, in the order added (children before parents): [start, length, where its
         # checksum is recorded: the blob position of a parent's field, or the fqn of a root].
-        self.nodes: Optional[List[List[Any]]] = [] if traced else None
+        self.nodes: List[List[Any]] = []
+        self.traced = traced
         self.crc_at: Dict[str, np.ndarray] = {}     # fqn -> blob position of each record's CRC32C, input order
 
     def add(self, data: bytes) -> List[int]:
         ref = [self.size, len(data), crc32c(data)]
-        if self.nodes is not None:
-            self.nodes.append([self.size, len(data), None])
+        self.nodes.append([self.size, len(data), None])
         self.parts.append(data)
         self.size += len(data)
         return ref
 
     def mark(self, node: int, target: Any) -> None:
-        if self.nodes is not None:
-            self.nodes[node][2] = target
+        self.nodes[node][2] = target
 
     def record_positions(self, first_node: int, heads: List[int], starts: np.ndarray, total: int, width: int,
                          order: Optional[np.ndarray]) -> np.ndarray:
@@ -131,12 +130,12 @@ def _small_keys(blob: _Blob, group: List[Tuple[str, np.ndarray]], ndim: int,
     order = np.lexsort([rows[:, d] for d in reversed(range(ndim))] + [kid])
     starts = np.cumsum([0] + counts[:-1])
     leaves = _pack_leaves(rows[order], ndim, starts, quoted)
-    first = len(blob.nodes) if blob.nodes is not None else 0
+    first = len(blob.nodes)
     out = {}
     for i, ((fqn, _), c, (data, lo, hi, _)) in enumerate(zip(group, counts, leaves)):
         out[fqn] = {"count": c, "depth": 1, "root": blob.add(data), "bbox": [lo.tolist(), hi.tolist()]}
         blob.mark(first + i, fqn)
-    if blob.nodes is not None:
+    if blob.traced:
         # The rows of each key keep their block in the sorted order (the key index sorts first).
         pos = blob.record_positions(first, [head for *_, head in leaves], starts, len(rows), rows.shape[1] * 8, order)
         for (fqn, _), s, c in zip(group, starts.tolist(), counts):
@@ -190,11 +189,11 @@ def _build_key(blob: _Blob, fqn: str, rows: np.ndarray, ndim: int, fanout: int, 
         rows = rows[order]
     starts = np.arange(0, len(rows), leaf)
     leaves = _pack_leaves(rows, ndim, starts, quoted)
-    first = len(blob.nodes) if blob.nodes is not None else 0
+    first = len(blob.nodes)
     # Per node of the level: its reference, bounding box and node number in the blob.
     level: List[Tuple[List[int], np.ndarray, np.ndarray, int]] = [
         (blob.add(data), lo, hi, first + i) for i, (data, lo, hi, _) in enumerate(leaves)]
-    if blob.nodes is not None:
+    if blob.traced:
         blob.crc_at[fqn] = blob.record_positions(first, [head for *_, head in leaves], starts, len(rows),
                                                  rows.shape[1] * 8, order)
     depth = 1
@@ -209,7 +208,7 @@ def _build_key(blob: _Blob, fqn: str, rows: np.ndarray, ndim: int, fanout: int, 
             # Each child's checksum is the third field of its row in this table.
             for k, (*_, child) in enumerate(group):
                 blob.mark(child, ref[0] + k * table.shape[1] * 8 + 16)
-            nxt.append((ref, lo, hi, len(blob.nodes) - 1 if blob.nodes is not None else 0))
+            nxt.append((ref, lo, hi, len(blob.nodes) - 1))
         level = nxt
         depth += 1
     ref, lo, hi, node = level[0]
