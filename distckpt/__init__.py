@@ -26,6 +26,7 @@ from distckpt.serialization import (
 )
 from distckpt.strategies.common import add_safe_globals
 from distckpt.strategies.torch_dcp import to_torch_state_dict
+from distckpt.timings import Timings, last_timings
 from distckpt.validation import StrictHandling
 
 __version__ = "0.1.0"
@@ -39,6 +40,7 @@ __all__ = [
     "ShardedTensor",
     "ShardedTensorFactory",
     "StrictHandling",
+    "Timings",
     "add_safe_globals",
     "check_is_distributed_checkpoint",
     "collective_timeout",
@@ -49,6 +51,7 @@ __all__ = [
     "load_plain_tensors",
     "load_sharded_metadata",
     "load_tensors_metadata",
+    "last_timings",
     "remove_sharded_tensors",
     "save",
     "set_collective_timeout",

@@ -29,7 +29,7 @@ from typing import Optional, Union
 from distckpt.core import CheckpointingException
 
 __all__ = ["ENV_VAR", "DEFAULT_FRACTION", "host_memory_budget", "set_host_memory_budget",
-           "parse_budget", "local_world_size"]
+           "parse_budget", "local_world_size", "cores_per_rank"]
 
 ENV_VAR = "DISTCKPT_HOST_MEMORY_BUDGET"
 DEFAULT_FRACTION = 0.25
@@ -93,6 +93,18 @@ def local_world_size() -> int:
     if tdist.is_available() and tdist.is_initialized():
         return tdist.get_world_size()
     return 1
+
+
+def cores_per_rank() -> int:
+    """The cores this rank may count on: its CPU affinity if a launcher pinned it to part of the
+    host, else the host's cores divided by the ranks on it (:func:`local_world_size`); at least 1."""
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        usable = os.cpu_count() or 1
+    if usable < (os.cpu_count() or usable):
+        return max(1, usable)          # pinned: the affinity is this rank's share already
+    return max(1, usable // local_world_size())
 
 
 def set_host_memory_budget(value: Optional[Union[int, float, str]]) -> None:

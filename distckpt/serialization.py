@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Set, Tuple, Union
 
 from distckpt import commit as commit_protocol
-from distckpt import dist, storage
+from distckpt import dist, storage, timings
 from distckpt.core import (
     CONFIG_FNAME,
     CheckpointingConfig,
@@ -203,73 +203,76 @@ def save(
         CheckpointingException: on every rank, for any rank's invalid sharding, or a common state
             that holds a sharded object distckpt does not understand or a tensor above the limit.
     """
-    check_save_options(async_strategy, verify_integrity)
-    dist.reset_failures()
-    target = protocol = None
-    rank = dist.get_rank()
+    with timings.recording("async save" if async_sharded_save else "save", "local checks"):
+        check_save_options(async_strategy, verify_integrity)
+        dist.reset_failures()
+        target = protocol = None
+        rank = dist.get_rank()
 
-    exc: Optional[BaseException] = None
-    payload = None
-    prestaged = False
-    try:
-        # A bad location raises here and reaches every rank with the validation below.
-        checkpoint_dir = storage.resolve(checkpoint_dir, storage_options)
-        if isinstance(sharded_strategy, tuple) or sharded_strategy is None:
-            sharded_strategy = get_default_save_sharded_strategy(*(sharded_strategy or ("torch_dist", 1)))
-        if isinstance(common_strategy, tuple) or common_strategy is None:
-            common_strategy = get_default_save_common_strategy(*(common_strategy or ("torch", 1)))
-        target = commit_protocol.resolve_target(checkpoint_dir)
-        protocol = commit_protocol.protocol_for(target)
-        if isinstance(target, Path) and target.exists() and not target.is_dir():
-            raise CheckpointingException(f"checkpoint path {checkpoint_dir} exists and is not a directory")
-        normalize_sharded_state_dict(sharded_state_dict)
-        apply_factories(sharded_state_dict)
-        _, sharded_state_dict = extract_matching_values(
-            sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject))
-        sharded_part, common_part = extract_matching_values(
-            sharded_state_dict, lambda v: isinstance(v, ShardedBase))
-        if async_sharded_save and isinstance(sharded_strategy, AsyncSaveShardedStrategy):
-            # Device-to-host copies first: they run while the checks and the planning below do.
-            prestaged = sharded_strategy.prestage(sharded_part)
-        if content_metadata is not None:
-            common_part[CONTENT_METADATA_KEY] = content_metadata
-        shards = list(nested_values(sharded_part))
-        validate_local_integrity(shards)
-        check_common_state(common_part, max_common_tensor_bytes)
-        common_view = None
-        if preprocess_common_before_consistancy_check is not None:
-            common_view = preprocess_common_before_consistancy_check(common_part)
-        payload = (shard_table(shards, rank) if validate_access_integrity else None, common_view)
-    except Exception as e:  # noqa: BLE001 - shared with every rank below
-        exc = e
+        exc: Optional[BaseException] = None
+        payload = None
+        prestaged = False
+        try:
+            # A bad location raises here and reaches every rank with the validation below.
+            checkpoint_dir = storage.resolve(checkpoint_dir, storage_options)
+            if isinstance(sharded_strategy, tuple) or sharded_strategy is None:
+                sharded_strategy = get_default_save_sharded_strategy(*(sharded_strategy or ("torch_dist", 1)))
+            if isinstance(common_strategy, tuple) or common_strategy is None:
+                common_strategy = get_default_save_common_strategy(*(common_strategy or ("torch", 1)))
+            target = commit_protocol.resolve_target(checkpoint_dir)
+            protocol = commit_protocol.protocol_for(target)
+            if isinstance(target, Path) and target.exists() and not target.is_dir():
+                raise CheckpointingException(f"checkpoint path {checkpoint_dir} exists and is not a directory")
+            normalize_sharded_state_dict(sharded_state_dict)
+            apply_factories(sharded_state_dict)
+            _, sharded_state_dict = extract_matching_values(
+                sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject))
+            sharded_part, common_part = extract_matching_values(
+                sharded_state_dict, lambda v: isinstance(v, ShardedBase))
+            if async_sharded_save and isinstance(sharded_strategy, AsyncSaveShardedStrategy):
+                # Device-to-host copies first: they run while the checks and the planning below do.
+                prestaged = sharded_strategy.prestage(sharded_part)
+            if content_metadata is not None:
+                common_part[CONTENT_METADATA_KEY] = content_metadata
+            shards = list(nested_values(sharded_part))
+            validate_local_integrity(shards)
+            check_common_state(common_part, max_common_tensor_bytes)
+            common_view = None
+            if preprocess_common_before_consistancy_check is not None:
+                common_view = preprocess_common_before_consistancy_check(common_part)
+            payload = (shard_table(shards, rank) if validate_access_integrity else None, common_view)
+        except Exception as e:  # noqa: BLE001 - shared with every rank below
+            exc = e
+        timings.begin("global validation")
 
-    def begin():
-        # Only a save that passed validation touches the location; the broadcast of the staging
-        # directory is what lets the other ranks start writing.
-        protocol.cleanup_leftovers(target)
-        return protocol.begin(target, commit_protocol.new_save_id(), overwrite)
+        def begin():
+            # Only a save that passed validation touches the location; the broadcast of the staging
+            # directory is what lets the other ranks start writing.
+            protocol.cleanup_leftovers(target)
+            return protocol.begin(target, commit_protocol.new_save_id(), overwrite)
 
-    def check(payloads):
-        if validate_access_integrity:
-            validate_global_integrity([p[0] for p in payloads])
-        if preprocess_common_before_consistancy_check is not None:
-            _log_common_differences([p[1] for p in payloads])
-        return begin()
+        def check(payloads):
+            if validate_access_integrity:
+                validate_global_integrity([p[0] for p in payloads])
+            if preprocess_common_before_consistancy_check is not None:
+                _log_common_differences([p[1] for p in payloads])
+            return begin()
 
-    staging = None
-    try:
-        if validate_access_integrity and preprocess_common_before_consistancy_check is None:
-            staging = _validate_with_cache(exc, payload, check, begin)
-        else:
-            staging = dist.gather_and_decide("validation", exc, payload, check)
-        return _write_and_commit(staging, protocol, sharded_part, common_part, sharded_strategy,
-                                 common_strategy, async_sharded_save)
-    except BaseException:
-        if prestaged:
-            sharded_strategy.discard_prestaged()
-        if rank == 0 and staging is not None:
-            protocol.abort(staging)
-        raise
+        staging = None
+        try:
+            if validate_access_integrity and preprocess_common_before_consistancy_check is None:
+                staging = _validate_with_cache(exc, payload, check, begin)
+            else:
+                staging = dist.gather_and_decide("validation", exc, payload, check)
+            timings.begin("common state")
+            return _write_and_commit(staging, protocol, sharded_part, common_part, sharded_strategy,
+                                     common_strategy, async_sharded_save)
+        except BaseException:
+            if prestaged:
+                sharded_strategy.discard_prestaged()
+            if rank == 0 and staging is not None:
+                protocol.abort(staging)
+            raise
 
 
 def _write_and_commit(staging: commit_protocol.Staging, protocol, sharded_part, common_part, sharded_strategy,
@@ -303,6 +306,7 @@ def _write_and_commit(staging: commit_protocol.Staging, protocol, sharded_part, 
 
     if merged is not None:
         # ``written`` goes into the strategy's manifest; then only the commit itself is left.
+        timings.begin_unless_timed(sharded_strategy, "writing")
         merged(sharded_part, ckpt, exc, written, lambda: protocol.commit(staging, config))
         return None
 
@@ -314,6 +318,7 @@ def _write_and_commit(staging: commit_protocol.Staging, protocol, sharded_part, 
             raise CheckpointingException(
                 f"{type(sharded_strategy).__name__} cannot save asynchronously (not an AsyncSaveShardedStrategy)")
         request, exc = None, None
+        timings.begin_unless_timed(sharded_strategy, "staging")
         try:
             request = sharded_strategy.async_save(sharded_part, ckpt)
         except Exception as e:  # noqa: BLE001 - staging failed somewhere: every rank raises
@@ -332,10 +337,12 @@ def _write_and_commit(staging: commit_protocol.Staging, protocol, sharded_part, 
         return request
 
     exc = None
+    timings.begin_unless_timed(sharded_strategy, "writing")
     try:
         sharded_strategy.save(sharded_part, ckpt)
     except Exception as e:  # noqa: BLE001 - a strategy may fail on one rank only
         exc = e
+    timings.begin("commit")
     commit(exc)
     return None
 
@@ -424,86 +431,92 @@ def load(
         the state dict, or ``(state_dict, missing_keys, unexpected_keys)`` for the
         ``return_unexpected`` and ``return_all`` strict modes.
     """
-    dist.reset_failures()
-    strict_mode = StrictHandling.ASSUME_OK_UNEXPECTED
-    verify = verify or bool(verify_integrity)
-    group = process_group
-    missing: Set[str] = set()
-    unexpected: Set[str] = set()
-    exc: Optional[BaseException] = None
-    payload = None
-    identity = None
-    need_keys = False
-    try:
-        checkpoint_dir = storage.resolve(checkpoint_dir, storage_options)
-        strict_mode = parse_strict_flag(strict)
-        need_keys = StrictHandling.requires_global_app_metadata(strict_mode)
-        commit_protocol.recover(checkpoint_dir)
-        identity = commit_protocol.tree_identity(checkpoint_dir)
-        sharded_strategy, common_strategy = _load_strategies(checkpoint_dir, sharded_strategy, common_strategy)
-        _configure(sharded_strategy, verify, trusted)
-        _configure(common_strategy, verify, trusted)
-        common_state_dict = read_common_state(checkpoint_dir, sharded_strategy, common_strategy)
-        common_state_dict.pop(CONTENT_METADATA_KEY, None)
+    with timings.recording("load", "common state"):
+        dist.reset_failures()
+        strict_mode = StrictHandling.ASSUME_OK_UNEXPECTED
+        verify = verify or bool(verify_integrity)
+        group = process_group
+        missing: Set[str] = set()
+        unexpected: Set[str] = set()
+        exc: Optional[BaseException] = None
+        payload = None
+        identity = None
+        need_keys = False
+        try:
+            checkpoint_dir = storage.resolve(checkpoint_dir, storage_options)
+            strict_mode = parse_strict_flag(strict)
+            need_keys = StrictHandling.requires_global_app_metadata(strict_mode)
+            commit_protocol.recover(checkpoint_dir)
+            identity = commit_protocol.tree_identity(checkpoint_dir)
+            sharded_strategy, common_strategy = _load_strategies(checkpoint_dir, sharded_strategy, common_strategy)
+            _configure(sharded_strategy, verify, trusted)
+            _configure(common_strategy, verify, trusted)
+            common_state_dict = read_common_state(checkpoint_dir, sharded_strategy, common_strategy)
+            common_state_dict.pop(CONTENT_METADATA_KEY, None)
+            timings.begin("local checks")
 
-        normalize_sharded_state_dict(sharded_state_dict)
-        factories, _ = extract_matching_values(
-            sharded_state_dict, lambda v: isinstance(v, ShardedTensorFactory), return_lists_as_dicts=True)
-        apply_factories(sharded_state_dict)
-        nonpersistent, sharded_state_dict = extract_matching_values(
-            sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject))
-        dict_list_map_inplace(lambda o: o.unwrap(), nonpersistent)
-        merge(common_state_dict, nonpersistent)
-        sharded_part, _ = extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedBase))
-        shards = list(nested_values(sharded_part))
-        validate_local_integrity(shards)
+            normalize_sharded_state_dict(sharded_state_dict)
+            factories, _ = extract_matching_values(
+                sharded_state_dict, lambda v: isinstance(v, ShardedTensorFactory), return_lists_as_dicts=True)
+            apply_factories(sharded_state_dict)
+            nonpersistent, sharded_state_dict = extract_matching_values(
+                sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject))
+            dict_list_map_inplace(lambda o: o.unwrap(), nonpersistent)
+            merge(common_state_dict, nonpersistent)
+            sharded_part, _ = extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedBase))
+            shards = list(nested_values(sharded_part))
+            validate_local_integrity(shards)
 
-        ckpt_keys: Optional[Set[str]] = None
-        if StrictHandling.requires_explicit_ckpt_mismatch_check(strict_mode):
-            ckpt_meta = dict(sharded_strategy.load_sharded_metadata(checkpoint_dir))
+            ckpt_keys: Optional[Set[str]] = None
+            if StrictHandling.requires_explicit_ckpt_mismatch_check(strict_mode):
+                ckpt_meta = dict(sharded_strategy.load_sharded_metadata(checkpoint_dir))
+                if not sharded_strategy.can_handle_sharded_objects:
+                    ckpt_meta.update(common_strategy.load_sharded_metadata(checkpoint_dir))
+                ckpt_keys = {v.key for v in ckpt_meta.values()}
+            local_keys = {s.key for s in shards}
+            payload = (local_keys if need_keys else None,
+                       shard_table(shards, dist.get_rank(group)) if validate_access_integrity else None)
+        except Exception as e:  # noqa: BLE001 - shared with every rank below
+            exc = _replaced_or(e, checkpoint_dir, identity)
+        timings.begin("global validation")
+
+        def check(payloads):
+            # Rank 0 alone sees every rank's request, as on a save: the other ranks receive the
+            # verdict (and the union of requested keys when the strict mode reports missing ones),
+            # not every rank's shard table (which at 16k ranks is gigabytes per rank).
+            if validate_access_integrity:
+                validate_global_integrity([p[1] for p in payloads])
+            return set().union(*(p[0] or () for p in payloads)) if need_keys else None
+
+        global_keys = dist.gather_and_decide("load preparation", exc, payload, check, group=group)
+
+        exc = None
+        try:
+            if StrictHandling.requires_explicit_ckpt_mismatch_check(strict_mode):
+                missing, unexpected = determine_missing_and_unexpected_keys(
+                    ckpt_keys, local_keys, global_keys)
+                handle_mismatched_keys(strict_mode, missing, unexpected, str(checkpoint_dir))
+                if unexpected:
+                    sharded_part, _ = extract_matching_values(
+                        sharded_part, lambda v: isinstance(v, ShardedBase) and v.key not in unexpected)
             if not sharded_strategy.can_handle_sharded_objects:
-                ckpt_meta.update(common_strategy.load_sharded_metadata(checkpoint_dir))
-            ckpt_keys = {v.key for v in ckpt_meta.values()}
-        local_keys = {s.key for s in shards}
-        payload = (local_keys if need_keys else None,
-                   shard_table(shards, dist.get_rank(group)) if validate_access_integrity else None)
-    except Exception as e:  # noqa: BLE001 - shared with every rank below
-        exc = _replaced_or(e, checkpoint_dir, identity)
+                objects, sharded_part = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
+                merge(common_state_dict, common_strategy.load_sharded_objects(objects, checkpoint_dir))
+            timings.begin_unless_timed(sharded_strategy, "reading")
+            loaded = sharded_strategy.load(sharded_part, checkpoint_dir)
+            timings.begin("merge")
+            # Another job may have swapped a new checkpoint in while this one was read.
+            commit_protocol.check_unchanged(checkpoint_dir, identity)
+            merge(common_state_dict, loaded)
+            common_state_dict = apply_factory_merges(common_state_dict, factories)
+        except Exception as e:  # noqa: BLE001
+            exc = _replaced_or(e, checkpoint_dir, identity)
+        timings.begin("closing check")
+        dist.sync_errors("load", exc, group=group)
 
-    def check(payloads):
-        # Rank 0 alone sees every rank's request, as on a save: the other ranks receive the
-        # verdict (and the union of requested keys when the strict mode reports missing ones),
-        # not every rank's shard table (which at 16k ranks is gigabytes per rank).
-        if validate_access_integrity:
-            validate_global_integrity([p[1] for p in payloads])
-        return set().union(*(p[0] or () for p in payloads)) if need_keys else None
-
-    global_keys = dist.gather_and_decide("load preparation", exc, payload, check, group=group)
-
-    exc = None
-    try:
-        if StrictHandling.requires_explicit_ckpt_mismatch_check(strict_mode):
-            missing, unexpected = determine_missing_and_unexpected_keys(
-                ckpt_keys, local_keys, global_keys)
-            handle_mismatched_keys(strict_mode, missing, unexpected, str(checkpoint_dir))
-            if unexpected:
-                sharded_part, _ = extract_matching_values(
-                    sharded_part, lambda v: isinstance(v, ShardedBase) and v.key not in unexpected)
-        if not sharded_strategy.can_handle_sharded_objects:
-            objects, sharded_part = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
-            merge(common_state_dict, common_strategy.load_sharded_objects(objects, checkpoint_dir))
-        loaded = sharded_strategy.load(sharded_part, checkpoint_dir)
-        # Another job may have swapped a new checkpoint in while this one was read.
-        commit_protocol.check_unchanged(checkpoint_dir, identity)
-        merge(common_state_dict, loaded)
-        common_state_dict = apply_factory_merges(common_state_dict, factories)
-    except Exception as e:  # noqa: BLE001
-        exc = _replaced_or(e, checkpoint_dir, identity)
-    dist.sync_errors("load", exc, group=group)
-
-    if StrictHandling.requires_returning_mismatch_keys(strict_mode):
-        return common_state_dict, missing, unexpected
-    return common_state_dict
+        if StrictHandling.requires_returning_mismatch_keys(strict_mode):
+            return common_state_dict, missing, unexpected
+        return common_state_dict
 
 
 def _replaced_or(exc: Exception, checkpoint_dir: Path, identity) -> Exception:

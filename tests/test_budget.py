@@ -7,6 +7,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 import distckpt
 from distckpt import ShardedTensor, budget
@@ -292,3 +293,48 @@ def test_zarr_async_save_under_a_tiny_budget_writes_the_same_chunks(tmp_path):
     chunks = _chunk_files(bounded)
     assert len(chunks) >= 2 * 11 and chunks == _chunk_files(unbounded)
     assert run_ranks(WORLD, _load, str(bounded), timeout=TIMEOUT) == [[]] * WORLD
+
+
+# --------------------------------------------------------------------------- writer threads
+
+
+def test_cores_per_rank_splits_the_host_unless_a_launcher_pinned_the_rank(clean_budget):
+    usable = len(os.sched_getaffinity(0))
+    clean_budget.setenv("LOCAL_WORLD_SIZE", "1")
+    assert budget.cores_per_rank() == usable
+    clean_budget.setenv("LOCAL_WORLD_SIZE", str(usable))
+    assert budget.cores_per_rank() == 1
+    clean_budget.setenv("LOCAL_WORLD_SIZE", str(4 * usable))
+    assert budget.cores_per_rank() == 1            # never below one core
+    if os.cpu_count() and os.cpu_count() > 1 and usable == os.cpu_count():
+        before = os.sched_getaffinity(0)
+        try:
+            os.sched_setaffinity(0, {min(before)})
+            assert budget.cores_per_rank() == 1    # pinned: the affinity is the share, not divided again
+            os.sched_setaffinity(0, before)
+            clean_budget.setenv("LOCAL_WORLD_SIZE", "1")
+            assert budget.cores_per_rank() == usable
+        finally:
+            os.sched_setaffinity(0, before)
+
+
+def test_the_default_save_writes_two_files_with_at_most_one_thread_per_core(clean_budget, tmp_path):
+    default = TorchDistSaveShardedStrategy()
+    clean_budget.setenv("LOCAL_WORLD_SIZE", "1")
+    assert default.thread_count == 2
+    assert default.writer_threads() == min(2, len(os.sched_getaffinity(0)))
+    clean_budget.setenv("LOCAL_WORLD_SIZE", str(os.cpu_count() * 2))
+    assert default.writer_threads() == 1
+    # Given counts are taken as they are, threads included (I/O-bound storage wants them).
+    assert TorchDistSaveShardedStrategy(thread_count=3).writer_threads() == 3
+    with pytest.raises(CheckpointingException, match="thread_count must be"):
+        TorchDistSaveShardedStrategy(thread_count=0)
+    # One writer thread, still two files: the layout does not depend on the host.
+    sd = {k: ShardedTensor.from_rank_offsets(k, torch.arange(3 << 20, dtype=torch.float32) + i)
+          for i, k in enumerate(("a", "b"))}
+    distckpt.save(sd, tmp_path / "ckpt", sharded_strategy=default)
+    names = sorted(p.name for p in (tmp_path / "ckpt").glob("*.distcp"))
+    assert names == ["__0_0.distcp", "__0_1.distcp"], names
+    loaded = distckpt.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros(3 << 20)) for k in sd},
+                           tmp_path / "ckpt")
+    assert all(torch.equal(loaded[k], sd[k].data) for k in sd)

@@ -581,6 +581,9 @@ def _sweep(args) -> int:
     print(bench_sweep.table(rows))
     print()
     print(bench_sweep.fit(rows))
+    print()
+    print("Where the time goes (medians per rank; the bytes' phase is writing for a save, reading for a load):")
+    print(bench_sweep.phase_table(rows))
     drew = bench_sweep.chart(rows, out / "sweep.png")
     print(f"\nwrote {out / 'sweep.json'}" + (f" and {out / 'sweep.png'}" if drew else " (no matplotlib: no chart)"))
     return 0
@@ -595,8 +598,9 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=1,
                         help="unrecorded repetitions first (the first touch of fresh memory is slow)")
     parser.add_argument("--backends", default="torch_dist,zarr")
-    parser.add_argument("--threads", type=int, default=2,
-                        help="writer/reader threads per rank (torch_dist thread_count)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch_dist save thread_count (files and writer threads per rank; default: "
+                             "the library's: 2 files, at most one writer thread per core of the rank)")
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--rss-budget", default=None,
                         help="also measure peak RSS per path under this host memory budget "

@@ -8,6 +8,10 @@ split). Per shape it then fits ``seconds = fixed + marginal * GiB`` over the siz
 squares) and reports the fixed cost (s at zero bytes) and the marginal cost (s/GiB) of each,
 with the marginal cost's ratio to raw I/O's (save / raw write, loads / raw read).
 
+Every save and load also reports its phases (``distckpt.last_timings``); ``phases()`` prints, per
+cell, each rank's median time before the first byte, in the bytes' phase (writing or reading,
+also as a ratio to raw I/O) and after it: where a cell's time beyond raw I/O goes.
+
     python tools/bench.py --sweep --sizes-mib 64,256,1024 --shapes h1024-tp2-opt80,h4096-tp1-opt0
 """
 
@@ -115,9 +119,17 @@ def rank_main(rank, world, port, args, queue):
             # every rank loads the whole model though only the main replicas were written).
             wanted = [sh.data for sh in sd.values()]
             times: Dict[str, List[float]] = {}
+            phases: Dict[str, Dict[str, List[float]]] = {}
+
+            def note(op, phases=phases):  # this rank's phases of the call just timed
+                t = distckpt.last_timings("load" if op != "save" else "save")
+                for name, sec in t.phases.items():
+                    phases.setdefault(op, {}).setdefault(name, []).append(sec)
+
             for rep in range(-args.warmup, args.reps):
                 if rep == 0:
                     times.clear()
+                    phases.clear()
                 raw = root / f"raw_{rank}.bin"
                 times.setdefault("raw write", []).append(_barrier_time(_raw_write, raw, tensors)[0])
                 if len(wanted) != len(tensors):
@@ -132,11 +144,14 @@ def rank_main(rank, world, port, args, queue):
                 tdist.barrier()
                 strategy = TorchDistSaveShardedStrategy(thread_count=args.threads)
                 times.setdefault("save", []).append(_barrier_time(distckpt.save, sd, ckpt, sharded_strategy=strategy)[0])
+                note("save")
                 req = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"], with_data=False)
                 times.setdefault("load", []).append(_barrier_time(distckpt.load, req, ckpt)[0])
+                note("load")
                 req = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"], pieces=2,
                                   with_data=False)
                 times.setdefault("load resharded", []).append(_barrier_time(distckpt.load, req, ckpt)[0])
+                note("load resharded")
                 req = None
                 tdist.barrier()
                 if rank == 0:
@@ -145,9 +160,13 @@ def rank_main(rank, world, port, args, queue):
             tdist.all_gather_object(out, mine)
             read = [None] * world
             tdist.all_gather_object(read, sum(t.numel() * t.element_size() for t in wanted))
+            by_rank = [None] * world
+            tdist.all_gather_object(by_rank, {op: {k: statistics.median(v) for k, v in ph.items()}
+                                              for op, ph in phases.items()})
             rows.append({"shape": shape_text, "size_mib": size, "layers": layers, "gib_per_rank": max(out) / 2**30,
                          "gib_read_per_rank": max(read) / 2**30,
-                         "seconds": {k: statistics.median(v) for k, v in times.items()}})
+                         "seconds": {k: statistics.median(v) for k, v in times.items()},
+                         "phases": by_rank})
             sd = tensors = wanted = None
     if rank == 0:
         queue.put(rows)
@@ -199,6 +218,36 @@ def table(rows: List[dict]) -> str:
         lines.append(f"| {r['shape']} | {r['size_mib']:g} | {r['layers']} | {s['raw write']:.3f} | {s['raw read']:.3f} | "
                      f"{s['save']:.3f} | {s['load']:.3f} | {s['load resharded']:.3f} | {q['save']:.2f}{mark['save']} | "
                      f"{q['load']:.2f}{mark['load']} | {q['resharded']:.2f}{mark['resharded']} |")
+    return "\n".join(lines)
+
+
+BYTES_PHASE = {"save": "writing", "load": "reading", "load resharded": "reading"}
+
+
+def split(phases: Dict[str, float], op: str) -> tuple:
+    """(before the bytes' phase, the bytes' phase, after it) in seconds, from one rank's phases."""
+    names = list(phases)
+    mid = BYTES_PHASE[op]
+    if mid not in phases:
+        return (sum(phases.values()), 0.0, 0.0)
+    i = names.index(mid)
+    return (sum(phases[n] for n in names[:i]), phases[mid], sum(phases[n] for n in names[i + 1:]))
+
+
+def phase_table(rows: List[dict], min_mib: float = 0) -> str:
+    """Per cell and operation: each rank's median ms before the first byte, in the bytes' phase
+    (and its ratio to raw I/O of the same bytes on that rank's run) and after the last."""
+    lines = ["| shape | MiB/rank | op | before ms (rank 0 / 1) | bytes' phase ms | bytes' phase ÷ raw I/O | after ms |",
+             "|---|---:|---|---:|---:|---:|---:|"]
+    for r in rows:
+        if r["size_mib"] < min_mib or not r.get("phases"):
+            continue
+        for op in ("save", "load", "load resharded"):
+            per_rank = [split(p.get(op, {}), op) for p in r["phases"]]
+            raw = r["seconds"][LIMIT[op]]
+            col = [" / ".join(f"{x[i] * 1e3:.1f}" for x in per_rank) for i in range(3)]
+            ratio = " / ".join(f"{x[1] / raw:.2f}" for x in per_rank)
+            lines.append(f"| {r['shape']} | {r['size_mib']:g} | {op} | {col[0]} | {col[1]} | {ratio} | {col[2]} |")
     return "\n".join(lines)
 
 

@@ -51,8 +51,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from distckpt import bounds, dist, storage
-from distckpt.budget import host_memory_budget
+from distckpt import bounds, dist, storage, timings
+from distckpt.budget import cores_per_rank, host_memory_budget
 from distckpt.core import CheckpointingException, atomic_write_bytes, gc_paused
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
 from distckpt.manifest import (
@@ -594,6 +594,9 @@ def _abort_outputs(plan: SavePlan) -> None:
     plan.outputs.clear()
 
 
+# Files per rank of a save that does not say (Megatron-Core's default thread_count).
+DEFAULT_FILES_PER_RANK = 2
+
 # A plan with at most this many bytes is written by the calling thread, file after file: for a few
 # MB, starting and feeding writer threads costs more than the writes themselves.
 INLINE_WRITE_BYTES = 4 << 20
@@ -682,7 +685,12 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     """Writes main replicas in DCP format (``torch_dist``, version 1).
 
     Args:
-        thread_count: files (and writer threads) per rank.
+        thread_count: files per rank, each written by its own thread. Default (None): 2 files,
+            written by at most as many threads as this rank has cores
+            (:func:`distckpt.budget.cores_per_rank`): writes to a page cache are memory copies,
+            and on 2 cores shared by 2 ranks a second writer per rank slowed the writes by up to
+            16% (docs/performance.md). A number given here is used as it is, threads included:
+            more threads than cores pay off where writes wait on the storage, not on the CPU.
         separation_hint: keys starting with this prefix go to separate files named
             ``<hint>__R_B.distcp`` so they can later be dropped without rewriting the rest.
         cached_metadata: remember this save's structure; a later save through the same strategy
@@ -696,16 +704,19 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             records in a layout a loading rank reads partially; see docs/formats.md).
     """
 
-    def __init__(self, backend: str = "torch_dist", version: int = 1, thread_count: int = 2,
+    records_phases = True   # distckpt.timings: it begins its own phases (planning, writing, commit)
+
+    def __init__(self, backend: str = "torch_dist", version: int = 1, thread_count: Optional[int] = None,
                  separation_hint: Optional[str] = None, cached_metadata: bool = False,
                  stage_cpu_tensors: bool = True, write_index: bool = True):
         super().__init__(backend, version)
         self.write_index = write_index
         self.stage_cpu_tensors = stage_cpu_tensors
         self._staging = None
-        if thread_count < 1:
-            raise CheckpointingException(f"thread_count must be >= 1, got {thread_count}")
-        self.thread_count = thread_count
+        if thread_count is not None and (not isinstance(thread_count, int) or thread_count < 1):
+            raise CheckpointingException(f"thread_count must be an integer >= 1 or None, got {thread_count!r}")
+        self.thread_count = DEFAULT_FILES_PER_RANK if thread_count is None else thread_count
+        self._threads_given = thread_count is not None
         self.separation_hint = separation_hint
         self.cached_metadata = cached_metadata
         # This rank's last structure, and on rank 0 every rank's record table.
@@ -760,12 +771,23 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 jobs.append((f"{prefix}__{rank}_{b}{DATA_SUFFIX}", bucket))
         return SavePlan(checkpoint_dir, rank, jobs, decls, staging=staging)
 
+    def writer_threads(self) -> int:
+        """Threads that write this rank's ``thread_count`` files: as many as given, or by
+        default at most :func:`distckpt.budget.cores_per_rank`."""
+        if self._threads_given:
+            return self.thread_count
+        return max(1, min(self.thread_count, cores_per_rank()))
+
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
         exc, plan = None, None
+        timings.begin("planning")
         try:
-            plan = write_plan(self.prepare(sharded_state_dict, checkpoint_dir), self.thread_count)
+            plan = self.prepare(sharded_state_dict, checkpoint_dir)
+            timings.begin("writing")
+            plan = write_plan(plan, self.writer_threads())
         except Exception as e:  # noqa: BLE001 - shared with every rank in finalize
             exc = e
+        timings.begin("commit")
         self.finalize(plan, _location(checkpoint_dir), exc)
 
     def save_and_commit(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path,
@@ -779,10 +801,14 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         (``serialization.save`` calls it; the stage is named "torch_dist write and commit")."""
         plan = None
         if exc is None:
+            timings.begin("planning")
             try:
-                plan = write_plan(self.prepare(sharded_state_dict, checkpoint_dir), self.thread_count)
+                plan = self.prepare(sharded_state_dict, checkpoint_dir)
+                timings.begin("writing")
+                plan = write_plan(plan, self.writer_threads())
             except Exception as e:  # noqa: BLE001 - shared with every rank in finalize
                 exc = e
+        timings.begin("commit")
         self._commit = (whole_files, commit)
         try:
             self.finalize(plan, _location(checkpoint_dir), exc)
@@ -831,12 +857,15 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         buffers; only the last wave is left to the background."""
         from distckpt.strategies.async_utils import AsyncRequest
 
+        timings.begin("planning")
         plan = self.prepare(sharded_state_dict, checkpoint_dir, stage=True)
+        timings.begin("staging")
         budget = host_memory_budget()
         if plan.staging is not None:
             plan.staging.reset_peak()
-        write_waves(plan, plan_waves(plan.jobs, budget), self.thread_count)
-        return AsyncRequest(write_plan, (plan, self.thread_count),
+        threads = self.writer_threads()
+        write_waves(plan, plan_waves(plan.jobs, budget), threads)
+        return AsyncRequest(write_plan, (plan, threads),
                             [lambda: self.finalize(plan, _location(checkpoint_dir), None)])
 
     def finalize(self, plan: Optional[SavePlan], checkpoint_dir: Path, exc: Optional[BaseException]) -> None:
@@ -1730,6 +1759,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             other; 0 copies into them from pageable memory instead.
     """
 
+    records_phases = True   # distckpt.timings: it begins its own phases (index, planning, reading)
+
     def __init__(self, backend: str = "torch_dist", version: int = 1, trusted: bool = False,
                  thread_count: int = 4, verify: bool = False, use_index: bool = True,
                  pinned_slot_bytes: int = device_io.SLOT_BYTES):
@@ -2240,7 +2271,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
         checkpoint_dir = _location(checkpoint_dir)
+        timings.begin("index")
         index, checksums = self._load_index(sharded_state_dict, checkpoint_dir)
+        timings.begin("planning")
         self._check_allocations(sharded_state_dict, index, checkpoint_dir)
         plan = _Plan()
         commits: List[Callable[[], None]] = []
@@ -2266,6 +2299,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             return sh
 
         dict_list_map_inplace(prepare, sharded_state_dict)
+        timings.begin("reading")
         self._execute(plan, checkpoint_dir, checksums)
         with torch.no_grad():
             for commit in commits:
