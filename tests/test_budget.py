@@ -329,6 +329,17 @@ def test_the_default_save_writes_two_files_with_at_most_one_thread_per_core(clea
     assert TorchDistSaveShardedStrategy(thread_count=3).writer_threads() == 3
     with pytest.raises(CheckpointingException, match="thread_count must be"):
         TorchDistSaveShardedStrategy(thread_count=0)
+    # On an object store every file is an upload: all of them at once whatever the cores.
+    from distckpt import storage
+    from distckpt.strategies.torch import TorchDistLoadShardedStrategy
+
+    store = storage.resolve("memory://threads")
+    assert default.writer_threads(store) == 2
+    reader = TorchDistLoadShardedStrategy()
+    assert reader.reader_threads(tmp_path) == 1 and reader.reader_threads(store) == 4
+    clean_budget.setenv("LOCAL_WORLD_SIZE", "1")
+    assert reader.reader_threads(tmp_path) == min(4, len(os.sched_getaffinity(0)))
+    assert TorchDistLoadShardedStrategy(thread_count=3).reader_threads(tmp_path) == 3
     # One writer thread, still two files: the layout does not depend on the host.
     sd = {k: ShardedTensor.from_rank_offsets(k, torch.arange(3 << 20, dtype=torch.float32) + i)
           for i, k in enumerate(("a", "b"))}

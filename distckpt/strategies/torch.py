@@ -596,6 +596,8 @@ def _abort_outputs(plan: SavePlan) -> None:
 
 # Files per rank of a save that does not say (Megatron-Core's default thread_count).
 DEFAULT_FILES_PER_RANK = 2
+# Files a load reads at once when it does not say (at most; see reader_threads).
+DEFAULT_READERS_PER_RANK = 4
 
 # A plan with at most this many bytes is written by the calling thread, file after file: for a few
 # MB, starting and feeding writer threads costs more than the writes themselves.
@@ -771,10 +773,11 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 jobs.append((f"{prefix}__{rank}_{b}{DATA_SUFFIX}", bucket))
         return SavePlan(checkpoint_dir, rank, jobs, decls, staging=staging)
 
-    def writer_threads(self) -> int:
-        """Threads that write this rank's ``thread_count`` files: as many as given, or by
-        default at most :func:`distckpt.budget.cores_per_rank`."""
-        if self._threads_given:
+    def writer_threads(self, checkpoint_dir=None) -> int:
+        """Threads that write this rank's ``thread_count`` files: as many as given, one per
+        object on an object store (uploads wait on the network), else by default at most
+        :func:`distckpt.budget.cores_per_rank`."""
+        if self._threads_given or isinstance(checkpoint_dir, storage.Store):
             return self.thread_count
         return max(1, min(self.thread_count, cores_per_rank()))
 
@@ -784,7 +787,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         try:
             plan = self.prepare(sharded_state_dict, checkpoint_dir)
             timings.begin("writing")
-            plan = write_plan(plan, self.writer_threads())
+            plan = write_plan(plan, self.writer_threads(plan.checkpoint_dir))
         except Exception as e:  # noqa: BLE001 - shared with every rank in finalize
             exc = e
         timings.begin("commit")
@@ -805,7 +808,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             try:
                 plan = self.prepare(sharded_state_dict, checkpoint_dir)
                 timings.begin("writing")
-                plan = write_plan(plan, self.writer_threads())
+                plan = write_plan(plan, self.writer_threads(plan.checkpoint_dir))
             except Exception as e:  # noqa: BLE001 - shared with every rank in finalize
                 exc = e
         timings.begin("commit")
@@ -863,7 +866,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         budget = host_memory_budget()
         if plan.staging is not None:
             plan.staging.reset_peak()
-        threads = self.writer_threads()
+        threads = self.writer_threads(plan.checkpoint_dir)
         write_waves(plan, plan_waves(plan.jobs, budget), threads)
         return AsyncRequest(write_plan, (plan, threads),
                             [lambda: self.finalize(plan, _location(checkpoint_dir), None)])
@@ -1750,7 +1753,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     Args:
         trusted: unpickle ``.metadata`` and object payloads without the allowlist.
-        thread_count: files read in parallel.
+        thread_count: files read in parallel. Default (None): 4 on an object store; on a file
+            system at most :func:`distckpt.budget.cores_per_rank` (reads from a page cache are
+            memory copies, which more threads than cores only interleave). A number is used as
+            given.
         verify: read every needed item whole and check its CRC32C against the manifest.
         use_index: read the sidecar index ``.distckpt_index`` when the checkpoint has one (only
             the records of the requested keys and boxes); False always reads ``.metadata``.
@@ -1762,14 +1768,17 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     records_phases = True   # distckpt.timings: it begins its own phases (index, planning, reading)
 
     def __init__(self, backend: str = "torch_dist", version: int = 1, trusted: bool = False,
-                 thread_count: int = 4, verify: bool = False, use_index: bool = True,
+                 thread_count: Optional[int] = None, verify: bool = False, use_index: bool = True,
                  pinned_slot_bytes: int = device_io.SLOT_BYTES):
         super().__init__(backend, version)
         if pinned_slot_bytes < 0:
             raise CheckpointingException(f"pinned_slot_bytes must be >= 0, got {pinned_slot_bytes}")
         self.pinned_slot_bytes = pinned_slot_bytes
         self.trusted = trusted
-        self.thread_count = thread_count
+        if thread_count is not None and (not isinstance(thread_count, int) or thread_count < 1):
+            raise CheckpointingException(f"thread_count must be an integer >= 1 or None, got {thread_count!r}")
+        self.thread_count = DEFAULT_READERS_PER_RANK if thread_count is None else thread_count
+        self._threads_given = thread_count is not None
         self.verify = verify
         self.bytes_read = 0  # bytes read from storage by this strategy object (all loads)
         self.requests = 0  # object stores: data GET requests (ranged, after coalescing) and block tables
@@ -2198,17 +2207,25 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         if isinstance(checkpoint_dir, storage.Store):
             read_file = read_object  # noqa: F811 - the object-store reader replaces the POSIX one
         small = sum(st.length for st in plan.ops) <= INLINE_READ_BYTES
-        if len(names) <= 1 or self.thread_count <= 1 or small:
+        threads = self.reader_threads(checkpoint_dir)
+        if len(names) <= 1 or threads <= 1 or small:
             for n in names:
                 read_file(n)
         else:
-            with ThreadPoolExecutor(max_workers=min(self.thread_count, len(names))) as pool:
+            with ThreadPoolExecutor(max_workers=min(threads, len(names))) as pool:
                 for fut in [pool.submit(read_file, n) for n in names]:
                     fut.result()
         self.bytes_read += sum(counted)
         self.requests += sum(gets)
         for fin in plan.finalizers:
             fin()
+
+    def reader_threads(self, checkpoint_dir=None) -> int:
+        """Files (objects) read at once: as many as given; by default 4 on an object store, else
+        at most :func:`distckpt.budget.cores_per_rank`."""
+        if self._threads_given or isinstance(checkpoint_dir, storage.Store):
+            return self.thread_count
+        return max(1, min(self.thread_count, cores_per_rank()))
 
     def _load_object(self, obj: ShardedObject, stored: Optional[_Stored], checkpoint_dir: Path,
                      checksums: Optional[Dict]) -> Any:
