@@ -222,6 +222,7 @@ class PeakRss:
 def _rank_main_object_store(rank, world, port, args, queue):
     """The object-store run: raw obstore put/get against distckpt save/load of the same bytes."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)  # one intra-op thread per rank, as under torchrun (the variable came too late)
     import obstore
     import torch.distributed as tdist
 
@@ -301,6 +302,7 @@ def _start_moto(url: str):
 
 def _rank_main(rank, world, port, args, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)  # one intra-op thread per rank, as under torchrun (the variable came too late)
     import psutil
     import torch.distributed as tdist
     import torch.distributed.checkpoint as dcp

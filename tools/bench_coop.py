@@ -106,6 +106,7 @@ def _check(req, ref) -> None:
 
 def _rank_main(rank, world, port, args, clock, lock, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)  # one intra-op thread per rank, as under torchrun (the variable came too late)
     import torch.distributed as tdist
 
     import distckpt

@@ -96,6 +96,7 @@ def sweep_state(rank: int, world: int, hidden: int, layers: int, tp: int, opt: i
 
 def rank_main(rank, world, port, args, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)  # one intra-op thread per rank, as under torchrun (the variable came too late)
     import torch.distributed as tdist
 
     import distckpt
