@@ -2205,9 +2205,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
         names = sorted(by_file)
         if len(names) > 1:
-            # Ranks that read the same files start at different ones: in step, they would fault
-            # in the same file's pages and tear down its mappings together, taking turns on
-            # that file's locks (a resharded load of 2 ranks on one host: 2.2x slower).
+            # Ranks that read the same files start at different ones rather than all at the
+            # first: fewer ranks map and fault in the same file at once (on a parallel file
+            # system, fewer on the same servers). 2 ranks, one reader each, a resharded load of
+            # 256 MiB per rank: 0.167 -> 0.142 s.
             first = rank * len(names) // max(1, dist.get_world_size())
             names = names[first:] + names[:first]
         if isinstance(checkpoint_dir, storage.Store):
