@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, Optional
 
+from distckpt import dist
+
 logger = logging.getLogger("distckpt.timings")
 
 __all__ = ["Timings", "last_timings"]
@@ -56,8 +58,8 @@ class Timings:
 
 
 class _Recorder:
-    def __init__(self, op: str, first: str):
-        self.op, self.current = op, first
+    def __init__(self, first: str):
+        self.current = first
         self.start = self.last = time.perf_counter()
         self.phases: Dict[str, float] = {first: 0.0}
 
@@ -79,7 +81,7 @@ def recording(op: str, first: str) -> Iterator[None]:
     block ends (:func:`begin` moves on to the next phase). A nested recording (a load inside a
     save's callback, say) is recorded on its own and resumes the outer one after."""
     outer = getattr(_local, "recorder", None)
-    rec = _local.recorder = _Recorder(op, first)
+    rec = _local.recorder = _Recorder(first)
     failed = True
     try:
         yield
@@ -88,8 +90,6 @@ def recording(op: str, first: str) -> Iterator[None]:
         _local.recorder = outer
         end = time.perf_counter()
         rec.phases[rec.current] += end - rec.last   # a failure is charged to the phase it hit
-        from distckpt import dist
-
         result = Timings(op, dist.get_rank(), end - rec.start, rec.phases, failed)
         with _last_lock:
             _last[op] = result

@@ -599,6 +599,25 @@ DEFAULT_FILES_PER_RANK = 2
 # Files a load reads at once when it does not say (at most; see reader_threads).
 DEFAULT_READERS_PER_RANK = 4
 
+def _thread_count(thread_count: Optional[int], default: int) -> Tuple[int, bool]:
+    """A strategy's ``thread_count`` argument checked: (the count, whether it was given)."""
+    if thread_count is None:
+        return default, False
+    if not isinstance(thread_count, int) or thread_count < 1:
+        raise CheckpointingException(f"thread_count must be an integer >= 1 or None, got {thread_count!r}")
+    return thread_count, True
+
+
+def _io_threads(count: int, given: bool, checkpoint_dir) -> int:
+    """Threads that write or read ``count`` files at once: all of them if the count was given
+    or the location is an object store (each request waits on the network); by default on a
+    file system at most :func:`distckpt.budget.cores_per_rank` (page-cache I/O is memory
+    copies, which more threads than cores only interleave)."""
+    if given or isinstance(checkpoint_dir, storage.Store):
+        return count
+    return max(1, min(count, cores_per_rank()))
+
+
 # A plan with at most this many bytes is written by the calling thread, file after file: for a few
 # MB, starting and feeding writer threads costs more than the writes themselves.
 INLINE_WRITE_BYTES = 4 << 20
@@ -715,10 +734,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.write_index = write_index
         self.stage_cpu_tensors = stage_cpu_tensors
         self._staging = None
-        if thread_count is not None and (not isinstance(thread_count, int) or thread_count < 1):
-            raise CheckpointingException(f"thread_count must be an integer >= 1 or None, got {thread_count!r}")
-        self.thread_count = DEFAULT_FILES_PER_RANK if thread_count is None else thread_count
-        self._threads_given = thread_count is not None
+        self.thread_count, self._threads_given = _thread_count(thread_count, DEFAULT_FILES_PER_RANK)
         self.separation_hint = separation_hint
         self.cached_metadata = cached_metadata
         # This rank's last structure, and on rank 0 every rank's record table.
@@ -774,22 +790,22 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         return SavePlan(checkpoint_dir, rank, jobs, decls, staging=staging)
 
     def writer_threads(self, checkpoint_dir=None) -> int:
-        """Threads that write this rank's ``thread_count`` files: as many as given, one per
-        object on an object store (uploads wait on the network), else by default at most
-        :func:`distckpt.budget.cores_per_rank`."""
-        if self._threads_given or isinstance(checkpoint_dir, storage.Store):
-            return self.thread_count
-        return max(1, min(self.thread_count, cores_per_rank()))
+        """Threads that write this rank's ``thread_count`` files (see :func:`_io_threads`)."""
+        return _io_threads(self.thread_count, self._threads_given, checkpoint_dir)
 
-    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
-        exc, plan = None, None
+    def _plan_and_write(self, sharded_state_dict: ShardedStateDict,
+                        checkpoint_dir: Path) -> Tuple[Optional[SavePlan], Optional[BaseException]]:
+        """Plan and write this rank's files; a failure is returned, to be shared in finalize."""
         timings.begin("planning")
         try:
             plan = self.prepare(sharded_state_dict, checkpoint_dir)
             timings.begin("writing")
-            plan = write_plan(plan, self.writer_threads(plan.checkpoint_dir))
+            return write_plan(plan, self.writer_threads(plan.checkpoint_dir)), None
         except Exception as e:  # noqa: BLE001 - shared with every rank in finalize
-            exc = e
+            return None, e
+
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
+        plan, exc = self._plan_and_write(sharded_state_dict, checkpoint_dir)
         timings.begin("commit")
         self.finalize(plan, _location(checkpoint_dir), exc)
 
@@ -804,13 +820,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         (``serialization.save`` calls it; the stage is named "torch_dist write and commit")."""
         plan = None
         if exc is None:
-            timings.begin("planning")
-            try:
-                plan = self.prepare(sharded_state_dict, checkpoint_dir)
-                timings.begin("writing")
-                plan = write_plan(plan, self.writer_threads(plan.checkpoint_dir))
-            except Exception as e:  # noqa: BLE001 - shared with every rank in finalize
-                exc = e
+            plan, exc = self._plan_and_write(sharded_state_dict, checkpoint_dir)
         timings.begin("commit")
         self._commit = (whole_files, commit)
         try:
@@ -1775,10 +1785,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             raise CheckpointingException(f"pinned_slot_bytes must be >= 0, got {pinned_slot_bytes}")
         self.pinned_slot_bytes = pinned_slot_bytes
         self.trusted = trusted
-        if thread_count is not None and (not isinstance(thread_count, int) or thread_count < 1):
-            raise CheckpointingException(f"thread_count must be an integer >= 1 or None, got {thread_count!r}")
-        self.thread_count = DEFAULT_READERS_PER_RANK if thread_count is None else thread_count
-        self._threads_given = thread_count is not None
+        self.thread_count, self._threads_given = _thread_count(thread_count, DEFAULT_READERS_PER_RANK)
         self.verify = verify
         self.bytes_read = 0  # bytes read from storage by this strategy object (all loads)
         self.requests = 0  # object stores: data GET requests (ranged, after coalescing) and block tables
@@ -2233,11 +2240,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             fin()
 
     def reader_threads(self, checkpoint_dir=None) -> int:
-        """Files (objects) read at once: as many as given; by default 4 on an object store, else
-        at most :func:`distckpt.budget.cores_per_rank`."""
-        if self._threads_given or isinstance(checkpoint_dir, storage.Store):
-            return self.thread_count
-        return max(1, min(self.thread_count, cores_per_rank()))
+        """Files (objects) read at once (see :func:`_io_threads`)."""
+        return _io_threads(self.thread_count, self._threads_given, checkpoint_dir)
 
     def _load_object(self, obj: ShardedObject, stored: Optional[_Stored], checkpoint_dir: Path,
                      checksums: Optional[Dict]) -> Any:
