@@ -22,14 +22,16 @@ A bad value raises :class:`~distckpt.core.CheckpointingException` naming the set
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import re
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 from distckpt.core import CheckpointingException
 
 __all__ = ["ENV_VAR", "DEFAULT_FRACTION", "host_memory_budget", "set_host_memory_budget",
-           "parse_budget", "local_world_size", "cores_per_rank"]
+           "parse_budget", "local_world_size", "cores_per_rank", "ranks_doing_io"]
 
 ENV_VAR = "DISTCKPT_HOST_MEMORY_BUDGET"
 DEFAULT_FRACTION = 0.25
@@ -40,6 +42,9 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 1 << 10, "m": 10**6, "m
 _NUMBER = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 
 _override: Optional[Union[int, float, str]] = None
+# Ranks of this host doing I/O in the current save (set by ``ranks_doing_io``), or None: all of them.
+_ranks_doing_io: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("distckpt_ranks_doing_io",
+                                                                                 default=None)
 
 
 def host_ram_bytes() -> int:
@@ -97,14 +102,32 @@ def local_world_size() -> int:
 
 def cores_per_rank() -> int:
     """The cores this rank may count on: its CPU affinity if a launcher pinned it to part of the
-    host, else the host's cores divided by the ranks on it (:func:`local_world_size`); at least 1."""
+    host, else the host's cores divided by the ranks on it (:func:`local_world_size`), or by the
+    ranks doing I/O when a save said how many of them write (:func:`ranks_doing_io`); at least 1."""
     try:
         usable = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         usable = os.cpu_count() or 1
     if usable < (os.cpu_count() or usable):
         return max(1, usable)          # pinned: the affinity is this rank's share already
-    return max(1, usable // local_world_size())
+    sharing = local_world_size()
+    busy = _ranks_doing_io.get()
+    if busy is not None:
+        sharing = max(1, min(sharing, busy))
+    return max(1, usable // sharing)
+
+
+@contextlib.contextmanager
+def ranks_doing_io(count: Optional[int]) -> Iterator[None]:
+    """Within the block, ``count`` ranks of this host do I/O (None: every rank on it). A save
+    where only some ranks hold main replicas (data-parallel replicas without a fully parallel
+    save) lets its writers share the idle ranks' cores. The count only ever lowers the divisor
+    of :func:`cores_per_rank`, never raises it above :func:`local_world_size`."""
+    token = _ranks_doing_io.set(count)
+    try:
+        yield
+    finally:
+        _ranks_doing_io.reset(token)
 
 
 def set_host_memory_budget(value: Optional[Union[int, float, str]]) -> None:

@@ -8,14 +8,17 @@ failure anywhere raises the same CheckpointingException everywhere instead of a 
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import logging
 import pickle
+import socket
+import zlib
 from pathlib import Path
-from typing import Any, Callable, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
+from distckpt import budget, dist, storage, timings
 from distckpt import commit as commit_protocol
-from distckpt import dist, storage, timings
 from distckpt.core import (
     CONFIG_FNAME,
     CheckpointingConfig,
@@ -36,6 +39,7 @@ from distckpt.mapping import (
     StateDict,
     apply_factories,
     apply_factory_merges,
+    is_main_replica,
 )
 from distckpt.megatron_api import check_save_options
 from distckpt.strategies.base import (
@@ -240,7 +244,8 @@ def save(
             common_view = None
             if preprocess_common_before_consistancy_check is not None:
                 common_view = preprocess_common_before_consistancy_check(common_part)
-            payload = (shard_table(shards, rank) if validate_access_integrity else None, common_view)
+            payload = (shard_table(shards, rank) if validate_access_integrity else None, common_view,
+                       _io_mark(shards, sharded_strategy))
         except Exception as e:  # noqa: BLE001 - shared with every rank below
             exc = e
         timings.begin("global validation")
@@ -256,23 +261,44 @@ def save(
                 validate_global_integrity([p[0] for p in payloads])
             if preprocess_common_before_consistancy_check is not None:
                 _log_common_differences([p[1] for p in payloads])
-            return begin()
+            return begin(), _writers_by_host([p[2] for p in payloads])
 
         staging = None
         try:
             if validate_access_integrity and preprocess_common_before_consistancy_check is None:
-                staging = _validate_with_cache(exc, payload, check, begin)
+                staging, writers = _validate_with_cache(exc, payload, check, begin)
             else:
-                staging = dist.gather_and_decide("validation", exc, payload, check)
+                staging, writers = dist.gather_and_decide("validation", exc, payload, check)
             timings.begin("common state")
-            return _write_and_commit(staging, protocol, sharded_part, common_part, sharded_strategy,
-                                     common_strategy, async_sharded_save)
+            # Where only some ranks of a host write (data-parallel replicas), they share its cores.
+            with budget.ranks_doing_io(writers.get(_host_key())):
+                return _write_and_commit(staging, protocol, sharded_part, common_part, sharded_strategy,
+                                         common_strategy, async_sharded_save)
         except BaseException:
             if prestaged:
                 sharded_strategy.discard_prestaged()
             if rank == 0 and staging is not None:
                 protocol.abort(staging)
             raise
+
+
+@functools.lru_cache(maxsize=1)
+def _host_key() -> int:
+    return zlib.crc32(socket.gethostname().encode())
+
+
+def _io_mark(shards: List[ShardedBase], strategy: Any) -> Tuple[int, bool]:
+    """(a key of this host, whether this rank writes sharded bytes): rank 0 counts the writing
+    ranks of each host from these. A strategy that moves replicas between ranks (the fully
+    parallel wrapper, ``reassigns_replicas``) may make any rank a writer."""
+    writes = bool(getattr(strategy, "reassigns_replicas", False)) or any(
+        is_main_replica(sh.replica_id) for sh in shards)
+    return _host_key(), writes
+
+
+def _writers_by_host(marks: List[Tuple[int, bool]]) -> Dict[int, int]:
+    counts: Dict[int, int] = collections.Counter(host for host, writes in marks if writes)
+    return dict(counts)
 
 
 def _write_and_commit(staging: commit_protocol.Staging, protocol, sharded_part, common_part, sharded_strategy,
@@ -353,22 +379,24 @@ _VALIDATED_CAPACITY = 8
 
 
 def _validate_with_cache(exc: Optional[BaseException], payload: Any, check: Callable,
-                         begin: Callable) -> commit_protocol.Staging:
+                         begin: Callable) -> Tuple[commit_protocol.Staging, Dict[int, int]]:
     """Validate the global sharding unless this exact structure passed before; returns the
-    staging ``check`` / ``begin`` created on rank 0.
+    staging ``check`` / ``begin`` created on rank 0 and the writing ranks of each host.
 
-    Each rank hashes its own shard descriptions; rank 0 gathers the 16-byte digests and, for a
-    structure it validated before, begins the save and answers at once. Only a new structure
-    pays for gathering every rank's shard descriptions.
+    Each rank hashes its own shard descriptions; rank 0 gathers the 16-byte digests (with each
+    rank's host mark) and, for a structure it validated before, begins the save and answers at
+    once. Only a new structure pays for gathering every rank's shard descriptions.
     """
-    local = None if exc is not None else hashlib.blake2b(pickle.dumps(payload[0], protocol=4), digest_size=16).digest()
+    local = None
+    if exc is None:
+        local = (hashlib.blake2b(pickle.dumps(payload[0], protocol=4), digest_size=16).digest(), payload[2])
 
-    def known(digests):
-        key = hashlib.blake2b(b"".join(digests), digest_size=16).digest()
+    def known(marked):
+        key = hashlib.blake2b(b"".join(digest for digest, _ in marked), digest_size=16).digest()
         if key not in _VALIDATED_STRUCTURES:
             return ("new", key)
         _VALIDATED_STRUCTURES.move_to_end(key)
-        return ("known", begin())
+        return ("known", (begin(), _writers_by_host([mark for _, mark in marked])))
 
     kind, value = dist.gather_and_decide("validation", exc, local, known)
     if kind == "known":

@@ -306,6 +306,14 @@ def test_cores_per_rank_splits_the_host_unless_a_launcher_pinned_the_rank(clean_
     assert budget.cores_per_rank() == 1
     clean_budget.setenv("LOCAL_WORLD_SIZE", str(4 * usable))
     assert budget.cores_per_rank() == 1            # never below one core
+    # A save where one rank of the host writes gives that rank the host's cores; a count above
+    # the host's ranks never lowers a rank's share.
+    clean_budget.setenv("LOCAL_WORLD_SIZE", str(usable))
+    with budget.ranks_doing_io(1):
+        assert budget.cores_per_rank() == usable
+    with budget.ranks_doing_io(8 * usable):
+        assert budget.cores_per_rank() == 1
+    assert budget.cores_per_rank() == 1            # back to every rank of the host after the block
     if os.cpu_count() and os.cpu_count() > 1 and usable == os.cpu_count():
         before = os.sched_getaffinity(0)
         try:
@@ -349,3 +357,44 @@ def test_the_default_save_writes_two_files_with_at_most_one_thread_per_core(clea
     loaded = distckpt.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros(3 << 20)) for k in sd},
                            tmp_path / "ckpt")
     assert all(torch.equal(loaded[k], sd[k].data) for k in sd)
+
+
+class _RecordingWriters(TorchDistSaveShardedStrategy):
+    """The default strategy, remembering the cores and writer threads its save was given."""
+
+    def writer_threads(self, checkpoint_dir=None) -> int:
+        self.seen = (budget.cores_per_rank(), super().writer_threads(checkpoint_dir))
+        return self.seen[1]
+
+
+def _writer_cores(ckpt, layout):
+    from distckpt.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    rank = ddist.get_rank()
+    t = torch.arange(4 << 20, dtype=torch.float32)
+    if layout == "tp":   # both ranks hold a main replica
+        sd = {"w": ShardedTensor.from_rank_offsets("w", t.clone(), (0, rank, WORLD))}
+    else:                # data parallel: rank 1 holds replicas only
+        sd = {"w": ShardedTensor.from_rank_offsets("w", t.clone(), replica_id=rank)}
+    inner = _RecordingWriters()
+    strategy = FullyParallelSaveStrategyWrapper(inner) if layout == "dp, fully parallel" else inner
+    distckpt.save(sd, Path(ckpt) / layout.replace(", ", "_"), sharded_strategy=strategy)
+    # Outside the save, every rank of the host counts again.
+    return inner.seen, budget.cores_per_rank()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or len(os.sched_getaffinity(0)) < (os.cpu_count() or 1),
+                    reason="needs two unpinned cores to tell one writer from two")
+@pytest.mark.parametrize("layout", ["tp", "dp", "dp, fully parallel"])
+def test_ranks_that_write_alone_on_a_host_get_the_idle_ranks_cores(layout, tmp_path):
+    usable = len(os.sched_getaffinity(0))
+    seen = run_ranks(WORLD, _writer_cores, str(tmp_path), layout, timeout=TIMEOUT)
+    (cores0, threads0), after0 = seen[0]
+    assert after0 == usable // WORLD
+    if layout == "dp":
+        # Only rank 0 writes: it takes both ranks' cores, and two writer threads for its two files.
+        assert cores0 == usable and threads0 == 2
+    else:
+        # Both ranks write (the fully parallel wrapper may hand replicas to rank 1): a share each.
+        assert [s[0][0] for s in seen] == [usable // WORLD] * WORLD
+        assert threads0 == min(2, usable // WORLD)

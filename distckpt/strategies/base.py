@@ -164,6 +164,10 @@ class SaveCommonStrategy(SaveStrategyBase, ABC):
 
 
 class SaveShardedStrategy(SaveStrategyBase, ABC):
+    # True for a strategy that hands main replicas to other ranks (the fully parallel wrapper):
+    # then any rank may write, not only those whose shards have replica id 0.
+    reassigns_replicas = False
+
     @abstractmethod
     def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
         """Write this rank's main replicas and the strategy's index of the checkpoint.

@@ -231,6 +231,8 @@ class FullyParallelSaveStrategyWrapper(_WrapperState, AsyncSaveShardedStrategy):
     changed: the inner strategy gets shallow copies with new replica ids.
     """
 
+    reassigns_replicas = True
+
     def __init__(self, strategy: SaveShardedStrategy, parallelization_group: dist.ProcessGroup = None,
                  do_cache_distribution: bool = False):
         super().__init__(strategy.backend, strategy.version)
