@@ -98,6 +98,46 @@ def test_own_frames_are_recognised_from_their_header_and_trailer_only(tmp_path):
     assert fs.framed_layout(theirs, (64, 48), torch.bfloat16) is None
 
 
+def test_an_own_item_is_read_into_its_destination_in_one_call_and_anything_else_declined(tmp_path):
+    t = _sample(torch.bfloat16, (64, 48))
+    path = tmp_path / "item"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    sink = fs.ChecksummingSink(fd)
+    sink.write(b"x" * 100)  # the item does not start at the file's beginning
+    offset, length, _ = fs.write_tensor_item(sink, t)
+    sink.drain()
+    os.close(fd)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        dest = torch.zeros(64, 48, dtype=torch.bfloat16)
+        assert fs.read_framed_into(fd, offset, length, (64, 48), dest)
+        assert torch.equal(dest, t)
+        # Another shape, dtype, length or place: declined (the caller then parses the item).
+        assert not fs.read_framed_into(fd, offset, length, (48, 64), torch.zeros(48, 64, dtype=torch.bfloat16))
+        assert not fs.read_framed_into(fd, offset, length, (64, 48), torch.zeros(64, 48, dtype=torch.float16))
+        assert not fs.read_framed_into(fd, offset, length + 1, (64, 48), dest)
+        assert not fs.read_framed_into(fd, offset + 1, length, (64, 48), dest)
+    finally:
+        os.close(fd)
+    # A damaged header or trailer, or a file that ends inside the item: declined as well.
+    data = bytearray(path.read_bytes())
+    for damage in (offset + 3, offset + length - 5):
+        bad = bytearray(data)
+        bad[damage] ^= 0xFF
+        (tmp_path / "bad").write_bytes(bad)
+        fd = os.open(tmp_path / "bad", os.O_RDONLY)
+        try:
+            assert not fs.read_framed_into(fd, offset, length, (64, 48), torch.zeros(64, 48, dtype=torch.bfloat16))
+        finally:
+            os.close(fd)
+    (tmp_path / "short").write_bytes(data[:offset + length - 1])
+    fd = os.open(tmp_path / "short", os.O_RDONLY)
+    try:
+        assert not fs.read_framed_into(fd, offset, length, (64, 48), torch.zeros(64, 48, dtype=torch.bfloat16))
+    finally:
+        os.close(fd)
+
+
 def test_tensor_bytes_are_aligned_to_64_bytes_of_the_file(tmp_path):
     """Items follow one another at any offset; the framer pads each record's data to a multiple
     of 64 bytes of the *file* (an unaligned kernel copy is ~30% slower), torch.load still reads

@@ -80,6 +80,40 @@ def test_a_rank_reads_the_records_of_its_share_not_of_the_world(tmp_path):
     assert reader.bytes_read < len(data) / 10, (reader.bytes_read, len(data))
 
 
+@pytest.mark.parametrize("boxes", [1, 2, 3, 4, 5, 9])
+def test_query_returns_exactly_the_chunks_that_meet_any_box(tmp_path, boxes):
+    """Small leaves with up to four boxes are searched in Python, the rest with numpy; both must
+    find every chunk that meets any box and nothing else, against a brute-force intersection."""
+    import random
+
+    rng = random.Random(boxes)
+    keys, records = {}, []
+    for k in range(12):
+        rows, cols = rng.choice([(4, 1), (3, 5), (8, 2), (40, 3)])
+        size = (rows * 4, cols * 6)
+        keys[f"k{k}"] = {"dtype": torch.float32, "size": size, "orig_shape": None}
+        for i in range(rows):
+            for j in range(cols):
+                records.append((f"k{k}", (4 * i, 6 * j), (4, 6), f"__{k}_{i}.distcp", 64 * j, 96, i * 100 + j))
+    (tmp_path / ".metadata").write_bytes(b"x" * 10)
+    (tmp_path / INDEX_FNAME).write_bytes(build_index(keys, records, 10))
+    query = {}
+    for fqn, e in keys.items():
+        query[fqn] = []
+        for _ in range(boxes):
+            lo = tuple(rng.randrange(n) for n in e["size"])
+            query[fqn].append((lo, tuple(rng.randint(1, n - a) for a, n in zip(lo, e["size"]))))
+    found = IndexReader.open(tmp_path).query(query)
+
+    def meets(off, size, box):
+        return all(o < bo + bs and o + s > bo for o, s, bo, bs in zip(off, size, *box))
+
+    for fqn, bxs in query.items():
+        expected = sorted((r[1], r[2]) for r in records if r[0] == fqn and any(meets(r[1], r[2], b) for b in bxs))
+        assert sorted((tuple(r[0]), tuple(r[1])) for r in found[fqn]) == expected, fqn
+        assert all(r[5] == int(r[0][0]) // 4 * 100 + int(r[0][1]) // 6 for r in found[fqn])
+
+
 @pytest.mark.parametrize("record, match", [
     (("w", (4,), (4,), "../outside.distcp", 0, 100, 0), r"key 'w': file name '\.\./outside\.distcp' points outside"),
     (("w", (4,), (4,), "__0_0.distcp", -1, 100, 0), r"key 'w': offset -1 is not an integer"),

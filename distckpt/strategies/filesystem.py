@@ -456,6 +456,32 @@ def pread_into(fd: int, dest: torch.Tensor, offset: int, what: str) -> None:
     pread_exact(fd, byte_view(dest), offset, what)
 
 
+def read_framed_into(fd: int, offset: int, length: int, size: Tuple[int, ...], dest: torch.Tensor) -> bool:
+    """Read a whole item that :func:`write_tensor_item` framed around a contiguous tensor of
+    ``size`` straight into ``dest`` (a contiguous CPU tensor of its dtype and bytes) with one
+    ``preadv``: header, tensor bytes, trailer. True if the header and trailer are the frame the
+    item was expected to have; False if not (another writer's archive, a short file), and then
+    ``dest`` holds whatever was read: the caller reads the item the long way, which overwrites it.
+    One call instead of three (two small reads to check the frame, then the bytes)."""
+    frame = _expected_frame(dest.dtype, tuple(size), offset % _ALIGN)
+    if frame is None:
+        return False
+    header, trailer, layout = frame
+    if (len(header) + layout.data_length + len(trailer) != length or length > _ONE_PREADV
+            or dest.numel() * dest.element_size() != layout.data_length):
+        return False
+    head, tail = bytearray(len(header)), bytearray(len(trailer))
+    try:
+        n = os.preadv(fd, [head, byte_view(dest), tail], offset)
+    except OSError:
+        return False
+    return n == length and head == header and tail == trailer
+
+
+# Linux moves at most 0x7ffff000 bytes per read call; a longer item goes the long way.
+_ONE_PREADV = 0x7FFFF000
+
+
 @dataclass(frozen=True)
 class ArchiveLayout:
     """Where the single storage of a tensor archive sits, relative to the archive's start."""

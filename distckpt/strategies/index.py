@@ -44,6 +44,7 @@ VERSION = 1
 FANOUT = 64       # children per inner node
 LEAF = 16         # chunk records per leaf: what a rank reads beyond its own records is at most a leaf per box
 _HEADER = struct.Struct("<8sQI")
+_PLAIN_BOXES = 4            # a query of at most this many boxes per key searches small leaves in Python
 
 Box = Tuple[Tuple[int, ...], Tuple[int, ...]]   # (offset, size)
 
@@ -497,13 +498,17 @@ class IndexReader:
                 if names is None:  # leaves mostly name the same few files: parse each list once
                     names = parsed_names[names_raw] = json.loads(names_raw)
                 width = 2 * ndim + 4
-                if len(qlo_list) == 1 and len(raw) - 4 - nn <= 8 * width * 16:
-                    # A small leaf and one box (the common case of a small key): plain Python.
+                if len(qlo_list) <= _PLAIN_BOXES and len(raw) - 4 - nn <= 8 * width * 16:
+                    # A small leaf and a few boxes (a small key, loaded whole or in a few
+                    # pieces): plain Python, cheaper than numpy on arrays of a few rows.
                     flat = struct.unpack_from(f"<{(len(raw) - 4 - nn) // 8}q", raw, 4 + nn)
-                    a, b = qlo_list[0], qhi_list[0]
+                    query = list(zip(qlo_list, qhi_list))
+                    a, b = query[0]
                     for i in range(0, len(flat), width):
                         r = flat[i:i + width]
-                        if all(r[d] < b[d] and r[d] + r[ndim + d] > a[d] for d in range(ndim)):
+                        if (all(r[d] < b[d] and r[d] + r[ndim + d] > a[d] for d in range(ndim))
+                                or any(all(r[d] < q1[d] and r[d] + r[ndim + d] > q0[d] for d in range(ndim))
+                                       for q0, q1 in query[1:])):
                             out[fqn].append((tuple(r[:ndim]), tuple(r[ndim:2 * ndim]), names[r[2 * ndim]],
                                              r[2 * ndim + 1], r[2 * ndim + 2], r[2 * ndim + 3]))
                     continue
