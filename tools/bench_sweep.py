@@ -149,6 +149,10 @@ def rank_main(rank, world, port, args, queue):
                 req = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"], with_data=False)
                 times.setdefault("load", []).append(_barrier_time(distckpt.load, req, ckpt)[0])
                 note("load")
+                # Freed before the next request is built: at 2 GiB per rank, two requests alive at
+                # once (4 GiB per rank beside the state and the checkpoint) left the VM short of
+                # memory, and the kernel's reclaim then slowed every phase, not only the bytes.
+                req = None
                 req = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"], pieces=2,
                                   with_data=False)
                 times.setdefault("load resharded", []).append(_barrier_time(distckpt.load, req, ckpt)[0])
