@@ -401,12 +401,12 @@ def _validate_with_cache(exc: Optional[BaseException], payload: Any, check: Call
     kind, value = dist.gather_and_decide("validation", exc, local, known)
     if kind == "known":
         return value
-    staging = dist.gather_and_decide("validation", None, payload, check)
+    verdict = dist.gather_and_decide("validation", None, payload, check)
     if dist.get_rank() == 0:
         _VALIDATED_STRUCTURES[value] = None
         while len(_VALIDATED_STRUCTURES) > _VALIDATED_CAPACITY:
             _VALIDATED_STRUCTURES.popitem(last=False)
-    return staging
+    return verdict
 
 
 def _log_common_differences(views) -> None:
