@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tools import bench_sweep
 
@@ -45,3 +46,24 @@ def test_table_marks_each_goal_missed():
 def test_layer_size_matches_layers_for():
     shape = bench_sweep.parse_shape("h1024-tp2-opt80")
     assert bench_sweep.layers_for(4 * bench_sweep.layer_mib(shape), 1024, 2, 80) == 4
+
+
+def test_read_files_fills_the_destinations_with_the_files_bytes_in_order(tmp_path):
+    from tools.bench_files import read_files
+
+    data = [bytes(range(256)) * 40, b"\x07" * 5000, bytes(reversed(range(256))) * 9]
+    paths = []
+    for i, d in enumerate(data):
+        paths.append(tmp_path / f"f{i}")
+        paths[-1].write_bytes(d)
+    joined = b"".join(data)
+    # Destinations that split the files anywhere, and fewer bytes than the files hold: the
+    # rest is read into scratch, and every byte is counted.
+    dests = [torch.zeros(n, dtype=torch.uint8) for n in (3, 10000, 0, 2500)]
+    assert read_files(paths, dests) == len(joined)
+    got = b"".join(bytes(t.numpy()) for t in dests)
+    assert got == joined[:len(got)] and len(got) == 12503
+    # More destination bytes than the files: the files' bytes first, the rest untouched.
+    wide = [torch.full((len(joined) + 10,), 9, dtype=torch.uint8)]
+    read_files(paths, wide)
+    assert bytes(wide[0].numpy()[:len(joined)]) == joined and (wide[0][len(joined):] == 9).all()
