@@ -146,6 +146,22 @@ def _time_save_and_loads(backend, sd, reshard, location, threads, record, result
         results["resharded load: GET requests"] = counting.requests
 
 
+def spawn_ranks(target, ranks: int, args, cleanup=None):
+    """Run ``target(rank, ranks, port, args, queue)`` in ``ranks`` spawned processes (gloo over a
+    free port of 127.0.0.1); ``cleanup()`` runs when they are done, whatever happened. Returns what
+    rank 0 put on the queue."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    try:
+        mp.spawn(target, args=(ranks, port, args, queue), nprocs=ranks)
+    finally:
+        if cleanup is not None:
+            cleanup()
+    return queue.get()
+
+
 def _barrier_time(fn, *args, **kwargs):
     """Seconds from a barrier before ``fn(*args, **kwargs)`` to a barrier after it, and its result."""
     import torch.distributed as tdist
@@ -570,15 +586,8 @@ def _sweep(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     Path(args.dir).mkdir(parents=True, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    try:
-        mp.spawn(bench_sweep.rank_main, args=(args.ranks, port, args, queue), nprocs=args.ranks)
-    finally:
-        shutil.rmtree(args.dir, ignore_errors=True)
-    rows = queue.get()
+    rows = spawn_ranks(bench_sweep.rank_main, args.ranks, args,
+                       lambda: shutil.rmtree(args.dir, ignore_errors=True))
     (out / "sweep.json").write_text(json.dumps(rows, indent=2))
     print(bench_sweep.table(rows))
     print()
@@ -625,19 +634,14 @@ def main() -> int:
     server = _start_moto(args.dir) if remote and args.moto else None
     if not remote:
         Path(args.dir).mkdir(parents=True, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    try:
-        mp.spawn(_rank_main_object_store if remote else _rank_main, args=(args.ranks, port, args, queue),
-                 nprocs=args.ranks)
-    finally:
+
+    def cleanup():
         if not remote:
             shutil.rmtree(args.dir, ignore_errors=True)
         if server is not None:
             server.stop()
-    results = queue.get()
+
+    results = spawn_ranks(_rank_main_object_store if remote else _rank_main, args.ranks, args, cleanup)
     results["machine"] = {"cpus": os.cpu_count(), "dir": args.dir, "torch": torch.__version__}
     print(report(results, out))
     print(f"\nwrote {out / 'bench.json'} and {out / 'bench.png'}")

@@ -24,14 +24,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import sys
 from pathlib import Path
 from typing import List
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -77,50 +75,47 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     import distckpt
     from distckpt.mapping import is_main_replica
     from tools.bench import _barrier_time, _drop, _raw_read, _raw_write
-    from tools.bench_sweep import layers_for, parse_shape, sweep_state
+    from tools.bench_sweep import cells, sweep_state
 
     tdist.init_process_group("gloo", rank=rank, world_size=world)
     root = Path(args.dir)
     lines = []
-    for shape_text in args.shapes:
-        shape = parse_shape(shape_text)
-        for size in args.sizes_mib:
-            layers = layers_for(size, shape["h"], shape["tp"], shape["opt"])
-            sd = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"])
-            ckpt = root / "ckpt"
-            if rank == 0:
-                _drop(ckpt)
-            tdist.barrier()
-            distckpt.save(sd, ckpt)
-            wanted = [sh.data for sh in sd.values()]  # what a same-layout load reads on this rank
-            raw = root / f"raw_{rank}.bin"
-            _raw_write(raw, wanted)
-            bufs = [torch.zeros_like(t) for t in wanted]
-            req = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"], with_data=False)
-            dests = [sh.data for sh in req.values()]
-            files = sorted(ckpt.glob(f"__{rank % shape['tp']}_*.distcp"))  # the main replicas' writer
-            times = {"raw read": [], "files read": [], "load": [], "load reading": []}
-            for rep in range(-1, args.reps):
-                r = _barrier_time(_raw_read, raw, bufs)[0]
-                f = _barrier_time(read_files, files, dests)[0]
-                ld = _barrier_time(distckpt.load, req, ckpt)[0]
-                if rep >= 0:
-                    times["raw read"].append(r)
-                    times["files read"].append(f)
-                    times["load"].append(ld)
-                    times["load reading"].append(distckpt.last_timings("load").phases["reading"])
-            med = {k: statistics.median(v) for k, v in times.items()}
-            nbytes = sum(t.numel() * t.element_size() for t in wanted)
-            main = sum(1 for sh in sd.values() if is_main_replica(sh.replica_id))
-            lines.append(f"| {shape_text} | {size:g} | {rank} | {len(wanted)} ({main} main) | {nbytes / 2**20:.0f} | "
-                         f"{med['raw read'] * 1e3:.1f} | {med['files read'] * 1e3:.1f} | {med['load'] * 1e3:.1f} | "
-                         f"{med['load reading'] * 1e3:.1f} | {med['files read'] / med['raw read']:.2f} | "
-                         f"{med['load reading'] / med['files read']:.2f} |")
-            raw.unlink()
-            sd = wanted = bufs = req = dests = None
-            tdist.barrier()
-            if rank == 0:
-                _drop(ckpt)
+    for shape_text, shape, size, layers in cells(args.shapes, args.sizes_mib):
+        sd = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"])
+        ckpt = root / "ckpt"
+        if rank == 0:
+            _drop(ckpt)
+        tdist.barrier()
+        distckpt.save(sd, ckpt)
+        wanted = [sh.data for sh in sd.values()]  # what a same-layout load reads on this rank
+        raw = root / f"raw_{rank}.bin"
+        _raw_write(raw, wanted)
+        bufs = [torch.zeros_like(t) for t in wanted]
+        req = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"], with_data=False)
+        dests = [sh.data for sh in req.values()]
+        files = sorted(ckpt.glob(f"__{rank % shape['tp']}_*.distcp"))  # the main replicas' writer
+        times = {"raw read": [], "files read": [], "load": [], "load reading": []}
+        for rep in range(-1, args.reps):
+            r = _barrier_time(_raw_read, raw, bufs)[0]
+            f = _barrier_time(read_files, files, dests)[0]
+            ld = _barrier_time(distckpt.load, req, ckpt)[0]
+            if rep >= 0:
+                times["raw read"].append(r)
+                times["files read"].append(f)
+                times["load"].append(ld)
+                times["load reading"].append(distckpt.last_timings("load").phases["reading"])
+        med = {k: statistics.median(v) for k, v in times.items()}
+        nbytes = sum(t.numel() * t.element_size() for t in wanted)
+        main = sum(1 for sh in sd.values() if is_main_replica(sh.replica_id))
+        lines.append(f"| {shape_text} | {size:g} | {rank} | {len(wanted)} ({main} main) | {nbytes / 2**20:.0f} | "
+                     f"{med['raw read'] * 1e3:.1f} | {med['files read'] * 1e3:.1f} | {med['load'] * 1e3:.1f} | "
+                     f"{med['load reading'] * 1e3:.1f} | {med['files read'] / med['raw read']:.2f} | "
+                     f"{med['load reading'] / med['files read']:.2f} |")
+        raw.unlink()
+        sd = wanted = bufs = req = dests = None
+        tdist.barrier()
+        if rank == 0:
+            _drop(ckpt)
     gathered = [None] * world
     tdist.all_gather_object(gathered, lines)
     if rank == 0:
@@ -139,15 +134,9 @@ def main() -> int:
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.sizes_mib = [float(s) for s in args.sizes_mib.split(",") if s]
     Path(args.dir).mkdir(parents=True, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    try:
-        mp.spawn(rank_main, args=(2, port, args, queue), nprocs=2)
-        lines = queue.get()
-    finally:
-        shutil.rmtree(args.dir, ignore_errors=True)
+    from tools.bench import spawn_ranks
+
+    lines = spawn_ranks(rank_main, 2, args, lambda: shutil.rmtree(args.dir, ignore_errors=True))
     print(f"2 gloo ranks, {args.dir}, medians of {args.reps} after one warm round; every read is warm")
     print("| shape | MiB/rank | rank | tensors | MiB read | raw read ms | files read ms | load ms | "
           "load reading ms | files read ÷ raw read | load reading ÷ files read |")

@@ -94,6 +94,17 @@ def sweep_state(rank: int, world: int, hidden: int, layers: int, tp: int, opt: i
     return sd
 
 
+def cells(shapes: List[str], sizes_mib: List[float]):
+    """``(shape text, shape, size, layers)`` for every shape and size of a sweep, leaving out a
+    size that one layer of the shape already overshoots by more than ``SIZE_TOLERANCE``."""
+    for shape_text in shapes:
+        shape = parse_shape(shape_text)
+        for size in sizes_mib:
+            layers = layers_for(size, shape["h"], shape["tp"], shape["opt"])
+            if abs(layer_mib(shape) * layers - size) <= SIZE_TOLERANCE * size:
+                yield shape_text, shape, size, layers
+
+
 def rank_main(rank, world, port, args, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)  # one intra-op thread per rank, as under torchrun (the variable came too late)
@@ -107,72 +118,67 @@ def rank_main(rank, world, port, args, queue):
     tdist.init_process_group("gloo", rank=rank, world_size=world)
     root = Path(args.dir)
     rows = []
-    for shape_text in args.shapes:
-        shape = parse_shape(shape_text)
-        for size in args.sizes_mib:
-            layers = layers_for(size, shape["h"], shape["tp"], shape["opt"])
-            if abs(layer_mib(shape) * layers - size) > SIZE_TOLERANCE * size:
-                continue  # one layer of this shape is already far bigger than this size
-            sd = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"])
-            tensors = [sh.data for sh in sd.values() if is_main_replica(sh.replica_id)]
-            mine = sum(t.numel() * t.element_size() for t in tensors)
-            # What a load reads on this rank: every tensor it holds, replicas too (with DP > 1
-            # every rank loads the whole model though only the main replicas were written).
-            wanted = [sh.data for sh in sd.values()]
-            times: Dict[str, List[float]] = {}
-            phases: Dict[str, Dict[str, List[float]]] = {}
+    for shape_text, shape, size, layers in cells(args.shapes, args.sizes_mib):
+        sd = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"])
+        tensors = [sh.data for sh in sd.values() if is_main_replica(sh.replica_id)]
+        mine = sum(t.numel() * t.element_size() for t in tensors)
+        # What a load reads on this rank: every tensor it holds, replicas too (with DP > 1
+        # every rank loads the whole model though only the main replicas were written).
+        wanted = [sh.data for sh in sd.values()]
+        times: Dict[str, List[float]] = {}
+        phases: Dict[str, Dict[str, List[float]]] = {}
 
-            def note(op, phases=phases):  # this rank's phases of the call just timed
-                t = distckpt.last_timings("load" if op != "save" else "save")
-                for name, sec in t.phases.items():
-                    phases.setdefault(op, {}).setdefault(name, []).append(sec)
+        def note(op, phases=phases):  # this rank's phases of the call just timed
+            t = distckpt.last_timings("load" if op != "save" else "save")
+            for name, sec in t.phases.items():
+                phases.setdefault(op, {}).setdefault(name, []).append(sec)
 
-            for rep in range(-args.warmup, args.reps):
-                if rep == 0:
-                    times.clear()
-                    phases.clear()
-                raw = root / f"raw_{rank}.bin"
-                times.setdefault("raw write", []).append(_barrier_time(_raw_write, raw, tensors)[0])
-                if len(wanted) != len(tensors):
-                    _raw_write(raw, wanted)
-                bufs = [torch.zeros_like(t) for t in wanted]
-                times.setdefault("raw read", []).append(_barrier_time(_raw_read, raw, bufs)[0])
-                bufs = None
-                raw.unlink()
-                ckpt = root / "ckpt"
-                if rank == 0:
-                    _drop(ckpt)
-                tdist.barrier()
-                strategy = TorchDistSaveShardedStrategy(thread_count=args.threads)
-                times.setdefault("save", []).append(_barrier_time(distckpt.save, sd, ckpt, sharded_strategy=strategy)[0])
-                note("save")
-                req = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"], with_data=False)
-                times.setdefault("load", []).append(_barrier_time(distckpt.load, req, ckpt)[0])
-                note("load")
-                # Freed before the next request is built: at 2 GiB per rank, two requests alive at
-                # once (4 GiB per rank beside the state and the checkpoint) left the VM short of
-                # memory, and the kernel's reclaim then slowed every phase, not only the bytes.
-                req = None
-                req = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"], pieces=2,
-                                  with_data=False)
-                times.setdefault("load resharded", []).append(_barrier_time(distckpt.load, req, ckpt)[0])
-                note("load resharded")
-                req = None
-                tdist.barrier()
-                if rank == 0:
-                    _drop(ckpt)
-            out = [None] * world
-            tdist.all_gather_object(out, mine)
-            read = [None] * world
-            tdist.all_gather_object(read, sum(t.numel() * t.element_size() for t in wanted))
-            by_rank = [None] * world
-            tdist.all_gather_object(by_rank, {op: {k: statistics.median(v) for k, v in ph.items()}
-                                              for op, ph in phases.items()})
-            rows.append({"shape": shape_text, "size_mib": size, "layers": layers, "gib_per_rank": max(out) / 2**30,
-                         "gib_read_per_rank": max(read) / 2**30,
-                         "seconds": {k: statistics.median(v) for k, v in times.items()},
-                         "phases": by_rank})
-            sd = tensors = wanted = None
+        for rep in range(-args.warmup, args.reps):
+            if rep == 0:
+                times.clear()
+                phases.clear()
+            raw = root / f"raw_{rank}.bin"
+            times.setdefault("raw write", []).append(_barrier_time(_raw_write, raw, tensors)[0])
+            if len(wanted) != len(tensors):
+                _raw_write(raw, wanted)
+            bufs = [torch.zeros_like(t) for t in wanted]
+            times.setdefault("raw read", []).append(_barrier_time(_raw_read, raw, bufs)[0])
+            bufs = None
+            raw.unlink()
+            ckpt = root / "ckpt"
+            if rank == 0:
+                _drop(ckpt)
+            tdist.barrier()
+            strategy = TorchDistSaveShardedStrategy(thread_count=args.threads)
+            times.setdefault("save", []).append(_barrier_time(distckpt.save, sd, ckpt, sharded_strategy=strategy)[0])
+            note("save")
+            req = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"], with_data=False)
+            times.setdefault("load", []).append(_barrier_time(distckpt.load, req, ckpt)[0])
+            note("load")
+            # Freed before the next request is built: at 2 GiB per rank, two requests alive at
+            # once (4 GiB per rank beside the state and the checkpoint) left the VM short of
+            # memory, and the kernel's reclaim then slowed every phase, not only the bytes.
+            req = None
+            req = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"], pieces=2,
+                              with_data=False)
+            times.setdefault("load resharded", []).append(_barrier_time(distckpt.load, req, ckpt)[0])
+            note("load resharded")
+            req = None
+            tdist.barrier()
+            if rank == 0:
+                _drop(ckpt)
+        out = [None] * world
+        tdist.all_gather_object(out, mine)
+        read = [None] * world
+        tdist.all_gather_object(read, sum(t.numel() * t.element_size() for t in wanted))
+        by_rank = [None] * world
+        tdist.all_gather_object(by_rank, {op: {k: statistics.median(v) for k, v in ph.items()}
+                                          for op, ph in phases.items()})
+        rows.append({"shape": shape_text, "size_mib": size, "layers": layers, "gib_per_rank": max(out) / 2**30,
+                     "gib_read_per_rank": max(read) / 2**30,
+                     "seconds": {k: statistics.median(v) for k, v in times.items()},
+                     "phases": by_rank})
+        sd = tensors = wanted = None
     if rank == 0:
         queue.put(rows)
     tdist.barrier()
