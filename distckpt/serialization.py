@@ -13,7 +13,6 @@ import hashlib
 import logging
 import pickle
 import socket
-import threading
 import zlib
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
@@ -517,43 +516,22 @@ def load(
                 validate_global_integrity([p[1] for p in payloads])
             return set().union(*(p[0] or () for p in payloads)) if need_keys else None
 
-        verdict = None
-        if exc is None and _check_beside_reading(strict_mode, sharded_strategy, group):
-            # Nothing below needs the verdict before reading: the check (a gather to rank 0, its
-            # validation, the verdict's broadcast) runs in a thread while this rank reads its own
-            # pieces. The collectives keep their order on every rank (this one, then the
-            # closing check after the thread is joined), and the reading runs none.
-            verdict = _Background(lambda: dist.gather_and_decide("load preparation", None, payload, check,
-                                                                 group=group))
-        else:
-            global_keys = dist.gather_and_decide("load preparation", exc, payload, check, group=group)
+        global_keys = dist.gather_and_decide("load preparation", exc, payload, check, group=group)
 
         exc = None
-        failed_check: Optional[BaseException] = None
         try:
-            try:
-                if StrictHandling.requires_explicit_ckpt_mismatch_check(strict_mode):
-                    missing, unexpected = determine_missing_and_unexpected_keys(
-                        ckpt_keys, local_keys, global_keys)
-                    handle_mismatched_keys(strict_mode, missing, unexpected, str(checkpoint_dir))
-                    if unexpected:
-                        sharded_part, _ = extract_matching_values(
-                            sharded_part, lambda v: isinstance(v, ShardedBase) and v.key not in unexpected)
-                if not sharded_strategy.can_handle_sharded_objects:
-                    objects, sharded_part = extract_matching_values(sharded_part,
-                                                                    lambda v: isinstance(v, ShardedObject))
-                    merge(common_state_dict, common_strategy.load_sharded_objects(objects, checkpoint_dir))
-                timings.begin_unless_timed(sharded_strategy, "reading")
-                loaded = sharded_strategy.load(sharded_part, checkpoint_dir)
-            finally:
-                if verdict is not None:
-                    timings.begin("global validation")
-                    try:
-                        verdict.result()
-                    except BaseException as e:  # noqa: BLE001 - raised below, on every rank alike
-                        failed_check = e
-            if failed_check is not None:
-                raise failed_check
+            if StrictHandling.requires_explicit_ckpt_mismatch_check(strict_mode):
+                missing, unexpected = determine_missing_and_unexpected_keys(
+                    ckpt_keys, local_keys, global_keys)
+                handle_mismatched_keys(strict_mode, missing, unexpected, str(checkpoint_dir))
+                if unexpected:
+                    sharded_part, _ = extract_matching_values(
+                        sharded_part, lambda v: isinstance(v, ShardedBase) and v.key not in unexpected)
+            if not sharded_strategy.can_handle_sharded_objects:
+                objects, sharded_part = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
+                merge(common_state_dict, common_strategy.load_sharded_objects(objects, checkpoint_dir))
+            timings.begin_unless_timed(sharded_strategy, "reading")
+            loaded = sharded_strategy.load(sharded_part, checkpoint_dir)
             timings.begin("merge")
             # Another job may have swapped a new checkpoint in while this one was read.
             commit_protocol.check_unchanged(checkpoint_dir, identity)
@@ -561,51 +539,12 @@ def load(
             common_state_dict = apply_factory_merges(common_state_dict, factories)
         except Exception as e:  # noqa: BLE001
             exc = _replaced_or(e, checkpoint_dir, identity)
-        if failed_check is not None:
-            # The request check failed: the same error on every rank (or a collective timeout,
-            # which marks the group), before and instead of any rank's own reading error.
-            raise failed_check
         timings.begin("closing check")
         dist.sync_errors("load", exc, group=group)
 
         if StrictHandling.requires_returning_mismatch_keys(strict_mode):
             return common_state_dict, missing, unexpected
         return common_state_dict
-
-
-def _check_beside_reading(strict_mode: StrictHandling, sharded_strategy: LoadShardedStrategy, group) -> bool:
-    """Whether ``load`` may run its request check beside the reading: the strict mode does not
-    need the union of every rank's keys first, the strategy reads without collectives, and the
-    group is a CPU one (gloo; an NCCL collective from another thread needs that thread's CUDA
-    device set, which is not measured yet)."""
-    return (not StrictHandling.requires_explicit_ckpt_mismatch_check(strict_mode)
-            and bool(getattr(sharded_strategy, "load_without_collectives", False))
-            and dist.is_initialized() and dist.get_world_size(group) > 1
-            and dist.collective_device(group).type == "cpu")
-
-
-class _Background:
-    """``fn()`` in a thread of its own; :meth:`result` waits for it and returns its value or
-    raises its exception (BaseException included) in the caller's thread."""
-
-    def __init__(self, fn: Callable[[], Any]):
-        self._fn = fn
-        self._value: Any = None
-        self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._run, name="distckpt-load-check", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._value = self._fn()
-        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
-            self._error = e
-
-    def result(self) -> Any:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
 
 
 def _replaced_or(exc: Exception, checkpoint_dir: Path, identity) -> Exception:

@@ -10,7 +10,6 @@ strategy x store. GCS has no emulator obstore can talk to (docs/storage.md).
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 
 import pytest
@@ -487,77 +486,11 @@ def _load_with_a_bad_request(ckpt, world):
 def test_a_bad_load_request_is_checked_on_rank_0_and_raised_on_every_rank(tmp_path):
     """The requests of all ranks are checked once, on rank 0, which alone receives the ranks'
     shard tables (at 16k ranks, every rank receiving every table would be gigabytes each); the
-    verdict reaches every rank, and a bad request raises it on every rank (also where the check
-    ran beside the reading)."""
+    verdict reaches every rank before anything is read."""
     results = run_ranks(3, _load_with_a_bad_request, str(tmp_path), 3)
     assert [seen for seen, _ in results] == [[3, 3], [], []]
     for _, message in results:
         assert "load preparation failed on rank(s) 0" in message and "'w': main replicas overlap" in message, message
-
-
-class _Stamped:
-    """A load strategy that notes when its reading starts (a monotonic clock, shared by the
-    processes of one host)."""
-
-    @staticmethod
-    def wrap(strategy):
-        real = strategy.load
-
-        def load(sharded_state_dict, checkpoint_dir):
-            strategy.reading_started = time.monotonic()
-            return real(sharded_state_dict, checkpoint_dir)
-
-        strategy.load = load
-        return strategy
-
-
-def _load_beside_a_slow_check(ckpt, kind):
-    """Every rank loads its row of a saved tensor while rank 0's request check takes 0.6 s.
-    Returns (when this rank's reading started, when rank 0's check ended, the load's phases)."""
-    from distckpt import serialization
-    from distckpt.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
-    from distckpt.strategies.torch import TorchDistLoadShardedStrategy
-
-    rank, world = ddist.get_rank(), ddist.get_world_size()
-    full = layouts.full_tensor("slow", (world, 6))
-    distckpt.save({"w": ShardedTensor.from_rank_offsets("w", full[rank:rank + 1].clone(), (0, rank, world))}, ckpt)
-    check, ended = serialization.validate_global_integrity, []
-
-    def slow(tables):
-        time.sleep(0.6)
-        out = check(tables)
-        ended.append(time.monotonic())
-        return out
-
-    from distckpt.strategies.torch_dcp import TorchDCPLoadShardedStrategy
-
-    inner = TorchDCPLoadShardedStrategy() if kind == "PyTorch DCP" else TorchDistLoadShardedStrategy()
-    strategy = _Stamped.wrap(FullyParallelLoadStrategyWrapper(inner) if kind == "fully parallel" else inner)
-    serialization.validate_global_integrity = slow
-    try:
-        out = distckpt.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(1, 6), (0, rank, world))},
-                            ckpt, sharded_strategy=strategy)
-    finally:
-        serialization.validate_global_integrity = check
-    assert torch.equal(out["w"], full[rank:rank + 1])
-    return strategy.reading_started, ended, dict(distckpt.last_timings("load").phases)
-
-
-@pytest.mark.parametrize("kind", ["default", "fully parallel", "PyTorch DCP"])
-def test_the_request_check_runs_beside_the_reading_when_the_reading_needs_no_collective(kind, tmp_path):
-    """torch_dist's own load reads this rank's pieces alone, so the ranks read while rank 0
-    checks every rank's request; a strategy that exchanges pieces (the fully parallel load) or
-    plans with collectives (PyTorch DCP's engine) waits for the verdict first, as its collectives
-    must not interleave with the check's."""
-    results = run_ranks(2, _load_beside_a_slow_check, str(tmp_path), kind, timeout=90)
-    check_ended = results[0][1][0]
-    for started, _, phases in results:
-        if kind == "default":
-            assert started < check_ended - 0.3, (started, check_ended)
-            # The wait for the verdict shows as global validation, after the reading.
-            assert phases["global validation"] > 0.3 and list(phases).index("reading") < len(phases) - 1
-        else:
-            assert started > check_ended, (started, check_ended)
 
 
 def _load_other_shape(ckpt, backend, rows, allow):

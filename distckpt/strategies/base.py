@@ -123,17 +123,11 @@ class LoadCommonStrategy(LoadStrategyBase, ABC):
 
 
 class LoadShardedStrategy(LoadStrategyBase, ABC):
-    # True for a strategy whose ``load`` runs no collective at all (it reads this rank's pieces
-    # alone): ``serialization.load`` may then run the global request check beside the reading
-    # instead of before it. A wrapper that exchanges pieces (the fully parallel load) or an
-    # engine that plans collectively (PyTorch DCP's) leaves it False.
-    load_without_collectives = False
-
     @abstractmethod
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
         """Read the requested pieces into the given tensors (allocating where data is None).
 
-        Called by every rank on its own requests.
+        Called by every rank on its own requests; needs no collective.
         """
 
     @abstractmethod

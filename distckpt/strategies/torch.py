@@ -1783,7 +1783,6 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     """
 
     records_phases = True   # distckpt.timings: it begins its own phases (index, planning, reading)
-    load_without_collectives = True   # reads this rank's pieces alone (see LoadShardedStrategy)
 
     def __init__(self, backend: str = "torch_dist", version: int = 1, trusted: bool = False,
                  thread_count: Optional[int] = None, verify: bool = False, use_index: bool = True,

@@ -403,8 +403,6 @@ class TorchDCPLoadShardedStrategy(TorchDistLoadShardedStrategy):
         storage_reader: ``checkpoint_dir -> StorageReader``; default DCP's ``FileSystemReader``.
     """
 
-    load_without_collectives = False   # dcp.load plans with collectives
-
     def __init__(self, backend: str = "torch_dist", version: int = 1, trusted: bool = False,
                  thread_count: int = 4, verify: bool = False, *,
                  storage_reader: Optional[Callable[[Path], Any]] = None):
