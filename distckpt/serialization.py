@@ -297,8 +297,8 @@ def _io_mark(shards: List[ShardedBase], strategy: Any) -> Tuple[int, bool]:
 
 
 def _writers_by_host(marks: List[Tuple[int, bool]]) -> Dict[int, int]:
-    counts: Dict[int, int] = collections.Counter(host for host, writes in marks if writes)
-    return dict(counts)
+    """How many ranks write on each host, from every rank's :func:`_io_mark`."""
+    return dict(collections.Counter(host for host, writes in marks if writes))
 
 
 def _write_and_commit(staging: commit_protocol.Staging, protocol, sharded_part, common_part, sharded_strategy,

@@ -456,6 +456,10 @@ def pread_into(fd: int, dest: torch.Tensor, offset: int, what: str) -> None:
     pread_exact(fd, byte_view(dest), offset, what)
 
 
+# Linux moves at most 0x7ffff000 bytes per read call; a longer item goes the long way.
+_ONE_PREADV = 0x7FFFF000
+
+
 def read_framed_into(fd: int, offset: int, length: int, size: Tuple[int, ...], dest: torch.Tensor) -> bool:
     """Read a whole item that :func:`write_tensor_item` framed around a contiguous tensor of
     ``size`` straight into ``dest`` (a contiguous CPU tensor of its dtype and bytes) with one
@@ -476,10 +480,6 @@ def read_framed_into(fd: int, offset: int, length: int, size: Tuple[int, ...], d
     except OSError:
         return False
     return n == length and head == header and tail == trailer
-
-
-# Linux moves at most 0x7ffff000 bytes per read call; a longer item goes the long way.
-_ONE_PREADV = 0x7FFFF000
 
 
 @dataclass(frozen=True)
