@@ -378,20 +378,24 @@ def _writer_cores(ckpt, layout):
         sd = {"w": ShardedTensor.from_rank_offsets("w", t.clone(), replica_id=rank)}
     inner = _RecordingWriters()
     strategy = FullyParallelSaveStrategyWrapper(inner) if layout == "dp, fully parallel" else inner
-    distckpt.save(sd, Path(ckpt) / layout.replace(", ", "_"), sharded_strategy=strategy)
+    target = Path(ckpt) / layout.replace(", ", "_")
+    if layout == "dp, async":
+        distckpt.save(sd, target, sharded_strategy=strategy, async_sharded_save=True).execute_sync()
+    else:
+        distckpt.save(sd, target, sharded_strategy=strategy)
     # Outside the save, every rank of the host counts again.
     return inner.seen, budget.cores_per_rank()
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or len(os.sched_getaffinity(0)) < (os.cpu_count() or 1),
                     reason="needs two unpinned cores to tell one writer from two")
-@pytest.mark.parametrize("layout", ["tp", "dp", "dp, fully parallel"])
+@pytest.mark.parametrize("layout", ["tp", "dp", "dp, async", "dp, fully parallel"])
 def test_ranks_that_write_alone_on_a_host_get_the_idle_ranks_cores(layout, tmp_path):
     usable = len(os.sched_getaffinity(0))
     seen = run_ranks(WORLD, _writer_cores, str(tmp_path), layout, timeout=TIMEOUT)
     (cores0, threads0), after0 = seen[0]
     assert after0 == usable // WORLD
-    if layout == "dp":
+    if layout in ("dp", "dp, async"):
         # Only rank 0 writes: it takes both ranks' cores, and two writer threads for its two files.
         assert cores0 == usable and threads0 == 2
     else:
