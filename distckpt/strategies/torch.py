@@ -1528,15 +1528,18 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[CopyOp],
     A box that is a plain element range lands in a contiguous destination of the same dtype
     with one ``preadv`` (a CUDA destination: through ``bounce``'s pinned slots, its copies
     overlapping the next reads). Other boxes (column blocks, strided flat slices, other dtypes or
-    layouts) are copied out of a read-only mapping of the bytes they span.
+    layouts) are copied out of a read-only mapping of the bytes they span. The common case of a
+    load in the saved layout, one copy of the whole item into a contiguous CPU tensor, reads
+    frame and bytes in one call (:func:`read_framed_into`).
     """
-    what = f"key {ops[0].key!r} in {path} at offset {st.file_offset} (rank {rank})"
+    numel = math.prod(st.size)
     if raw is None and not verify and len(ops) == 1:
         op = ops[0]
-        if (op.is_range and op.start == 0 and op.numel == math.prod(st.size) and op.dst.device.type == "cpu"
+        if (op.start == 0 and op.numel == numel and op.is_range and op.dst.device.type == "cpu"
                 and op.dst.is_contiguous()
                 and read_framed_into(fd, st.file_offset, st.length, tuple(st.size), op.dst)):
-            return st.length  # the common case of a load in the saved layout: one call per item
+            return st.length
+    what = f"key {ops[0].key!r} in {path} at offset {st.file_offset} (rank {rank})"
     if raw is not None or verify:
         if raw is None:
             raw = os.pread(fd, st.length, st.file_offset)
@@ -1551,7 +1554,6 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[CopyOp],
             n = max(0, min(n, st.length - offset))
             return os.pread(fd, n, st.file_offset + offset)
 
-    numel = math.prod(st.size)
     layout = None
     if st.length:  # distckpt's own frame: compared with the expected one, not parsed
         layout = framed_layout(raw, tuple(st.size), ops[0].dst.dtype, st.length, read, st.file_offset)
