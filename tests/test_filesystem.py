@@ -120,22 +120,21 @@ def test_an_own_item_is_read_into_its_destination_in_one_call_and_anything_else_
     finally:
         os.close(fd)
     # A damaged header or trailer, or a file that ends inside the item: declined as well.
-    data = bytearray(path.read_bytes())
+    def read_from(content: bytes) -> bool:
+        (tmp_path / "other").write_bytes(content)
+        fd = os.open(tmp_path / "other", os.O_RDONLY)
+        try:
+            return fs.read_framed_into(fd, offset, length, (64, 48), torch.zeros(64, 48, dtype=torch.bfloat16))
+        finally:
+            os.close(fd)
+
+    data = path.read_bytes()
     for damage in (offset + 3, offset + length - 5):
         bad = bytearray(data)
         bad[damage] ^= 0xFF
-        (tmp_path / "bad").write_bytes(bad)
-        fd = os.open(tmp_path / "bad", os.O_RDONLY)
-        try:
-            assert not fs.read_framed_into(fd, offset, length, (64, 48), torch.zeros(64, 48, dtype=torch.bfloat16))
-        finally:
-            os.close(fd)
-    (tmp_path / "short").write_bytes(data[:offset + length - 1])
-    fd = os.open(tmp_path / "short", os.O_RDONLY)
-    try:
-        assert not fs.read_framed_into(fd, offset, length, (64, 48), torch.zeros(64, 48, dtype=torch.bfloat16))
-    finally:
-        os.close(fd)
+        assert not read_from(bytes(bad))
+    assert not read_from(data[:offset + length - 1])
+    assert read_from(data)  # the same bytes, undamaged: read
 
 
 def test_tensor_bytes_are_aligned_to_64_bytes_of_the_file(tmp_path):
