@@ -102,6 +102,76 @@ def test_cached_metadata_is_reused_only_for_an_unchanged_structure(tmp_path):
         assert f"ckpt{again}" in str(b.storage_meta.checkpoint_id)
 
 
+def _bumped(layout, bump, with_data=True):
+    sd, pieces = layouts.build(layout, ddist.get_rank(), ddist.get_world_size(), with_data,
+                               **({"tp": 2} if layout == "tp_dp" else {}))
+    if with_data:
+        for sh in sd.values():
+            if sh.data.is_floating_point():
+                sh.data.add_(bump)
+    return sd, pieces
+
+
+def _save_series(base, series):
+    """Saves through fresh default strategies; ``None`` in ``series``: rank 0 forgets its last save."""
+    from distckpt.strategies.torch import LAST_SAVE
+
+    LAST_SAVE.clear()
+    reused = []
+    for i, step in enumerate(series):
+        if step is None:
+            LAST_SAVE.clear()
+            continue
+        strategy = TorchDistSaveShardedStrategy()
+        distckpt.save(_bumped(*step)[0], f"{base}/ckpt{i}", sharded_strategy=strategy)
+        reused.append(strategy.last_save_reused_metadata)
+    return reused
+
+
+def _check_bumped(ckpt, layout, bump):
+    sd, pieces = _bumped(layout, bump, with_data=False)
+    out = distckpt.load(sd, ckpt, strict="raise_all", verify=True)
+    expected = {n: p.expected() for n, p in pieces.items()}
+    return all(layouts.bitwise_equal(out[n], e + bump if e.is_floating_point() else e) for n, e in expected.items())
+
+
+def test_rank0_reuses_the_last_saves_metadata_only_for_the_same_records(tmp_path):
+    """Without ``cached_metadata``, rank 0 remembers its last save: a save of the same records
+    with new values reuses its ``.metadata`` and patches its sidecar, giving the bytes a rebuild
+    gives; a save of other records is built anew."""
+    series = [("tp_dp", 0), ("tp_dp", 1), ("uneven", 0), None, ("tp_dp", 1)]
+    assert run_ranks(4, _save_series, str(tmp_path), series) == [[False, True, False, False]] * 4
+    for i, step in enumerate(series):
+        if step is not None:
+            assert run_ranks(4, _check_bumped, str(tmp_path / f"ckpt{i}"), *step) == [True] * 4
+    again, fresh = tmp_path / "ckpt1", tmp_path / "ckpt4"   # same records, same values, same name length
+    assert (again / ".distckpt_index").read_bytes() == (fresh / ".distckpt_index").read_bytes()
+    a, b = (pickle.loads((d / ".metadata").read_bytes()) for d in (fresh, again))
+    assert b.state_dict_metadata == a.state_dict_metadata and b.storage_data == a.storage_data
+    assert b.mcore_data == a.mcore_data
+    manifest = json.loads((again / ".distckpt_manifest.json").read_text())
+    assert b.storage_meta.save_id == manifest["save_id"] != a.storage_meta.save_id
+    assert ".ckpt1." in str(b.storage_meta.checkpoint_id) and ".ckpt4." in str(a.storage_meta.checkpoint_id)
+    first = json.loads((tmp_path / "ckpt0" / ".distckpt_manifest.json").read_text())
+    assert first["save_id"] != manifest["save_id"]
+
+
+def test_rank0_does_not_remember_a_save_of_more_records_than_its_bound(tmp_path, monkeypatch):
+    from distckpt.strategies.torch import LAST_SAVE, LastSave
+
+    def saved_again(name):
+        strategy = TorchDistSaveShardedStrategy()
+        sd = {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", torch.full((4,), float(i))) for i in range(3)}
+        distckpt.save(sd, tmp_path / name, sharded_strategy=strategy)
+        return strategy.last_save_reused_metadata
+
+    LAST_SAVE.clear()
+    monkeypatch.setattr(LastSave, "MAX_RECORDS", 2)
+    assert [saved_again("a"), saved_again("b")] == [False, False]
+    monkeypatch.setattr(LastSave, "MAX_RECORDS", 3)
+    assert [saved_again("c"), saved_again("d")] == [False, True]
+
+
 def test_respell_replaces_the_pickled_ids_in_the_head_or_declines():
     from torch.distributed.checkpoint.metadata import StorageMeta
 
