@@ -2108,6 +2108,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     @staticmethod
     def _plan_box_from_regular(plan, key, stored: _StoredKey, off, size, view) -> None:
         for ch in stored.chunks:
+            if ch.offset == off and ch.size == size:
+                # The request is this chunk (a load in the layout it was saved in): all of it.
+                plan.add(ch, CopyOp(key, 0, size, contiguous_strides(size), view))
+                continue
             inter = _intersect(off, size, ch.offset, ch.size)
             if inter is None:
                 continue
