@@ -1,4 +1,4 @@
-"""The load's bytes against the files it reads: is a same-layout load at the limit of its files?
+"""Save and load against the files they write and read: is each at the limit of its files?
 
     python tools/bench_files.py --shapes h1024-tp2-opt0,h4096-tp2-opt0 --sizes-mib 256 --reps 15
 
@@ -17,6 +17,19 @@ one unrecorded round, it alternates in every repetition:
 Every read here is warm (pages read before), so none of them pays the first read of fresh pages.
 It prints per cell and rank the medians and two ratios: files read ÷ raw read (what the files
 cost against the raw file) and load reading ÷ files read (what distckpt adds to reading them).
+
+The save side (a second table) asks the same of the writing. Alternating in every repetition:
+
+- ``raw write``: the sweep's reference, ``os.write`` per tensor into one file, then ``fsync``;
+- ``files write``: this rank's main-replica bytes written the way a save writes them, with no
+  framing and no bookkeeping: into as many files as the save writes on this rank (its
+  ``__<rank>_*.distcp``), tensors dealt to them in order, in 1 MiB blocks, each file fsynced;
+- ``files write + CRC32C``: the same, each block checksummed just before it is written (the
+  checksum every save keeps for its manifest and block tables): the floor of a checksummed save;
+- ``save``: ``distckpt.save`` of the state, its total and its writing phase.
+
+Ratios: files write + CRC32C ÷ raw write (what the files and the checksum cost against the raw
+file) and save writing ÷ files write + CRC32C (what distckpt adds to writing them).
 """
 
 from __future__ import annotations
@@ -67,6 +80,91 @@ def read_files(paths: List[Path], dests: List[torch.Tensor]) -> int:
     return total
 
 
+def write_files(paths: List[Path], tensors: List[torch.Tensor], checksum: bool, block: int = 1 << 20) -> int:
+    """Write the bytes of ``tensors`` into ``paths`` (tensors dealt to the files in order, about
+    equal bytes each) in ``block``-byte writes, each file fsynced; with ``checksum``, the CRC32C
+    of each block first (as a save's sink does). Returns the bytes written."""
+    from distckpt.manifest import crc32c
+
+    views = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in tensors if t.numel()]
+    share = -(-sum(len(v) for v in views) // max(1, len(paths)))
+    total, at = 0, 0
+    for path in paths:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            mine, crc = 0, 0
+            while at < len(views) and (mine < share or path == paths[-1]):
+                view = views[at]
+                for start in range(0, len(view), block):
+                    piece = view[start:start + block]
+                    if checksum:
+                        crc = crc32c(piece, crc)
+                    while piece:
+                        piece = piece[os.write(fd, piece):]
+                mine += len(view)
+                at += 1
+            os.fsync(fd)
+            total += mine
+        finally:
+            os.close(fd)
+    return total
+
+
+def save_lines(rank: int, world: int, args) -> List[str]:
+    """The save side: raw write, the save's files written plainly (with and without CRC32C), the
+    save; one table line per cell."""
+    import torch.distributed as tdist
+
+    import distckpt
+    from distckpt.mapping import is_main_replica
+    from tools.bench import _barrier_time, _drop, _raw_write
+    from tools.bench_sweep import cells, sweep_state
+
+    root = Path(args.dir)
+    lines = []
+    for shape_text, shape, size, layers in cells(args.shapes, args.sizes_mib):
+        sd = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"])
+        mine = [sh.data for sh in sd.values() if is_main_replica(sh.replica_id)]
+        ckpt = root / "ckpt"
+        if rank == 0:
+            _drop(ckpt)
+        tdist.barrier()
+        distckpt.save(sd, ckpt)
+        count = len(list(ckpt.glob(f"__{rank}_*.distcp")))  # the files this rank's save writes
+        raw = root / f"raw_{rank}.bin"
+        plain = [root / f"plain_{rank}_{i}.bin" for i in range(count)]
+        times = {"raw write": [], "files write": [], "files write + CRC32C": [], "save": [], "save writing": []}
+        for rep in range(-1, args.reps):
+            r = _barrier_time(_raw_write, raw, mine)[0]
+            raw.unlink()
+            f = _barrier_time(write_files, plain, mine, False)[0]
+            for p in plain:  # gone before the next write: truncating a file frees its pages in the write
+                p.unlink()
+            fc = _barrier_time(write_files, plain, mine, True)[0]
+            for p in plain:
+                p.unlink()
+            if rank == 0:
+                _drop(ckpt)
+            tdist.barrier()
+            sv = _barrier_time(distckpt.save, sd, ckpt)[0]
+            if rep >= 0:
+                for k, v in (("raw write", r), ("files write", f), ("files write + CRC32C", fc), ("save", sv),
+                             ("save writing", distckpt.last_timings("save").phases["writing"])):
+                    times[k].append(v)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        nbytes = sum(t.numel() * t.element_size() for t in mine)
+        floor = med["files write + CRC32C"]
+        lines.append(f"| {shape_text} | {size:g} | {rank} | {len(mine)} | {count} | {nbytes / 2**20:.0f} | "
+                     f"{med['raw write'] * 1e3:.1f} | {med['files write'] * 1e3:.1f} | {floor * 1e3:.1f} | "
+                     f"{med['save'] * 1e3:.1f} | {med['save writing'] * 1e3:.1f} | "
+                     f"{floor / med['raw write']:.2f} | {med['save writing'] / floor:.2f} |")
+        sd = mine = None
+        tdist.barrier()
+        if rank == 0:
+            _drop(ckpt)
+    return lines
+
+
 def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # one intra-op thread per rank, as under torchrun
@@ -79,8 +177,9 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
 
     tdist.init_process_group("gloo", rank=rank, world_size=world)
     root = Path(args.dir)
+    saves = save_lines(rank, world, args) if "save" in args.ops else []
     lines = []
-    for shape_text, shape, size, layers in cells(args.shapes, args.sizes_mib):
+    for shape_text, shape, size, layers in cells(args.shapes, args.sizes_mib) if "load" in args.ops else ():
         sd = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"])
         ckpt = root / "ckpt"
         if rank == 0:
@@ -117,9 +216,14 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
         if rank == 0:
             _drop(ckpt)
     gathered = [None] * world
-    tdist.all_gather_object(gathered, lines)
+    tdist.all_gather_object(gathered, (saves, lines))
+
+    def by_cell(part):  # rank 0's line of each cell, then rank 1's
+        n = len(gathered[0][part])
+        return [line for i in range(n) for rank_lines in gathered for line in rank_lines[part][i:i + 1]]
+
     if rank == 0:
-        queue.put([line for i in range(len(lines)) for rank_lines in gathered for line in rank_lines[i:i + 1]])
+        queue.put((by_cell(0), by_cell(1)))
     tdist.barrier()
     tdist.destroy_process_group()
 
@@ -130,19 +234,30 @@ def main() -> int:
     parser.add_argument("--shapes", default="h1024-tp2-opt80,h1024-tp2-opt0,h4096-tp2-opt0,h1024-tp1-opt0")
     parser.add_argument("--sizes-mib", default="256,1024")
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--ops", default="save,load", help="which sides to measure: save, load or both")
     args = parser.parse_args()
+    args.ops = {s for s in args.ops.split(",") if s}
     args.shapes = [s for s in args.shapes.split(",") if s]
     args.sizes_mib = [float(s) for s in args.sizes_mib.split(",") if s]
     Path(args.dir).mkdir(parents=True, exist_ok=True)
     from tools.bench import spawn_ranks
 
-    lines = spawn_ranks(rank_main, 2, args, lambda: shutil.rmtree(args.dir, ignore_errors=True))
-    print(f"2 gloo ranks, {args.dir}, medians of {args.reps} after one warm round; every read is warm")
-    print("| shape | MiB/rank | rank | tensors | MiB read | raw read ms | files read ms | load ms | "
-          "load reading ms | files read ÷ raw read | load reading ÷ files read |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for line in lines:
-        print(line)
+    saves, lines = spawn_ranks(rank_main, 2, args, lambda: shutil.rmtree(args.dir, ignore_errors=True))
+    print(f"2 gloo ranks, {args.dir}, medians of {args.reps} after one warm round")
+    if saves:
+        print("\n| shape | MiB/rank | rank | tensors written | files | MiB written | raw write ms | files write ms | "
+              "files write + CRC32C ms | save ms | save writing ms | files + CRC32C ÷ raw write | "
+              "save writing ÷ files + CRC32C |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for line in saves:
+            print(line)
+    if lines:
+        print("\nEvery read is warm.")
+        print("| shape | MiB/rank | rank | tensors | MiB read | raw read ms | files read ms | load ms | "
+              "load reading ms | files read ÷ raw read | load reading ÷ files read |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for line in lines:
+            print(line)
     return 0
 
 
