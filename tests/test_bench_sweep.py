@@ -67,3 +67,16 @@ def test_read_files_fills_the_destinations_with_the_files_bytes_in_order(tmp_pat
     wide = [torch.full((len(joined) + 10,), 9, dtype=torch.uint8)]
     read_files(paths, wide)
     assert bytes(wide[0].numpy()[:len(joined)]) == joined and (wide[0][len(joined):] == 9).all()
+
+
+@pytest.mark.parametrize("checksum", [False, True])
+def test_write_files_deals_the_tensors_to_the_files_as_a_save_does(tmp_path, checksum):
+    from tools.bench_files import write_files
+
+    tensors = [torch.arange(n, dtype=torch.int32) * (i + 1) for i, n in enumerate((700, 0, 3000, 50, 1200))]
+    raw = [bytes(t.numpy()) for t in tensors]
+    paths = [tmp_path / f"w{i}" for i in range(3)]
+    assert write_files(paths, tensors, checksum, block=1000) == sum(map(len, raw))
+    # largest first, each to the file with the fewest bytes: 3000 | 1200 | 700, then 50 to the third
+    assert [p.read_bytes() for p in paths] == [raw[2], raw[4], raw[0] + raw[3]]
+    assert write_files([tmp_path / "none"], [], checksum) == 0 and (tmp_path / "none").read_bytes() == b""

@@ -23,7 +23,8 @@ The save side (a second table) asks the same of the writing. Alternating in ever
 - ``raw write``: the sweep's reference, ``os.write`` per tensor into one file, then ``fsync``;
 - ``files write``: this rank's main-replica bytes written the way a save writes them, with no
   framing and no bookkeeping: into as many files as the save writes on this rank (its
-  ``__<rank>_*.distcp``), tensors dealt to them in order, in 1 MiB blocks, each file fsynced;
+  ``__<rank>_*.distcp``), tensors dealt to them as the save deals them, in 1 MiB blocks, each
+  file fsynced;
 - ``files write + CRC32C``: the same, each block checksummed just before it is written (the
   checksum every save keeps for its manifest and block tables): the floor of a checksummed save;
 - ``save``: ``distckpt.save`` of the state, its total and its writing phase.
@@ -81,33 +82,34 @@ def read_files(paths: List[Path], dests: List[torch.Tensor]) -> int:
 
 
 def write_files(paths: List[Path], tensors: List[torch.Tensor], checksum: bool, block: int = 1 << 20) -> int:
-    """Write the bytes of ``tensors`` into ``paths`` (tensors dealt to the files in order, about
-    equal bytes each) in ``block``-byte writes, each file fsynced; with ``checksum``, the CRC32C
-    of each block first (as a save's sink does). Returns the bytes written."""
+    """Write the bytes of ``tensors`` into ``paths``, dealt as a save deals its items to its files
+    (largest first, each to the file with the fewest bytes so far), in ``block``-byte writes,
+    each file fsynced; with ``checksum``, the CRC32C of each block first (as a save's sink does).
+    Returns the bytes written."""
     from distckpt.manifest import crc32c
 
     views = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in tensors if t.numel()]
-    share = -(-sum(len(v) for v in views) // max(1, len(paths)))
-    total, at = 0, 0
-    for path in paths:
+    bins: List[List[memoryview]] = [[] for _ in paths]
+    loads = [0] * len(paths)
+    for view in sorted(views, key=len, reverse=True) if paths else ():
+        b = loads.index(min(loads))
+        bins[b].append(view)
+        loads[b] += len(view)
+    for path, views_of_file in zip(paths, bins):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            mine, crc = 0, 0
-            while at < len(views) and (mine < share or path == paths[-1]):
-                view = views[at]
+            crc = 0
+            for view in views_of_file:
                 for start in range(0, len(view), block):
                     piece = view[start:start + block]
                     if checksum:
                         crc = crc32c(piece, crc)
                     while piece:
                         piece = piece[os.write(fd, piece):]
-                mine += len(view)
-                at += 1
             os.fsync(fd)
-            total += mine
         finally:
             os.close(fd)
-    return total
+    return sum(loads)
 
 
 def save_lines(rank: int, world: int, args) -> List[str]:
