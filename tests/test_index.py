@@ -66,6 +66,32 @@ def test_load_reads_only_the_requested_keys_records_and_not_metadata(many):
     assert strategy.index_bytes_read < total
 
 
+def test_a_load_opens_the_sidecar_once(many, monkeypatch):
+    opened = []
+    real = IndexReader.open.__func__
+
+    def counting(cls, location, *args, **kwargs):
+        opened.append(location)
+        return real(cls, location, *args, **kwargs)
+
+    monkeypatch.setattr(IndexReader, "open", classmethod(counting))
+    out, strategy = _load_some(many, {"k3", "obj"})
+    assert strategy.last_load_used_index and torch.equal(out["k3"], torch.arange(16, dtype=torch.float32) + 3)
+    assert len(opened) == 1  # the common items' look at the directory and the load share one reader
+
+
+def test_a_reader_kept_for_the_next_load_is_not_used_once_the_checkpoint_was_replaced(tmp_path):
+    """``load_common_items`` keeps its sidecar reader for the load that follows; if another save
+    replaced the checkpoint in between, the load opens the new sidecar instead."""
+    distckpt.save(_many_keys(True), tmp_path)
+    strategy = TorchDistLoadShardedStrategy()
+    assert strategy.load_common_items(tmp_path) == {}
+    moved = {f"k{i}": ShardedTensor.from_rank_offsets(f"k{i}", torch.full((16,), -1.0 - i)) for i in range(3)}
+    distckpt.save(moved, tmp_path)   # another layout of the files: k1's record is elsewhere now
+    out = strategy.load({"k1": ShardedTensor.from_rank_offsets("k1", torch.empty(16))}, tmp_path)
+    assert torch.equal(out["k1"], torch.full((16,), -2.0))
+
+
 def test_a_rank_reads_the_records_of_its_share_not_of_the_world(tmp_path):
     """One key of 4096 chunks; a load of one chunk touches a few tree nodes, not all records."""
     keys = {"w": {"dtype": torch.float32, "size": (4096, 8), "orig_shape": None}}

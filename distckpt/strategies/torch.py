@@ -1886,6 +1886,25 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         self.index_bytes_read = 0  # bytes of the sidecar index read (all loads)
         self.index_node_bytes_read = 0  # of which chunk-record tree nodes
         self.last_load_used_index = False
+        # The sidecar reader ``load_common_items`` opened, for the ``load`` that follows it: its
+        # directory is parsed once per load. Kept with the tree's identity, and taken only while
+        # the checkpoint at that path is still the same tree.
+        self._opened: Optional[Tuple[Any, Any, IndexReader]] = None
+
+    def _open_index(self, checkpoint_dir, keep: bool = False) -> Optional[IndexReader]:
+        """The sidecar reader of ``checkpoint_dir`` (None: no usable sidecar); ``keep``: leave it
+        for the next call (the ``load`` after ``load_common_items``)."""
+        from distckpt.commit import tree_identity
+
+        opened, self._opened = self._opened, None
+        identity = tree_identity(checkpoint_dir) if isinstance(checkpoint_dir, Path) else None
+        if opened is not None and identity is not None and opened[:2] == (checkpoint_dir, identity):
+            reader = opened[2]
+        else:
+            reader = IndexReader.open(checkpoint_dir)
+        if keep and reader is not None and identity is not None:
+            self._opened = (checkpoint_dir, identity, reader)
+        return reader
 
     @property
     def can_handle_sharded_objects(self) -> bool:
@@ -1909,7 +1928,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         """The non-tensor values of a ``dcp.save`` (see :func:`plain_byte_items`), nested as saved."""
         checkpoint_dir = _location(checkpoint_dir)
         out: StateDict = {}
-        reader = IndexReader.open(checkpoint_dir) if self.use_index else None
+        reader = self._open_index(checkpoint_dir, keep=True) if self.use_index else None
         if reader is not None and not any(e.get("bytes") and not _is_object_key(fqn)
                                           for fqn, e in reader.keys.items()):
             return out  # the sidecar's directory says there is none: .metadata is not read
@@ -2376,7 +2395,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         """The stored keys this load needs and the items' checksums (None: do not check): from
         the sidecar index when the checkpoint has one (only the requested keys' records are
         read), else from ``.metadata`` (and the manifest)."""
-        reader = IndexReader.open(checkpoint_dir) if self.use_index else None
+        reader = self._open_index(checkpoint_dir) if self.use_index else None
         if reader is None:
             self.last_load_used_index = False
             md = read_metadata(checkpoint_dir, self.trusted, self.verify)
