@@ -265,12 +265,12 @@ def _committed(path: Path) -> bool:
 
 
 def _check_complete(path: Path) -> None:
-    from distckpt.manifest import read_manifest
+    from distckpt.manifest import read_manifest_files
 
-    manifest = read_manifest(path)
-    if manifest is None:
+    files = read_manifest_files(path)
+    if files is None:
         return
-    for name, size in manifest.files.items():
+    for name, size in files.items():
         try:
             actual = (path / name).stat().st_size
         except FileNotFoundError:
@@ -290,15 +290,15 @@ def _is_empty_dir_or_absent(target: Path) -> bool:
 
 def _checkpoint_entries(root: Path) -> Set[str]:
     """Top-level names of ``root`` that belong to the checkpoint stored there."""
-    from distckpt.manifest import read_manifest
+    from distckpt.manifest import read_manifest_files
 
     names = set(_CHECKPOINT_FILES)
     try:
-        manifest = read_manifest(root)
+        files = read_manifest_files(root)
     except CheckpointingException:
-        manifest = None
-    if manifest is not None:
-        names.update(name.split("/", 1)[0] for name in manifest.files)
+        files = None
+    if files is not None:
+        names.update(name.split("/", 1)[0] for name in files)
     return names
 
 

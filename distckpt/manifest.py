@@ -111,6 +111,33 @@ def write_manifest(checkpoint_dir, manifest: Manifest) -> None:
     storage.write_bytes(_location(checkpoint_dir), MANIFEST_FNAME, manifest.to_json())
 
 
+def read_manifest_files(checkpoint_dir) -> Optional[Dict[str, int]]:
+    """The files the checkpoint's manifest lists, with their sizes (None if it has no manifest),
+    without building its per-range checksums: what a completeness check needs.
+
+    Raises:
+        CheckpointingException: the manifest exists but is malformed.
+    """
+    location = _location(checkpoint_dir)
+    path = storage.join(location, MANIFEST_FNAME)
+    try:
+        raw = json.loads(storage.read_bytes(location, MANIFEST_FNAME))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise CheckpointingException(f"{path}: unreadable integrity manifest: {e}") from None
+    try:
+        if raw.get("format") != FORMAT or int(raw["version"]) > VERSION:
+            raise ValueError(f"unsupported format {raw.get('format')!r} version {raw.get('version')!r}")
+        files = {str(k): int(v) for k, v in raw["files"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointingException(f"{path}: malformed integrity manifest: {e}") from None
+    for name, size in files.items():
+        bounds.relative_name(name, path, "listed file")
+        bounds.natural(size, path, f"size of {name!r}")
+    return files
+
+
 def read_manifest(checkpoint_dir) -> Optional[Manifest]:
     """The checkpoint's manifest (local directory or Store), or None if it has none.
 

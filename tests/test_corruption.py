@@ -29,7 +29,7 @@ import distckpt
 from distckpt import CheckpointingException, ShardedObject, ShardedTensor, check_is_distributed_checkpoint
 from distckpt import dist as ddist
 from distckpt.cli import main as cli_main
-from distckpt.manifest import MANIFEST_FNAME, read_manifest, verify_files
+from distckpt.manifest import MANIFEST_FNAME, read_manifest, read_manifest_files, verify_files
 from distckpt.strategies.torch import read_metadata
 from tests import faults, layouts
 from tests.harness import expect_all_ranks_raise, run_ranks
@@ -323,6 +323,14 @@ def test_corrupted_manifest_is_reported_naming_it(ckpt, kind):
     else:
         faults.flip_byte(path, 0)  # '{' -> 'k'
     _manifest_checks_all_fail(ckpt, re.escape(MANIFEST_FNAME) + ": unreadable integrity manifest")
+
+
+def test_the_manifests_file_list_reads_as_the_whole_manifest_does(ckpt):
+    assert read_manifest_files(ckpt) == read_manifest(ckpt).files and read_manifest_files(ckpt)
+    assert read_manifest_files(ckpt / "absent") is None
+    faults.truncate_to_half(ckpt / MANIFEST_FNAME)
+    with pytest.raises(CheckpointingException, match=re.escape(MANIFEST_FNAME) + ": unreadable integrity manifest"):
+        read_manifest_files(ckpt)
 
 
 def test_plain_load_does_not_read_the_manifest(ckpt):

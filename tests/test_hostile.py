@@ -17,7 +17,7 @@ import torch
 
 import distckpt
 from distckpt import CheckpointingException, ShardedTensor
-from distckpt.manifest import read_manifest, verify_files
+from distckpt.manifest import read_manifest, read_manifest_files, verify_files
 from distckpt.strategies.torch import read_metadata
 from distckpt.tools.verify import verify_checkpoint
 from tests.faults import reseal_manifest
@@ -130,6 +130,8 @@ def test_a_manifest_listing_files_outside_is_refused_naming_it(ckpt):
     path.write_text(json.dumps(raw))
     with pytest.raises(CheckpointingException, match=r"\.distckpt_manifest\.json: listed file '\.\./secret\.distcp' points outside"):
         read_manifest(ckpt)
+    with pytest.raises(CheckpointingException, match=r"listed file '\.\./secret\.distcp' points outside"):
+        read_manifest_files(ckpt)
     with pytest.raises(CheckpointingException, match="points outside"):
         _load(ckpt, verify=True)
 
