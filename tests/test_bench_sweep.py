@@ -80,3 +80,17 @@ def test_write_files_deals_the_tensors_to_the_files_as_a_save_does(tmp_path, che
     # largest first, each to the file with the fewest bytes: 3000 | 1200 | 700, then 50 to the third
     assert [p.read_bytes() for p in paths] == [raw[2], raw[4], raw[0] + raw[3]]
     assert write_files([tmp_path / "none"], [], checksum) == 0 and (tmp_path / "none").read_bytes() == b""
+
+
+def test_fixed_cost_phase_table_has_each_ranks_median_and_their_sum():
+    from tools.fixed_cost import phase_table
+
+    by_rank = [{"save": {"writing": 0.003, "commit": 0.001}, "load": {"reading": 0.002}},
+               {"save": {"writing": 0.004}, "load": {"reading": 0.0025, "closing check": 0.0005}}]
+    lines = phase_table(by_rank).splitlines()
+    assert lines[0] == "| op | phase | rank 0 / rank 1 ms |"
+    assert "| save | writing | 3.00 / 4.00 |" in lines
+    assert "| save | commit | 1.00 / 0.00 |" in lines     # a phase one rank did not run
+    assert "| save | sum | 4.00 / 4.00 |" in lines
+    assert "| load | closing check | 0.00 / 0.50 |" in lines
+    assert "| load | sum | 2.00 / 3.00 |" in lines

@@ -1144,7 +1144,6 @@ class LastSave:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._last: Optional[Tuple[GatheredRecords, bytes, int, str, str, Optional[IndexTemplate]]] = None
-        self.hits = 0
 
     def clear(self) -> None:
         with self._lock:
@@ -1182,7 +1181,6 @@ class LastSave:
                 index = patched_sidecar_index(template, records, len(md_bytes))
                 if index is None:
                     return None
-            self.hits += 1
             return bytes(md_bytes), head, index
 
     def remember(self, records: GatheredRecords, md_bytes: bytes, head: int, checkpoint_id: str, save_id: str,
