@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import io
 import os
 import re
@@ -135,6 +136,43 @@ def test_an_own_item_is_read_into_its_destination_in_one_call_and_anything_else_
         assert not read_from(bytes(bad))
     assert not read_from(data[:offset + length - 1])
     assert read_from(data)  # the same bytes, undamaged: read
+
+
+def test_an_own_item_in_memory_is_copied_into_its_destination_and_anything_else_declined(tmp_path):
+    """The many-small-items path of a load: the file's span read once, each item's frame compared
+    in place and its bytes moved straight into the destination."""
+    t = _sample(torch.float32, (7, 5))
+    path = tmp_path / "item"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    sink = fs.ChecksummingSink(fd)
+    sink.write(b"x" * 100)
+    offset, length, _ = fs.write_tensor_item(sink, t)
+    sink.drain()
+    os.close(fd)
+    span = bytearray(path.read_bytes())
+    address = ctypes.addressof(ctypes.c_char.from_buffer(span))
+
+    def copy(data: bytearray, dest, size=(7, 5), at=offset, n=length) -> bool:
+        base = ctypes.addressof(ctypes.c_char.from_buffer(data))
+        return fs.copy_framed_from(memoryview(data)[at:at + n], base + at, at, size, dest)
+
+    dest = torch.zeros(7, 5)
+    assert fs.copy_framed_from(memoryview(span)[offset:offset + length], address + offset, offset, (7, 5), dest)
+    assert torch.equal(dest, t)
+    # Another shape, dtype, length or file offset; a destination of other bytes: declined, untouched.
+    for kwargs, target in [({"size": (5, 7)}, torch.zeros(5, 7)), ({}, torch.zeros(7, 5, dtype=torch.int32)),
+                           ({"n": length - 1}, torch.zeros(7, 5)), ({"at": offset}, torch.zeros(8, 5))]:
+        assert not copy(span, target, **kwargs)
+        assert not target.any()
+    moved = bytearray(b"y" + bytes(span))  # the same item one byte further into its file
+    assert not copy(moved, torch.zeros(7, 5), at=offset + 1)
+    # A damaged header or trailer: declined, the destination untouched.
+    for damage in (offset + 3, offset + length - 5):
+        bad = bytearray(span)
+        bad[damage] ^= 0xFF
+        target = torch.zeros(7, 5)
+        assert not copy(bad, target) and not target.any()
+    assert copy(bytearray(span), torch.zeros(7, 5))  # undamaged: copied
 
 
 def test_tensor_bytes_are_aligned_to_64_bytes_of_the_file(tmp_path):
