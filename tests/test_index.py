@@ -92,6 +92,34 @@ def test_a_reader_kept_for_the_next_load_is_not_used_once_the_checkpoint_was_rep
     assert torch.equal(out["k1"], torch.full((16,), -2.0))
 
 
+def test_close_sidecar_ranges_are_read_together_and_cut_apart(tmp_path, monkeypatch):
+    from distckpt.strategies import index as ix
+
+    data = bytes(range(256)) * 64                       # 16 KiB
+    (tmp_path / INDEX_FNAME).write_bytes(data)
+    monkeypatch.setattr(ix, "_GAP", 100)
+    starts, lengths = [5000, 10, 150, 60, 9000], [20, 40, 7, 30, 0]   # unsorted; 10, 60 and 150 close
+    reads = []
+    real_open = open
+
+    def counting_open(*args, **kwargs):
+        f = real_open(*args, **kwargs)
+        real_read = f.read
+
+        def read(n=-1):
+            reads.append(n)
+            return real_read(n)
+
+        f.read = read
+        return f
+
+    monkeypatch.setattr("builtins.open", counting_open)
+    views, fetched = ix._read_ranges(tmp_path, starts, lengths, "where")
+    assert [bytes(v) for v in views] == [data[a:a + n] for a, n in zip(starts, lengths)]
+    assert reads == [147, 20, 0]                        # [10, 157) in one read, then 5000 and 9000
+    assert fetched == sum(reads)
+
+
 def test_a_rank_reads_the_records_of_its_share_not_of_the_world(tmp_path):
     """One key of 4096 chunks; a load of one chunk touches a few tree nodes, not all records."""
     keys = {"w": {"dtype": torch.float32, "size": (4096, 8), "orig_shape": None}}

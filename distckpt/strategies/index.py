@@ -527,10 +527,10 @@ class IndexReader:
     def _fetch(self, refs: List[List[int]]) -> List[memoryview]:
         starts = [self.data_start + int(r[0]) for r in refs]
         lengths = [int(r[1]) for r in refs]
-        views = _read_ranges(self.location, starts, lengths, self.where)
+        views, fetched = _read_ranges(self.location, starts, lengths, self.where)
+        self.bytes_read += fetched
+        self.node_bytes_read += fetched
         for r, v in zip(refs, views):
-            self.bytes_read += len(v)
-            self.node_bytes_read += len(v)
             if len(v) != int(r[1]) or crc32c(v) != int(r[2]) & 0xFFFFFFFF:
                 raise CheckpointingException(
                     f"{self.where}: sidecar index node at offset {starts[refs.index(r)]} fails its CRC32C "
@@ -563,15 +563,37 @@ def _read_range(location, start: int, length: int, allow_short: bool = False) ->
         return f.read(length)
 
 
-def _read_ranges(location, starts: List[int], lengths: List[int], where: str) -> List[memoryview]:
+# Local sidecar reads: ranges at most _GAP bytes apart are read together, in spans of at most _SPAN.
+_GAP = 4 << 10
+_SPAN = 4 << 20
+
+
+def _read_ranges(location, starts: List[int], lengths: List[int], where: str) -> Tuple[List[memoryview], int]:
+    """The ranges' bytes and how many bytes were fetched for them (gaps between coalesced ranges
+    included)."""
     try:
         if isinstance(location, storage.Store):
-            return list(location.get_ranges(INDEX_FNAME, starts, lengths))
-        out = []
+            views = list(location.get_ranges(INDEX_FNAME, starts, lengths))
+            return views, sum(len(v) for v in views)
+        # Nodes that lie close together in the file (the leaves of a load's many small keys are
+        # packed one after another) are read in one call and cut apart.
+        order = sorted(range(len(starts)), key=starts.__getitem__)
+        out: List[Optional[memoryview]] = [None] * len(starts)
+        fetched = 0
         with open(location / INDEX_FNAME, "rb") as f:
-            for s, n in zip(starts, lengths):
-                f.seek(s)
-                out.append(memoryview(f.read(n)))
-        return out
+            i = 0
+            while i < len(order):
+                j, lo, hi = i + 1, starts[order[i]], starts[order[i]] + lengths[order[i]]
+                while j < len(order) and starts[order[j]] <= hi + _GAP and \
+                        max(hi, starts[order[j]] + lengths[order[j]]) - lo <= _SPAN:
+                    hi = max(hi, starts[order[j]] + lengths[order[j]])
+                    j += 1
+                f.seek(lo)
+                span = memoryview(f.read(hi - lo))
+                fetched += len(span)
+                for k in order[i:j]:
+                    out[k] = span[starts[k] - lo:starts[k] - lo + lengths[k]]
+                i = j
+        return out, fetched
     except CheckpointingException as e:
         raise CheckpointingException(f"{where}: sidecar index is truncated (corrupted): {e}") from None
