@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import fastcrc.crc32 as _fastcrc32
 
@@ -111,6 +111,30 @@ def write_manifest(checkpoint_dir, manifest: Manifest) -> None:
     storage.write_bytes(_location(checkpoint_dir), MANIFEST_FNAME, manifest.to_json())
 
 
+def _parsed(checkpoint_dir, build: Callable[[dict, Dict[str, int]], Any]) -> Tuple[Optional[Any], str]:
+    """``build`` applied to the checkpoint's manifest JSON (None if it has no manifest), after the
+    format check, and the manifest's path; the listed files are checked as names and sizes."""
+    location = _location(checkpoint_dir)
+    path = storage.join(location, MANIFEST_FNAME)
+    try:
+        raw = json.loads(storage.read_bytes(location, MANIFEST_FNAME))
+    except FileNotFoundError:
+        return None, path
+    except (OSError, ValueError) as e:
+        raise CheckpointingException(f"{path}: unreadable integrity manifest: {e}") from None
+    try:
+        if raw.get("format") != FORMAT or int(raw["version"]) > VERSION:
+            raise ValueError(f"unsupported format {raw.get('format')!r} version {raw.get('version')!r}")
+        files = {str(k): int(v) for k, v in raw["files"].items()}
+        out = build(raw, files)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointingException(f"{path}: malformed integrity manifest: {e}") from None
+    for name, size in files.items():
+        bounds.relative_name(name, path, "listed file")
+        bounds.natural(size, path, f"size of {name!r}")
+    return out, path
+
+
 def read_manifest_files(checkpoint_dir) -> Optional[Dict[str, int]]:
     """The files the checkpoint's manifest lists, with their sizes (None if it has no manifest),
     without building its per-range checksums: what a completeness check needs.
@@ -118,24 +142,7 @@ def read_manifest_files(checkpoint_dir) -> Optional[Dict[str, int]]:
     Raises:
         CheckpointingException: the manifest exists but is malformed.
     """
-    location = _location(checkpoint_dir)
-    path = storage.join(location, MANIFEST_FNAME)
-    try:
-        raw = json.loads(storage.read_bytes(location, MANIFEST_FNAME))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        raise CheckpointingException(f"{path}: unreadable integrity manifest: {e}") from None
-    try:
-        if raw.get("format") != FORMAT or int(raw["version"]) > VERSION:
-            raise ValueError(f"unsupported format {raw.get('format')!r} version {raw.get('version')!r}")
-        files = {str(k): int(v) for k, v in raw["files"].items()}
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CheckpointingException(f"{path}: malformed integrity manifest: {e}") from None
-    for name, size in files.items():
-        bounds.relative_name(name, path, "listed file")
-        bounds.natural(size, path, f"size of {name!r}")
-    return files
+    return _parsed(checkpoint_dir, lambda raw, files: files)[0]
 
 
 def read_manifest(checkpoint_dir) -> Optional[Manifest]:
@@ -144,26 +151,15 @@ def read_manifest(checkpoint_dir) -> Optional[Manifest]:
     Raises:
         CheckpointingException: the manifest exists but is malformed.
     """
-    location = _location(checkpoint_dir)
-    path = storage.join(location, MANIFEST_FNAME)
-    try:
-        raw = json.loads(storage.read_bytes(location, MANIFEST_FNAME))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        raise CheckpointingException(f"{path}: unreadable integrity manifest: {e}") from None
-    try:
-        if raw.get("format") != FORMAT or int(raw["version"]) > VERSION:
-            raise ValueError(f"unsupported format {raw.get('format')!r} version {raw.get('version')!r}")
-        m = Manifest(str(raw["save_id"]), str(raw["backend"]),
-                     {str(k): int(v) for k, v in raw["files"].items()})
+    def build(raw: dict, files: Dict[str, int]) -> Manifest:
+        m = Manifest(str(raw["save_id"]), str(raw["backend"]), files)
         for f, rs in raw["ranges"].items():
             m.ranges[str(f)] = [RangeChecksum(int(o), int(n), int(c), str(k)) for o, n, c, k in rs]
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CheckpointingException(f"{path}: malformed integrity manifest: {e}") from None
-    for name, size in m.files.items():
-        bounds.relative_name(name, path, "listed file")
-        bounds.natural(size, path, f"size of {name!r}")
+        return m
+
+    m, path = _parsed(checkpoint_dir, build)
+    if m is None:
+        return None
     for name, rs in m.ranges.items():
         for r in rs:
             bounds.natural(r.offset, path, f"range offset in {name!r}")
