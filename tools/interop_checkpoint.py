@@ -5,13 +5,17 @@
 Saves, on WORLD gloo ranks at TP x DP, a small model state (TP splits on both axes, bf16, fp16,
 int64, bool and replicated tensors) into OUT_DIR/ckpt with distckpt's ``torch_dist`` strategy,
 and the full tensors into OUT_DIR/expected.pt (``{'tensors': {key: tensor}}``), the format the
-megatron-core loader script compares against.
+megatron-core loader script compares against. The same structure is saved once before, with
+other values, as a training job saves step after step: OUT_DIR/ckpt is then the save whose
+``.metadata`` and sidecar rank 0 took from its last save (respelled and patched), so the check
+covers that path too (the script says whether it was taken).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import sys
 from pathlib import Path
@@ -41,21 +45,32 @@ def _rank(rank, world, tp, port, out):
 
     import distckpt
     from distckpt import ShardedTensor
+    from distckpt.strategies.torch import TorchDistSaveShardedStrategy
 
     tdist.init_process_group("gloo", rank=rank, world_size=world)
     tp_rank, dp_rank = rank % tp, rank // tp
     split_axis = {"decoder.linear_qkv.weight": 0, "decoder.linear_proj.weight": 1,
                   "embedding.word_embeddings.weight": 0, "decoder.fc.weight": 1}
-    sd = {}
-    for key, full in full_tensors().items():
-        axis = split_axis.get(key)
-        if axis is None:
-            sd[key] = ShardedTensor.from_rank_offsets(key, full.clone(), replica_id=rank)
-        else:
-            local = full.chunk(tp, dim=axis)[tp_rank].clone()
-            sd[key] = ShardedTensor.from_rank_offsets(key, local, (axis, tp_rank, tp), replica_id=dp_rank)
-    sd["iteration"] = 10
-    distckpt.save(sd, out / "ckpt")
+
+    def state(step: int) -> dict:
+        sd = {}
+        for key, full in full_tensors().items():
+            full = full if step else torch.zeros_like(full)
+            axis = split_axis.get(key)
+            if axis is None:
+                sd[key] = ShardedTensor.from_rank_offsets(key, full.clone(), replica_id=rank)
+            else:
+                local = full.chunk(tp, dim=axis)[tp_rank].clone()
+                sd[key] = ShardedTensor.from_rank_offsets(key, local, (axis, tp_rank, tp), replica_id=dp_rank)
+        sd["iteration"] = 10 * step
+        return sd
+
+    distckpt.save(state(0), out / "earlier")
+    strategy = TorchDistSaveShardedStrategy()
+    distckpt.save(state(1), out / "ckpt", sharded_strategy=strategy)
+    if rank == 0:
+        shutil.rmtree(out / "earlier")
+        print(f"the second save took rank 0's last .metadata and sidecar: {strategy.last_save_reused_metadata}")
     tdist.destroy_process_group()
 
 
