@@ -27,6 +27,7 @@ a leaf. Every node is checked against the CRC32C its parent (or the directory) r
 from __future__ import annotations
 
 import json
+import re
 import struct
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -336,6 +337,7 @@ class IndexTemplate:
         self.positions = (np.concatenate([crc_at[fqn] for fqn in self.keys]) if crc_at
                           else np.zeros(0, np.int64))
         self.items = [fqn for fqn, entry in directory.items() if "item" in entry]
+        self.head = _head_template(directory, fanout, leaf)
 
     def patch(self, crcs: Dict[str, np.ndarray], metadata_bytes: int) -> Optional[bytes]:
         """The sidecar with ``crcs[fqn]`` (each key's records' CRC32Cs, in the order its rows
@@ -363,10 +365,61 @@ class IndexTemplate:
             view.release()
         for fqn in self.items:
             directory[fqn]["item"][3] = int(crcs[fqn][-1])
-        return _framed(directory, metadata_bytes, self.fanout, self.leaf, [blob])
+        if self.head is None:
+            return _framed(directory, metadata_bytes, self.fanout, self.leaf, [blob])
+        # The directory's JSON with the changed numbers put in its gaps: the text json.dumps gives.
+        pieces, slots = self.head
+        values = [str(metadata_bytes if kind == "md" else directory[fqn][kind][2 if kind == "root" else 3])
+                  for kind, fqn in slots]
+        text = [pieces[0]]
+        for value, piece in zip(values, pieces[1:]):
+            text.append(value)
+            text.append(piece)
+        head = "".join(text).encode()
+        return b"".join([_HEADER.pack(MAGIC, len(head), crc32c(head)), head, blob])
 
 
 _I64 = struct.Struct("<q")
+# Placeholders for the numbers a template patches, in the directory JSON it keeps (19 digits: far
+# above any offset, length or checksum a sidecar holds; each must occur exactly once, or no text).
+_PLACEHOLDER = 7_777_700_000_000_000_000
+_PLACEHOLDERS = re.compile(r"77777\d{14}")
+
+
+def _head_template(directory: Dict[str, Any], fanout: int, leaf: int) -> Optional[Tuple[List[str], List[Tuple[str, str]]]]:
+    """The sidecar directory's JSON cut around the numbers a patch changes (each key's root
+    checksum, each byte item's CRC32C, ``metadata_bytes``): ``(pieces, slots)``, the text being
+    ``pieces[0] + value(slots[0]) + pieces[1] + ...``. None if a placeholder is not found
+    exactly once (the patch then dumps the directory anew)."""
+    slots: List[Tuple[str, str]] = []
+
+    def mark(kind: str, fqn: str) -> int:
+        slots.append((kind, fqn))
+        return _PLACEHOLDER + len(slots) - 1
+
+    shadow: Dict[str, Any] = {}
+    for fqn, entry in directory.items():
+        entry = dict(entry)
+        if "root" in entry:
+            entry["root"] = [*entry["root"][:2], mark("root", fqn), *entry["root"][3:]]
+        if "item" in entry:
+            entry["item"] = [*entry["item"][:3], mark("item", fqn), *entry["item"][4:]]
+        shadow[fqn] = entry
+    md = mark("md", "")
+    text = json.dumps({"format": FORMAT, "version": VERSION, "metadata_bytes": md,
+                       "fanout": fanout, "leaf": leaf, "keys": shadow}, separators=(",", ":"))
+    pieces, order, at = [], [], 0
+    for m in _PLACEHOLDERS.finditer(text):
+        index = int(m.group()) - _PLACEHOLDER
+        if not 0 <= index < len(slots):
+            return None
+        pieces.append(text[at:m.start()])
+        order.append(slots[index])
+        at = m.end()
+    pieces.append(text[at:])
+    if sorted(order) != sorted(slots) or len(order) != len(slots):
+        return None
+    return pieces, order
 
 
 def index_from_metadata(md: Any, checksums: Dict[Tuple[str, int], Any], metadata_bytes: int) -> bytes:
