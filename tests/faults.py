@@ -224,10 +224,7 @@ def injected(fault: Fault) -> Iterator[None]:
             elif stage == "commit_write":
                 stack.enter_context(patched(commit, "save_config", _failing(stage, errno.EIO)))
             elif stage == "read":
-                # Both ways a same-layout load reads: item by item, and a file of small items in one
-                # call (its items then copied from memory without ``_read_chunk``).
                 stack.enter_context(patched(torch_strategy, "_read_chunk", _failing(stage, errno.EIO)))
-                stack.enter_context(patched(torch_strategy, "pread_exact", _failing(stage, errno.EIO)))
         yield
 
 

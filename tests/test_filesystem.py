@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import io
 import os
 import re
@@ -150,14 +149,12 @@ def test_an_own_item_in_memory_is_copied_into_its_destination_and_anything_else_
     sink.drain()
     os.close(fd)
     span = bytearray(path.read_bytes())
-    address = ctypes.addressof(ctypes.c_char.from_buffer(span))
 
     def copy(data: bytearray, dest, size=(7, 5), at=offset, n=length) -> bool:
-        base = ctypes.addressof(ctypes.c_char.from_buffer(data))
-        return fs.copy_framed_from(memoryview(data)[at:at + n], base + at, at, size, dest)
+        return fs.copy_framed_from(memoryview(data)[at:at + n], at, size, dest)
 
     dest = torch.zeros(7, 5)
-    assert fs.copy_framed_from(memoryview(span)[offset:offset + length], address + offset, offset, (7, 5), dest)
+    assert fs.copy_framed_from(memoryview(span)[offset:offset + length], offset, (7, 5), dest)
     assert torch.equal(dest, t)
     # Another shape, dtype, length or file offset; a destination of other bytes: declined, untouched.
     for kwargs, target in [({"size": (5, 7)}, torch.zeros(5, 7)), ({}, torch.zeros(7, 5, dtype=torch.int32)),

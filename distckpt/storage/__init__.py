@@ -13,14 +13,14 @@ from typing import Any, Dict, Optional, Union
 from urllib.parse import unquote, urlparse
 
 from distckpt.core import CheckpointingException, atomic_write_bytes
-from distckpt.storage.base import Store, Writer
+from distckpt.storage.base import Store, Writer, coalesce
 from distckpt.storage.local import LocalStore
 
 Location = Union[str, os.PathLike, Store]
 
 OBJECT_SCHEMES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "azure", "memory"}
 
-__all__ = ["Location", "LocalStore", "Store", "Writer", "is_remote", "local_dir", "open_store",
+__all__ = ["Location", "LocalStore", "Store", "Writer", "coalesce", "is_remote", "local_dir", "open_store",
            "resolve", "read_bytes", "write_bytes", "join", "OBJECT_SCHEMES"]
 
 

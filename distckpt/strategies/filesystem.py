@@ -483,22 +483,18 @@ def read_framed_into(fd: int, offset: int, length: int, size: Tuple[int, ...], d
     return n == length and head == header and tail == trailer
 
 
-def copy_framed_from(item: memoryview, address: int, offset: int, size: Tuple[int, ...], dest: torch.Tensor) -> bool:
-    """Like :func:`read_framed_into` for an item already in memory (``item``, whose first byte
-    lies at ``address``, read from file offset ``offset``): if it is byte for byte the frame
+def copy_framed_from(item: memoryview, offset: int, size: Tuple[int, ...], dest: torch.Tensor) -> bool:
+    """Like :func:`read_framed_into` for an item already in memory (``item``, a writable view of
+    the bytes read from file offset ``offset``): if it is byte for byte the frame
     :func:`write_tensor_item` builds around a contiguous tensor of ``size`` and ``dest``'s dtype,
     copy its tensor bytes into ``dest`` (a contiguous CPU tensor of exactly those bytes) and
     return True; else False, ``dest`` untouched. The frame is compared in place and the bytes
     moved with one ``memmove``: a few microseconds for the small items of a many-tensor load."""
-    frame = _expected_frame(dest.dtype, tuple(size), offset % _ALIGN)
-    if frame is None:
+    layout = framed_layout(item, size, dest.dtype, offset=offset)
+    if layout is None or dest.numel() * dest.element_size() != layout.data_length:
         return False
-    header, trailer, layout = frame
-    h, n = len(header), layout.data_length
-    if (len(item) != h + n + len(trailer) or dest.numel() * dest.element_size() != n
-            or item[:h] != header or item[h + n:] != trailer):
-        return False
-    ctypes.memmove(dest.data_ptr(), address + h, n)
+    src = (ctypes.c_char * layout.data_length).from_buffer(item, layout.data_offset)
+    ctypes.memmove(dest.data_ptr(), src, layout.data_length)
     return True
 
 

@@ -631,22 +631,16 @@ def _read_ranges(location, starts: List[int], lengths: List[int], where: str) ->
         # Nodes that lie close together in the file (the leaves of a load's many small keys are
         # packed one after another) are read in one call and cut apart.
         order = sorted(range(len(starts)), key=starts.__getitem__)
+        requests, places = storage.coalesce([(starts[k], lengths[k]) for k in order], _GAP, _SPAN)
         out: List[Optional[memoryview]] = [None] * len(starts)
-        fetched = 0
         with open(location / INDEX_FNAME, "rb") as f:
-            i = 0
-            while i < len(order):
-                j, lo, hi = i + 1, starts[order[i]], starts[order[i]] + lengths[order[i]]
-                while j < len(order) and starts[order[j]] <= hi + _GAP and \
-                        max(hi, starts[order[j]] + lengths[order[j]]) - lo <= _SPAN:
-                    hi = max(hi, starts[order[j]] + lengths[order[j]])
-                    j += 1
+            spans = []
+            for lo, n in requests:
                 f.seek(lo)
-                span = memoryview(f.read(hi - lo))
-                fetched += len(span)
-                for k in order[i:j]:
-                    out[k] = span[starts[k] - lo:starts[k] - lo + lengths[k]]
-                i = j
+                spans.append(memoryview(f.read(n)))
+        for k, (request, at, n) in zip(order, places):
+            out[k] = spans[request][at:at + n]
+        fetched = sum(len(span) for span in spans)
         return out, fetched
     except CheckpointingException as e:
         raise CheckpointingException(f"{where}: sidecar index is truncated (corrupted): {e}") from None

@@ -21,7 +21,6 @@ with the stored chunks, and each stored chunk is read at most once per rank.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import hashlib
 import io
@@ -38,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import numpy as np
 import torch
@@ -1615,7 +1614,7 @@ def _whole_into_cpu(st: _Stored, ops: List[CopyOp]) -> bool:
 
 
 def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[CopyOp],
-                checksums: Optional[Dict], rank: int, verify: bool, raw: Optional[bytes] = None,
+                checksums: Optional[Dict], rank: int, verify: bool, raw: Optional[Union[bytes, memoryview]] = None,
                 bounce: Optional[HostBounce] = None) -> int:
     """Serve every copy of one stored item; returns the bytes taken from storage.
 
@@ -1624,12 +1623,22 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[CopyOp],
     overlapping the next reads). Other boxes (column blocks, strided flat slices, other dtypes or
     layouts) are copied out of a read-only mapping of the bytes they span. The common case of a
     load in the saved layout, one copy of the whole item into a contiguous CPU tensor, reads
-    frame and bytes in one call (:func:`read_framed_into`).
+    frame and bytes in one call (:func:`read_framed_into`), or, when the item is ``raw`` already
+    (a file of small items read at once), moves its bytes with one ``memmove``
+    (:func:`copy_framed_from`).
     """
     numel = math.prod(st.size)
-    if raw is None and not verify and _whole_into_cpu(st, ops) \
-            and read_framed_into(fd, st.file_offset, st.length, tuple(st.size), ops[0].dst):
-        return st.length
+    if not verify and _whole_into_cpu(st, ops):
+        # In the saved layout: the tensor bytes straight into place, the frame compared, not parsed
+        # (from the file in one call, or out of the span already read; nothing to check them
+        # against without ``verify``).
+        if raw is None and read_framed_into(fd, st.file_offset, st.length, tuple(st.size), ops[0].dst):
+            return st.length
+        if raw is not None and checksums is None and copy_framed_from(
+                memoryview(raw), st.file_offset, tuple(st.size), ops[0].dst):
+            return st.length
+    if isinstance(raw, memoryview):
+        raw = bytearray(raw)
     what = f"key {ops[0].key!r} in {path} at offset {st.file_offset} (rank {rank})"
     if raw is not None or verify:
         if raw is None:
@@ -1706,21 +1715,6 @@ def _partial_candidate(st: _Stored, ops: List[CopyOp]) -> bool:
     numel = math.prod(st.size)
     return (st.length >= blockcrc.MIN_PAYLOAD and numel > 0
             and sum(op.numel for op in ops) < _PARTIAL_SHARE * numel)
-
-
-def _coalesce(ranges: List[Tuple[int, int]], gap: int) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int, int]]]:
-    """Merge byte ranges ``(offset, length)`` (sorted by offset) whose gap is at most ``gap``
-    bytes into requests; returns the requests and, per range, (request index, offset in it,
-    length)."""
-    requests: List[List[int]] = []
-    places = []
-    for offset, length in ranges:
-        if requests and offset - requests[-1][1] <= gap and offset >= requests[-1][0]:
-            requests[-1][1] = max(requests[-1][1], offset + length)
-        else:
-            requests.append([offset, offset + length])
-        places.append((len(requests) - 1, offset - requests[-1][0], length))
-    return [(a, b - a) for a, b in requests], places
 
 
 def _block_table(store, name: str) -> Tuple[Optional[blockcrc.Table], int]:
@@ -2275,7 +2269,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             for group in batches:
                 # Coalesced here (not only inside the client) so that bytes_read counts what is
                 # transferred, gaps included.
-                requests, places = _coalesce([r for _, _, rs in group for r in rs], gap)
+                requests, places = storage.coalesce([r for _, _, rs in group for r in rs], gap)
                 try:
                     got = checkpoint_dir.get_ranges(name, [o for o, _ in requests], [n for _, n in requests])
                 except FileNotFoundError:
@@ -2317,17 +2311,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                     raw = bytearray(span)
                     view = memoryview(raw)
                     pread_exact(fd, view, first, str(path))
-                    address = ctypes.addressof(ctypes.c_char.from_buffer(raw))
                     for st in items:
                         start = st.file_offset - first
-                        ops = plan.ops[st]
-                        # In the saved layout, with nothing to check against: the tensor bytes
-                        # straight out of the span (the frame compared in place).
-                        if checksums is None and not verify and _whole_into_cpu(st, ops) and copy_framed_from(
-                                view[start:start + st.length], address + start, st.file_offset, tuple(st.size),
-                                ops[0].dst):
-                            continue
-                        _read_chunk(fd, path, st, ops, checksums, rank, verify, raw[start:start + st.length])
+                        _read_chunk(fd, path, st, plan.ops[st], checksums, rank, verify,
+                                    view[start:start + st.length])
                     counted.append(len(raw))
                     return
                 bounce = HostBounce(self.pinned_slot_bytes) if self.pinned_slot_bytes else None
