@@ -371,3 +371,13 @@ def test_saves_of_an_unchanged_structure_patch_the_last_sidecar(tmp_path):
         assert run_ranks(2, _load_generation, str(ckpt), i + 1) == [(True, [])] * 2, i
         # The patched sidecar is byte for byte the one a save without the cache builds.
         assert (ckpt / INDEX_FNAME).read_bytes() == (tmp_path / f"fres{i}" / INDEX_FNAME).read_bytes(), i
+
+
+def test_coalesce_merges_close_ranges_up_to_a_span():
+    from distckpt.storage import coalesce
+
+    ranges = [(0, 10), (15, 5), (100, 10), (112, 8)]
+    assert coalesce(ranges, gap=5) == ([(0, 20), (100, 20)], [(0, 0, 10), (0, 15, 5), (1, 0, 10), (1, 12, 8)])
+    # a request may not grow past max_span: the last range starts a request of its own
+    assert coalesce(ranges, gap=5, max_span=15)[0] == [(0, 10), (15, 5), (100, 10), (112, 8)]
+    assert coalesce(ranges, gap=5, max_span=20)[0] == [(0, 20), (100, 20)]
