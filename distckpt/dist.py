@@ -28,6 +28,13 @@ into a CollectiveTimeout naming the stage, and its message is posted to the grou
 check-in, so that the ranks the failure did not reach raise the same message at their next stage. A rank
 that raised a verdict re-raises it at once at any later stage of the same operation (a failure is
 shared at the next stage; that stage must not wait for ranks that gave up).
+
+On a store that wakes its waiters (TCPStore) the object stages — :func:`gather_and_decide`,
+:func:`all_gather_or_raise` (and so :func:`sync_errors`), :func:`all_reduce_max` — run through the
+store alone (:func:`store_rounds`, :func:`_store_round`): each rank posts its payload under the
+stage's number, rank 0 waits for them all with the timeout, decides and posts the outcome, the
+others wait for that with the timeout. Check-in and stage are one; no rank is ever inside a
+collective of the process group, so a stage that timed out leaves the group usable.
 """
 
 from __future__ import annotations
@@ -141,6 +148,9 @@ _broken: Dict[str, Tuple[float, str]] = {}
 # collectives may no longer match its peers'; distckpt never issues another one on that group
 # (``reset_failures`` does not clear it). Re-create the group, or restart, to go on.
 _out_of_step: Dict[str, str] = {}
+# Per group: the store keys this rank left at its last stage; it deletes them once every rank has
+# reached its next stage (nobody waits on them any more).
+_leftovers: Dict[str, List[str]] = {}
 
 
 def reset_failures() -> None:
@@ -186,6 +196,26 @@ def _group_ranks(group: ProcessGroup) -> List[int]:
     return list(tdist.get_process_group_ranks(group))
 
 
+def _enter(stage: str, group: ProcessGroup) -> Tuple[List[int], str, int, str]:
+    """Number this rank's next stage of ``group``: (its global ranks, the group's id, the stage
+    number, the prefix of the stage's keys)."""
+    _raise_if_broken(stage, group)
+    ranks = _group_ranks(group)
+    gid = _group_id(ranks)
+    n = _check_ins.get(gid, 0) + 1
+    _check_ins[gid] = n
+    return ranks, gid, n, f"distckpt/{gid}/{n}"
+
+
+def _passed(store, gid: str, keys: List[str]) -> None:
+    """Every rank reached this rank's current stage of the group: nobody reads the keys this rank
+    left at its stage before, so they go; ``keys`` are the ones to delete after the next stage."""
+    for key in _leftovers.pop(gid, ()):
+        _delete(store, key)
+    if keys:
+        _leftovers[gid] = keys
+
+
 def check_in(stage: str, group: ProcessGroup = None, timeout: Optional[float] = None) -> None:
     """Return once every rank of ``group`` has checked in for ``stage``; raise
     :class:`CollectiveTimeout` naming the missing ranks after ``timeout`` seconds. Every rank of
@@ -195,13 +225,8 @@ def check_in(stage: str, group: ProcessGroup = None, timeout: Optional[float] = 
     store = _store()
     if store is None:
         return
-    _raise_if_broken(stage, group)
+    ranks, gid, n, prefix = _enter(stage, group)
     timeout = collective_timeout() if timeout is None else timeout
-    ranks = _group_ranks(group)
-    gid = _group_id(ranks)
-    n = _check_ins.get(gid, 0) + 1
-    _check_ins[gid] = n
-    prefix = f"distckpt/{gid}/{n}"
     done = f"{prefix}/done"
     me = tdist.get_rank()
     try:
@@ -221,12 +246,112 @@ def check_in(stage: str, group: ProcessGroup = None, timeout: Optional[float] = 
         # Every rank raises the verdict of the first one that timed out, also a late arrival.
         _break(gid, outcome)
         raise CollectiveTimeout.from_verdict(stage, outcome)
-    if n > 1:
-        # Everyone reached check-in n, so nobody waits on the keys of n - 1 any more.
-        _delete(store, f"distckpt/{gid}/{n - 1}/r{me}")
-        if me == ranks[0]:
-            _delete(store, f"distckpt/{gid}/{n - 1}/count")
-            _delete(store, f"distckpt/{gid}/{n - 1}/done")
+    _passed(store, gid, [f"{prefix}/r{me}"] + ([f"{prefix}/count", done] if me == ranks[0] else []))
+
+
+STORE_ROUNDS_ENV = "DISTCKPT_STORE_ROUNDS"
+# In the store, a stage's outcome posted by rank 0 starts with ``_DECIDED`` (and so does each
+# rank's payload); a verdict is text. ``_FOLLOWS``: the outcome is larger than ``_OUTCOME_LIMIT``
+# and follows as a broadcast of the process group (which every rank is known to have reached).
+_DECIDED = b"\x00"
+_FOLLOWS = b"\x01"
+_OUTCOME_LIMIT = 64 << 10
+
+
+def store_rounds(group: ProcessGroup = None):
+    """The store that carries the object stages of ``group`` (gather and decide, error agreement,
+    small all-reduces) by itself, or None when they run as collectives of the process group.
+
+    ``$DISTCKPT_STORE_ROUNDS``: ``auto`` (default) uses a store that wakes its waiters (TCPStore,
+    what ``torchrun`` and ``env://`` give; not a FileStore, whose waits poll every 10 ms); ``1``
+    always uses the store; ``0`` never does. Every rank must see the same setting."""
+    raw = os.environ.get(STORE_ROUNDS_ENV, "").strip().lower()
+    if raw in ("0", "off", "false", "no"):
+        return None
+    if raw not in ("", "auto", "1", "on", "true", "yes"):
+        raise CheckpointingException(f"{STORE_ROUNDS_ENV}={raw!r}: must be auto, 1 or 0")
+    store = _store()
+    if store is None or raw not in ("", "auto"):
+        return store
+    inner = store
+    while isinstance(inner, tdist.PrefixStore):
+        inner = inner.underlying_store
+    return None if isinstance(inner, tdist.FileStore) else store
+
+
+def _store_round(store, stage: str, group: ProcessGroup, blob: bytes,
+                 decide: Callable[[List[bytes]], bytes]) -> bytes:
+    """One stage carried by the store alone: every rank of ``group`` posts ``blob``; the group's
+    rank 0 waits for all of them, runs ``decide`` over them (its own first, then by group rank)
+    and posts the outcome, which every rank returns. Bounded like :func:`check_in`: a rank that
+    does not come makes every other rank raise the same :class:`CollectiveTimeout`, naming it,
+    within :func:`collective_timeout` seconds. Four store round trips per rank, and no collective
+    of the process group (the outcome follows as a broadcast only when it is large)."""
+    ranks, gid, n, prefix = _enter(stage, group)
+    timeout = collective_timeout()
+    done = f"{prefix}/done"
+    me, root = tdist.get_rank(), ranks[0]
+    others = [f"{prefix}/r{r}" for r in ranks[1:]]
+    result = b""
+    try:
+        if me == root:
+            try:
+                store.wait(others, timedelta(seconds=timeout))
+            except Exception as e:  # noqa: BLE001 - timed out: a verdict naming the absent ranks
+                outcome = _word_verdict(store, done, stage, _missing(store, prefix, ranks[1:]), timeout, e)
+            else:
+                blobs = store.multi_get(others)
+                # A rank whose stage before failed posts the verdict it raised instead of a payload.
+                words = [b for b in blobs if b[:1] != _DECIDED]
+                if words:
+                    posting = words[0]
+                elif store.check([done]):
+                    # Another rank gave up on this rank before it came: no decision (a commit)
+                    # behind the back of ranks that already raised.
+                    posting = store.get(done)
+                else:
+                    try:
+                        result = decide([blob] + [memoryview(b)[1:] for b in blobs])
+                    except Exception as e:  # noqa: BLE001 - decide reports its own failures; this is a bug
+                        result = b""
+                        posting = f"{stage}: rank {root} failed to decide the stage: {_one_line(e)}".encode()
+                    else:
+                        posting = _DECIDED + result if len(result) <= _OUTCOME_LIMIT else _FOLLOWS
+                outcome = store.compare_set(done, "", posting)
+        else:
+            store.set(f"{prefix}/r{me}", _DECIDED + blob)
+            try:
+                store.wait([done], timedelta(seconds=timeout))
+            except Exception as e:  # noqa: BLE001 - timed out: rank 0 still waits, or is absent itself
+                absent = _missing(store, prefix, ranks[1:]) or [root]
+                outcome = _word_verdict(store, done, stage, absent, timeout, e)
+            else:
+                outcome = store.get(done)
+    except Exception as e:  # noqa: BLE001 - the store itself is gone (its host's process died)
+        outcome = str(CollectiveTimeout(stage, [], timeout, f"{type(e).__name__}: {e}".strip())).encode()
+    kind = outcome[:1]
+    if kind != _DECIDED and kind != _FOLLOWS:
+        # A late rank 0 still finds every payload and so the verdict at once: the keys stay
+        # until this rank's next stage that every rank reaches.
+        _leftovers.setdefault(gid, []).append(f"{prefix}/r{me}")
+        verdict = outcome.decode(errors="replace")
+        _break(gid, verdict)
+        raise CollectiveTimeout.from_verdict(stage, verdict)
+    if me == root:
+        _passed(store, gid, [done])
+    else:
+        _passed(store, gid, [])
+        _delete(store, f"{prefix}/r{me}")    # a payload may be large: it does not wait for the next stage
+    if kind == _FOLLOWS:
+        return _guarded(stage, lambda: _broadcast_object(bytes(result), 0, group), group)
+    return result if me == root else outcome[1:]
+
+
+def _word_verdict(store, done: str, stage: str, missing: List[int], timeout: float, error: Exception) -> bytes:
+    """Post the verdict of a stage this rank gave up on (unless another rank posted first);
+    returns what the stage's outcome key holds then."""
+    verdict = str(CollectiveTimeout(stage, missing, timeout, f"{type(error).__name__}: {error}".strip()))
+    return store.compare_set(done, "", verdict)
 
 
 def _group_id(ranks: Sequence[int]) -> str:
@@ -245,7 +370,11 @@ def _post_verdict(group: ProcessGroup, verdict: str) -> str:
         # Not counted as this rank's check-in: a stage that failed inside its collective is still
         # shared (``sync_errors`` and the like), and that next check-in then finds the verdict.
         n = _check_ins.get(gid, 0) + 1
-        return store.compare_set(f"distckpt/{gid}/{n}/done", "", verdict).decode()
+        standing = store.compare_set(f"distckpt/{gid}/{n}/done", "", verdict).decode()
+        # This rank will not come to that stage: its key there says so, so that the group's
+        # rank 0, waiting for every rank's key at a stage run through the store, stops waiting.
+        store.set(f"distckpt/{gid}/{n}/r{tdist.get_rank()}", standing)
+        return standing
     except Exception:  # noqa: BLE001 - the store is gone as well: this rank's own words
         return verdict
 
@@ -483,6 +612,13 @@ def all_reduce_max(values: Sequence[int], group: ProcessGroup = None, stage: str
     """Element-wise max of small int vectors over the group (one tiny collective)."""
     if not is_initialized():
         return list(values)
+    store = store_rounds(group) if get_world_size(group) > 1 else None
+    if store is not None:
+        def decide(blobs: List[memoryview]) -> bytes:
+            vectors = [pickle.loads(b) for b in blobs]
+            return pickle.dumps([max(column) for column in zip(*vectors)])
+
+        return pickle.loads(_store_round(store, stage, group, pickle.dumps([int(v) for v in values]), decide))
     if checked:
         check_in(stage, group)
     t = torch.tensor(list(values), dtype=torch.int64, device=collective_device(group))
@@ -556,7 +692,21 @@ def all_gather_or_raise(stage: str, exc: Optional[BaseException], payload: Any =
     Every rank of ``group`` must call this at the same point, whether or not it failed.
     """
     exc, payload = _checked_payload(exc, payload)
-    gathered = all_gather_object((_error_record(exc, group), None if exc is not None else payload), group, stage)
+    record = (_error_record(exc, group), None if exc is not None else payload)
+    store = store_rounds(group) if is_initialized() and get_world_size(group) > 1 else None
+    if store is not None:
+        def outcome_of(gathered: List[tuple]) -> tuple:
+            failures = [err for err, _ in gathered if err is not None]
+            if failures:
+                return "failed", failures
+            payloads = [p for _, p in gathered]
+            return "ok", (payloads if any(p is not None for p in payloads) else None)
+
+        outcome = _round_of_records(store, stage, group, record, outcome_of)
+        if outcome[0] != "ok":
+            _raise_failures(stage, outcome[1], exc, get_world_size(group))
+        return outcome[1] if outcome[1] is not None else [None] * get_world_size(group)
+    gathered = all_gather_object(record, group, stage)
     failures = [err for err, _ in gathered if err is not None]
     if failures:
         _raise_failures(stage, failures, exc, get_world_size(group))
@@ -577,22 +727,53 @@ def gather_and_decide(stage: str, exc: Optional[BaseException], payload: Any,
     raises the same :class:`RankErrors`. Costs one gather and one broadcast.
     """
     exc, payload = _checked_payload(exc, payload)
-    gathered = gather_object((_error_record(exc, group), None if exc is not None else payload),
-                             dst=0, group=group, stage=stage)
-    outcome: Any = None
-    if gathered is not None:
+    record = (_error_record(exc, group), None if exc is not None else payload)
+
+    def outcome_of(gathered: List[tuple]) -> tuple:
         failures = [err for err, _ in gathered if err is not None]
         if not failures:
             try:
-                outcome = ("ok", decide([p for _, p in gathered]))
-            except Exception as e:  # noqa: BLE001 - reported to every rank below
+                return "ok", decide([p for _, p in gathered])
+            except Exception as e:  # noqa: BLE001 - reported to every rank
                 failures = [(get_rank(group), _one_line(e), describe_error(e))]
-        if failures:
-            outcome = ("failed", failures)
-    outcome = broadcast_object(outcome, src=0, group=group, stage=stage, checked=False)
+        return "failed", failures
+
+    store = store_rounds(group) if is_initialized() and get_world_size(group) > 1 else None
+    if store is not None:
+        outcome = _round_of_records(store, stage, group, record, outcome_of)
+    else:
+        gathered = gather_object(record, dst=0, group=group, stage=stage)
+        outcome = None if gathered is None else outcome_of(gathered)
+        outcome = broadcast_object(outcome, src=0, group=group, stage=stage, checked=False)
     if outcome[0] == "ok":
         return outcome[1]
     _raise_failures(stage, outcome[1], exc, get_world_size(group))
+
+
+def _round_of_records(store, stage: str, group: ProcessGroup, record: tuple,
+                      outcome_of: Callable[[List[tuple]], tuple]) -> tuple:
+    """A :func:`_store_round` of picklable records: rank 0 unpickles them (a record it cannot
+    unpickle is that rank's failure) and every rank gets ``outcome_of(records)`` (a tuple whose
+    first item is "ok" or "failed"). A failure to pickle the outcome is rank 0's failure."""
+    ranks = _group_ranks(group)
+
+    def decide(blobs: List[memoryview]) -> bytes:
+        records, failures = [], []
+        for r, b in enumerate(blobs):
+            try:
+                records.append(pickle.loads(b))
+            except Exception as e:  # noqa: BLE001 - e.g. a class rank 0 cannot import
+                failures.append((r, f"its payload cannot be unpickled on rank {ranks[0]}: {_one_line(e)}",
+                                 describe_error(e)))
+        outcome = ("failed", failures) if failures else outcome_of(records)
+        try:
+            return pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as e:  # noqa: BLE001
+            return pickle.dumps(("failed", [(0, f"the outcome cannot be pickled: {_one_line(e)}",
+                                             describe_error(e))]), protocol=pickle.HIGHEST_PROTOCOL)
+
+    mine = pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
+    return pickle.loads(_store_round(store, stage, group, mine, decide))
 
 
 def _raise_failures(stage: str, failures: list, exc: Optional[BaseException], world: int) -> None:

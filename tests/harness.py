@@ -14,7 +14,8 @@ is spawned once per test session, on first use, and reused by every test::
         assert run_ranks(4, _sum_of_ranks) == [6, 6, 6, 6]
 
 Each worker is a ``spawn``-ed process with ``OMP_NUM_THREADS=1`` and no visible CUDA device that
-joins a gloo process group (``init_process_group`` over a FileStore) and then runs tasks
+joins a gloo process group (``init_process_group`` over a TCPStore that the parent process hosts,
+as ``torchrun`` hosts one for its ranks) and then runs tasks
 ``(task_id, fn, args, kwargs)`` from its own pipe, answering ``(task_id, rank, ok, value)`` where
 ``value`` is the return value or the formatted traceback. ``run`` returns the values by rank, or
 raises:
@@ -149,7 +150,7 @@ def _check_in_step(expected: int) -> int:
     return os.getpid()
 
 
-def _worker_main(rank: int, world_size: int, init_method: str, conn, stack_file: str) -> None:
+def _worker_main(rank: int, world_size: int, store_port: int, conn, stack_file: str) -> None:
     # Before torch is imported: it reads these once, at import.
     os.environ["OMP_NUM_THREADS"] = "1"
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -168,11 +169,13 @@ def _worker_main(rank: int, world_size: int, init_method: str, conn, stack_file:
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
+                              timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
         dist.init_process_group(
             "gloo",
             rank=rank,
             world_size=world_size,
-            init_method=init_method,
+            store=store,
             timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S),
         )
     except BaseException:
@@ -238,6 +241,7 @@ class RankPool:
         self._procs: list = []
         self._conns: list = []
         self._tmp: tempfile.TemporaryDirectory | None = None
+        self._store = None
         self._start()
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -254,13 +258,18 @@ class RankPool:
         return os.path.join(self._tmp.name, f"stacks.rank{rank}.txt")
 
     def _start(self) -> None:
+        from torch.distributed import TCPStore
+
         self._tmp = tempfile.TemporaryDirectory(prefix=f"distckpt-rankpool-w{self.world_size}-")
-        init_method = "file://" + os.path.join(self._tmp.name, "filestore")
+        # The rendezvous store lives here, on a port the system picked (no race for one); it
+        # outlives any worker, and the next pool gets a fresh one.
+        self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                               timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
         for rank in range(self.world_size):
             parent_end, child_end = self._ctx.Pipe(duplex=True)
             proc = self._ctx.Process(
                 target=_worker_main,
-                args=(rank, self.world_size, init_method, child_end, self._stack_file(rank)),
+                args=(rank, self.world_size, self._store.port, child_end, self._stack_file(rank)),
                 name=f"rankpool-w{self.world_size}-r{rank}",
                 daemon=True,
             )
@@ -294,6 +303,7 @@ class RankPool:
             if proc.exitcode is not None:
                 proc.close()
         self._procs, self._conns = [], []
+        self._store = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None

@@ -244,7 +244,9 @@ def _stall_inside_first_collective(ckpt: str, stalled: int, timeout: float):
     """Every rank saves with a short timeout; ``stalled`` checks in like the others, then stalls
     for ``timeout + 2`` s inside the stage's collective before it joins. Afterwards every rank
     tries one more collective (as the next save would), which distckpt must refuse at once (the
-    group is out of step)."""
+    group is out of step). The stages run as collectives of the process group (not through the
+    store, where no rank is ever inside a collective)."""
+    os.environ[ddist.STORE_ROUNDS_ENV] = "0"     # the pool restores the environment after the task
     rank = ddist.get_rank()
     real = ddist._slot_round
     stalls = []
