@@ -262,9 +262,10 @@ def store_rounds(group: ProcessGroup = None):
     """The store that carries the object stages of ``group`` (gather and decide, error agreement,
     small all-reduces) by itself, or None when they run as collectives of the process group.
 
-    ``$DISTCKPT_STORE_ROUNDS``: ``auto`` (default) uses a store that wakes its waiters (TCPStore,
-    what ``torchrun`` and ``env://`` give; not a FileStore, whose waits poll every 10 ms); ``1``
-    always uses the store; ``0`` never does. Every rank must see the same setting."""
+    ``$DISTCKPT_STORE_ROUNDS``: ``auto`` (default) uses a store that wakes its waiters (a
+    TCPStore, what ``torchrun`` and ``env://`` give, or a HashStore; not a FileStore, whose waits
+    poll every 10 ms, nor a store of unknown kind); ``1`` always uses the store; ``0`` never does.
+    Every rank must see the same setting."""
     raw = os.environ.get(STORE_ROUNDS_ENV, "").strip().lower()
     if raw in ("0", "off", "false", "no"):
         return None
@@ -276,7 +277,7 @@ def store_rounds(group: ProcessGroup = None):
     inner = store
     while isinstance(inner, tdist.PrefixStore):
         inner = inner.underlying_store
-    return None if isinstance(inner, tdist.FileStore) else store
+    return store if isinstance(inner, (tdist.TCPStore, tdist.HashStore)) else None
 
 
 def _store_round(store, stage: str, group: ProcessGroup, blob: bytes,
