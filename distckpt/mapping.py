@@ -156,6 +156,10 @@ class ShardedTensor(ShardedBase):
         Raises:
             CheckpointingException: naming the key and the offending values.
         """
+        if self._plain_chunk_in_bounds():
+            if self.data is not None:
+                self._validate_data()
+            return
         me = f"ShardedTensor {self.key!r}"
         # Shapes are normalised to int tuples here rather than only at construction because the
         # fields stay mutable (e.g. a torch.Size or list may be assigned later).
@@ -211,6 +215,28 @@ class ShardedTensor(ShardedBase):
             self._validate_flattened_range()
         if self.data is not None:
             self._validate_data()
+
+    def _plain_chunk_in_bounds(self) -> bool:
+        """The common case in one pass, for the checks a save and a load repeat on every tensor:
+        shapes (and fragmentations, if any) already tuples of plain ints, no prepended axes, no
+        flattening, the chunk inside the global shape. False: the full checks decide (and word
+        the error)."""
+        ls, gs, go, frags = self.local_shape, self.global_shape, self.global_offset, self.axis_fragmentations
+        if (type(ls) is not tuple or type(gs) is not tuple or type(go) is not tuple
+                or self.prepend_axis_num != 0 or type(self.prepend_axis_num) is not int
+                or self.flattened_range is not None or len(gs) != len(ls) or len(go) != len(ls)):
+            return False
+        for local, glob, off in zip(ls, gs, go):
+            if (type(local) is not int or type(glob) is not int or type(off) is not int
+                    or local < 0 or off < 0 or off + local > glob):
+                return False
+        if frags is not None:
+            if type(frags) is not tuple or len(frags) != len(gs):
+                return False
+            for f in frags:
+                if type(f) is not int or f < 1:
+                    return False
+        return True
 
     def _validate_flattened_range(self) -> None:
         me = f"ShardedTensor {self.key!r}"

@@ -639,3 +639,43 @@ def test_apply_factory_merges_rejects_lists_of_different_lengths():
 def test_local_nonpersistent_object_unwraps_to_same_object():
     payload = {"not": "saved"}
     assert LocalNonpersistentObject(payload).unwrap() is payload
+
+
+def _outcome(sh: ShardedTensor):
+    try:
+        sh.validate_metadata_integrity()
+        return "ok"
+    except CheckpointingException as e:
+        return str(e)
+
+
+def test_the_one_pass_check_agrees_with_the_full_checks_on_every_case(monkeypatch):
+    """``_plain_chunk_in_bounds`` only short-cuts: for valid and invalid shapes, offsets and
+    fragmentations alike, validation gives the same verdict and words the same error with it
+    and without it."""
+    import itertools
+    import random
+
+    rng = random.Random(7)
+    values = [-1, 0, 1, 2, 3, 4, 8]
+    cases = 0
+    for ndim in (1, 2):
+        for _ in range(400):
+            sh = ShardedTensor.from_rank_offsets("k", torch.zeros((2,) * ndim), *[(i, 0, 1) for i in range(ndim)])
+            sh.data = None
+            sh.local_shape = tuple(rng.choice(values) for _ in range(ndim))
+            sh.global_shape = tuple(rng.choice(values) for _ in range(ndim))
+            sh.global_offset = tuple(rng.choice(values) for _ in range(ndim + rng.choice([0, 0, 0, 1])))
+            sh.axis_fragmentations = rng.choice([None, tuple(rng.choice(values) for _ in range(ndim)), (1,) * (ndim + 1)])
+            with_shortcut = _outcome(sh)
+            with monkeypatch.context() as m:
+                m.setattr(ShardedTensor, "_plain_chunk_in_bounds", lambda self: False)
+                assert _outcome(sh) == with_shortcut, (sh.local_shape, sh.global_shape, sh.global_offset,
+                                                       sh.axis_fragmentations)
+            cases += with_shortcut == "ok"
+    assert cases > 20          # the valid cases were exercised too, not only errors
+    # A list or a torch.Size where a tuple is expected goes the full way and is normalised.
+    sh = ShardedTensor.from_rank_offsets("k", torch.zeros(4), (0, 0, 1))
+    sh.global_shape = torch.Size([4])
+    sh.validate_metadata_integrity()
+    assert type(sh.global_shape) is tuple and list(itertools.chain(sh.global_shape)) == [4]
