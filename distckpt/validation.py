@@ -221,10 +221,14 @@ def validate_global_integrity(tables: Sequence[ShardTable]) -> None:
                                       stacked[:, :, 1 + own:1 + 2 * own], np.ones((r, n, pad), np.int64),
                                       stacked[:, :, 1 + 2 * own:]], axis=2)
         ranks = np.array([t.rank for t in members], dtype=np.int64)
+        repeats: Dict[int, np.ndarray] = {}
         for gid, lo, hi in entry_spans:
             a, b = filled[gid], filled[gid] + len(members) * (hi - lo)
             parts[gid][a:b].reshape(len(members), hi - lo, width)[...] = stacked[:, lo:hi]
-            part_ranks[gid][a:b] = np.repeat(ranks, hi - lo)
+            rep = repeats.get(hi - lo)
+            if rep is None:
+                rep = repeats[hi - lo] = np.repeat(ranks, hi - lo)
+            part_ranks[gid][a:b] = rep
             filled[gid] = b
         del stacked
     by_key: Dict[str, List[int]] = {}
@@ -234,6 +238,7 @@ def validate_global_integrity(tables: Sequence[ShardTable]) -> None:
     # but its name) equal those of a key that passed, passes too (the ranks that hold the rows
     # only name offenders in the errors).
     passed: Set[bytes] = set()
+    heads: Dict[Tuple, bytes] = {}
     for key, gids in by_key.items():
         if len(gids) > 1:
             _diagnose_disagreement(key, [(props[g], sorted(set(part_ranks[g].tolist()))) for g in gids])
@@ -242,8 +247,12 @@ def validate_global_integrity(tables: Sequence[ShardTable]) -> None:
         parts[g] = part_ranks[g] = None
         pattern = None
         if len(part) <= _PATTERN_ROWS:
-            digest = hashlib.blake2b(repr((props[g][1:], part.shape)).encode(), digest_size=16)
-            digest.update(part.tobytes())
+            shape_key = (props[g][1:], part.shape)
+            head = heads.get(shape_key)
+            if head is None:
+                head = heads[shape_key] = repr(shape_key).encode()
+            digest = hashlib.blake2b(head, digest_size=16)
+            digest.update(part)
             pattern = digest.digest()
             if pattern in passed:
                 continue
