@@ -34,8 +34,10 @@ share. For three ranks (first, middle, last) it queries the sidecar for that ran
 (same layout) and reports the bytes read and the time (the mean of the three). Before
 reading, a load checks the requests of all ranks: each rank's shard table (the same payload as
 the save's validation) goes to rank 0, which alone receives all of them ("tables MiB"); every
-other rank receives the slot round of the gather and the verdict ("other rank KiB"). An
-all-gather of the tables, as a load did before, would hand "tables MiB" to every rank.
+other rank receives the slot round of the gather and the verdict ("other rank KiB") when the
+stages run as collectives of the process group; through a TCPStore (the default there) it
+receives the verdict alone. An all-gather of the tables, as a load did before, would hand
+"tables MiB" to every rank.
 """
 
 from __future__ import annotations
