@@ -381,3 +381,23 @@ def test_coalesce_merges_close_ranges_up_to_a_span():
     # a request may not grow past max_span: the last range starts a request of its own
     assert coalesce(ranges, gap=5, max_span=15)[0] == [(0, 10), (15, 5), (100, 10), (112, 8)]
     assert coalesce(ranges, gap=5, max_span=20)[0] == [(0, 20), (100, 20)]
+
+
+@pytest.mark.parametrize("claim", [b'"float99"', b'123456789'])
+def test_a_sidecar_naming_an_unknown_dtype_is_an_error_naming_the_key(many, claim):
+    """The directory's CRC32C is recomputed, as a crafted sidecar would: the load still refuses
+    the key's dtype (an unknown name, or not a name at all) with an error naming key and file."""
+    from distckpt.manifest import crc32c
+
+    raw = bytearray((many / INDEX_FNAME).read_bytes())
+    magic, n, _ = struct.unpack_from("<8sQI", raw)
+    directory = bytes(raw[20:20 + n])
+    spot = directory.index(b'"k5":{')
+    at = directory.index(b'"float32"', spot)
+    directory = directory[:at] + claim + directory[at + len(b'"float32"'):]
+    assert len(directory) == n
+    raw[20:20 + n] = directory
+    struct.pack_into("<8sQI", raw, 0, magic, n, crc32c(directory))
+    (many / INDEX_FNAME).write_bytes(bytes(raw))
+    with pytest.raises(CheckpointingException, match=r"\.distckpt_index.*key 'k5'"):
+        _load_some(many, {"k5"})

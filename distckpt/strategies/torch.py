@@ -1535,15 +1535,24 @@ def _index_from_sidecar(reader: IndexReader, sharded_state_dict: ShardedStateDic
     found = reader.query(boxes)
     out: Dict[str, Any] = {}
     names: Set[str] = set()
+    dtypes: Dict[str, torch.dtype] = {}
     for fqn, rows in found.items():
         e = reader.entry(fqn)
-        try:
-            dtype = _sidecar_dtype(e["dtype"])
-        except ValueError as err:
-            raise CheckpointingException(f"{reader.where}: key {fqn!r}: {err}") from None
+        name = e["dtype"]
+        dtype = dtypes.get(name) if type(name) is str else None
+        if dtype is None:
+            try:
+                dtype = _sidecar_dtype(name)
+            except (ValueError, TypeError) as err:
+                raise CheckpointingException(f"{reader.where}: key {fqn!r}: {err}") from None
+            dtypes[name] = dtype
         chunks = [_checked_sidecar_chunk(reader.where, fqn, dtype, row, names) for row in rows]
         orig = e.get("orig_shape")
-        size = bounds.shape(e["size"], reader.where, f"key {fqn!r}: global shape")
+        size = e["size"]
+        # The directory's JSON gives lists: a list of plain ints takes the message-free check.
+        size = bounds.plain_shape(tuple(size) if type(size) is list else size)
+        if size is None:
+            size = bounds.shape(e["size"], reader.where, f"key {fqn!r}: global shape")
         out[fqn] = _stored_key(fqn, dtype, size, chunks, tuple(orig) if orig else None)
         if checksums is not None:
             for _o, _s, path, foff, length, crc in rows:
