@@ -65,9 +65,12 @@ def natural(value: Any, source: PathLike, what: str, limit: int = MAX_BYTES) -> 
 
 
 def plain_shape(values: Any) -> Any:
-    """``values`` when it is already a tuple of at most 64 plain ints in ``[0, MAX_NUMEL]`` with
-    at most :data:`MAX_NUMEL` elements, else None: the test :func:`shape` makes first, without
-    building a message (on None, :func:`shape` words the error or accepts other sequences)."""
+    """``values`` as a tuple when it is already a tuple or list (as JSON gives) of at most 64
+    plain ints in ``[0, MAX_NUMEL]`` with at most :data:`MAX_NUMEL` elements, else None: the test
+    :func:`shape` makes first, without building a message (on None, :func:`shape` words the error
+    or accepts other sequences)."""
+    if type(values) is list:
+        values = tuple(values)
     if type(values) is not tuple or len(values) > 64:
         return None
     numel = 1

@@ -265,12 +265,13 @@ def store_rounds(group: ProcessGroup = None):
     ``$DISTCKPT_STORE_ROUNDS``: ``auto`` (default) uses a store that wakes its waiters (a
     TCPStore, what ``torchrun`` and ``env://`` give, or a HashStore; not a FileStore, whose waits
     poll every 10 ms, nor a store of unknown kind); ``1`` always uses the store; ``0`` never does.
-    Every rank must see the same setting."""
+    Every rank must see the same setting. None as well without a process group, or for a group
+    of one rank (nothing to exchange)."""
     raw = os.environ.get(STORE_ROUNDS_ENV, "").strip().lower()
-    if raw in ("0", "off", "false", "no"):
-        return None
-    if raw not in ("", "auto", "1", "on", "true", "yes"):
+    if raw not in ("", "auto", "1", "on", "true", "yes", "0", "off", "false", "no"):
         raise CheckpointingException(f"{STORE_ROUNDS_ENV}={raw!r}: must be auto, 1 or 0")
+    if raw in ("0", "off", "false", "no") or not is_initialized() or get_world_size(group) == 1:
+        return None
     store = _store()
     if store is None or raw not in ("", "auto"):
         return store
@@ -613,7 +614,7 @@ def all_reduce_max(values: Sequence[int], group: ProcessGroup = None, stage: str
     """Element-wise max of small int vectors over the group (one tiny collective)."""
     if not is_initialized():
         return list(values)
-    store = store_rounds(group) if get_world_size(group) > 1 else None
+    store = store_rounds(group)
     if store is not None:
         def decide(blobs: List[memoryview]) -> bytes:
             vectors = [pickle.loads(b) for b in blobs]
@@ -692,21 +693,14 @@ def all_gather_or_raise(stage: str, exc: Optional[BaseException], payload: Any =
 
     Every rank of ``group`` must call this at the same point, whether or not it failed.
     """
+    if store_rounds(group) is not None:
+        # Rank 0 gathers and hands every rank the list (or None when every payload is None, as
+        # for ``sync_errors``: the outcome stays a few bytes).
+        payloads = gather_and_decide(stage, exc, payload,
+                                     lambda ps: ps if any(p is not None for p in ps) else None, group)
+        return payloads if payloads is not None else [None] * get_world_size(group)
     exc, payload = _checked_payload(exc, payload)
     record = (_error_record(exc, group), None if exc is not None else payload)
-    store = store_rounds(group) if is_initialized() and get_world_size(group) > 1 else None
-    if store is not None:
-        def outcome_of(gathered: List[tuple]) -> tuple:
-            failures = [err for err, _ in gathered if err is not None]
-            if failures:
-                return "failed", failures
-            payloads = [p for _, p in gathered]
-            return "ok", (payloads if any(p is not None for p in payloads) else None)
-
-        outcome = _round_of_records(store, stage, group, record, outcome_of)
-        if outcome[0] != "ok":
-            _raise_failures(stage, outcome[1], exc, get_world_size(group))
-        return outcome[1] if outcome[1] is not None else [None] * get_world_size(group)
     gathered = all_gather_object(record, group, stage)
     failures = [err for err, _ in gathered if err is not None]
     if failures:
@@ -739,7 +733,7 @@ def gather_and_decide(stage: str, exc: Optional[BaseException], payload: Any,
                 failures = [(get_rank(group), _one_line(e), describe_error(e))]
         return "failed", failures
 
-    store = store_rounds(group) if is_initialized() and get_world_size(group) > 1 else None
+    store = store_rounds(group)
     if store is not None:
         outcome = _round_of_records(store, stage, group, record, outcome_of)
     else:

@@ -54,10 +54,19 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
+# The dtypes named so far (only real ones: a sidecar's names are claims).
+_DTYPES: Dict[str, torch.dtype] = {}
+
+
 def _dtype_of(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
+    dtype = _DTYPES.get(name) if type(name) is str else None
+    if dtype is None:
+        if type(name) is not str:
+            raise ValueError(f"dtype {name!r} is not a name")
+        dtype = getattr(torch, name, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {name!r}")
+        _DTYPES[name] = dtype
     return dtype
 
 
@@ -417,7 +426,7 @@ def _head_template(directory: Dict[str, Any], fanout: int, leaf: int) -> Optiona
         order.append(slots[index])
         at = m.end()
     pieces.append(text[at:])
-    if sorted(order) != sorted(slots) or len(order) != len(slots):
+    if sorted(order) != sorted(slots):
         return None
     return pieces, order
 

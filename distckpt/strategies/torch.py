@@ -924,7 +924,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 # Same items as the last save: its .metadata, the two ids respelled in place.
                 md_bytes, head, old_checkpoint_id, old_save_id = self._metadata_cache
                 head = respell(md_bytes, head, [(old_checkpoint_id, checkpoint_id), (old_save_id, save_id)])
-            elif not self.cached_metadata:
+            again = None
+            if not self.cached_metadata:
                 # The same records as the last save rank 0 committed, whatever saved it.
                 again = LAST_SAVE.reuse(records, checkpoint_id, save_id, self.write_index)
                 if again is not None:
@@ -967,7 +968,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             if self.cached_metadata:
                 self._global_cache = per_rank
             else:
-                LAST_SAVE.remember(records, md_bytes, head, checkpoint_id, save_id, template)
+                LAST_SAVE.remember(records, md_bytes, head, checkpoint_id, save_id, template, again is not None)
             return reused
 
         self.last_save_reused_metadata = bool(dist.gather_and_decide(
@@ -1185,14 +1186,16 @@ class LastSave:
             return bytes(md_bytes), head, index
 
     def remember(self, records: GatheredRecords, md_bytes: bytes, head: int, checkpoint_id: str, save_id: str,
-                 template: Optional[IndexTemplate]) -> None:
+                 template: Optional[IndexTemplate], reused: bool) -> None:
+        """Keep this save; ``reused``: :meth:`reuse` just gave its ``.metadata`` (the records are
+        the last ones, so a sidecar template of theirs, just patched, stays)."""
         with self._lock:
             if len(records.rows) > self.MAX_RECORDS:
                 self._last = None
-            elif self._matching(records) is None or template is not None:
-                self._last = (records, bytes(md_bytes), head, checkpoint_id, save_id, template)
-            else:   # the same records: keep the template, which the reuse just patched
-                self._last = (records, bytes(md_bytes), head, checkpoint_id, save_id, self._last[5])
+                return
+            if template is None and reused and self._last is not None:
+                template = self._last[5]
+            self._last = (records, bytes(md_bytes), head, checkpoint_id, save_id, template)
 
 
 LAST_SAVE = LastSave()
@@ -1535,22 +1538,15 @@ def _index_from_sidecar(reader: IndexReader, sharded_state_dict: ShardedStateDic
     found = reader.query(boxes)
     out: Dict[str, Any] = {}
     names: Set[str] = set()
-    dtypes: Dict[str, torch.dtype] = {}
     for fqn, rows in found.items():
         e = reader.entry(fqn)
-        name = e["dtype"]
-        dtype = dtypes.get(name) if type(name) is str else None
-        if dtype is None:
-            try:
-                dtype = _sidecar_dtype(name)
-            except (ValueError, TypeError) as err:
-                raise CheckpointingException(f"{reader.where}: key {fqn!r}: {err}") from None
-            dtypes[name] = dtype
+        try:
+            dtype = _sidecar_dtype(e["dtype"])
+        except ValueError as err:
+            raise CheckpointingException(f"{reader.where}: key {fqn!r}: {err}") from None
         chunks = [_checked_sidecar_chunk(reader.where, fqn, dtype, row, names) for row in rows]
         orig = e.get("orig_shape")
-        size = e["size"]
-        # The directory's JSON gives lists: a list of plain ints takes the message-free check.
-        size = bounds.plain_shape(tuple(size) if type(size) is list else size)
+        size = bounds.plain_shape(e["size"])
         if size is None:
             size = bounds.shape(e["size"], reader.where, f"key {fqn!r}: global shape")
         out[fqn] = _stored_key(fqn, dtype, size, chunks, tuple(orig) if orig else None)
