@@ -14,7 +14,9 @@ one unrecorded round, it alternates in every repetition:
   tensors: the physical limit of *those* files;
 - ``load``: ``distckpt.load`` of the same layout, its total and its reading phase.
 
-Every read here is warm (pages read before), so none of them pays the first read of fresh pages.
+Each cell runs two rounds of about ``--reps / 2`` repetitions: one with the raw file written
+before the checkpoint, one with it written after (on tmpfs the file written second tends to get
+pages that read faster). Every read here is warm (pages read before), so none of them pays the first read of fresh pages.
 It prints per cell and rank the medians and two ratios: files read ÷ raw read (what the files
 cost against the raw file) and load reading ÷ files read (what distckpt adds to reading them).
 
@@ -184,27 +186,35 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
     for shape_text, shape, size, layers in cells(args.shapes, args.sizes_mib) if "load" in args.ops else ():
         sd = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"])
         ckpt = root / "ckpt"
-        if rank == 0:
-            _drop(ckpt)
-        tdist.barrier()
-        distckpt.save(sd, ckpt)
         wanted = [sh.data for sh in sd.values()]  # what a same-layout load reads on this rank
         raw = root / f"raw_{rank}.bin"
-        _raw_write(raw, wanted)
         bufs = [torch.zeros_like(t) for t in wanted]
         req = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"], with_data=False)
         dests = [sh.data for sh in req.values()]
-        files = sorted(ckpt.glob(f"__{rank % shape['tp']}_*.distcp"))  # the main replicas' writer
         times = {"raw read": [], "files read": [], "load": [], "load reading": []}
-        for rep in range(-1, args.reps):
-            r = _barrier_time(_raw_read, raw, bufs)[0]
-            f = _barrier_time(read_files, files, dests)[0]
-            ld = _barrier_time(distckpt.load, req, ckpt)[0]
-            if rep >= 0:
-                times["raw read"].append(r)
-                times["files read"].append(f)
-                times["load"].append(ld)
-                times["load reading"].append(distckpt.last_timings("load").phases["reading"])
+        # Two rounds: the raw file written before the checkpoint, then after it (on tmpfs the
+        # file written second tends to read faster; see the sweep's docstring).
+        for raw_first in (True, False):
+            if rank == 0:
+                _drop(ckpt)
+            tdist.barrier()
+            for write in ("raw", "save") if raw_first else ("save", "raw"):
+                if write == "raw":
+                    _raw_write(raw, wanted)
+                else:
+                    distckpt.save(sd, ckpt)
+                tdist.barrier()
+            files = sorted(ckpt.glob(f"__{rank % shape['tp']}_*.distcp"))  # the main replicas' writer
+            for rep in range(-1, (args.reps + raw_first) // 2):
+                r = _barrier_time(_raw_read, raw, bufs)[0]
+                f = _barrier_time(read_files, files, dests)[0]
+                ld = _barrier_time(distckpt.load, req, ckpt)[0]
+                if rep >= 0:
+                    times["raw read"].append(r)
+                    times["files read"].append(f)
+                    times["load"].append(ld)
+                    times["load reading"].append(distckpt.last_timings("load").phases["reading"])
+            raw.unlink()
         med = {k: statistics.median(v) for k, v in times.items()}
         nbytes = sum(t.numel() * t.element_size() for t in wanted)
         main = sum(1 for sh in sd.values() if is_main_replica(sh.replica_id))
@@ -212,7 +222,6 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
                      f"{med['raw read'] * 1e3:.1f} | {med['files read'] * 1e3:.1f} | {med['load'] * 1e3:.1f} | "
                      f"{med['load reading'] * 1e3:.1f} | {med['files read'] / med['raw read']:.2f} | "
                      f"{med['load reading'] / med['files read']:.2f} |")
-        raw.unlink()
         sd = wanted = bufs = req = dests = None
         tdist.barrier()
         if rank == 0:

@@ -8,6 +8,11 @@ split). Per shape it then fits ``seconds = fixed + marginal * GiB`` over the siz
 squares) and reports the fixed cost (s at zero bytes) and the marginal cost (s/GiB) of each,
 with the marginal cost's ratio to raw I/O's (save / raw write, loads / raw read).
 
+The raw file and the checkpoint of a repetition exist side by side and are written and read
+in turns (even repetitions raw first, odd ones the checkpoint first; use an even ``--reps``):
+on tmpfs the file written second tends to get pages that read faster, so a fixed order would
+hand the same side that edge in every repetition.
+
 Every save and load also reports its phases (``distckpt.last_timings``); ``phases()`` prints, per
 cell, each rank's median time before the first byte, in the bytes' phase (writing or reading,
 also as a ratio to raw I/O) and after it: where a cell's time beyond raw I/O goes.
@@ -119,6 +124,9 @@ def rank_main(rank, world, port, args, queue):
     root = Path(args.dir)
     rows = []
     for shape_text, shape, size, layers in cells(args.shapes, args.sizes_mib):
+        if rank == 0:
+            _drop(root / "ckpt")
+        tdist.barrier()
         sd = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"])
         tensors = [sh.data for sh in sd.values() if is_main_replica(sh.replica_id)]
         mine = sum(t.numel() * t.element_size() for t in tensors)
@@ -137,36 +145,44 @@ def rank_main(rank, world, port, args, queue):
             if rep == 0:
                 times.clear()
                 phases.clear()
-            raw = root / f"raw_{rank}.bin"
-            times.setdefault("raw write", []).append(_barrier_time(_raw_write, raw, tensors)[0])
-            if len(wanted) != len(tensors):
-                _raw_write(raw, wanted)
-            bufs = [torch.zeros_like(t) for t in wanted]
-            times.setdefault("raw read", []).append(_barrier_time(_raw_read, raw, bufs)[0])
-            bufs = None
+            raw, ckpt = root / f"raw_{rank}.bin", root / "ckpt"
+            # The raw file and the checkpoint live side by side and take turns: even repetitions
+            # write (and read) the raw file first, odd ones the checkpoint. A file on tmpfs reads
+            # up to ~1.4x slower or faster than another file of the same bytes depending on what
+            # was written and freed just before it (the pages the kernel hands out: see
+            # docs/performance.md), and a fixed order gave that edge to the same side every time.
+            order = ("raw write", "save", "raw read", "load") if rep % 2 == 0 else ("save", "raw write", "load", "raw read")
+            for step in order:
+                if step == "raw write":
+                    times.setdefault(step, []).append(_barrier_time(_raw_write, raw, tensors)[0])
+                    if len(wanted) != len(tensors):
+                        _raw_write(raw, wanted)
+                elif step == "save":
+                    strategy = TorchDistSaveShardedStrategy(thread_count=args.threads)
+                    times.setdefault(step, []).append(_barrier_time(distckpt.save, sd, ckpt, sharded_strategy=strategy)[0])
+                    note(step)
+                elif step == "raw read":
+                    bufs = [torch.zeros_like(t) for t in wanted]
+                    times.setdefault(step, []).append(_barrier_time(_raw_read, raw, bufs)[0])
+                    bufs = None
+                else:
+                    req = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"], with_data=False)
+                    times.setdefault("load", []).append(_barrier_time(distckpt.load, req, ckpt)[0])
+                    note("load")
+                    # Freed before the next request is built: at 2 GiB per rank, two requests
+                    # alive at once (4 GiB per rank beside the state and the checkpoint) left the
+                    # VM short of memory, and the kernel's reclaim then slowed every phase.
+                    req = None
+                    req = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"], pieces=2,
+                                      with_data=False)
+                    times.setdefault("load resharded", []).append(_barrier_time(distckpt.load, req, ckpt)[0])
+                    note("load resharded")
+                    req = None
+            tdist.barrier()
             raw.unlink()
-            ckpt = root / "ckpt"
             if rank == 0:
                 _drop(ckpt)
             tdist.barrier()
-            strategy = TorchDistSaveShardedStrategy(thread_count=args.threads)
-            times.setdefault("save", []).append(_barrier_time(distckpt.save, sd, ckpt, sharded_strategy=strategy)[0])
-            note("save")
-            req = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"], with_data=False)
-            times.setdefault("load", []).append(_barrier_time(distckpt.load, req, ckpt)[0])
-            note("load")
-            # Freed before the next request is built: at 2 GiB per rank, two requests alive at
-            # once (4 GiB per rank beside the state and the checkpoint) left the VM short of
-            # memory, and the kernel's reclaim then slowed every phase, not only the bytes.
-            req = None
-            req = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"], pieces=2,
-                              with_data=False)
-            times.setdefault("load resharded", []).append(_barrier_time(distckpt.load, req, ckpt)[0])
-            note("load resharded")
-            req = None
-            tdist.barrier()
-            if rank == 0:
-                _drop(ckpt)
         out = [None] * world
         tdist.all_gather_object(out, mine)
         read = [None] * world
