@@ -6,6 +6,7 @@ import json
 import shutil
 import struct
 
+import numpy as np
 import pytest
 import torch
 
@@ -166,6 +167,33 @@ def test_query_returns_exactly_the_chunks_that_meet_any_box(tmp_path, boxes):
         expected = sorted((r[1], r[2]) for r in records if r[0] == fqn and any(meets(r[1], r[2], b) for b in bxs))
         assert sorted((tuple(r[0]), tuple(r[1])) for r in found[fqn]) == expected, fqn
         assert all(r[5] == int(r[0][0]) // 4 * 100 + int(r[0][1]) // 6 for r in found[fqn])
+
+
+@pytest.mark.parametrize("ndim", [0, 1, 3])
+def test_query_of_other_axis_counts_and_numpy_coordinates_matches_brute_force(tmp_path, ndim):
+    """The plain-Python search of small leaves for keys of 0, 1 and 3 axes, with request
+    coordinates given as numpy integers (as a caller's arithmetic may leave them): a 0-d key's one
+    chunk meets its empty box; the others find exactly the chunks that meet a box."""
+    import itertools
+
+    size = {0: (), 1: (4,), 3: (2, 3, 2)}[ndim]
+    chunk = {0: (), 1: (2,), 3: (2, 1, 1)}[ndim]
+    keys = {"k": {"dtype": torch.float32, "size": size, "orig_shape": None}}
+    starts = list(itertools.product(*(range(0, s, c) for s, c in zip(size, chunk))))
+    records = [("k", off, chunk, "__0_0.distcp", 64 * i, 64, i) for i, off in enumerate(starts)]
+    (tmp_path / ".metadata").write_bytes(b"x" * 10)
+    (tmp_path / INDEX_FNAME).write_bytes(build_index(keys, records, 10))
+    boxes = [(tuple(np.int64(0) for _ in size), tuple(np.int64(1) for _ in size)),
+             (tuple(np.int64(s - 1) for s in size), tuple(np.int64(1) for _ in size))]
+    found = IndexReader.open(tmp_path).query({"k": boxes})["k"]
+
+    def meets(off, box):
+        return all(o < bo + bs and o + c > bo for o, c, bo, bs in zip(off, chunk, *box))
+
+    expected = [off for off in starts if any(meets(off, b) for b in boxes)]
+    assert sorted(tuple(r[0]) for r in found) == sorted(expected)
+    assert len(expected) == (1 if ndim == 0 else 2)
+    assert all(isinstance(r[0], tuple) and isinstance(r[1], tuple) for r in found)
 
 
 @pytest.mark.parametrize("record, match", [

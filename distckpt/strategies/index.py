@@ -26,7 +26,9 @@ a leaf. Every node is checked against the CRC32C its parent (or the directory) r
 
 from __future__ import annotations
 
+import functools
 import json
+import operator
 import re
 import struct
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -526,20 +528,22 @@ class IndexReader:
         out: Dict[str, List[Any]] = {k: [] for k in boxes}
         parsed_names: Dict[bytes, List[str]] = {}
         frontier = []   # (key, ndim, ref, levels below, query lo tuples, query hi tuples)
+        keys = self.keys
         for fqn, bxs in boxes.items():
-            e = self.keys.get(fqn)
-            if e is None or e.get("bytes") or not e.get("count") or not bxs:
+            e = keys.get(fqn)
+            if e is None or not bxs or not e.get("count") or e.get("bytes"):
                 continue
             ndim = len(e["size"])
-            # Plain lists (a key of a few boxes needs no numpy); arrays only where a node or a
+            # Plain tuples (a key of a few boxes needs no numpy); arrays only where a node or a
             # large leaf is searched.
-            qlo = [tuple(b[0]) for b in bxs]
-            qhi = [tuple(o + n for o, n in zip(b[0], b[1])) for b in bxs]
-            if any(len(q) != ndim or len(b[1]) != ndim for q, b in zip(qlo, bxs)):
-                raise ValueError(f"{fqn}: query boxes must have {ndim} axes")
+            qlo, qhi = [], []
+            for b_off, b_size in bxs:
+                if len(b_off) != ndim or len(b_size) != ndim:
+                    raise ValueError(f"{fqn}: query boxes must have {ndim} axes")
+                qlo.append(tuple(b_off))
+                qhi.append(tuple(map(operator.add, b_off, b_size)))
             lo, hi = e["bbox"]
-            if any(all(lo[d] < q1[d] and hi[d] > q0[d] for d in range(ndim))
-                   for q0, q1 in zip(qlo, qhi)):
+            if _box_meets_any(lo, hi, qlo, qhi):
                 frontier.append((fqn, ndim, e["root"], e["depth"] - 1, qlo, qhi))
         while frontier:
             blobs = self._fetch([f[2] for f in frontier])
@@ -563,16 +567,14 @@ class IndexReader:
                 if len(qlo_list) <= _PLAIN_BOXES and len(raw) - 4 - nn <= 8 * width * 16:
                     # A small leaf and a few boxes (a small key, loaded whole or in a few
                     # pieces): plain Python, cheaper than numpy on arrays of a few rows.
-                    flat = struct.unpack_from(f"<{(len(raw) - 4 - nn) // 8}q", raw, 4 + nn)
-                    query = list(zip(qlo_list, qhi_list))
-                    a, b = query[0]
+                    flat = _int64s(len(raw) - 4 - nn).unpack_from(raw, 4 + nn)
+                    found = out[fqn]
                     for i in range(0, len(flat), width):
-                        r = flat[i:i + width]
-                        if (all(r[d] < b[d] and r[d] + r[ndim + d] > a[d] for d in range(ndim))
-                                or any(all(r[d] < q1[d] and r[d] + r[ndim + d] > q0[d] for d in range(ndim))
-                                       for q0, q1 in query[1:])):
-                            out[fqn].append((tuple(r[:ndim]), tuple(r[ndim:2 * ndim]), names[r[2 * ndim]],
-                                             r[2 * ndim + 1], r[2 * ndim + 2], r[2 * ndim + 3]))
+                        off = flat[i:i + ndim]
+                        size = flat[i + ndim:i + 2 * ndim]
+                        if _box_meets_any(off, tuple(map(operator.add, off, size)), qlo_list, qhi_list):
+                            f, foff, length, crc = flat[i + 2 * ndim:i + width]
+                            found.append((off, size, names[f], foff, length, crc))
                     continue
                 qlo, qhi = _arrays(qlo_list, qhi_list, ndim)
                 rows = np.frombuffer(raw, dtype="<i8", offset=4 + nn).reshape(-1, width)
@@ -605,8 +607,23 @@ def _arrays(qlo: List[Tuple[int, ...]], qhi: List[Tuple[int, ...]], ndim: int) -
             np.array(qhi, dtype=np.int64).reshape(len(qhi), ndim))
 
 
-def _meets(lo: np.ndarray, hi: np.ndarray, qlo: np.ndarray, qhi: np.ndarray) -> bool:
-    return bool(np.any(np.all((lo < qhi) & (hi > qlo), axis=1)))
+def _box_meets_any(lo: Sequence[int], hi: Sequence[int], qlo: List[Tuple[int, ...]],
+                   qhi: List[Tuple[int, ...]]) -> bool:
+    """Whether the box ``[lo, hi)`` meets one of the boxes ``[qlo[k], qhi[k])`` (a loop with early
+    exits: a few boxes of a few axes, where numpy's set-up would cost more than the test)."""
+    for q0, q1 in zip(qlo, qhi):
+        for a, b, c, d in zip(lo, hi, q0, q1):
+            if a >= d or b <= c:
+                break
+        else:
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=64)
+def _int64s(nbytes: int) -> struct.Struct:
+    """The little-endian int64 format of ``nbytes`` bytes (a leaf's rows), compiled once."""
+    return struct.Struct(f"<{nbytes // 8}q")
 
 
 def _size(location, name: str) -> int:
