@@ -16,7 +16,8 @@ one unrecorded round, it alternates in every repetition:
 
 Each cell runs two rounds of about ``--reps / 2`` repetitions: one with the raw file written
 before the checkpoint, one with it written after (on tmpfs the file written second tends to get
-pages that read faster). Every read here is warm (pages read before), so none of them pays the first read of fresh pages.
+pages that read faster). Every read here is warm (pages read before), so none of them pays the
+first read of fresh pages.
 It prints per cell and rank the medians and two ratios: files read ÷ raw read (what the files
 cost against the raw file) and load reading ÷ files read (what distckpt adds to reading them).
 

@@ -123,10 +123,10 @@ def rank_main(rank, world, port, args, queue):
     tdist.init_process_group("gloo", rank=rank, world_size=world)
     root = Path(args.dir)
     rows = []
+    if rank == 0:
+        _drop(root / "ckpt")  # a run that was stopped may have left one; each repetition drops its own
+    tdist.barrier()
     for shape_text, shape, size, layers in cells(args.shapes, args.sizes_mib):
-        if rank == 0:
-            _drop(root / "ckpt")
-        tdist.barrier()
         sd = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"])
         tensors = [sh.data for sh in sd.values() if is_main_replica(sh.replica_id)]
         mine = sum(t.numel() * t.element_size() for t in tensors)
@@ -146,11 +146,7 @@ def rank_main(rank, world, port, args, queue):
                 times.clear()
                 phases.clear()
             raw, ckpt = root / f"raw_{rank}.bin", root / "ckpt"
-            # The raw file and the checkpoint live side by side and take turns: even repetitions
-            # write (and read) the raw file first, odd ones the checkpoint. A file on tmpfs reads
-            # up to ~1.4x slower or faster than another file of the same bytes depending on what
-            # was written and freed just before it (the pages the kernel hands out: see
-            # docs/performance.md), and a fixed order gave that edge to the same side every time.
+            # Raw file and checkpoint take turns at going first (see the module docstring).
             order = ("raw write", "save", "raw read", "load") if rep % 2 == 0 else ("save", "raw write", "load", "raw read")
             for step in order:
                 if step == "raw write":
