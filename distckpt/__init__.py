@@ -6,7 +6,13 @@ sharded objects are accepted as they are (docs/megatron-compat.md): model code n
 
 from distckpt.budget import host_memory_budget, set_host_memory_budget
 from distckpt.core import CheckpointingConfig, CheckpointingException
-from distckpt.dist import CollectiveTimeout, collective_timeout, set_collective_timeout
+from distckpt.dist import (
+    CollectiveTimeout,
+    collective_timeout,
+    heartbeat_grace,
+    set_collective_timeout,
+    set_heartbeat_grace,
+)
 from distckpt.mapping import (
     LocalNonpersistentObject,
     ShardedObject,
@@ -44,6 +50,7 @@ __all__ = [
     "add_safe_globals",
     "check_is_distributed_checkpoint",
     "collective_timeout",
+    "heartbeat_grace",
     "host_memory_budget",
     "load",
     "load_common_state_dict",
@@ -55,6 +62,7 @@ __all__ = [
     "remove_sharded_tensors",
     "save",
     "set_collective_timeout",
+    "set_heartbeat_grace",
     "set_host_memory_budget",
     "to_torch_state_dict",
 ]

@@ -14,7 +14,12 @@ FileStore), which ``store.wait`` can wait on with a timeout, unlike an NCCL or g
 A rank that died or stopped answering makes every surviving rank raise the same
 :class:`CollectiveTimeout` (a CheckpointingException naming the stage and the ranks that did not
 arrive) within :func:`collective_timeout` seconds. Set it with the environment variable
-``DISTCKPT_COLLECTIVE_TIMEOUT`` (seconds) or :func:`set_collective_timeout`; default 300 s.
+``DISTCKPT_COLLECTIVE_TIMEOUT`` (seconds) or :func:`set_collective_timeout`; by default the
+smaller of 300 s and the process group's own timeout. On a TCPStore a dead rank is named sooner:
+every process beats on the store once a second (a daemon thread started at import), and a rank
+awaited at a stage whose heartbeat stood still for :func:`heartbeat_grace` seconds (default 10;
+``DISTCKPT_HEARTBEAT_GRACE``) is dead; a live but slow rank gets the whole timeout (see the
+heartbeat section below).
 The first rank to time out words the verdict into the store, and every rank — also one that
 arrives late — raises that same message. Cost: four store round trips per stage (never per
 tensor), plus deleting the previous stage's keys. The collective itself is bounded too: on
@@ -39,10 +44,13 @@ collective of the process group, so a stage that timed out leaves the group usab
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import hashlib
 import os
 import pickle
 import re
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -82,14 +90,16 @@ DEFAULT_TIMEOUT_S = 300.0
 _timeout_override: Optional[float] = None
 
 
-def collective_timeout() -> float:
-    """Seconds a stage waits for every rank: :func:`set_collective_timeout`, else
-    ``$DISTCKPT_COLLECTIVE_TIMEOUT``, else 300."""
+def collective_timeout(group: ProcessGroup = None) -> float:
+    """Seconds a stage of ``group`` waits for every rank: :func:`set_collective_timeout`, else
+    ``$DISTCKPT_COLLECTIVE_TIMEOUT``, else the smaller of 300 and the process group's own timeout
+    (``init_process_group(timeout=...)``, ``new_group(timeout=...)``)."""
     if _timeout_override is not None:
         return _timeout_override
     raw = os.environ.get(TIMEOUT_ENV)
     if raw is None or raw.strip() == "":
-        return DEFAULT_TIMEOUT_S
+        own = _group_timeout(group)
+        return DEFAULT_TIMEOUT_S if own is None else min(DEFAULT_TIMEOUT_S, own)
     try:
         value = float(raw)
     except ValueError:
@@ -97,6 +107,18 @@ def collective_timeout() -> float:
     if not value > 0:
         raise CheckpointingException(f"{TIMEOUT_ENV}={raw!r}: must be a positive number of seconds")
     return value
+
+
+def _group_timeout(group: ProcessGroup) -> Optional[float]:
+    """The timeout ``group`` was created with (its backend's options), or None when unknown."""
+    if not is_initialized():
+        return None
+    try:
+        pg = tdist.group.WORLD if group is None else group
+        seconds = pg._get_backend(collective_device(group)).options._timeout.total_seconds()
+    except Exception:  # noqa: BLE001 - a backend without options: the library's default alone
+        return None
+    return seconds if seconds > 0 else None
 
 
 def set_collective_timeout(seconds: Optional[float]) -> None:
@@ -116,9 +138,16 @@ class CollectiveTimeout(CheckpointingException):
         missing: global ranks that did not arrive (empty if the store itself became unreachable).
     """
 
-    def __init__(self, stage: str, missing: List[int], timeout: float, detail: str = ""):
+    def __init__(self, stage: str, missing: List[int], timeout: float, detail: str = "",
+                 silent_for: Optional[float] = None):
         self.stage = stage
         self.missing = missing
+        if missing and silent_for is not None:
+            # Named by the heartbeat watch (``timeout`` is then the wait it cut short).
+            super().__init__(f"{stage}: rank(s) {', '.join(map(str, missing))} did not arrive: no heartbeat "
+                             f"from its process for {silent_for:g} s (dead, or stuck holding the GIL; "
+                             f"{HEARTBEAT_GRACE_ENV} sets the bound)")
+            return
         who = (f"rank(s) {', '.join(map(str, missing))} did not arrive" if missing
                else "the rendezvous store did not answer (its host, rank 0's process, may have died)")
         super().__init__(f"{stage}: {who} within {timeout:g} s (dead or hung; {TIMEOUT_ENV} sets the "
@@ -200,6 +229,7 @@ def _enter(stage: str, group: ProcessGroup) -> Tuple[List[int], str, int, str]:
     """Number this rank's next stage of ``group``: (its global ranks, the group's id, the stage
     number, the prefix of the stage's keys)."""
     _raise_if_broken(stage, group)
+    heartbeat_grace()  # a bad setting is reported here, before any wait
     ranks = _group_ranks(group)
     gid = _group_id(ranks)
     n = _check_ins.get(gid, 0) + 1
@@ -226,15 +256,19 @@ def check_in(stage: str, group: ProcessGroup = None, timeout: Optional[float] = 
     if store is None:
         return
     ranks, gid, n, prefix = _enter(stage, group)
-    timeout = collective_timeout() if timeout is None else timeout
+    timeout = collective_timeout(group) if timeout is None else timeout
     done = f"{prefix}/done"
-    me = tdist.get_rank()
+    me, root = tdist.get_rank(), ranks[0]
+    # The group's first rank watches every other rank; the others watch it, and learn of a dead
+    # rank from its verdict in ``done``.
+    watched = ranks[1:] if me == root else [root]
     try:
         store.set(f"{prefix}/r{me}", stage)
         if store.add(f"{prefix}/count", 1) == len(ranks):
             store.compare_set(done, "", "ok")
         try:
-            store.wait([done], timedelta(seconds=timeout))
+            with _watching(store, stage, done, {r: f"{prefix}/r{r}" for r in watched}, fill=False):
+                store.wait([done], timedelta(seconds=timeout))
         except Exception as e:  # noqa: BLE001 - timed out: the first rank to give up words the verdict
             verdict = str(CollectiveTimeout(stage, _missing(store, prefix, ranks), timeout,
                                             f"{type(e).__name__}: {e}".strip()))
@@ -290,7 +324,7 @@ def _store_round(store, stage: str, group: ProcessGroup, blob: bytes,
     within :func:`collective_timeout` seconds. Four store round trips per rank, and no collective
     of the process group (the outcome follows as a broadcast only when it is large)."""
     ranks, gid, n, prefix = _enter(stage, group)
-    timeout = collective_timeout()
+    timeout = collective_timeout(group)
     done = f"{prefix}/done"
     me, root = tdist.get_rank(), ranks[0]
     others = [f"{prefix}/r{r}" for r in ranks[1:]]
@@ -298,7 +332,8 @@ def _store_round(store, stage: str, group: ProcessGroup, blob: bytes,
     try:
         if me == root:
             try:
-                store.wait(others, timedelta(seconds=timeout))
+                with _watching(store, stage, done, dict(zip(ranks[1:], others)), fill=True):
+                    store.wait(others, timedelta(seconds=timeout))
             except Exception as e:  # noqa: BLE001 - timed out: a verdict naming the absent ranks
                 outcome = _word_verdict(store, done, stage, _missing(store, prefix, ranks[1:]), timeout, e)
             else:
@@ -323,7 +358,9 @@ def _store_round(store, stage: str, group: ProcessGroup, blob: bytes,
         else:
             store.set(f"{prefix}/r{me}", _DECIDED + blob)
             try:
-                store.wait([done], timedelta(seconds=timeout))
+                # Rank 0 posts no key of its own: its heartbeat is watched for the whole wait.
+                with _watching(store, stage, done, {root: None}, fill=False):
+                    store.wait([done], timedelta(seconds=timeout))
             except Exception as e:  # noqa: BLE001 - timed out: rank 0 still waits, or is absent itself
                 absent = _missing(store, prefix, ranks[1:]) or [root]
                 outcome = _word_verdict(store, done, stage, absent, timeout, e)
@@ -395,6 +432,201 @@ def _delete(store, key: str) -> None:
         pass
 
 
+# --------------------------------------------------------------------------- heartbeat
+#
+# Every process that imported distckpt refreshes a counter of its own in the default store once
+# a second, from a daemon thread, for as long as it has a process group over a TCPStore (other
+# stores keep no heartbeat: a FileStore would grow by a record per rank per second). A wait of
+# longer than a second at a stage is looked at by that thread too: an awaited rank whose counter
+# did not move for the grace bound (or that never posted one in as long since the wait began) is
+# dead, and the thread posts the verdict naming it where the waiting ranks wake up. A live but
+# slow rank keeps beating and gets the full collective timeout. The thread works on a clone of
+# the store: a wait on the main thread's client holds that client for the whole wait.
+
+HEARTBEAT_GRACE_ENV = "DISTCKPT_HEARTBEAT_GRACE"
+DEFAULT_HEARTBEAT_GRACE_S = 10.0
+_BEAT_S = 1.0
+"""How often a process refreshes its heartbeat, and how often the ranks a wait awaits are looked at."""
+_grace_override: Optional[float] = None
+
+
+def heartbeat_grace() -> float:
+    """Seconds an awaited rank may go without a heartbeat before it counts as dead:
+    :func:`set_heartbeat_grace`, else ``$DISTCKPT_HEARTBEAT_GRACE``, else 10. 0 turns the
+    heartbeat off (a dead rank is then noticed at the collective timeout). Every rank should use
+    the same value."""
+    if _grace_override is not None:
+        return _grace_override
+    raw = os.environ.get(HEARTBEAT_GRACE_ENV)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_HEARTBEAT_GRACE_S
+    return _checked_grace(raw, f"{HEARTBEAT_GRACE_ENV}={raw!r}")
+
+
+def set_heartbeat_grace(seconds: Optional[float]) -> None:
+    """Set the heartbeat grace of this process (None: back to the environment variable or the
+    default; 0: off)."""
+    global _grace_override
+    _grace_override = None if seconds is None else _checked_grace(seconds, f"heartbeat grace {seconds!r}")
+
+
+def _checked_grace(value: Any, what: str) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    # Two beats at least: one late beat of a busy process must not make it dead.
+    if not (seconds == 0 or seconds >= 2 * _BEAT_S):
+        raise CheckpointingException(f"{what}: must be 0 (off) or at least {2 * _BEAT_S:g} seconds")
+    return seconds
+
+
+def _beat_key(rank: int) -> str:
+    return f"distckpt/heartbeat/{rank}"
+
+
+def _tcp_store():
+    """The default store when a TCPStore carries it, else None."""
+    if not is_initialized():
+        return None
+    store = inner = _store()
+    while isinstance(inner, tdist.PrefixStore):
+        inner = inner.underlying_store
+    return store if isinstance(inner, tdist.TCPStore) else None
+
+
+class _Watch:
+    """A wait of this process for some ranks (global) to reach a stage, looked at by the heartbeat
+    thread; ``pending`` maps each rank to the key its arrival posts (None: watched for the whole
+    wait). ``fill``: the waiter waits for those keys, so a verdict is posted under them as well."""
+
+    def __init__(self, stage: str, done: str, pending: Dict[int, Optional[str]], fill: bool):
+        self.stage, self.done, self.pending, self.fill = stage, done, pending, fill
+        self.since = time.monotonic()
+        # rank -> (its heartbeat count, since when it has not moved)
+        self.seen: Dict[int, Tuple[int, float]] = {}
+
+    def look(self, client, grace: float) -> bool:
+        """Post the verdict and return True when a rank still awaited is dead."""
+        now = time.monotonic()
+        if now - self.since < _BEAT_S:
+            return False  # most waits end before this: no store traffic for them
+        for rank, key in list(self.pending.items()):
+            if key is not None and client.check([key]):
+                del self.pending[rank]
+        dead = []
+        for rank in self.pending:
+            beats = client.add(_beat_key(rank), 0)
+            last = self.seen.get(rank)
+            if last is None or last[0] != beats:
+                # A rank that never beat has been silent for as long as this wait, at least.
+                last = self.seen[rank] = (beats, now if beats else self.since)
+            if now - last[1] > grace:
+                dead.append(rank)
+        if not dead:
+            return False
+        verdict = str(CollectiveTimeout(self.stage, sorted(dead), 0.0, silent_for=grace))
+        standing = client.compare_set(self.done, "", verdict)
+        if self.fill and standing[:1] not in (_DECIDED, _FOLLOWS):
+            for key in self.pending.values():
+                if key is not None:
+                    client.compare_set(key, "", standing)
+        return True
+
+
+# id -> a wait of the main thread in progress; the heartbeat thread drops a watch it decided.
+_watches: Dict[int, _Watch] = {}
+
+
+class _Heartbeat(threading.Thread):
+    """Beats and looks at the watches (see above) every ``_BEAT_S`` seconds. A daemon: it never
+    keeps the interpreter alive, and ``atexit`` stops it before the interpreter goes down."""
+
+    def __init__(self, inherited: Optional[int]):
+        super().__init__(name="distckpt-heartbeat", daemon=True)
+        self.halt = threading.Event()
+        self.pid = os.getpid()
+        # Default stores (by id) not to beat on: one a forked child inherited (its parent rank's
+        # heartbeat, not its own) and one that failed (gone; the waits report that themselves).
+        self.skip = {inherited}
+
+    def run(self) -> None:
+        client, on, rank = None, None, 0
+        while True:
+            try:
+                grace = heartbeat_grace()
+            except CheckpointingException:
+                grace = DEFAULT_HEARTBEAT_GRACE_S  # the main thread reports the bad setting
+            store = _tcp_store() if grace else None
+            sid = None if store is None else id(store)
+            if sid != on:
+                client, on = None, None
+                if sid is not None and sid not in self.skip:
+                    try:
+                        client, on, rank = store.clone(), sid, tdist.get_rank()
+                    except Exception:  # noqa: BLE001 - a store that cannot be cloned: no heartbeat
+                        self.skip.add(sid)
+            if client is not None:
+                try:
+                    client.add(_beat_key(rank), 1)
+                    for key, watch in list(_watches.items()):
+                        if watch.look(client, grace):
+                            _watches.pop(key, None)
+                except Exception:  # noqa: BLE001 - the store is gone with its host: not retried
+                    self.skip.add(on)
+                    client, on = None, None
+            if self.halt.wait(_BEAT_S):
+                return
+
+
+_beat: Optional[_Heartbeat] = None
+
+
+def _heartbeat(inherited: Optional[int] = None) -> _Heartbeat:
+    """This process's heartbeat thread, started if it is not running."""
+    global _beat
+    if _beat is None or _beat.pid != os.getpid() or not _beat.is_alive():
+        _beat = _Heartbeat(inherited)
+        _beat.start()
+    return _beat
+
+
+@contextlib.contextmanager
+def _watching(store, stage: str, done: str, pending: Dict[int, Optional[str]], fill: bool):
+    """Have the heartbeat thread look at the ``pending`` ranks while this process waits on
+    ``store`` (the default store) at ``stage``; a dead one gets the verdict posted in ``done``."""
+    if not pending or heartbeat_grace() == 0 or _tcp_store() is not store:
+        yield
+        return
+    _heartbeat()
+    watch = _Watch(stage, done, pending, fill)
+    _watches[id(watch)] = watch
+    try:
+        yield
+    finally:
+        _watches.pop(id(watch), None)
+
+
+def _stop_heartbeat() -> None:
+    if _beat is not None and _beat.pid == os.getpid():
+        _beat.halt.set()
+        _beat.join(timeout=2 * _BEAT_S)
+
+
+def _restart_heartbeat_in_child() -> None:
+    global _beat
+    _watches.clear()
+    _beat = None
+    _heartbeat(id(_store()) if is_initialized() else None)
+
+
+# Started at import, so that a rank beats from the moment its process group exists (a rank not
+# yet in any distckpt call is alive, not dead), also in a child forked later.
+_heartbeat()
+atexit.register(_stop_heartbeat)
+os.register_at_fork(after_in_child=_restart_heartbeat_in_child)
+
+
 class _Unfinished(RuntimeError):
     """A collective this rank started did not complete within the collective timeout."""
 
@@ -409,7 +641,7 @@ def _bounded(works: Sequence[Any], group: ProcessGroup) -> None:
         for work in works:
             work.wait()
         return
-    timeout = collective_timeout()
+    timeout = collective_timeout(group)
     deadline = time.monotonic() + timeout
     for work in works:
         try:
