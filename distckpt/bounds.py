@@ -5,47 +5,39 @@ buffer its metadata sizes, or loops over a count its metadata gives, the claim g
 of these checks, so a hostile or corrupted checkpoint can make distckpt neither read or write
 outside the checkpoint (``..``, absolute paths, symlinks that lead out) nor allocate more than
 the request needs (a claimed shape of 2^40 elements, a record of 2^50 bytes) nor loop for long.
-Each failure is a CheckpointingException naming the file that made the claim.
+Each failure is a CheckpointingException naming the file that made the claim. The rule for
+names lives in :mod:`distckpt.containment`; :func:`relative_name` and :func:`inside` delegate to it.
 """
 
 from __future__ import annotations
 
-import os
+import argparse
+import json
 from pathlib import Path
 from typing import Any, Sequence, Tuple
 
+from distckpt import containment
 from distckpt.core import CheckpointingException, PathLike
 
 # No real tensor has more elements or bytes than this; anything larger is a hostile claim.
 MAX_NUMEL = 1 << 48
 MAX_BYTES = 1 << 56
 
+# Nesting deeper than this in a checkpoint's unpickled common state and objects is hostile: distckpt and the caller's code walk these structures recursively, and Python's
+# stack ends near 1000 frames. Real ones nest a few levels.
+MAX_NESTING = 100
+
 
 def relative_name(name: Any, source: PathLike, what: str = "file name") -> str:
-    """``name`` if it is a plain relative path inside the checkpoint (no ``..``, not absolute,
-    no empty or ``.`` segments, no NUL or backslash); else raise naming ``source``."""
-    if not isinstance(name, str) or not name:
-        raise CheckpointingException(f"{source}: {what} {name!r} is not a non-empty string")
-    parts = name.split("/")
-    if (name.startswith("/") or "\\" in name or "\x00" in name or os.path.isabs(name)
-            or any(p in ("", ".", "..") for p in parts)):
-        raise CheckpointingException(
-            f"{source}: {what} {name!r} points outside the checkpoint (absolute, '..' or empty "
-            f"segments); refusing to use it")
-    return name
+    """``name`` if it is a plain relative path inside the checkpoint; else raise naming ``source``.
+    The rule is :func:`distckpt.containment.check_name`'s."""
+    return containment.check_name(name, source, what)
 
 
 def inside(root: PathLike, name: Any, source: PathLike, what: str = "file name") -> Path:
-    """The path of ``name`` under ``root`` after :func:`relative_name`, refusing one that a
-    symlink leads out of the checkpoint."""
-    path = Path(root) / relative_name(name, source, what)
-    real_root = os.path.realpath(root)
-    real = os.path.realpath(path)
-    if real != real_root and not real.startswith(real_root.rstrip(os.sep) + os.sep):
-        raise CheckpointingException(
-            f"{path}: named by {source}, resolves to {real}, outside the checkpoint {root} (a symlink?); "
-            f"refusing to read it")
-    return path
+    """The path of ``name`` under ``root``, refusing a name or symlink that leads out of the
+    checkpoint: :func:`distckpt.containment.path_beneath`."""
+    return containment.path_beneath(root, name, source, what)
 
 
 def fits(value: Any, limit: int = MAX_BYTES) -> bool:
@@ -107,3 +99,45 @@ def box_inside(offsets: Sequence[int], sizes: Sequence[int], whole: Sequence[int
             o + s > w for o, s, w in zip(offsets, sizes, whole)):
         raise CheckpointingException(
             f"{source}: {what} at {list(offsets)} of size {list(sizes)} lies outside the shape {list(whole)}")
+
+
+def parse_json(data: Any, source: PathLike, what: str) -> Any:
+    """``data`` (bytes or str) parsed as JSON; else raise naming ``source``: not UTF-8, not
+    JSON, or nested deeper than Python's parser can follow (it raises RecursionError near the
+    interpreter's recursion limit, about 1000 levels, before using more stack). Every JSON file
+    of a checkpoint is parsed here. Walking the result for :data:`MAX_NESTING` would cost more
+    than the parse on a large manifest, and no reader of these files recurses into them."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise CheckpointingException(f"{source}: {what} is nested too deeply to parse (damaged or hostile)") from None
+    except ValueError as e:  # UnicodeDecodeError included
+        raise CheckpointingException(f"{source}: {what} is not valid JSON: {e}") from None
+
+
+def check_nesting(obj: Any, source: PathLike, what: str, limit: int = MAX_NESTING) -> None:
+    """Raise naming ``source`` if the containers of ``obj`` (dicts, lists, tuples, sets,
+    namespaces) nest more than ``limit`` deep. Iterative, so any depth is measured safely; each
+    container is visited once (shared ones too)."""
+    stack = [(obj, 1)]
+    seen = set()
+    while stack:
+        node, depth = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if depth > limit:
+            raise CheckpointingException(
+                f"{source}: {what} nests containers more than {limit} deep (damaged or hostile); refusing it")
+        if isinstance(node, dict):
+            children = node.values()
+        elif isinstance(node, (list, tuple, set, frozenset)):
+            children = node
+        elif isinstance(node, argparse.Namespace):
+            children = vars(node).values()
+        else:
+            continue
+        stack.extend((c, depth + 1) for c in children if isinstance(c, _CONTAINERS))
+
+
+_CONTAINERS = (dict, list, tuple, set, frozenset, argparse.Namespace)

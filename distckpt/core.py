@@ -93,11 +93,16 @@ def maybe_load_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]
     Raises:
         CheckpointingException: the file exists but is not a valid config.
     """
+    from distckpt import containment  # it imports this module
+
     path = Path(checkpoint_dir) / CONFIG_FNAME
     if not path.is_file():
         return None
     try:
-        text = path.read_bytes()
+        # Opened beneath the checkpoint: a metadata.json that is a symlink out is refused.
+        text = containment.read_beneath(checkpoint_dir, CONFIG_FNAME, checkpoint_dir)
+    except FileNotFoundError:
+        return None
     except OSError as e:
         raise CheckpointingException(f"{path}: cannot read checkpoint config: {e}") from e
     return parse_config(text, path)
@@ -105,10 +110,9 @@ def maybe_load_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]
 
 def parse_config(text: bytes, path: Any) -> CheckpointingConfig:
     """Parse the bytes of a ``metadata.json`` (read from ``path``, named in errors)."""
-    try:
-        raw = json.loads(text)
-    except ValueError as e:
-        raise CheckpointingException(f"{path}: cannot read checkpoint config: {e}") from e
+    from distckpt import bounds  # it imports this module
+
+    raw = bounds.parse_json(text, path, "checkpoint config")
     if not isinstance(raw, dict):
         raise CheckpointingException(f"{path}: checkpoint config must be a JSON object")
     known = set(CheckpointingConfig.__dataclass_fields__)

@@ -10,7 +10,26 @@ Format (version 1)::
 
     {"format": "distckpt-manifest", "version": 1, "save_id": "...", "backend": "torch_dist",
      "files": {"__0_0.distcp": 123456, ...},                 # relative path -> size in bytes
-     "ranges": {"__0_0.distcp": [[offset, length, crc32c, "key"], ...], ...}}
+     "ranges": {"__0_0.distcp": [[offset, length, crc32c, "key"], ...], ...},
+     "keys": {"key": ["bfloat16", [global shape]], ...},      # optional: what each tensor key is
+             # (a flattened torch_dist key: [dtype, [stored N-D reformulated shape], [original shape]])
+     "chunks": {"__0_0.distcp": [[offset, [chunk offset], [chunk size]], ...], ...},  # optional
+     "blocks": {"w/c/0/0": [block size, crc32c, "base64"], ...}}  # optional
+
+``keys`` and ``chunks`` (added later, in the same version: readers that do not know them ignore
+them) record what the writer put in each range: the dtype and stored shape of each tensor key
+(and the original shape of a flattened one), and which chunk of its key each range holds. ``verify=True`` and ``distckpt verify`` compare the
+metadata's claims (``.metadata``'s storage records, a zarr array's ``zarr.json``) with them;
+manifests without them are checked by key, offset and length only.
+
+``blocks`` (also optional, also ignored by readers that do not know it) holds, for a file that
+is one checksummed range of at least two blocks (a large zarr chunk file), the CRC32C of each
+consecutive ``block size`` bytes of it (the last block may be shorter), packed as little-endian
+32-bit words and base64-encoded, with the whole file's CRC32C it was computed with. A load that
+needs part of such a file reads and checks only the blocks holding that part; the entry is
+believed only while its CRC32C is the file's range CRC32C (an edit that re-described the file
+without its blocks leaves a stale entry: the file is then read whole and checked against that).
+torch_dist keeps its block CRCs in per-file tables instead (``strategies/blockcrc.py``).
 
 Checkpoints without a manifest (Megatron's, or older ones) still load; they are verified only
 structurally.
@@ -18,7 +37,10 @@ structurally.
 
 from __future__ import annotations
 
+import base64
+import itertools
 import json
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
@@ -44,6 +66,16 @@ def crc32c(data, value: int = 0) -> int:
     return _fastcrc32.iscsi(data, value)
 
 
+def pack_block_crcs(crcs: List[int]) -> bytes:
+    """Block CRC32Cs as :attr:`Manifest.blocks` keeps them (little-endian 32-bit words)."""
+    return struct.pack(f"<{len(crcs)}I", *crcs)
+
+
+def dtype_name(dtype: Any) -> str:
+    """How the manifest names a dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    return str(dtype).replace("torch.", "")
+
+
 @dataclass(frozen=True)
 class RangeChecksum:
     """One checksummed byte range of a file."""
@@ -52,6 +84,8 @@ class RangeChecksum:
     length: int
     crc32c: int
     key: str
+    # (chunk offset, chunk size) of the key's chunk the writer stored in this range, when known.
+    chunk: Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]] = None
 
 
 @dataclass
@@ -60,18 +94,49 @@ class Manifest:
     backend: str
     files: Dict[str, int] = field(default_factory=dict)
     ranges: Dict[str, List[RangeChecksum]] = field(default_factory=dict)
+    # Tensor key -> (dtype name, stored global shape[, original shape of a flattened key]), as
+    # the writer declared it.
+    keys: Dict[str, Tuple[Any, ...]] = field(default_factory=dict)
+    # File -> (block size, the file's CRC32C, packed little-endian CRC32C of each block): see
+    # the module docstring; kept packed until a load asks for one file's (:meth:`block_crcs`).
+    blocks: Dict[str, Tuple[int, int, bytes]] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
-        return json.dumps({
+        out = {
             "format": FORMAT, "version": VERSION, "save_id": self.save_id, "backend": self.backend,
             "files": self.files,
             "ranges": {f: [[r.offset, r.length, r.crc32c, r.key] for r in rs] for f, rs in self.ranges.items()},
-        }, separators=(",", ":")).encode()
+        }
+        if self.keys:
+            out["keys"] = {k: [d, *map(list, shapes)] for k, (d, *shapes) in self.keys.items()}
+        chunks = {f: [[r.offset, list(r.chunk[0]), list(r.chunk[1])] for r in rs if r.chunk is not None]
+                  for f, rs in self.ranges.items()}
+        chunks = {f: c for f, c in chunks.items() if c}
+        if chunks:
+            out["chunks"] = chunks
+        if self.blocks:
+            out["blocks"] = {f: [b, c, base64.b64encode(p).decode()] for f, (b, c, p) in self.blocks.items()}
+        return json.dumps(out, separators=(",", ":")).encode()
 
     def set_whole(self, name: str, size: int, crc: int, key: Optional[str] = None) -> None:
         """List ``name`` as ``size`` bytes checksummed in one range (replacing what was listed)."""
         self.files[name] = size
         self.ranges[name] = [RangeChecksum(0, size, crc, key or name)]
+        self.blocks.pop(name, None)
+
+    def block_crcs(self, name: str) -> Optional[Tuple[int, List[int]]]:
+        """(block size, CRC32C of each block) of file ``name`` when the manifest records them
+        and they belong to the file as it lists it (one range, of the CRC32C they were computed
+        with, as many blocks as its size needs); else None."""
+        entry = self.blocks.get(name)
+        ranges = self.ranges.get(name)
+        if entry is None or not ranges or len(ranges) != 1:
+            return None
+        block, crc, packed = entry
+        r = ranges[0]
+        if r.offset != 0 or r.crc32c != crc or len(packed) != 4 * -(-r.length // block):
+            return None
+        return block, list(struct.unpack(f"<{len(packed) // 4}I", packed))
 
     def set_bytes(self, name: str, data: bytes) -> None:
         """List file ``name`` holding exactly ``data``."""
@@ -81,6 +146,7 @@ class Manifest:
         """Stop listing ``name`` (no error if it was not listed)."""
         self.files.pop(name, None)
         self.ranges.pop(name, None)
+        self.blocks.pop(name, None)
 
     def range_index(self) -> Dict[Tuple[str, int], RangeChecksum]:
         return {(f, r.offset): r for f, rs in self.ranges.items() for r in rs}
@@ -92,11 +158,19 @@ class Manifest:
 
 def build_manifest(save_id: str, backend: str,
                    ranges: Iterable[Tuple[str, int, int, int, str]],
-                   file_sizes: Dict[str, int]) -> Manifest:
-    """``ranges`` holds ``(file, offset, length, crc32c, key)`` from every rank."""
-    m = Manifest(save_id, backend, dict(sorted(file_sizes.items())))
-    for f, offset, length, crc, key in ranges:
-        m.ranges.setdefault(f, []).append(RangeChecksum(offset, length, crc, key))
+                   file_sizes: Dict[str, int],
+                   keys: Optional[Dict[str, Tuple[Any, ...]]] = None,
+                   chunks: Optional[Iterable[Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]]]] = None,
+                   blocks: Optional[Dict[str, Tuple[int, int, bytes]]] = None) -> Manifest:
+    """``ranges`` holds ``(file, offset, length, crc32c, key)`` from every rank; ``keys`` each
+    tensor key's (dtype name, stored shape); ``chunks``, aligned with ``ranges``, the (chunk
+    offset, chunk size) each range holds (None where it holds no tensor chunk); ``blocks`` the
+    block CRC32Cs of files written as one range (see :attr:`Manifest.blocks`)."""
+    m = Manifest(save_id, backend, dict(sorted(file_sizes.items())), keys=dict(keys or {}),
+                 blocks=dict(blocks or {}))
+    boxes = iter(chunks) if chunks is not None else itertools.repeat(None)
+    for (f, offset, length, crc, key), box in zip(ranges, boxes):
+        m.ranges.setdefault(f, []).append(RangeChecksum(offset, length, crc, key, box))
     for rs in m.ranges.values():
         rs.sort(key=lambda r: r.offset)
     return m
@@ -120,7 +194,7 @@ def _parsed(checkpoint_dir, build: Callable[[dict, Dict[str, int]], Any]) -> Tup
         raw = json.loads(storage.read_bytes(location, MANIFEST_FNAME))
     except FileNotFoundError:
         return None, path
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise CheckpointingException(f"{path}: unreadable integrity manifest: {e}") from None
     try:
         if raw.get("format") != FORMAT or int(raw["version"]) > VERSION:
@@ -153,8 +227,20 @@ def read_manifest(checkpoint_dir) -> Optional[Manifest]:
     """
     def build(raw: dict, files: Dict[str, int]) -> Manifest:
         m = Manifest(str(raw["save_id"]), str(raw["backend"]), files)
+        boxes = {}
+        for f, cs in (raw.get("chunks") or {}).items():
+            for o, off, size in cs:
+                boxes[(str(f), int(o))] = (tuple(int(x) for x in off), tuple(int(x) for x in size))
         for f, rs in raw["ranges"].items():
-            m.ranges[str(f)] = [RangeChecksum(int(o), int(n), int(c), str(k)) for o, n, c, k in rs]
+            m.ranges[str(f)] = [RangeChecksum(int(o), int(n), int(c), str(k), boxes.get((str(f), int(o))))
+                                for o, n, c, k in rs]
+        m.keys = _declared_keys(raw)
+        for f, (block, crc, packed) in (raw.get("blocks") or {}).items():
+            block, data = int(block), base64.b64decode(packed, validate=True)
+            if not 4096 <= block <= (1 << 30) or block % 16 or len(data) % 4:
+                raise ValueError(f"block CRC32Cs of {f!r}: block size {block} not in [4096, 2^30] or not "
+                                 f"a multiple of 16, or {len(data)} bytes of CRC32Cs")
+            m.blocks[str(f)] = (block, int(crc), data)
         return m
 
     m, path = _parsed(checkpoint_dir, build)
@@ -173,6 +259,29 @@ def read_manifest(checkpoint_dir) -> Optional[Manifest]:
     return m
 
 
+def _declared_keys(raw: dict) -> Dict[str, Tuple[Any, ...]]:
+    """The manifest's ``keys`` (raises ValueError/TypeError on a malformed entry)."""
+    keys = raw.get("keys") or {}
+    if not isinstance(keys, dict):
+        raise TypeError(f"'keys' is {type(keys).__name__}, not an object")
+    out: Dict[str, Tuple[Any, ...]] = {}
+    for k, (dtype, *shapes) in keys.items():
+        if not 1 <= len(shapes) <= 2:
+            raise ValueError(f"key {k!r}: {len(shapes)} shapes")
+        out[str(k)] = (str(dtype), *(tuple(int(x) for x in shape) for shape in shapes))
+    return out
+
+
+def read_declared_keys(checkpoint_dir) -> Optional[Dict[str, Tuple[Any, ...]]]:
+    """The manifest's :attr:`Manifest.keys` alone (None if the checkpoint has no manifest), for
+    a metadata query that checks the keys it returns against them.
+
+    Raises:
+        CheckpointingException: the manifest exists but is malformed.
+    """
+    return _parsed(checkpoint_dir, lambda raw, files: _declared_keys(raw))[0]
+
+
 def add_whole_files(checkpoint_dir: PathLike, entries: Dict[str, Tuple[int, int]], backend: str,
                     save_id: str) -> None:
     """Merge whole-file checksums ``{name: (size, crc32c)}`` into the manifest (creating it if the
@@ -183,19 +292,44 @@ def add_whole_files(checkpoint_dir: PathLike, entries: Dict[str, Tuple[int, int]
     write_manifest(checkpoint_dir, manifest)
 
 
-def check_whole_file(checkpoint_dir: PathLike, name: str, data: bytes) -> None:
-    """Raise if the manifest records a checksum for ``name`` and ``data`` does not match it."""
-    manifest = read_manifest(checkpoint_dir)
-    if manifest is None:
+def check_whole_file(checkpoint_dir: PathLike, name: str, data: bytes, listed: bool = True) -> None:
+    """Raise if the manifest records a checksum for ``name`` and ``data`` does not match it, or
+    (``listed``) if a manifest exists but does not list ``name``. Only ``name``'s entry is built
+    from the manifest's JSON (metadata queries call this on every read of ``.metadata``)."""
+    parsed, _ = _parsed(checkpoint_dir, lambda raw, files: (files, [int(c) for _o, _n, c, *_k in raw["ranges"].get(name, [])]))
+    if parsed is None:
         return
-    if name not in manifest.files:
+    files, expected = parsed
+    if not listed and name not in files:
+        return
+    if name not in files:
         raise CheckpointingException(
             f"{storage.join(_location(checkpoint_dir), name)}: not covered by the integrity manifest; cannot verify it")
-    expected = manifest.ranges.get(name, [])
-    if len(data) != manifest.files[name] or (len(expected) == 1 and crc32c(data) != expected[0].crc32c):
+    if len(data) != files[name] or (len(expected) == 1 and crc32c(data) != expected[0]):
         raise CheckpointingException(
             f"{storage.join(_location(checkpoint_dir), name)}: contents do not match the integrity manifest "
-            f"({len(data)} bytes, manifest says {manifest.files[name]}); the file is corrupted")
+            f"({len(data)} bytes, manifest says {files[name]}); the file is corrupted")
+
+
+def _range_problems(name: str, r: RangeChecksum, data, blocks: Optional[Tuple[int, List[int]]]) -> List[str]:
+    """What is wrong with range ``r`` of file ``name``, whose bytes are ``data``: its CRC32C and,
+    where the manifest has them (``blocks``), the file's block CRC32Cs, computed in the same
+    pass (a damaged block CRC32C would fail a partial load of intact data: say so here)."""
+    from distckpt.strategies import blockcrc  # it builds on this module
+
+    if blocks is None or blocks[0] != blockcrc.BLOCK_SIZE:  # loads use no other block size
+        crc, wrong = crc32c(data), []
+    else:
+        crcs: List[int] = []
+        crc = blockcrc.extend(0, data, crcs)
+        wrong = [i for i, (a, b) in enumerate(zip(crcs, blocks[1])) if a != b]
+    if crc != r.crc32c:
+        return [f"{name}: key {r.key!r} at offset {r.offset}: CRC32C mismatch "
+                f"(stored {r.crc32c:#010x}, computed {crc:#010x})"]
+    if wrong:
+        return [f"{name}: the manifest's block CRC32Cs of blocks {wrong[:8]}{' ...' if len(wrong) > 8 else ''} "
+                f"do not match the file, whose whole CRC32C does (the manifest is damaged)"]
+    return []
 
 
 def verify_files(checkpoint_dir: PathLike, manifest: Manifest, *, checksums: bool = True,
@@ -256,9 +390,8 @@ def verify_files(checkpoint_dir: PathLike, manifest: Manifest, *, checksums: boo
                 if len(data) != r.length:
                     problems.append(f"{name}: key {r.key!r} at offset {r.offset}: truncated "
                                         f"({len(data)} of {r.length} bytes)")
-                elif crc32c(data) != r.crc32c:
-                    problems.append(f"{name}: key {r.key!r} at offset {r.offset}: CRC32C mismatch "
-                                        f"(stored {r.crc32c:#010x}, computed {crc32c(data):#010x})")
+                else:
+                    problems += _range_problems(name, r, data, manifest.block_crcs(name))
                 if progress:
                     progress(r.length)
     return problems

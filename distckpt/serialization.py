@@ -429,7 +429,7 @@ def load(
     common_strategy: Optional[LoadCommonStrategy] = None,
     validate_access_integrity: bool = True,
     strict: Union[str, StrictHandling] = StrictHandling.ASSUME_OK_UNEXPECTED,
-    verify: bool = False,
+    verify: Optional[bool] = None,
     trusted: bool = False,
     storage_options: StorageOptions = None,
     *,
@@ -445,8 +445,17 @@ def load(
     Args:
         validate_access_integrity: check on rank 0 that the requests of all ranks tile every
             tensor (one gather of each rank's shard table to rank 0; the others get the verdict).
-        verify: check every byte read against the integrity manifest's CRC32C (files without
-            a manifest entry are checked structurally only).
+        verify: by default (None) every byte a load copies out of a checkpoint with an integrity
+            manifest is checked against its CRC32C as it is read: an item read whole against the
+            item's checksum, an item read in part (resharding) block by block against its file's
+            block CRC table, ``common.pt`` whole; and each storage record's file, offset, length
+            and key must be a range the manifest lists. ``True`` adds: every needed item is read
+            whole, ``.metadata`` (or the sidecar index) and ``common.pt`` must be listed and
+            match, and the metadata's claims (each record's key, chunk offset and length, each
+            key's dtype and shape, a zarr array's ``zarr.json``) are cross-checked against what
+            the manifest says the writer wrote. ``False`` checks no checksum at all (an explicit
+            opt-out). Checkpoints without a manifest (Megatron-Core's, plain DCP) are checked
+            structurally only, whatever ``verify`` says.
         trusted: unpickle common state, objects and metadata without the allowlist. Only for
             checkpoints whose origin you trust.
         storage_options: options of an object store URL (see ``save``).
@@ -462,7 +471,8 @@ def load(
     with timings.recording("load", "common state"):
         dist.reset_failures()
         strict_mode = StrictHandling.ASSUME_OK_UNEXPECTED
-        verify = verify or bool(verify_integrity)
+        if verify_integrity:
+            verify = True
         group = process_group
         missing: Set[str] = set()
         unexpected: Set[str] = set()
@@ -558,7 +568,9 @@ def _replaced_or(exc: Exception, checkpoint_dir: Path, identity) -> Exception:
     return exc
 
 
-def _configure(strategy, verify: bool, trusted: bool) -> None:
+def _configure(strategy, verify: Optional[bool], trusted: bool) -> None:
+    if verify is False and hasattr(strategy, "checksums"):
+        strategy.checksums = False  # the explicit opt-out of the default checks
     for name, value in (("verify", verify), ("trusted", trusted)):
         if not value:
             continue

@@ -168,12 +168,13 @@ def test_truncation_is_detected_without_verify(request, target):
         _load(ckpt)
 
 
-def test_bit_flip_in_tensor_data_loads_wrong_values_without_verify(ckpt):
+def test_bit_flip_in_tensor_data_is_caught_by_default_and_loads_wrong_values_only_with_verify_false(ckpt):
     name, offset = faults.tensor_bytes_middle(ckpt, "big")
     faults.flip_byte(ckpt / name, offset)
-    assert _load(ckpt) == ["big"]  # silently wrong: only verify=True reads the checksums
-    with pytest.raises(CheckpointingException, match=r"key 'big' in .*__0_0\.distcp .*CRC32C mismatch"):
-        _load(ckpt, verify=True)
+    for kwargs in ({}, {"verify": True}):  # the default checks the CRC32C of what it reads
+        with pytest.raises(CheckpointingException, match=r"key 'big' in .*__0_0\.distcp .*CRC32C mismatch"):
+            _load(ckpt, **kwargs)
+    assert _load(ckpt, verify=False) == ["big"]  # the explicit opt-out checks nothing
 
 
 def test_the_real_verify_command_exits_non_zero_on_a_corrupted_checkpoint(ckpt):
@@ -333,9 +334,11 @@ def test_the_manifests_file_list_reads_as_the_whole_manifest_does(ckpt):
         read_manifest_files(ckpt)
 
 
-def test_plain_load_does_not_read_the_manifest(ckpt):
+def test_default_load_refuses_a_damaged_manifest_and_verify_false_does_not_read_it(ckpt):
     faults.truncate_to_half(ckpt / MANIFEST_FNAME)
-    assert _load(ckpt) == []
+    with pytest.raises(CheckpointingException, match=re.escape(MANIFEST_FNAME)):
+        _load(ckpt)
+    assert _load(ckpt, verify=False) == []
 
 
 def test_flipped_checksum_in_the_manifest_is_reported_as_a_mismatch_of_its_item(ckpt):

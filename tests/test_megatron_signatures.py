@@ -48,9 +48,10 @@ def test_019_verify_integrity_on_load_catches_a_flipped_byte(tmp_path):
     raw = bytearray(data.read_bytes())
     raw[-40] ^= 0xFF  # inside the tensor bytes of the last item
     data.write_bytes(bytes(raw))
-    distckpt.load(_sd(torch.zeros(4, 8)), tmp_path)  # 0.16 form: no verification asked
-    with pytest.raises(distckpt.CheckpointingException, match="CRC32C mismatch"):
-        distckpt.load(_sd(torch.zeros(4, 8)), tmp_path, verify_integrity=True)
+    distckpt.load(_sd(torch.zeros(4, 8)), tmp_path, verify=False)  # the explicit opt-out reads it
+    for checks in ({}, {"verify_integrity": True}):  # distckpt checks CRCs by default, too
+        with pytest.raises(distckpt.CheckpointingException, match="CRC32C mismatch"):
+            distckpt.load(_sd(torch.zeros(4, 8)), tmp_path, **checks)
 
 
 def test_016_forms_still_work(tmp_path):

@@ -689,8 +689,11 @@ def test_rename_interrupted_between_manifest_and_index_is_finished_by_running_it
     monkeypatch.setattr(surgery, "atomic_write_bytes", crash_on_index)
     with pytest.raises(OSError):
         surgery.rename_keys(ckpt, [("col", "c")])
-    assert "col" in distckpt.load_plain_tensors(ckpt)  # still loadable, old names
-    assert not verify.verify_checkpoint(ckpt).ok       # and verify says something is off
+    # The old .metadata with a manifest describing the new names: a default load (which checks
+    # each record read against the manifest) and verify both say so, naming both files.
+    with pytest.raises(CheckpointingException, match=r"(?=.*\.metadata)(?=.*\.distckpt_manifest\.json)(?=.*'col')"):
+        distckpt.load_plain_tensors(ckpt)
+    assert not verify.verify_checkpoint(ckpt).ok
     monkeypatch.setattr(surgery, "atomic_write_bytes", real)
     surgery.rename_keys(ckpt, [("col", "c")])
     assert "c" in distckpt.load_plain_tensors(ckpt) and verify.verify_checkpoint(ckpt).ok

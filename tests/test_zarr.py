@@ -229,9 +229,11 @@ def test_resharded_load_reads_only_overlapping_chunks(tmp_path):
         assert read == [str(tmp_path / "grid" / "c" / f"{r}" / f"{col}") for r in (0, 1)]
 
 
-def test_partial_chunk_reads_fetch_only_the_needed_bytes(tmp_path, monkeypatch):
-    """A contiguous run is one read of its bytes; a strided region is copied out of a mapping of
-    the span from its first to its last element (no reads, no temporary)."""
+def test_partial_chunk_reads_fetch_only_the_needed_bytes_without_checksums(tmp_path, monkeypatch):
+    """With checks switched off (``checksums=False``, ``load(verify=False)``): a contiguous run
+    is one read of its bytes; a strided region is copied out of a mapping of the span from its
+    first to its last element (no reads, no temporary). By default each chunk is read whole to
+    check its CRC32C (tests/test_checksums_default.py)."""
     import mmap
 
     full = torch.arange(64 * 64, dtype=torch.float32).reshape(64, 64)
@@ -259,7 +261,7 @@ def test_partial_chunk_reads_fetch_only_the_needed_bytes(tmp_path, monkeypatch):
         piece = full[sl]
         req = ShardedTensor("w", torch.zeros_like(piece), torch.float32, tuple(piece.shape), (64, 64),
                             (sl[0].start, sl[1].start), None, 0)
-        out = zs.ZarrLoadShardedStrategy().load({"w": req}, tmp_path)["w"]
+        out = zs.ZarrLoadShardedStrategy(checksums=False).load({"w": req}, tmp_path)["w"]
         assert torch.equal(out, piece)
         assert sum(read_bytes) == expected_read
         assert mapped == expected_map
@@ -481,8 +483,11 @@ def test_truncated_chunk_read_through_tensorstore_is_a_clear_error(tmp_path):
     run_ranks(2, _save_layout, str(tmp_path), "grid", {"rows": 2, "cols": 1}, {"compression": "zstd"})
     chunk = tmp_path / "grid" / "c" / "1" / "0"
     chunk.write_bytes(chunk.read_bytes()[:5])
-    with pytest.raises(CheckpointingException, match=r"key 'grid': reading chunk \[1, 0\] of .*grid failed"):
+    # By default the chunk's CRC32C catches it; without checks, tensorstore's own error is worded.
+    with pytest.raises(CheckpointingException, match=r"key 'grid': chunk file .*grid/c/1/0 .*CRC32C mismatch"):
         distckpt.load_plain_tensors(tmp_path)
+    with pytest.raises(CheckpointingException, match=r"key 'grid': reading chunk \[1, 0\] of .*grid failed"):
+        distckpt.load_plain_tensors(tmp_path, sharded_strategy=zs.ZarrLoadShardedStrategy(checksums=False))
 
 
 def _save_failing_on_rank1(ckpt):
@@ -546,7 +551,9 @@ def test_manifest_covers_every_file_and_verify_catches_a_flipped_byte(engine, tm
         return {"g": ShardedTensor.from_rank_offsets("grid", torch.zeros(8, 12))}
 
     strategy = zs.ZarrLoadShardedStrategy(io_engine=engine)
-    assert not torch.equal(distckpt.load(request(), tmp_path, sharded_strategy=strategy)["g"],
-                           layouts.full_tensor("grid", (8, 12)))
-    with pytest.raises(CheckpointingException, match=r"grid/c/1/0 \(rank 0\): CRC32C mismatch against the manifest"):
-        distckpt.load(request(), tmp_path, sharded_strategy=zs.ZarrLoadShardedStrategy(io_engine=engine), verify=True)
+    assert not torch.equal(distckpt.load(request(), tmp_path, sharded_strategy=strategy, verify=False)["g"],
+                           layouts.full_tensor("grid", (8, 12)))  # only the explicit opt-out loads it
+    for verify in (None, True):
+        with pytest.raises(CheckpointingException, match=r"grid/c/1/0 \(rank 0\): CRC32C mismatch against the manifest"):
+            distckpt.load(request(), tmp_path, sharded_strategy=zs.ZarrLoadShardedStrategy(io_engine=engine),
+                          verify=verify)

@@ -413,6 +413,9 @@ class _print_options:
 
 # --------------------------------------------------------------------------- verify
 
+# Problems `distckpt verify` prints (the rest are counted; --json lists them all).
+_PROBLEMS_SHOWN = 100
+
 
 @main.command()
 @click.argument("ckpt", type=_path)
@@ -453,8 +456,13 @@ def verify(ckpt: Path, no_checksums: bool, deep: bool, as_json: bool, trust: boo
             out.print(f"  [green]checked[/]  {escape(line)}")
         for line in report.notes:
             out.print(f"  [yellow]note[/]     {escape(line)}")
-        for line in report.problems:
+        # A damaged checkpoint can have a problem per claimed chunk (20,000 lines take a terminal
+        # seconds); the first ones say what is wrong, --json has them all.
+        for line in report.problems[:_PROBLEMS_SHOWN]:
             out.print(f"  [red]PROBLEM[/]  {escape(line)}")
+        if len(report.problems) > _PROBLEMS_SHOWN:
+            more = len(report.problems) - _PROBLEMS_SHOWN
+            out.print(f"  [red]PROBLEM[/]  ... and {more} more (--json lists them all)")
         done = [f"{_size(n)} {what}" for n, what in ((report.bytes_checksummed, "checksummed"),
                                                      (report.bytes_read, "of tensors read back")) if n]
         if report.ok:

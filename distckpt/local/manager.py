@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from distckpt import dist
+from distckpt import containment, dist
 from distckpt.core import CheckpointingException, PathLike, atomic_write_bytes, fsync_dir
 from distckpt.local.piece import (
     CorruptPieceError,
@@ -348,7 +348,7 @@ class LocalCheckpointManager:
                 if not _MARKER.match(entry.name):
                     continue
                 try:
-                    marker = json.loads(Path(entry.path).read_bytes())
+                    marker = json.loads(containment.read_beneath(path, entry.name, path, "commit marker"))
                     if marker.get("format") != MARKER_FORMAT or int(marker["version"]) > MARKER_VERSION:
                         raise ValueError("not a local checkpoint marker")
                     if int(marker["world"]) != self.world or int(marker["iteration"]) != it:
@@ -361,13 +361,13 @@ class LocalCheckpointManager:
                         if name != c.name or not 0 <= c.owner < self.world:
                             raise ValueError(f"bad entry {name!r}")
                         try:
-                            if (path / name).stat().st_size != c.size:
+                            if containment.size_beneath(path, name, entry.path, "local piece") != c.size:
                                 logger.warning("%s: size differs from its marker; not used", path / name)
                                 continue
                         except FileNotFoundError:
                             continue
                         out.append((it, save_id, c))
-                except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+                except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointingException) as e:
                     logger.warning("%s: unreadable commit marker (%s); ignored", entry.path, e)
         return out
 

@@ -46,7 +46,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from distckpt import dist
+from distckpt import containment, dist
 from distckpt.core import CheckpointingException, fsync_dir
 from distckpt.dict_utils import dict_list_map_inplace, extract_matching_values, merge, nested_values
 from distckpt.manifest import crc32c
@@ -271,9 +271,12 @@ def read_piece(path: Path, split: SplitState, size: int, crc: int,
     rank = dist.get_rank()
     what = f"local checkpoint piece {path} (rank {rank})"
     try:
-        fd = os.open(path, os.O_RDONLY)
+        # Opened beneath its iteration folder: a piece that is a symlink out is refused.
+        fd = containment.open_beneath(path.parent, path.name, path.parent, "local piece")
     except FileNotFoundError:
         raise CorruptPieceError(f"{what}: file is missing") from None
+    except CheckpointingException as e:
+        raise CorruptPieceError(f"{what}: {e}") from None
     try:
         actual = os.fstat(fd).st_size
         if actual != size:

@@ -24,7 +24,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from distckpt import dist
+from distckpt import containment, dist
 from distckpt.core import CheckpointingException, fsync_dir, write_all
 from distckpt.manifest import crc32c
 from distckpt.strategies.filesystem import byte_view, pread_exact
@@ -128,8 +128,9 @@ def stream_files(sends: Sequence[Outgoing], recvs: Sequence[Incoming], group: di
         fd = None
         if s.path is not None and s.size > 0:
             try:
-                fd = os.open(s.path, os.O_RDONLY)
-            except OSError as e:
+                # A piece sent to a peer is opened beneath its folder (a symlink out is refused).
+                fd = containment.open_beneath(s.path.parent, s.path.name, s.path.parent, "local piece")
+            except (OSError, CheckpointingException) as e:
                 logger.warning("cannot read %s to send it to rank %d: %s", s.path, s.peer, e)
         fds_out.append(fd)
     out_sizes = [s.size if s.path is not None and (fd is not None or s.size == 0) else -1

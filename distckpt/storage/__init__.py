@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Union
 from urllib.parse import unquote, urlparse
 
+from distckpt import containment
 from distckpt.core import CheckpointingException, atomic_write_bytes
 from distckpt.storage.base import Store, Writer, coalesce
 from distckpt.storage.local import LocalStore
@@ -82,16 +83,19 @@ def join(location: Union[Path, Store], name: str) -> str:
     return str(location / name) if isinstance(location, Path) else location.where(name)
 
 
-def read_bytes(location: Union[Path, Store], name: str) -> bytes:
-    """The whole object ``name``; FileNotFoundError if it is missing."""
+def read_bytes(location: Union[Path, Store], name: str, source: Any = None) -> bytes:
+    """The whole object ``name``; FileNotFoundError if it is missing. ``name`` goes through the
+    containment rule (:mod:`distckpt.containment`): a local file is opened beneath the directory,
+    never through a symlink that leads out; ``source`` is the file that named it (for errors)."""
     if isinstance(location, Path):
-        return (location / name).read_bytes()
+        return containment.read_beneath(location, name, source if source is not None else location)
     return bytes(location.get(name))
 
 
 def write_bytes(location: Union[Path, Store], name: str, data: bytes) -> None:
-    """Write a small object durably and atomically (local: temp file + fsync + rename)."""
+    """Write a small object durably and atomically (local: temp file + fsync + rename; the rename
+    replaces the name itself, and the folders above it are checked to lie beneath ``location``)."""
     if isinstance(location, Path):
-        atomic_write_bytes(location / name, data)
+        atomic_write_bytes(containment.path_beneath(location, name, location), data)
     else:
         location.put(name, data)

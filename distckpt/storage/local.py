@@ -4,6 +4,10 @@ The strategies do not go through these methods for their bulk I/O on a local dir
 keep their fast paths (``pwritev`` of gathered writes, ``preadv`` into place, strided copies out
 of a file mapping) on ``store.root``, which ``supports_mmap`` allows. This class gives the same
 protocol as the object stores to everything else (tools, the manifest, tests).
+
+Every name goes through the containment rule (:mod:`distckpt.containment`): reads, sizes and
+deletes resolve it beneath the directory without following a symlink out; writes check the
+folders above it (the final rename replaces the name itself, never a symlink's target).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from distckpt import containment
 from distckpt.core import CheckpointingException, atomic_write_bytes, fsync_dir, write_all
 from distckpt.storage.base import Store, Writer
 
@@ -70,16 +75,19 @@ class LocalStore(Store):
         return str(self.root / name)
 
     def child(self, name: str) -> LocalStore:
-        return LocalStore(self.root / name)
+        return LocalStore(containment.path_beneath(self.root, name, self.root, "folder name"))
+
+    def _target(self, name: str) -> Path:
+        """Where a write of ``name`` goes, its folders created beneath the root."""
+        path = containment.path_beneath(self.root, name, self.root, "object name")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
 
     def put(self, name: str, data) -> None:
-        path = self.root / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(path, bytes(data))
+        atomic_write_bytes(self._target(name), bytes(data))
 
     def put_if_absent(self, name: str, data) -> bool:
-        path = self.root / name
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path = self._target(name)
         writer = _FileWriter(path)
         try:
             writer.write(data)
@@ -96,11 +104,11 @@ class LocalStore(Store):
             writer.abort()
 
     def get(self, name: str) -> bytes:
-        return (self.root / name).read_bytes()
+        return containment.read_beneath(self.root, name, self.root, "object name")
 
     def get_ranges(self, name: str, starts: Sequence[int], lengths: Sequence[int]) -> List[memoryview]:
         path = self.root / name
-        fd = os.open(path, os.O_RDONLY)
+        fd = containment.open_beneath(self.root, name, self.root, "object name")
         try:
             out = []
             for start, length in zip(starts, lengths):
@@ -114,16 +122,10 @@ class LocalStore(Store):
             os.close(fd)
 
     def size(self, name: str) -> int:
-        path = self.root / name
-        if not path.is_file():
-            raise FileNotFoundError(str(path))
-        return path.stat().st_size
+        return containment.size_beneath(self.root, name, self.root, "object name")
 
     def delete(self, name: str) -> None:
-        try:
-            os.remove(self.root / name)
-        except FileNotFoundError:
-            pass
+        containment.remove_beneath(self.root, name, self.root, "object name")
 
     def list(self, prefix: str = "") -> Dict[str, int]:
         out = {}
@@ -135,7 +137,7 @@ class LocalStore(Store):
         return dict(sorted(out.items()))
 
     def open_writer(self, name: str) -> Writer:
-        return _FileWriter(self.root / name)
+        return _FileWriter(self._target(name))
 
     def begin_save(self, commit_names: Sequence[str], overwrite: Optional[bool]) -> None:
         """Local directories keep today's behaviour: a new save replaces an earlier checkpoint
@@ -155,4 +157,4 @@ class LocalStore(Store):
             fsync_dir(self.root)
 
     def commit(self, name: str, data: bytes) -> None:
-        atomic_write_bytes(self.root / name, data)
+        atomic_write_bytes(self._target(name), data)

@@ -35,6 +35,7 @@ import obstore
 from obstore import exceptions as obe
 from obstore.store import MemoryStore, from_url
 
+from distckpt import containment
 from distckpt.core import CheckpointingException
 from distckpt.storage.base import Store, Writer
 
@@ -155,13 +156,19 @@ class ObjectStore(Store):
     def url(self) -> str:
         return self._url
 
-    def _key(self, name: str) -> str:
+    def _key(self, name: str, what: str = "object name") -> str:
+        """The full key of ``name``: the containment rule (a plain relative name) keeps it below
+        this store's prefix."""
+        containment.check_name(name, self._url, what)
         return f"{self._prefix}/{name}" if self._prefix else name
 
     def child(self, name: str) -> ObjectStore:
-        return ObjectStore(f"{self._url}/{name.strip('/')}", self.options)
+        return ObjectStore(f"{self._url}/{containment.check_name(name.strip('/'), self._url, 'folder name')}",
+                           self.options)
 
     def _fail(self, name: str, what: str, e: BaseException):
+        if isinstance(e, CheckpointingException):   # a name the containment rule refused
+            raise e
         if isinstance(e, (obe.NotFoundError, FileNotFoundError)):
             raise FileNotFoundError(self.where(name)) from None
         raise CheckpointingException(f"{self.where(name)}: {what} failed ({_short(e)})") from e
@@ -227,7 +234,10 @@ class ObjectStore(Store):
             self._fail(name, "delete", e)
 
     def list(self, prefix: str = "") -> Dict[str, int]:
-        base = self._key(prefix) if prefix else (self._prefix + "/" if self._prefix else None)
+        # A listing prefix need not end at a ``/`` (``"optimizer."``); it is checked as a name
+        # without its trailing ``/``.
+        base = (self._key(prefix.rstrip("/"), "listing prefix") + prefix[len(prefix.rstrip("/")):] if prefix
+                else (self._prefix + "/" if self._prefix else None))
         try:
             metas = [m for batch in obstore.list(self._store, prefix=base) for m in batch]
         except Exception as e:  # noqa: BLE001

@@ -17,13 +17,14 @@ import io
 import logging
 import os
 import pickle
+import zipfile
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, List, Tuple, Union
 
 import numpy as np
 import torch
 
-from distckpt import dist, storage
+from distckpt import bounds, containment, dist, storage
 from distckpt.core import CheckpointingException
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
 from distckpt.manifest import check_whole_file, read_manifest
@@ -72,10 +73,18 @@ def safe_torch_load(source: Union[str, os.PathLike, BinaryIO, bytes], *, what: s
     if isinstance(source, (bytes, bytearray, memoryview)):
         source = io.BytesIO(source)
     try:
+        if isinstance(source, (str, os.PathLike)):
+            with open(source, "rb") as f:
+                check_archive(f, what)
+        else:
+            check_archive(source, what)
         if trusted:
-            return torch.load(source, map_location=map_location, weights_only=False)
-        with torch.serialization.safe_globals(_SAFE_GLOBALS):
-            return torch.load(source, map_location=map_location, weights_only=True)
+            loaded = torch.load(source, map_location=map_location, weights_only=False)
+        else:
+            with torch.serialization.safe_globals(_SAFE_GLOBALS):
+                loaded = torch.load(source, map_location=map_location, weights_only=True)
+        bounds.check_nesting(loaded, what, "the unpickled state")
+        return loaded
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()
         hint = next((ln for ln in first if "GLOBAL" in ln or "Unsupported" in ln), first[0] if first else "")
@@ -85,15 +94,73 @@ def safe_torch_load(source: Union[str, os.PathLike, BinaryIO, bytes], *, what: s
             f"with distckpt.add_safe_globals([...])") from None
     except FileNotFoundError as e:
         raise CheckpointingException(f"{what}: file not found") from e
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
+    except (RuntimeError, EOFError, OSError, ValueError, MemoryError) as e:
         raise CheckpointingException(f"{what}: not a readable torch archive ({e})") from e
 
 
-def _fsynced_torch_save(obj: Any, path: Path) -> Tuple[int, int]:
-    """torch.save into ``path``; returns (size, crc32c) computed while writing."""
+# Unpickling may build this many bytes of Python objects per byte of pickle at most (a 1-byte
+# opcode can make a 56-byte list and append it for one more; real states stay far below)...
+UNPICKLE_EXPANSION = 64
+# ... and a pickle whose objects may reach this size is always admitted, whatever the budget.
+UNPICKLE_FLOOR = 256 << 20
+# Compressed entries (torch.save writes none) may inflate to this many times the file's size.
+ARCHIVE_INFLATION = 16
+
+
+def check_archive(source: BinaryIO, what: str) -> None:
+    """Refuse a torch archive (a zip) whose loading would take more memory than its real size
+    and the host memory budget (:mod:`distckpt.budget`) allow, from its central directory
+    alone, before ``torch.load`` inflates or allocates anything. ``torch.save`` stores entries
+    uncompressed, so a real one never inflates: a stored entry must lie inside the file with
+    its declared size, compressed entries (a zip bomb, or a re-zipped archive) may inflate
+    together to :data:`ARCHIVE_INFLATION` times the file's size and to the budget, and the pickle (``data.pkl``) may take at most :data:`UNPICKLE_EXPANSION`
+    times its size in objects, within the budget (or :data:`UNPICKLE_FLOOR`). ``source`` is left
+    at its start. A file that is no zip (torch's legacy format, garbage) is left to ``torch.load``.
+    """
+    from distckpt.budget import host_memory_budget
+
+    source.seek(0, io.SEEK_END)
+    size = source.tell()
+    source.seek(0)
+    try:
+        if not zipfile.is_zipfile(source):
+            return
+        source.seek(0)
+        entries = zipfile.ZipFile(source).infolist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError) as e:
+        raise CheckpointingException(f"{what}: damaged torch archive (zip directory: {e})") from None
+    finally:
+        source.seek(0)
+    budget = host_memory_budget()
+    inflated = 0
+    for e in entries:
+        if e.header_offset + e.compress_size > size:
+            raise CheckpointingException(
+                f"{what}: archive entry {e.filename!r} claims {e.compress_size} bytes at offset "
+                f"{e.header_offset}, past the end of the file ({size} bytes)")
+        if e.compress_type == zipfile.ZIP_STORED:
+            if e.file_size != e.compress_size:
+                raise CheckpointingException(
+                    f"{what}: stored archive entry {e.filename!r} claims {e.file_size} bytes but holds "
+                    f"{e.compress_size}")
+        else:
+            inflated += e.file_size
+        if e.filename.endswith("data.pkl") and e.file_size * UNPICKLE_EXPANSION > max(budget, UNPICKLE_FLOOR):
+            raise CheckpointingException(
+                f"{what}: its pickle ({e.file_size} bytes) may unpickle to {UNPICKLE_EXPANSION} times "
+                f"that in objects, more than the host memory budget ({budget} bytes); refusing it")
+    if inflated > min(budget, ARCHIVE_INFLATION * size):
+        raise CheckpointingException(
+            f"{what}: compressed archive entries inflate to {inflated} bytes from a {size}-byte file, "
+            f"more than {ARCHIVE_INFLATION} times its size or the host memory budget ({budget} bytes); "
+            f"torch.save never compresses: a zip bomb? Refusing to load it")
+
+
+def _fsynced_torch_save(obj: Any, fd: int) -> Tuple[int, int]:
+    """torch.save into the open file ``fd`` (closed here); returns (size, crc32c) computed while
+    writing."""
     from distckpt.strategies.filesystem import ChecksummingSink, save_to_sink
 
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         sink = ChecksummingSink(fd)
         save_to_sink(obj, sink)
@@ -119,19 +186,27 @@ def _save_whole(obj: Any, location, name: str) -> Tuple[int, int]:
         data = buf.getbuffer()
         location.put(name, data)
         return len(data), crc32c(data)
-    path = Path(location) / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return _fsynced_torch_save(obj, path)
+    # ``name`` may come from a ShardedObject key (of another checkpoint, in a conversion): it is
+    # created beneath ``location`` by the containment rule, never through a symlink out.
+    fd = containment.open_beneath(location, name, location, "object file name",
+                                  flags=os.O_WRONLY | os.O_CREAT | os.O_TRUNC, make_parents=True)
+    return _fsynced_torch_save(obj, fd)
 
 
-def _read_checked(location, name: str, verify: bool, what: str) -> bytes:
+def _read_checked(location, name: str, verify: bool, what: str, checksums: bool = True) -> bytes:
+    """The bytes of ``name``, compared with the manifest: with ``verify`` the file must be listed;
+    by default (``checksums``) it is compared when listed."""
     try:
         data = storage.read_bytes(location, name)
     except FileNotFoundError:
         raise MissingFileError(
             f"{what}: file {storage.join(location, name)} is missing (rank {dist.get_rank()})") from None
-    if verify:
-        check_whole_file(location, name, data)
+    except OSError as e:  # a directory where the file should be, no permission, an I/O error
+        raise CheckpointingException(
+            f"{what}: cannot read {storage.join(location, name)} (rank {dist.get_rank()}): "
+            f"{e.strerror or e}") from None
+    if verify or checksums:
+        check_whole_file(location, name, data, listed=verify)
     return data
 
 
@@ -165,17 +240,26 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
 
 
 class TorchCommonLoadStrategy(LoadCommonStrategy):
-    """Reads ``common.pt`` and ``<unique_key>.pt`` object files, safely unless ``trusted``."""
+    """Reads ``common.pt`` and ``<unique_key>.pt`` object files, safely unless ``trusted``.
 
-    def __init__(self, backend: str = "torch", version: int = 1, trusted: bool = False, verify: bool = False):
+    ``checksums`` (default): each file the integrity manifest lists is compared with it whole;
+    ``verify``: every file must be listed."""
+
+    def __init__(self, backend: str = "torch", version: int = 1, trusted: bool = False, verify: bool = False,
+                 checksums: bool = True):
         super().__init__(backend, version)
         self.trusted = trusted
         self.verify = verify
+        self.checksums = checksums
 
     def load_common(self, checkpoint_dir: Path) -> StateDict:
         location = _location(checkpoint_dir)
-        data = _read_checked(location, COMMON_STATE_FNAME, self.verify, "common state")
-        return safe_torch_load(data, what=storage.join(location, COMMON_STATE_FNAME), trusted=self.trusted)
+        data = _read_checked(location, COMMON_STATE_FNAME, self.verify, "common state", self.checksums)
+        where = storage.join(location, COMMON_STATE_FNAME)
+        state = safe_torch_load(data, what=where, trusted=self.trusted)
+        if not isinstance(state, dict):  # it is merged into the loaded state dict
+            raise CheckpointingException(f"{where}: the common state is a {type(state).__name__}, not a dict")
+        return state
 
     def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict,
                              checkpoint_dir: Path) -> StateDict:
@@ -184,7 +268,7 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
                 return obj
             location, name = _location(checkpoint_dir), f"{obj.unique_key}.pt"
             what = f"ShardedObject {obj.unique_key!r} in {storage.join(location, name)}"
-            data = _read_checked(location, name, self.verify, what)
+            data = _read_checked(location, name, self.verify, what, self.checksums)
             return safe_torch_load(data, what=what, trusted=self.trusted)
 
         return dict_list_map_inplace(load_one, sharded_objects_state_dict)

@@ -21,11 +21,11 @@ most :data:`POOL_SLOTS` of them (those of the default 4 reader threads) are kept
 from __future__ import annotations
 
 import threading
-from typing import Dict, List, Optional, Protocol, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-from .filesystem import byte_view, pread_exact
+from .filesystem import CRC_PIECE, byte_view, pread_exact
 
 SLOT_BYTES = 32 << 20
 SLOTS = 2
@@ -110,11 +110,21 @@ class HostBounce:
             stream.wait_stream(torch.cuda.current_stream(device))
         return stream
 
-    def _read(self, fd: int, offset: int, n: int, device: torch.device, what: str) -> Tuple[_Slot, torch.Tensor]:
-        """The next free slot, its first ``n`` bytes read from the file at ``offset``."""
+    def _read(self, fd: int, offset: int, n: int, device: torch.device, what: str,
+              check: Optional[Callable[[int, memoryview], None]] = None, at: int = 0) -> Tuple[_Slot, torch.Tensor]:
+        """The next free slot, its first ``n`` bytes read from the file at ``offset``; with
+        ``check``, read piece by piece and each piece passed to ``check(at + its position,
+        bytes)`` right after its read, while it is in cache."""
         slot = self._slot(device)
         host = slot.buf[:n]
-        pread_exact(fd, byte_view(host), offset, what)
+        view = byte_view(host)
+        if check is None:
+            pread_exact(fd, view, offset, what)
+            return slot, host
+        for p in range(0, n, CRC_PIECE):
+            piece = view[p:p + CRC_PIECE]
+            pread_exact(fd, piece, offset + p, what)
+            check(at + p, piece)
         return slot, host
 
     @staticmethod
@@ -123,7 +133,10 @@ class HostBounce:
         slot.event = torch.cuda.Event()
         slot.event.record(stream)
 
-    def fill(self, fd: int, offset: int, dst: torch.Tensor, what: str) -> None:
+    def fill(self, fd: int, offset: int, dst: torch.Tensor, what: str,
+             check: Optional[Callable[[int, memoryview], None]] = None) -> None:
+        """Fill ``dst`` with its bytes from the file at ``offset``; ``check(position, bytes)``
+        (optional) sees every piece as it is read, before it is copied to the device."""
         target = dst.detach().reshape(-1).view(torch.uint8)
         total = target.numel()
         on_cuda = dst.device.type == "cuda"
@@ -131,7 +144,7 @@ class HostBounce:
         pos = 0
         while pos < total:
             n = min(self.slot_bytes, total - pos)
-            slot, host = self._read(fd, offset + pos, n, dst.device, what)
+            slot, host = self._read(fd, offset + pos, n, dst.device, what, check, pos)
             if on_cuda:
                 with torch.cuda.stream(stream):
                     target[pos:pos + n].copy_(host, non_blocking=True)

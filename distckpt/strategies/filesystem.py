@@ -118,19 +118,9 @@ class ChecksummingSink:
         view = memoryview(data).cast("B")
         n = len(view)
         crcs: List[int] = []
-        crc = self.crc
-        t0, t1, t2, t3 = blockcrc.shift_tables(block)
-        for start in range(0, n, self.BLOCK):
+        for start in range(0, n, self.BLOCK):  # BLOCK is a multiple of ``block``
             chunk = view[start:start + self.BLOCK]
-            for s in range(0, len(chunk), block):
-                piece = chunk[s:s + block]
-                c = crc32c(piece)
-                crcs.append(c)
-                if len(piece) == block:  # combined: the running CRC shifted over the block (inlined)
-                    crc = t0[crc & 255] ^ t1[(crc >> 8) & 255] ^ t2[(crc >> 16) & 255] ^ t3[crc >> 24] ^ c
-                else:  # the last, shorter block: checksummed again (cheaper than a shift by any length)
-                    crc = crc32c(piece, crc)
-            self.crc = crc
+            self.crc = blockcrc.extend(self.crc, chunk, crcs, block)
             self._emit(chunk)
         self.position += n
         return crcs
@@ -455,6 +445,46 @@ def pread_exact(fd: int, view: memoryview, offset: int, what: str) -> None:
 def pread_into(fd: int, dest: torch.Tensor, offset: int, what: str) -> None:
     """Fill the contiguous CPU tensor ``dest`` with the bytes at ``offset``."""
     pread_exact(fd, byte_view(dest), offset, what)
+
+
+# Reads whose CRC32C is computed as the bytes arrive go in pieces of this size, each checksummed
+# right after its read while it is still in the CPU's cache (a second pass over a large buffer
+# would read it from memory again).
+CRC_PIECE = 256 << 10
+
+
+def pread_crc(fd: int, view: memoryview, offset: int, what: str, crc: int = 0) -> int:
+    """:func:`pread_exact` of ``view``, returning the CRC32C of the bytes read (continuing
+    ``crc``), computed piece by piece as they arrive."""
+    done, total = 0, len(view)
+    while done < total:
+        piece = view[done:done + CRC_PIECE]
+        pread_exact(fd, piece, offset + done, what)
+        crc = crc32c(piece, crc)
+        done += len(piece)
+    return crc
+
+
+def read_framed_crc(fd: int, offset: int, length: int, size: Tuple[int, ...], dest: torch.Tensor,
+                    what: str) -> Optional[int]:
+    """:func:`read_framed_into` with the item's CRC32C computed as its bytes arrive: the CRC32C
+    of the whole item (header, tensor bytes, trailer) when its frame is the expected one, else
+    None (then the caller reads the item the long way, which overwrites ``dest``)."""
+    frame = _expected_frame(dest.dtype, tuple(size), offset % _ALIGN)
+    if frame is None:
+        return None
+    header, trailer, layout = frame
+    if (len(header) + layout.data_length + len(trailer) != length
+            or dest.numel() * dest.element_size() != layout.data_length):
+        return None
+    head = os.pread(fd, len(header), offset)
+    if head != header:
+        return None
+    crc = pread_crc(fd, byte_view(dest), offset + len(header), what, crc32c(head))
+    tail = os.pread(fd, len(trailer), offset + length - len(trailer))
+    if tail != trailer:
+        return None
+    return crc32c(tail, crc)
 
 
 # Linux moves at most 0x7ffff000 bytes per read call; a longer item goes the long way.

@@ -36,7 +36,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from distckpt import storage
+from distckpt import bounds, containment, storage
 from distckpt.core import CheckpointingException
 from distckpt.manifest import crc32c
 
@@ -475,6 +475,7 @@ class IndexReader:
         self.where = storage.join(location, INDEX_FNAME)
         self.keys: Dict[str, Any] = directory["keys"]
         self.metadata_bytes = int(directory.get("metadata_bytes", -1))
+        self._checked: set = set()         # keys whose entries passed _check_entry
         self.data_start = data_start
         self.bytes_read = bytes_read      # everything fetched (the first read may overshoot)
         self.node_bytes_read = 0          # bytes of tree nodes fetched by queries
@@ -505,7 +506,9 @@ class IndexReader:
             directory = json.loads(head)
             if directory.get("format") != FORMAT or int(directory["version"]) > VERSION:
                 raise ValueError(f"unsupported format {directory.get('format')!r} version {directory.get('version')!r}")
-        except (ValueError, KeyError, TypeError) as e:
+            if not isinstance(directory.get("keys"), dict) or type(directory.get("metadata_bytes", -1)) is not int:
+                raise ValueError("'keys' is not an object or 'metadata_bytes' not an integer")
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise CheckpointingException(f"{where}: malformed sidecar index: {e}") from None
         reader = cls(location, directory, _HEADER.size + n, got)
         try:
@@ -517,7 +520,18 @@ class IndexReader:
         return reader
 
     def entry(self, fqn: str) -> Optional[Dict[str, Any]]:
-        return self.keys.get(fqn)
+        """The directory entry of ``fqn`` (None: no such key), its fields checked on first use
+        (the directory's CRC32C says only that it was written so, not that it is sane)."""
+        e = self.keys.get(fqn)
+        if e is not None and fqn not in self._checked:
+            _check_entry(self.where, fqn, e)
+            self._checked.add(fqn)
+        return e
+
+    def check_all(self) -> None:
+        """Check every entry of the directory (what ``distckpt verify`` does)."""
+        for fqn in self.keys:
+            self.entry(fqn)
 
     def query(self, boxes: Dict[str, List[Box]]) -> Dict[str, List[Tuple[Tuple[int, ...], Tuple[int, ...], str, int, int, int]]]:
         """For each key, every stored chunk whose box meets one of ``boxes[key]`` (stored
@@ -528,9 +542,8 @@ class IndexReader:
         out: Dict[str, List[Any]] = {k: [] for k in boxes}
         parsed_names: Dict[bytes, List[str]] = {}
         frontier = []   # (key, ndim, ref, levels below, query lo tuples, query hi tuples)
-        keys = self.keys
         for fqn, bxs in boxes.items():
-            e = keys.get(fqn)
+            e = self.entry(fqn)
             if e is None or not bxs or not e.get("count") or e.get("bytes"):
                 continue
             ndim = len(e["size"])
@@ -550,6 +563,8 @@ class IndexReader:
             nxt = []
             for (fqn, ndim, _, below, qlo_list, qhi_list), raw in zip(frontier, blobs):
                 if below:
+                    if len(raw) % (8 * (3 + 2 * ndim)):
+                        raise self._malformed(fqn, f"an inner node of {len(raw)} bytes")
                     qlo, qhi = _arrays(qlo_list, qhi_list, ndim)
                     table = np.frombuffer(raw, dtype="<i8").reshape(-1, 3 + 2 * ndim)
                     lo, hi = table[:, 3:3 + ndim], table[:, 3 + ndim:]
@@ -558,12 +573,22 @@ class IndexReader:
                         hit |= np.all((lo < b) & (hi > a), axis=1)
                     nxt.extend((fqn, ndim, ref, below - 1, qlo_list, qhi_list) for ref in table[hit, :3].tolist())
                     continue
-                (nn,) = struct.unpack_from("<I", raw)
+                # A node passed its CRC32C, which says only that it was written so: its framing,
+                # names and name references are checked before use.
+                width = 2 * ndim + 4
+                (nn,) = struct.unpack_from("<I", raw) if len(raw) >= 4 else (len(raw),)
+                if 4 + nn > len(raw) or (len(raw) - 4 - nn) % (8 * width):
+                    raise self._malformed(fqn, f"a leaf of {len(raw)} bytes with {nn} bytes of names")
                 names_raw = bytes(raw[4:4 + nn])
                 names = parsed_names.get(names_raw)
                 if names is None:  # leaves mostly name the same few files: parse each list once
-                    names = parsed_names[names_raw] = json.loads(names_raw)
-                width = 2 * ndim + 4
+                    try:
+                        names = json.loads(names_raw)
+                    except (ValueError, RecursionError) as e:
+                        raise self._malformed(fqn, f"a leaf's file names: {e}") from None
+                    if type(names) is not list:
+                        raise self._malformed(fqn, "a leaf's file names are not a list")
+                    parsed_names[names_raw] = names
                 if len(qlo_list) <= _PLAIN_BOXES and len(raw) - 4 - nn <= 8 * width * 16:
                     # A small leaf and a few boxes (a small key, loaded whole or in a few
                     # pieces): plain Python, cheaper than numpy on arrays of a few rows.
@@ -574,6 +599,8 @@ class IndexReader:
                         size = flat[i + ndim:i + 2 * ndim]
                         if _box_meets_any(off, tuple(map(operator.add, off, size)), qlo_list, qhi_list):
                             f, foff, length, crc = flat[i + 2 * ndim:i + width]
+                            if not 0 <= f < len(names):
+                                raise self._malformed(fqn, f"a record names file {f} of {len(names)}")
                             found.append((off, size, names[f], foff, length, crc))
                     continue
                 qlo, qhi = _arrays(qlo_list, qhi_list, ndim)
@@ -582,13 +609,22 @@ class IndexReader:
                 hit = np.zeros(len(rows), dtype=bool)
                 for lo, hi in zip(qlo, qhi):
                     hit |= np.all((off < hi) & (end > lo), axis=1)
-                for r in rows[hit].tolist():
+                picked = rows[hit]
+                if len(picked) and not 0 <= picked[:, 2 * ndim].min() <= picked[:, 2 * ndim].max() < len(names):
+                    raise self._malformed(fqn, f"a record names a file outside the leaf's {len(names)}")
+                for r in picked.tolist():
                     out[fqn].append((tuple(r[:ndim]), tuple(r[ndim:2 * ndim]), names[r[2 * ndim]],
                                      r[2 * ndim + 1], r[2 * ndim + 2], r[2 * ndim + 3]))
             frontier = nxt
         return out
 
+    def _malformed(self, fqn: str, what: str) -> CheckpointingException:
+        return CheckpointingException(f"{self.where}: malformed sidecar index: key {fqn!r}: {what}")
+
     def _fetch(self, refs: List[List[int]]) -> List[memoryview]:
+        if any(r[0] < 0 or r[1] < 0 for r in refs):
+            raise CheckpointingException(f"{self.where}: malformed sidecar index: a node reference {refs[0]!r} "
+                                         f"with a negative offset or length")
         starts = [self.data_start + int(r[0]) for r in refs]
         lengths = [int(r[1]) for r in refs]
         views, fetched = _read_ranges(self.location, starts, lengths, self.where)
@@ -600,6 +636,45 @@ class IndexReader:
                     f"{self.where}: sidecar index node at offset {starts[refs.index(r)]} fails its CRC32C "
                     f"check (corrupted)")
         return views
+
+
+def _check_entry(where: str, fqn: str, e: Any) -> None:
+    """Raise, naming the sidecar, unless directory entry ``e`` of key ``fqn`` has the fields, types
+    and ranges the reader uses (checked as ``.metadata``'s claims are: a directory that passed
+    its CRC32C can still be what a damaged writer or an edit made)."""
+    def bad(what: str, value: Any) -> CheckpointingException:
+        return CheckpointingException(f"{where}: malformed sidecar index: key {fqn!r}: {what} {value!r:.200}")
+
+    if type(e) is not dict:
+        raise bad("entry", e)
+    if e.get("bytes"):
+        item = e.get("item")
+        if item is not None and not (type(item) is list and len(item) == 4 and type(item[0]) is str
+                                     and all(bounds.fits(v) for v in item[1:])):
+            raise bad("item (not [file, offset, length, crc32c])", item)
+        return
+    if type(e.get("dtype")) is not str:
+        raise bad("dtype", e.get("dtype"))
+    size = bounds.shape(e.get("size"), where, f"key {fqn!r}: global shape")
+    if e.get("orig_shape") is not None:
+        bounds.shape(e["orig_shape"], where, f"key {fqn!r}: original shape")
+    count = e.get("count")
+    if not bounds.fits(count):
+        raise bad("count", count)
+    if not count:
+        return
+    depth, root, bbox = e.get("depth"), e.get("root"), e.get("bbox")
+    if not (type(depth) is int and 1 <= depth <= 64):
+        raise bad("depth", depth)
+    if not (type(root) is list and len(root) == 3 and all(bounds.fits(v) for v in root)):
+        raise bad("root (not [offset, length, crc32c])", root)
+    if not (type(bbox) is list and len(bbox) == 2 and all(
+            type(b) is list and len(b) == len(size) and all(type(v) is int for v in b) for b in bbox)):
+        raise bad(f"bbox (not [lo, hi] of {len(size)} integers each)", bbox)
+    # An empty or negative box would let a query find no records and leave the request unread
+    # (the records a sound box leads to are checked one by one as they are read).
+    if not all(0 <= a < b for a, b in zip(bbox[0], bbox[1])):
+        raise bad("bbox (not a box of naturals with lo < hi)", bbox)
 
 
 def _arrays(qlo: List[Tuple[int, ...]], qhi: List[Tuple[int, ...]], ndim: int) -> Tuple[np.ndarray, np.ndarray]:
@@ -629,7 +704,7 @@ def _int64s(nbytes: int) -> struct.Struct:
 def _size(location, name: str) -> int:
     if isinstance(location, storage.Store):
         return location.size(name)
-    return (location / name).stat().st_size
+    return containment.size_beneath(location, name, location)
 
 
 def _read_range(location, start: int, length: int, allow_short: bool = False) -> bytes:
@@ -637,7 +712,7 @@ def _read_range(location, start: int, length: int, allow_short: bool = False) ->
         if allow_short:
             length = max(0, min(length, location.size(INDEX_FNAME) - start))
         return bytes(location.get_ranges(INDEX_FNAME, [start], [length])[0])
-    with open(location / INDEX_FNAME, "rb") as f:
+    with open(containment.open_beneath(location, INDEX_FNAME, location), "rb") as f:
         f.seek(start)
         return f.read(length)
 
@@ -659,7 +734,7 @@ def _read_ranges(location, starts: List[int], lengths: List[int], where: str) ->
         order = sorted(range(len(starts)), key=starts.__getitem__)
         requests, places = storage.coalesce([(starts[k], lengths[k]) for k in order], _GAP, _SPAN)
         out: List[Optional[memoryview]] = [None] * len(starts)
-        with open(location / INDEX_FNAME, "rb") as f:
+        with open(containment.open_beneath(location, INDEX_FNAME, location), "rb") as f:
             spans = []
             for lo, n in requests:
                 f.seek(lo)

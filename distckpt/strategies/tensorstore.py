@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from distckpt import dist
+from distckpt import containment, dist
 from distckpt.core import CheckpointingException
 from distckpt.manifest import crc32c
 
@@ -88,9 +88,12 @@ class TensorStoreIO:
             opened[str(meta.path)] = store
         return store
 
-    def write(self, jobs: Sequence[ChunkWrite]) -> List[Tuple[str, int, int, str]]:
-        """Write whole chunks; returns (relative path, size, crc32c, key) of each chunk file,
-        read back once written (encoded chunks' bytes exist only in the file)."""
+    def write(self, jobs: Sequence[ChunkWrite]) -> List[Tuple[str, int, int, str, bytes]]:
+        """Write whole chunks; returns (relative path, size, crc32c, key, block CRC32Cs) of each
+        chunk file, read back once written (encoded chunks' bytes exist only in the file; only
+        uncompressed ones get block CRC32Cs, parts of the others cannot be read anyway)."""
+        from distckpt.strategies.zarr import chunk_checksums
+
         pending: List[Tuple[ChunkWrite, Any]] = []
         opened: Dict[str, Any] = {}
         for job in jobs:
@@ -108,7 +111,8 @@ class TensorStoreIO:
         records = []
         for job, _ in pending:
             data = job.meta.chunk_path(job.index).read_bytes()
-            records.append((job.meta.chunk_relpath(job.index), len(data), crc32c(data), job.meta.key))
+            crc, blocks = chunk_checksums(data) if job.meta.raw else (crc32c(data), b"")
+            records.append((job.meta.chunk_relpath(job.index), len(data), crc, job.meta.key, blocks))
         return records
 
     def read(self, ops: Sequence[ChunkRead], checksums: Optional[Dict[str, Tuple[int, int]]] = None) -> None:
@@ -117,6 +121,9 @@ class TensorStoreIO:
         for op in {op.meta.chunk_relpath(op.index): op for op in ops}.values():
             path = op.meta.chunk_path(op.index)
             where = f"key {op.meta.key!r}: chunk file {path} (rank {dist.get_rank()})"
+            # tensorstore opens the file itself: the containment rule's checked resolve first.
+            containment.path_beneath(op.meta.path, op.meta.chunk_name(op.index), op.meta.path / "zarr.json",
+                                     "chunk file")
             if not path.exists():
                 raise CheckpointingException(f"{where} is missing")
             expected = None if checksums is None else checksums.get(op.meta.chunk_relpath(op.index))

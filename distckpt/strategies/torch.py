@@ -52,15 +52,19 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from distckpt import bounds, dist, storage, timings
+from distckpt import bounds, containment, dist, storage, timings
 from distckpt.budget import cores_per_rank, host_memory_budget
 from distckpt.core import CheckpointingException, atomic_write_bytes, gc_paused
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
 from distckpt.manifest import (
+    MANIFEST_FNAME,
+    Manifest,
     RangeChecksum,
     build_manifest,
     check_whole_file,
     crc32c,
+    dtype_name,
+    read_declared_keys,
     read_manifest,
     write_manifest,
 )
@@ -71,7 +75,7 @@ from distckpt.mapping import (
     StateDict,
     is_main_replica,
 )
-from distckpt.strategies import blockcrc, device_io
+from distckpt.strategies import blockcrc, device_io, tiling
 from distckpt.strategies.base import (
     AsyncSaveShardedStrategy,
     LoadShardedStrategy,
@@ -81,14 +85,17 @@ from distckpt.strategies.base import (
 from distckpt.strategies.common import safe_torch_load
 from distckpt.strategies.device_io import HostBounce
 from distckpt.strategies.filesystem import (
+    CRC_PIECE,
     ChecksummingSink,
     WriterSink,
+    byte_view,
     contiguous_strides,
     copy_framed_from,
     framed_layout,
     pread_exact,
     pread_into,
     read_archive_layout,
+    read_framed_crc,
     read_framed_into,
     write_bytes_item,
     write_tensor_item,
@@ -169,18 +176,42 @@ def _location(checkpoint_dir):
     return checkpoint_dir if isinstance(checkpoint_dir, storage.Store) else Path(checkpoint_dir)
 
 
+def _surgery_file_size(location, name: str, source) -> Optional[int]:
+    """Size of a data file surgery reads or deletes, None when it is missing; refuses (naming it)
+    what is not a regular file beneath the checkpoint, as a read would."""
+    if isinstance(location, storage.Store):
+        try:
+            return location.size(bounds.relative_name(name, source))
+        except FileNotFoundError:
+            return None
+    try:
+        fd = containment.open_beneath(location, name, source)
+    except FileNotFoundError:
+        return None
+    try:
+        return os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
 def _stored_file_size(checkpoint_dir, relative_path: str, source) -> int:
     """Size of a data file a checkpoint's metadata names, refusing names (and, locally, symlinks)
     that lead outside the checkpoint. Raises FileNotFoundError for a missing file."""
     if isinstance(checkpoint_dir, storage.Store):
         return checkpoint_dir.size(bounds.relative_name(relative_path, source))
-    return bounds.inside(checkpoint_dir, relative_path, source).stat().st_size
+    return containment.size_beneath(checkpoint_dir, relative_path, source)
 
 
 def read_metadata(checkpoint_dir, trusted: bool = False, verify: bool = False) -> Metadata:
     """Read ``.metadata`` with a restricted unpickler (any class if ``trusted``); with ``verify``
     check it against the manifest first."""
     checkpoint_dir = _location(checkpoint_dir)
+    raw = _metadata_bytes(checkpoint_dir, trusted, verify)
+    return _unpickled(raw, storage.join(checkpoint_dir, METADATA_FNAME), trusted)
+
+
+def _metadata_bytes(checkpoint_dir, trusted: bool, verify: bool) -> bytes:
+    """The bytes of ``.metadata``; with ``verify`` checked against the manifest first."""
     path = storage.join(checkpoint_dir, METADATA_FNAME)
     try:
         raw = storage.read_bytes(checkpoint_dir, METADATA_FNAME)
@@ -188,7 +219,14 @@ def read_metadata(checkpoint_dir, trusted: bool = False, verify: bool = False) -
         raise CheckpointingException(
             f"{path}: DCP metadata file is missing; not a torch_dist checkpoint") from None
     if verify:
-        check_whole_file(checkpoint_dir, METADATA_FNAME, raw)
+        try:
+            check_whole_file(checkpoint_dir, METADATA_FNAME, raw)
+        except CheckpointingException as e:
+            raise CheckpointingException(str(e) + _what_differs(raw, checkpoint_dir, trusted)) from None
+    return raw
+
+
+def _unpickled(raw: bytes, path: Any, trusted: bool) -> Metadata:
     try:
         md = pickle.loads(raw) if trusted else _MetadataUnpickler(io.BytesIO(raw)).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError,
@@ -196,6 +234,44 @@ def read_metadata(checkpoint_dir, trusted: bool = False, verify: bool = False) -
         raise CheckpointingException(f"{path}: unreadable checkpoint metadata: {type(e).__name__}: {e}") from None
     if not isinstance(md, Metadata):
         raise CheckpointingException(f"{path}: holds {type(md).__name__}, not DCP Metadata")
+    for name in ("state_dict_metadata", "storage_data"):  # what every reader iterates
+        if not isinstance(getattr(md, name, None), dict):
+            raise CheckpointingException(f"{path}: {name} is {type(getattr(md, name, None)).__name__}, not a dict")
+    return md
+
+
+def _what_differs(raw: bytes, checkpoint_dir, trusted: bool) -> str:
+    """For a ``.metadata`` that fails its manifest checksum: the claims in which it disagrees
+    with the manifest (:func:`cross_check`), as text to add to the error; empty when it cannot
+    be read or its claims agree (the damage is elsewhere in the file)."""
+    path = storage.join(checkpoint_dir, METADATA_FNAME)
+    try:
+        md = _unpickled(raw, path, trusted)
+        check_claims(md, path)
+        manifest = read_manifest(checkpoint_dir)
+    except CheckpointingException:
+        return ""
+    problems = cross_check(md, manifest, path, storage.join(checkpoint_dir, MANIFEST_FNAME)) if manifest else []
+    return "".join(f"; {p}" for p in problems[:3])
+
+
+def checked_metadata(checkpoint_dir, trusted: bool = False) -> Metadata:
+    """``.metadata`` for a tool that writes a new checkpoint from it (``remove_sharded_tensors``,
+    ``distckpt rename``): its claims checked as a load checks them (:func:`_index`) and, where
+    the checkpoint has an integrity manifest, the file against its CRC32C and every claim
+    against what the manifest says the writer wrote (:func:`cross_check`). Such a tool writes a
+    fresh manifest describing what it wrote: damage it carried over would be laundered into a
+    checkpoint that verifies, so it is refused here, naming the files, before anything changes."""
+    checkpoint_dir = _location(checkpoint_dir)
+    md = read_metadata(checkpoint_dir, trusted, verify=True)
+    _index(md, storage.join(checkpoint_dir, METADATA_FNAME))
+    TorchDistLoadShardedStrategy._cross_check(md, checkpoint_dir)
+    if isinstance(checkpoint_dir, Path):
+        # The files such a tool replaces: what is there must be a file (or a link) to replace.
+        for name in (INDEX_FNAME, MANIFEST_FNAME):
+            path = checkpoint_dir / name
+            if os.path.lexists(path) and not (path.is_symlink() or path.is_file()):
+                raise CheckpointingException(f"{path}: not a regular file; refusing to replace it (nothing was changed)")
     return md
 
 
@@ -257,6 +333,8 @@ def _set_at_path(root: Dict[Any, Any], path: Tuple[Any, ...], value: Any) -> Non
 
 def _orig_shapes(md: Metadata) -> Dict[str, Shape]:
     mcore = getattr(md, "mcore_data", None) or {}
+    if not isinstance(mcore, dict):
+        return {}
     return {k: tuple(v[_ORIG_SHAPE]) for k, v in mcore.items() if isinstance(v, dict) and _ORIG_SHAPE in v}
 
 
@@ -954,6 +1032,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             else:
                 atomic_write_bytes(checkpoint_dir / METADATA_FNAME, md_bytes)
             ranges = records.ranges()
+            keys, boxes = records.layout()
             sizes = {name: size for _, sz in per_rank for name, size in sz.items()}
             ranges.extend((name, 0, sizes[name], crc, name) for name, crc in tables.items())
             ranges.append((METADATA_FNAME, 0, len(md_bytes), crc32c(md_bytes), METADATA_FNAME))
@@ -961,7 +1040,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             if index_bytes is not None:
                 ranges.append((INDEX_FNAME, 0, len(index_bytes), crc32c(index_bytes), INDEX_FNAME))
                 sizes[INDEX_FNAME] = len(index_bytes)
-            manifest = build_manifest(save_id, "torch_dist", ranges, sizes)
+            boxes += [None] * (len(ranges) - len(boxes))
+            manifest = build_manifest(save_id, "torch_dist", ranges, sizes, keys, boxes)
             for name, (size, crc) in (whole_files or {}).items():
                 manifest.set_whole(name, size, crc)
             write_manifest(checkpoint_dir, manifest)
@@ -1108,6 +1188,20 @@ class GatheredRecords:
         """``(file, offset, length, crc32c, key)`` of every record (what the manifest takes)."""
         fqns, files = self.fqns, self.files
         return [(files[f], off, length, crc, fqns[k]) for k, f, off, length, crc in self.rows[:, :5].tolist()]
+
+    def layout(self) -> Tuple[Dict[str, Tuple[Any, ...]], List[Optional[Tuple[Shape, Shape]]]]:
+        """What the manifest records of the writer's intent besides checksums: each tensor key's
+        (dtype name, stored shape[, original shape of a flattened key]), and the (chunk offset,
+        chunk size) of every record, aligned with :meth:`ranges` (None for byte items)."""
+        keys = {fqn: (dtype_name(d[1]), tuple(d[2])) + (() if d[3] is None else (tuple(d[3]),))
+                for fqn, d in self.decls.items() if not d[0] and d[1] is not None}
+        ndim, fqns = self.ndim, self.fqns
+        boxes: List[Optional[Tuple[Shape, Shape]]] = []
+        for row in self.rows.tolist():
+            decl = keys.get(fqns[row[0]])
+            n = len(decl[1]) if decl is not None else 0
+            boxes.append(None if decl is None else (tuple(row[5:5 + n]), tuple(row[5 + ndim:5 + ndim + n])))
+        return keys, boxes
 
 
 def sidecar_index(records: GatheredRecords, metadata_bytes: int, template: bool = False) -> Any:
@@ -1347,6 +1441,7 @@ class _StoredKey:
     chunks: List[_Stored]
     orig_shape: Optional[Shape] = None   # set for flattened (N-D reformulated) keys
     flat_index: Dict[Shape, List[_Stored]] = field(default_factory=dict)
+    source: str = ""                     # the file that describes it (.metadata or the sidecar)
 
     @property
     def logical_shape(self) -> Shape:
@@ -1387,11 +1482,13 @@ class CopyOp:
 
 
 class _Plan:
-    """Copy operations grouped by stored chunk, plus finalizers that run once all are read."""
+    """Copy operations grouped by stored chunk, plus finalizers that run once all are read, and
+    each key read as the metadata describes it (its items' own headers must agree on the dtype)."""
 
     def __init__(self) -> None:
         self.ops: Dict[_Stored, List[CopyOp]] = defaultdict(list)
         self.finalizers: List[Callable[[], None]] = []
+        self.keys: Dict[str, _StoredKey] = {}
 
     def add(self, stored: _Stored, op: CopyOp) -> None:
         self.ops[stored].append(op)
@@ -1400,24 +1497,39 @@ class _Plan:
 def _plan_flat_slices(plan: _Plan, key: str, stored: _StoredKey, idx: Shape, f_lo: int, f_hi: int,
                       target: torch.Tensor, origin: int) -> None:
     """Copy elements ``[f_lo, f_hi)`` of flattened chunk ``idx`` from the stored slices that hold
-    them into the 1-D ``target``, whose element 0 is flat element ``origin``."""
+    them into the 1-D ``target``, whose element 0 is flat element ``origin``. The slices (sorted
+    by start) must hold each of those elements exactly once: a gap would load as whatever the
+    target held, an overlap is damaged metadata."""
     covered = 0
+    end = f_lo
     for ch in stored.flat_index.get(idx, []):
         s = ch.offset[-1]
         a, b = max(s, f_lo), min(s + ch.size[-1], f_hi)
         if b > a:
+            if a < end:
+                raise CheckpointingException(
+                    f"{stored.source}: key {key!r}: stored flattened ranges of chunk {list(idx)} overlap at "
+                    f"elements [{a}, {min(b, end)}) (the metadata is damaged)")
             covered += b - a
+            end = b
             plan.add(ch, CopyOp(key, a - s, (b - a,), (1,), target[a - origin:b - origin]))
     if covered != f_hi - f_lo:
         raise CheckpointingException(
-            f"ShardedTensor {key!r}: stored flattened ranges of chunk {list(idx)} do not cover "
-            f"elements [{f_lo}, {f_hi}) needed for this load")
+            f"{stored.source}: key {key!r}: stored flattened ranges of chunk {list(idx)} hold {covered} of "
+            f"elements [{f_lo}, {f_hi}) needed for this load (the rest is missing: damaged metadata)")
 
 
 def check_claims(md: Metadata, source: Path) -> None:
     """Check every claim of ``.metadata`` before anything uses it: file names stay inside the
     checkpoint, offsets and lengths are naturals, shapes bounded, chunk boxes inside their
-    tensor (``source`` names the file in the error)."""
+    tensor, dtypes real (``source`` names the file in the error)."""
+    try:
+        _check_claims(md, source)
+    except AttributeError as e:   # an object unpickled without the fields its class has
+        raise CheckpointingException(f"{source}: malformed checkpoint metadata: {e}") from None
+
+
+def _check_claims(md: Metadata, source: Path) -> None:
     for index, info in md.storage_data.items():
         what = f"storage record of {getattr(index, 'fqn', '?')!r}"
         if index.offset is not None:
@@ -1425,16 +1537,130 @@ def check_claims(md: Metadata, source: Path) -> None:
         bounds.relative_name(info.relative_path, source, f"{what}: file name")
         bounds.natural(info.offset, source, f"{what}: offset")
         bounds.natural(info.length, source, f"{what}: length")
-    for fqn, shape in _orig_shapes(md).items():
-        bounds.shape(shape, source, f"key {fqn!r}: original shape")
+    mcore = getattr(md, "mcore_data", None) or {}
+    if not isinstance(mcore, dict):
+        raise CheckpointingException(f"{source}: mcore_data is {type(mcore).__name__}, not a dict")
     for fqn, meta in md.state_dict_metadata.items():
+        check_key_name(fqn, source)
         if not isinstance(meta, TensorStorageMetadata):
             continue
+        if not isinstance(meta.properties.dtype, torch.dtype):
+            raise CheckpointingException(f"{source}: key {fqn!r}: dtype {meta.properties.dtype!r:.100} is not a dtype")
         size = bounds.shape(meta.size, source, f"key {fqn!r}: global shape")
+        entry = mcore.get(fqn)
+        if isinstance(entry, dict) and _ORIG_SHAPE in entry:
+            check_reformulated(fqn, size, entry[_ORIG_SHAPE], source)
         for c in meta.chunks:
             offsets = bounds.shape(c.offsets, source, f"key {fqn!r}: chunk offset")
             sizes = bounds.shape(c.sizes, source, f"key {fqn!r}: chunk size")
             bounds.box_inside(offsets, sizes, size, source, f"key {fqn!r}: chunk")
+
+
+def check_key_name(fqn: Any, source: Any) -> str:
+    """A key ``.metadata`` or the sidecar declares: a string with something besides dots (a
+    key of only dots, such as ``'.'``, names no value any state dict holds)."""
+    if not isinstance(fqn, str) or not fqn.strip("."):
+        raise CheckpointingException(f"{source}: key {fqn!r} is not a key name")
+    return fqn
+
+
+def check_reformulated(fqn: str, size: Shape, orig: Any, source: Any) -> Shape:
+    """The original shape ``orig`` of flattened key ``fqn``, checked against its stored N-D
+    reformulated shape ``size`` (``grid + (elements per chunk,)``): one grid axis per original
+    axis, each cut into at most one chunk per element. A finer grid has chunks of no elements,
+    which every box computation would divide by."""
+    orig = bounds.shape(orig, source, f"key {fqn!r}: original shape")
+    if len(size) != len(orig) + 1 or any(not 1 <= g <= max(o, 1) for g, o in zip(size, orig)):
+        raise CheckpointingException(
+            f"{source}: key {fqn!r}: stored shape {list(size)} is not an N-D reformulation of its "
+            f"original shape {list(orig)} (a grid of 1 to n chunks along each axis of n elements, then "
+            f"the elements of one chunk)")
+    return orig
+
+
+def check_declared(fqn: str, dtype: torch.dtype, size: Shape, orig: Optional[Shape], declared: Dict[str, Tuple],
+                   source: Any, manifest_source: Any) -> None:
+    """A tensor key a default load reads or returns, as ``source`` (``.metadata`` or the sidecar)
+    declares it, against the integrity manifest's ``keys`` (``declared``, what the writer
+    declared): the same name, dtype, stored shape and (``orig``, a flattened key's) original
+    shape, else an error naming both files. A lie there (kept consistent with the checksums by
+    a buggy writer or an edit) would return values under another name, converted to another
+    dtype, or shaped into another tensor."""
+    entry = declared.get(fqn)
+    if entry is None:
+        raise CheckpointingException(
+            f"{source}: declares tensor key {fqn!r}, which {manifest_source} says the writer never wrote "
+            f"(the metadata is damaged)")
+    if entry[0] != dtype_name(dtype) or entry[1] != size or (entry[2] if len(entry) > 2 else None) != orig:
+        def shapes(stored, original):
+            return f"shape {list(stored)}" + ("" if original is None else f" (flattened, of original shape {list(original)})")
+        raise CheckpointingException(
+            f"{source}: key {fqn!r} is {dtype_name(dtype)} of {shapes(size, orig)}, {manifest_source} says the "
+            f"writer wrote {entry[0]} of {shapes(entry[1], entry[2] if len(entry) > 2 else None)}")
+
+
+def _check_all_declared(md: Metadata, declared: Dict[str, Tuple], source: Any,
+                        manifest_source: Any) -> None:
+    """Every tensor key of ``md`` against the manifest (:func:`check_declared`), and no key the
+    manifest declares missing from ``md``'s tensors: a query returns every key, so a key renamed
+    or turned into a byte item must not just drop out of it."""
+    tensors = 0
+    orig = _orig_shapes(md)
+    for fqn, meta in md.state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata):
+            check_declared(fqn, meta.properties.dtype, tuple(meta.size), orig.get(fqn), declared, source,
+                           manifest_source)
+            tensors += 1
+    if tensors != len(declared):
+        missing = sorted(k for k in declared if not isinstance(md.state_dict_metadata.get(k), TensorStorageMetadata))
+        raise CheckpointingException(
+            f"{source}: does not declare tensor key(s) {missing[:3]}{' ...' if len(missing) > 3 else ''} that "
+            f"{manifest_source} says the writer wrote (the metadata is damaged)")
+
+
+def cross_check(md: Metadata, manifest: Any, source: str, manifest_source: str) -> List[str]:
+    """Where ``.metadata``'s claims disagree with what the integrity manifest says the writer
+    wrote (one line per problem, naming both files; empty when they agree): every storage record
+    must be a range the manifest lists, of the same length and key, holding the same chunk (when
+    the manifest records chunks), and every tensor key's dtype and global shape (and a flattened
+    key's original shape) must be the ones the manifest records (when it records them,
+    :func:`check_declared`). Run by ``verify=True`` loads and ``distckpt verify``; call
+    :func:`check_claims` first."""
+    problems: List[str] = []
+    ranges = manifest.range_index()
+    chunk_sizes: Dict[Tuple[str, Shape], Shape] = {}
+    orig = _orig_shapes(md)
+    for fqn, meta in md.state_dict_metadata.items():
+        if not isinstance(meta, TensorStorageMetadata):
+            continue
+        for c in meta.chunks:
+            chunk_sizes[(fqn, tuple(c.offsets))] = tuple(c.sizes)
+        if fqn not in manifest.keys:
+            continue
+        try:
+            check_declared(fqn, meta.properties.dtype, tuple(meta.size), orig.get(fqn), manifest.keys, source,
+                           manifest_source)
+        except CheckpointingException as e:
+            problems.append(str(e))
+    for index, info in md.storage_data.items():
+        where = f"{source}: key {index.fqn!r}" + (f" chunk at {list(index.offset)}" if index.offset is not None else "")
+        r = ranges.get((info.relative_path, info.offset))
+        if r is None:
+            problems.append(f"{where}: record of {info.length} bytes at offset {info.offset} of "
+                            f"{info.relative_path}: {manifest_source} lists no range there")
+            continue
+        if r.length != info.length or r.key != index.fqn:
+            problems.append(f"{where}: record of {info.length} bytes at offset {info.offset} of "
+                            f"{info.relative_path}: {manifest_source} says the writer wrote {r.length} bytes of "
+                            f"key {r.key!r} there")
+            continue
+        if r.chunk is not None and index.offset is not None:
+            box = (tuple(index.offset), chunk_sizes.get((index.fqn, tuple(index.offset))))
+            if box != (tuple(r.chunk[0]), tuple(r.chunk[1])):
+                problems.append(f"{where}: record at offset {info.offset} of {info.relative_path} holds chunk "
+                                f"{list(box[0])} of size {list(box[1] or [])}, {manifest_source} says the writer "
+                                f"wrote chunk {list(r.chunk[0])} of size {list(r.chunk[1])} there")
+    return problems
 
 
 def _index(md: Metadata, source: Path) -> Dict[str, Any]:
@@ -1446,6 +1672,8 @@ def _index(md: Metadata, source: Path) -> Dict[str, Any]:
     for index, info in md.storage_data.items():
         st = _Stored(tuple(index.offset) if index.offset is not None else (),
                      (), info.relative_path, info.offset, info.length)
+        if index.fqn not in md.state_dict_metadata:
+            raise CheckpointingException(f"{source}: storage record of {index.fqn!r}, a key it does not declare")
         if isinstance(md.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
             objects[index.fqn] = st
         else:
@@ -1469,19 +1697,41 @@ def _index(md: Metadata, source: Path) -> Dict[str, Any]:
                     f"{source}: key {fqn!r}: chunk at {list(st.offset)} of {list(sizes)} elements needs "
                     f"{math.prod(sizes) * itemsize} bytes, its record holds {st.length}")
             chunks.append(_Stored(st.offset, sizes, st.relative_path, st.file_offset, st.length))
-        out[fqn] = _stored_key(fqn, meta.properties.dtype, tuple(meta.size), chunks, orig.get(fqn))
+        if len(by_offset) != len(chunks) or len(per_key.get(fqn, ())) != len(chunks):
+            raise CheckpointingException(
+                f"{source}: key {fqn!r}: {len(per_key.get(fqn, ()))} storage records for its {len(chunks)} "
+                f"chunks (records at offsets that are none of its chunks, or several at one)")
+        out[fqn] = _stored_key(fqn, meta.properties.dtype, tuple(meta.size), chunks, orig.get(fqn), source)
     return out
 
 
 def _stored_key(fqn: str, dtype: torch.dtype, size: Shape, chunks: List[_Stored],
-                orig_shape: Optional[Shape]) -> _StoredKey:
-    key = _StoredKey(fqn, dtype, size, chunks, orig_shape)
+                orig_shape: Optional[Shape], source: Any) -> _StoredKey:
+    key = _StoredKey(fqn, dtype, size, chunks, orig_shape, source=str(source))
     if key.orig_shape is not None:
         for c in chunks:
             key.flat_index.setdefault(c.offset[:-1], []).append(c)
         for lst in key.flat_index.values():
             lst.sort(key=lambda c: c.offset[-1])
     return key
+
+
+def _check_covered(stored: _StoredKey, off: Shape, size: Shape, met: List[Tuple[Shape, Shape]]) -> None:
+    """The stored chunks a requested piece meets (their boxes clipped to it: ``met``) must hold
+    every element of its part inside the stored tensor exactly once (outside it, a load with
+    ``allow_shape_mismatch`` zero-fills). Else the chunk boxes the metadata claims are damaged:
+    what no chunk holds would load as whatever the destination held (uninitialized memory for
+    tensors the load allocates), so it is refused, naming the key, the file and the region."""
+    region = _intersect(off, size, (0,) * len(size), stored.size)
+    if region is None:
+        if not met:
+            return
+        region = (off, (0,) * len(size))
+    problem = tiling.region_problem(region[0], region[1], met)
+    if problem:
+        raise CheckpointingException(
+            f"{stored.source}: key {stored.fqn!r}: the stored chunks do not hold the requested region at "
+            f"{list(region[0])} of size {list(region[1])} exactly once: {problem} (the metadata is damaged)")
 
 
 def _request_box(sh: ShardedTensor, size: Shape, orig_shape: Optional[Shape]) -> Tuple[Shape, Shape]:
@@ -1531,8 +1781,15 @@ def _index_from_sidecar(reader: IndexReader, sharded_state_dict: ShardedStateDic
         if isinstance(sh, ShardedTensor):
             e = reader.entry(sh.key)
             if e is not None and not e.get("bytes"):
-                orig = e.get("orig_shape")
-                boxes[sh.key].append(_request_box(sh, tuple(e["size"]), tuple(orig) if orig else None))
+                size, orig = tuple(e["size"]), e.get("orig_shape")
+                if orig:
+                    orig = check_reformulated(sh.key, size, orig, reader.where)
+                box = _request_box(sh, size, orig or None)
+                if len(box[0]) != len(size):
+                    raise CheckpointingException(
+                        f"{reader.where}: key {sh.key!r} is stored in {len(size)} axes ({list(size)}"
+                        f"{', flattened' if orig else ''}), the request {list(sh.global_shape)} needs {len(box[0])}")
+                boxes[sh.key].append(box)
         elif isinstance(sh, ShardedObject):
             objects.append(sh.unique_key)
     found = reader.query(boxes)
@@ -1549,7 +1806,7 @@ def _index_from_sidecar(reader: IndexReader, sharded_state_dict: ShardedStateDic
         size = bounds.plain_shape(e["size"])
         if size is None:
             size = bounds.shape(e["size"], reader.where, f"key {fqn!r}: global shape")
-        out[fqn] = _stored_key(fqn, dtype, size, chunks, tuple(orig) if orig else None)
+        out[fqn] = _stored_key(fqn, dtype, size, chunks, tuple(orig) if orig else None, reader.where)
         if checksums is not None:
             for _o, _s, path, foff, length, crc in rows:
                 checksums[(path, foff)] = RangeChecksum(foff, length, crc, fqn)
@@ -1570,15 +1827,47 @@ def _index_from_sidecar(reader: IndexReader, sharded_state_dict: ShardedStateDic
     return out
 
 
-def _check_item(raw: bytes, st: _Stored, checksums: Optional[Dict], what: str) -> None:
-    """Compare an item's bytes with the manifest (``checksums`` is None without a manifest)."""
-    if checksums is None:
-        return
+class _DefaultChecks(dict):
+    """The manifest's checksums by (file, offset) for a default load (not ``verify=True``): an
+    item of a file the manifest lists no range of at all is read unchecked, as a checkpoint with
+    no manifest is (e.g. one whose data files a foreign DCP ``StorageWriter`` wrote); an item
+    missing from a file the manifest does list is an error, as under ``verify=True``."""
+
+    def __init__(self, ranges: Dict):
+        super().__init__(ranges)
+        self.listed = {name for name, _offset in ranges}
+
+
+def _expected(st: _Stored, checksums: Dict, key: Optional[str], what: str) -> Optional[RangeChecksum]:
+    """The manifest's checksum of item ``st``, after the cross-check every checked read does: the
+    manifest lists a range at that offset, of the record's length, holding ``key`` (when given).
+    So storage records swapped in ``.metadata`` are an error, not the other key's values. None:
+    the item is not to be checked (see :class:`_DefaultChecks`)."""
     expected = checksums.get((st.relative_path, st.file_offset))
     if expected is None:
+        if isinstance(checksums, _DefaultChecks) and st.relative_path not in checksums.listed:
+            return None
         raise CheckpointingException(f"{what}: no checksum for this item in the manifest; cannot verify it")
-    if expected.length != st.length or crc32c(raw) != expected.crc32c:
+    if (expected.length != st.length or (key is not None and expected.key != key)
+            or (key is not None and expected.chunk is not None and expected.chunk != (st.offset, st.size))):
+        chunk = f" chunk {list(expected.chunk[0])} of size {list(expected.chunk[1])}" if expected.chunk else ""
+        raise CheckpointingException(
+            f"{what}: {METADATA_FNAME} records {st.length} bytes of key {key!r} chunk {list(st.offset)} of size "
+            f"{list(st.size)} there, {MANIFEST_FNAME} says the writer wrote {expected.length} bytes of key "
+            f"{expected.key!r}{chunk}: the metadata or the manifest is damaged")
+    return expected
+
+
+def _compare(crc: int, expected: RangeChecksum, what: str) -> None:
+    if crc != expected.crc32c:
         raise CheckpointingException(f"{what}: CRC32C mismatch against the manifest (corrupted data)")
+
+
+def _check_item(raw: bytes, st: _Stored, checksums: Optional[Dict], what: str, key: Optional[str] = None) -> None:
+    """Compare an item's bytes with the manifest (``checksums`` is None without a manifest)."""
+    expected = None if checksums is None else _expected(st, checksums, key, what)
+    if expected is not None:
+        _compare(crc32c(raw), expected, what)
 
 
 def _copy_boxes(src: torch.Tensor, first: int, ops: List[CopyOp]) -> None:
@@ -1620,8 +1909,17 @@ def _whole_into_cpu(st: _Stored, ops: List[CopyOp]) -> bool:
 
 def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[CopyOp],
                 checksums: Optional[Dict], rank: int, verify: bool, raw: Optional[Union[bytes, memoryview]] = None,
-                bounce: Optional[HostBounce] = None) -> int:
+                bounce: Optional[HostBounce] = None, blocks: Optional[BlockReader] = None,
+                claimed: Optional[_StoredKey] = None) -> int:
     """Serve every copy of one stored item; returns the bytes taken from storage.
+
+    ``claimed``: the key as the metadata describes it. An item whose own header says another dtype
+    (a frame that matches the destination's dtype proves it agrees) is refused: the metadata is
+    damaged, and a load that allocates from its claims would get converted values.
+
+    With ``checksums`` (the manifest's, by (file, offset)) every byte copied is checked: a
+    whole item in the saved layout as it is read into place, other copies through ``blocks``
+    (the item's block CRCs) block by block, an item without block CRCs read whole first.
 
     A box that is a plain element range lands in a contiguous destination of the same dtype
     with one ``preadv`` (a CUDA destination: through ``bounce``'s pinned slots, its copies
@@ -1633,24 +1931,42 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[CopyOp],
     (:func:`copy_framed_from`).
     """
     numel = math.prod(st.size)
+    what = f"key {ops[0].key!r} in {path} at offset {st.file_offset} (rank {rank})"
+    checked = False
+    if checksums is not None and not verify:
+        # The default checks: every byte copied is checked against a CRC32C as it is read.
+        if raw is not None:
+            _check_item(raw, st, checksums, what, ops[0].key)  # a small item, in memory already
+            checked = True
+        elif _expected(st, checksums, ops[0].key, what) is None:
+            checksums = None  # a file the manifest says nothing of: read as without one
+        else:
+            expected = _expected(st, checksums, ops[0].key, what)
+            if _whole_into_cpu(st, ops):
+                crc = read_framed_crc(fd, st.file_offset, st.length, tuple(st.size), ops[0].dst, what)
+                if crc is not None:
+                    _compare(crc, expected, what)
+                    return st.length
+            if blocks is not None:
+                return blocks.copy(ops, bounce)
     if not verify and _whole_into_cpu(st, ops):
         # In the saved layout: the tensor bytes straight into place, the frame compared, not parsed
-        # (from the file in one call, or out of the span already read; nothing to check them
-        # against without ``verify``).
-        if raw is None and read_framed_into(fd, st.file_offset, st.length, tuple(st.size), ops[0].dst):
+        # (from the file in one call, or out of the span already read and checked).
+        if raw is None and checksums is None and read_framed_into(
+                fd, st.file_offset, st.length, tuple(st.size), ops[0].dst):
             return st.length
-        if raw is not None and checksums is None and copy_framed_from(
+        if raw is not None and (checked or checksums is None) and copy_framed_from(
                 memoryview(raw), st.file_offset, tuple(st.size), ops[0].dst):
             return st.length
     if isinstance(raw, memoryview):
         raw = bytearray(raw)
-    what = f"key {ops[0].key!r} in {path} at offset {st.file_offset} (rank {rank})"
-    if raw is not None or verify:
+    if raw is not None or verify or checksums is not None:
         if raw is None:
             raw = os.pread(fd, st.length, st.file_offset)
         if len(raw) != st.length:
             raise CheckpointingException(f"{what}: file is truncated ({len(raw)} of {st.length} bytes)")
-        _check_item(raw, st, checksums, what)
+        if not checked:
+            _check_item(raw, st, checksums, what, ops[0].key)
 
         def read(offset: int, n: int) -> bytes:
             return raw[offset:offset + n]
@@ -1671,8 +1987,10 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[CopyOp],
         tensor = safe_torch_load(whole, what=what)
         if not isinstance(tensor, torch.Tensor) or tensor.numel() != numel:
             raise CheckpointingException(f"{what}: stored item is not a tensor of the recorded size")
+        _check_claimed_dtype(tensor.dtype, claimed, what)
         _copy_boxes(tensor.reshape(-1).contiguous(), 0, ops)
         return st.length
+    _check_claimed_dtype(layout.dtype, claimed, what)
     itemsize = layout.dtype.itemsize
     base = layout.data_offset + layout.storage_offset * itemsize
     if base + numel * itemsize > layout.data_offset + layout.data_length:
@@ -1709,6 +2027,13 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[CopyOp],
         copy_from_mapping(fd, st.file_offset + base + first * itemsize, last - first, layout.dtype,
                           strided, first, what)
     return nbytes
+
+
+def _check_claimed_dtype(actual: torch.dtype, claimed: Optional[_StoredKey], what: str) -> None:
+    if claimed is not None and actual != claimed.dtype:
+        raise CheckpointingException(
+            f"{what}: the item holds {dtype_name(actual)} values, {claimed.source} says the key is "
+            f"{dtype_name(claimed.dtype)} (the metadata is damaged)")
 
 
 # An item is read in part only if its copies need less than this share of its elements ...
@@ -1812,6 +2137,163 @@ def _partial_read(st: _Stored, ops: List[CopyOp], table: blockcrc.Table, checksu
     return _PartialRead(st, e, block, runs, where)
 
 
+# A checked read of part of an item from a local file takes the blocks its copies need at most
+# this many bytes at a time into a scratch buffer, checks each block while it is in cache, then
+# copies the window's elements out.
+_WINDOW_BYTES = 512 << 10
+
+
+def _local_block_table(checkpoint_dir: Path, name: str, checksums: Dict) -> Tuple[Optional[blockcrc.Table], bool]:
+    """The block table of local data file ``name`` (None: it has none, or an unusable one) and
+    whether the manifest vouches for it (its bytes match the manifest's checksum of the table
+    file: then its entries need not be summed up against their items' CRC32Cs)."""
+    table = blockcrc.table_name(name)
+    path = bounds.inside(checkpoint_dir, table, checkpoint_dir / METADATA_FNAME)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None, False
+    listed = checksums.get((table, 0))
+    vouched = listed is not None and listed.length == len(raw) and listed.crc32c == crc32c(raw)
+    try:
+        return blockcrc.decode(raw, str(path)), vouched
+    except CheckpointingException as e:
+        logger.warning("%s; the items of %s are read whole", e, name)
+        return None, False
+
+
+def _table_entry(st: _Stored, table: blockcrc.Table, expected: RangeChecksum, vouched: bool,
+                 where: str) -> Optional[blockcrc.Entry]:
+    """The block table's entry for item ``st`` when it describes the item the manifest checksums
+    (else None: the item is read whole and checked against its own CRC32C)."""
+    e = table.entries.get(st.file_offset)
+    if e is None:
+        return None
+    if e.payload_length != math.prod(st.size) * e.dtype.itemsize:
+        logger.info("%s: the block table entry of the item at offset %d does not match it; reading it whole",
+                    where, st.file_offset)
+        return None
+    if vouched:
+        stale = e.item_length != expected.length or e.item_crc != expected.crc32c
+        problem = "stale: it describes another item" if stale else None
+    else:
+        problem = e.problem(table.block, expected.length, expected.crc32c)
+    if problem is not None:
+        logger.warning("%s: block table entry of the item at offset %d: %s; reading it whole",
+                       where, st.file_offset, problem)
+        return None
+    return e
+
+
+class BlockReader:
+    """Checked reads of one item's tensor bytes from a local file: every block (of the item's
+    block table entry) that a copy takes bytes from is read and its CRC32C compared before any
+    of its bytes is copied, as an object-store load checks a partial read, without reading the
+    rest of the item. A box that is one element range lands in place (its whole blocks read
+    straight into the destination, through the pinned slots for a CUDA one); other boxes are cut
+    out of the checked blocks a window at a time. Also the zarr backend's reader of part of a
+    chunk file (its block CRC32Cs from the manifest).
+
+    Args:
+        base: file offset of the tensor's byte 0.
+        table: where the block CRC32Cs come from, for errors (the block table's name).
+    """
+
+    def __init__(self, fd: int, base: int, entry: blockcrc.Entry, block: int, what: str, table: str):
+        self.fd, self.entry, self.block, self.what = fd, entry, block, what
+        self.table = table
+        self.base = base
+        self.scratch: Optional[torch.Tensor] = None
+
+    def _check(self, first: int, view: memoryview) -> None:
+        """Compare blocks ``first, first + 1, ...`` (their bytes in ``view``) with the table."""
+        block, blocks = self.block, self.entry.blocks
+        for p in range(0, len(view), block):
+            i = first + p // block
+            piece = view[p:p + block]
+            if crc32c(piece) != blocks[i]:
+                start = self.entry.payload_offset + i * block
+                raise CheckpointingException(
+                    f"{self.what}: CRC32C mismatch in block {i} (bytes [{start}, {start + len(piece)}) of the "
+                    f"item) against {self.table}: the data is corrupted")
+
+    def _blocks(self, a: int, b: int) -> torch.Tensor:
+        """Blocks ``[a, b)`` read into the scratch buffer and checked: a uint8 tensor of their bytes."""
+        lo, hi = a * self.block, min(b * self.block, self.entry.payload_length)
+        if self.scratch is None or self.scratch.numel() < hi - lo:
+            self.scratch = torch.empty(max(hi - lo, _WINDOW_BYTES + 2 * self.block), dtype=torch.uint8)
+        out = self.scratch[:hi - lo]
+        view = byte_view(out)
+        for p in range(0, hi - lo, CRC_PIECE):
+            piece = view[p:p + CRC_PIECE]
+            pread_exact(self.fd, piece, self.base + lo + p, self.what)
+            self._check(a + p // self.block, piece)
+        return out
+
+    def _range(self, lo: int, hi: int, dst: torch.Tensor, bounce: Optional[HostBounce]) -> None:
+        """Tensor bytes ``[lo, hi)`` into the contiguous 1-D ``dst`` of the item's dtype."""
+        block, size, isz = self.block, self.entry.payload_length, self.entry.dtype.itemsize
+        first = -(-lo // block)                                   # whole blocks inside [lo, hi)
+        last = hi // block if hi < size else len(self.entry.blocks)
+        if first >= last:
+            a = lo // block
+            dst.copy_(self._blocks(a, -(-hi // block))[lo - a * block:hi - a * block].view(self.entry.dtype))
+            return
+        if lo < first * block:
+            a = first - 1
+            dst[:(first * block - lo) // isz].copy_(self._blocks(a, first)[lo - a * block:].view(self.entry.dtype))
+        end = min(last * block, size)
+        if hi > end:
+            dst[(end - lo) // isz:].copy_(self._blocks(last, last + 1)[:hi - end].view(self.entry.dtype))
+        middle = dst[(first * block - lo) // isz:(end - lo) // isz]
+        if middle.device.type == "cpu":
+            view = byte_view(middle)
+            for p in range(0, len(view), CRC_PIECE):
+                piece = view[p:p + CRC_PIECE]
+                pread_exact(self.fd, piece, self.base + first * block + p, self.what)
+                self._check(first + p // block, piece)
+        else:
+            bounce.fill(self.fd, self.base + first * block, middle, self.what,
+                        lambda pos, piece: self._check(first + pos // block, piece))
+
+    def _box(self, start: int, size: Shape, strides: Shape, dst: torch.Tensor) -> None:
+        """The box of ``size`` elements at ``strides`` from element ``start`` into ``dst``,
+        window by window."""
+        isz, dtype = self.entry.dtype.itemsize, self.entry.dtype
+        limit = max(1, _WINDOW_BYTES // isz)
+        span = sum((n - 1) * t for n, t in zip(size, strides)) + 1
+        if span > limit and size:
+            inner = sum((n - 1) * t for n, t in zip(size[1:], strides[1:])) + 1
+            if inner <= limit:
+                per = max(1, (limit - inner) // strides[0] + 1) if strides[0] else size[0]
+                for i in range(0, size[0], per):
+                    k = min(per, size[0] - i)
+                    self._box(start + i * strides[0], (k,) + tuple(size[1:]), strides, dst[i:i + k])
+            else:
+                for i in range(size[0]):
+                    self._box(start + i * strides[0], tuple(size[1:]), tuple(strides[1:]), dst[i])
+            return
+        a, b = start * isz // self.block, -(-(start + span) * isz // self.block)
+        src = self._blocks(a, b).view(dtype)
+        dst.copy_(src.as_strided(size, strides, src.storage_offset() + start - a * self.block // isz))
+
+    def copy(self, ops: List[CopyOp], bounce: Optional[HostBounce]) -> int:
+        """Serve ``ops``; returns the tensor bytes they take."""
+        isz, nbytes = self.entry.dtype.itemsize, 0
+        for op in ops:
+            if not op.numel:
+                continue
+            dst = op.dst
+            if (op.is_range and dst.is_contiguous() and dst.dtype == self.entry.dtype
+                    and (dst.device.type == "cpu" or (bounce is not None and dst.device.type == "cuda"))):
+                self._range(op.start * isz, op.end * isz, dst.reshape(-1), bounce)
+            else:
+                self._box(op.start, tuple(op.size), tuple(op.strides), dst)
+            nbytes += op.numel * isz
+        return nbytes
+
+
 def _carried_table(store, name: str, offsets: List[Tuple[int, int]]) -> Optional[bytes]:
     """The block table of a file rewritten by surgery, whose items moved from the first to the
     second offset of each pair of ``offsets``: the old table's entries of those items, moved (the
@@ -1847,7 +2329,7 @@ def _small_span(items: List[_Stored]) -> Optional[int]:
 def _fresh_name(checkpoint_dir: Path, name: str) -> str:
     stem = name[: -len(DATA_SUFFIX)] if name.endswith(DATA_SUFFIX) else name
     n = 1
-    while (checkpoint_dir / f"{stem}.r{n}{DATA_SUFFIX}").exists():
+    while os.path.lexists(checkpoint_dir / f"{stem}.r{n}{DATA_SUFFIX}"):
         n += 1
     return f"{stem}.r{n}{DATA_SUFFIX}"
 
@@ -1866,7 +2348,21 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             system at most :func:`distckpt.budget.cores_per_rank` (reads from a page cache are
             memory copies, which more threads than cores only interleave). A number is used as
             given.
-        verify: read every needed item whole and check its CRC32C against the manifest.
+        checksums: (default) check every byte copied against the integrity manifest's CRC32C as
+            it is read (an item read whole against its checksum, a part of one block by block
+            against its file's block CRC table) and that each record read is the range the
+            manifest lists (key, offset, length); a load that reads ``.metadata`` (no sidecar)
+            also checks each tensor key it reads, and the metadata queries every key they
+            return, against the dtype and shape the manifest says the writer declared
+            (:func:`check_declared`). A sidecar load asks no manifest (reading it would cost
+            what the sidecar saves): its records are CRC-checked, and the items' own headers
+            must agree with its dtypes. False: no checks on local files (object stores are
+            always checked). Whatever ``checksums`` says, the chunks met by each requested
+            piece must cover it exactly once (:func:`_check_covered`).
+        verify: in addition, read every needed item whole, check ``.metadata`` and the sidecar
+            against the manifest, and cross-check every storage record and key declaration of
+            ``.metadata`` (key, chunk offset and size, offset, length, dtype, shape) against
+            what the manifest says the writer wrote (:func:`cross_check`).
         use_index: read the sidecar index ``.distckpt_index`` when the checkpoint has one (only
             the records of the requested keys and boxes); False always reads ``.metadata``.
         pinned_slot_bytes: CUDA targets are filled through two pinned host slots of this size
@@ -1878,7 +2374,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     def __init__(self, backend: str = "torch_dist", version: int = 1, trusted: bool = False,
                  thread_count: Optional[int] = None, verify: bool = False, use_index: bool = True,
-                 pinned_slot_bytes: int = device_io.SLOT_BYTES):
+                 pinned_slot_bytes: int = device_io.SLOT_BYTES, checksums: bool = True):
         super().__init__(backend, version)
         if pinned_slot_bytes < 0:
             raise CheckpointingException(f"pinned_slot_bytes must be >= 0, got {pinned_slot_bytes}")
@@ -1886,6 +2382,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         self.trusted = trusted
         self.thread_count, self._threads_given = _thread_count(thread_count, DEFAULT_READERS_PER_RANK)
         self.verify = verify
+        self.checksums = checksums
         self.bytes_read = 0  # bytes read from storage by this strategy object (all loads)
         self.requests = 0  # object stores: data GET requests (ranged, after coalescing) and block tables
         self.use_index = use_index
@@ -1896,6 +2393,34 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         # directory is parsed once per load. Kept with the tree's identity, and taken only while
         # the checkpoint at that path is still the same tree.
         self._opened: Optional[Tuple[Any, Any, IndexReader]] = None
+        # ``.metadata`` as this object last read it: location, bytes, parsed, what was derived.
+        self._parsed: Optional[Tuple[Any, bytes, Metadata, Dict[str, Any]]] = None
+
+    def _metadata(self, checkpoint_dir, verify: bool, derive: str = "claims") -> Tuple[Metadata, Any]:
+        """``.metadata`` (``verify``: the file checked against the manifest first) and, per
+        ``derive``, its claims checked (:func:`check_claims`, None) or its index (:func:`_index`),
+        for this object's own reads, which never modify them. Unpickled and checked once while the
+        file holds the same bytes: a tool reads a checkpoint key by key through one strategy
+        (diff, convert, verify --deep), and 20,000 chunks take about a second each time."""
+        raw = _metadata_bytes(checkpoint_dir, self.trusted, verify)
+        source = storage.join(checkpoint_dir, METADATA_FNAME)
+        parsed = self._parsed
+        if parsed is None or parsed[0] != checkpoint_dir or parsed[1] != raw:
+            parsed = self._parsed = (checkpoint_dir, raw, _unpickled(raw, source, self.trusted), {})
+        md, derived = parsed[2], parsed[3]
+        if derive == "index" and "index" not in derived:
+            derived["index"] = _index(md, source)
+            derived["claims"] = None   # _index checks them first
+        elif "claims" not in derived:
+            derived["claims"] = check_claims(md, source)
+        return md, derived[derive]
+
+    def _parsed_metadata(self, checkpoint_dir) -> Tuple[Metadata, Dict[str, Any]]:
+        """``.metadata`` and its index for a load (with ``verify``, cross-checked too)."""
+        md, index = self._metadata(checkpoint_dir, self.verify, "index")
+        if self.verify:
+            self._cross_check(md, checkpoint_dir)
+        return md, index
 
     def _open_index(self, checkpoint_dir, keep: bool = False) -> Optional[IndexReader]:
         """The sidecar reader of ``checkpoint_dir`` (None: no usable sidecar); ``keep``: leave it
@@ -1918,11 +2443,25 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     # ----------------------------------------------------------------- metadata queries
 
+    def _queried_metadata(self, checkpoint_dir) -> Metadata:
+        """``.metadata`` for the metadata queries: its claims checked and, with checksums on (the
+        default) and a manifest, the file against its CRC32C and its tensor keys against the
+        manifest's declarations (:func:`_check_all_declared`): what was damaged since the save, or
+        written wrong, is refused rather than reported (reading the manifest costs about what the
+        unpickling does)."""
+        checkpoint_dir = _location(checkpoint_dir)
+        md = self._metadata(checkpoint_dir, self.checksums or self.verify)[0]
+        declared = read_declared_keys(checkpoint_dir) if self.checksums or self.verify else None
+        if declared:
+            _check_all_declared(md, declared, storage.join(checkpoint_dir, METADATA_FNAME),
+                                storage.join(checkpoint_dir, MANIFEST_FNAME))
+        return md
+
     def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
-        return _tensors_metadata(read_metadata(checkpoint_dir, self.trusted))
+        return _tensors_metadata(self._queried_metadata(checkpoint_dir))
 
     def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
-        md = read_metadata(checkpoint_dir, self.trusted)
+        md = self._queried_metadata(checkpoint_dir)
         out = _tensors_metadata(md)
         for fqn, meta in md.state_dict_metadata.items():
             # Byte items of other names are common values (load_common_items), not sharded.
@@ -1935,17 +2474,16 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         checkpoint_dir = _location(checkpoint_dir)
         out: StateDict = {}
         reader = self._open_index(checkpoint_dir, keep=True) if self.use_index else None
-        if reader is not None and not any(e.get("bytes") and not _is_object_key(fqn)
+        if reader is not None and not any(isinstance(e, dict) and e.get("bytes") and not _is_object_key(fqn)
                                           for fqn, e in reader.keys.items()):
             return out  # the sidecar's directory says there is none: .metadata is not read
-        md = read_metadata(checkpoint_dir, self.trusted, self.verify)
+        md, index = self._parsed_metadata(checkpoint_dir)
         items = plain_byte_items(md)
         if not items:
             return out
-        index = _index(md, storage.join(checkpoint_dir, METADATA_FNAME))
         checksums = self._checksums(checkpoint_dir)
         for fqn, path in items.items():
-            value = self._load_bytes(f"value {fqn!r}", index.get(fqn), checkpoint_dir, checksums)
+            value = self._load_bytes(f"value {fqn!r}", index.get(fqn), checkpoint_dir, checksums, fqn)
             _set_at_path(out, path, value)
         return out
 
@@ -1967,6 +2505,15 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         moved: Dict[MetadataIndex, Tuple[_StorageInfo, _StorageInfo]] = {}
         tables: Dict[str, bytes] = {}  # block tables of the rewritten files
         store = storage.open_store(checkpoint_dir)
+        manifest = read_manifest(checkpoint_dir)
+        old = manifest.range_index() if manifest is not None else {}
+        created: List[str] = []   # new data files, removed again if a carried item is damaged
+
+        def refuse(message: str) -> None:
+            for new in created:
+                containment.remove_beneath(checkpoint_dir, new, checkpoint_dir)
+            raise CheckpointingException(message + "; nothing was changed")
+
         for name, entries in sorted(by_file.items()):
             kept = [(i, info) for i, info in entries if i.fqn not in doomed]
             if len(kept) == len(entries):
@@ -1976,12 +2523,23 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 continue
             new_name = _fresh_name(checkpoint_dir, name)
             offsets = []
-            with open(checkpoint_dir / name, "rb") as src, open(checkpoint_dir / new_name, "wb") as dst:
+            source = checkpoint_dir / METADATA_FNAME
+            src_fd = containment.open_beneath(checkpoint_dir, name, source)
+            dst_fd = containment.open_beneath(checkpoint_dir, new_name, source,
+                                              flags=os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            created.append(new_name)
+            with open(src_fd, "rb") as src, open(dst_fd, "wb") as dst:
                 for index, info in sorted(kept, key=lambda e: e[1].offset):
                     src.seek(info.offset)
                     data = src.read(info.length)
                     if len(data) != info.length:
-                        raise CheckpointingException(f"{checkpoint_dir / name}: truncated at item {index.fqn!r}")
+                        refuse(f"{checkpoint_dir / name}: truncated at item {index.fqn!r}")
+                    # The carried bytes keep their manifest checksum in the new file: checked
+                    # now (they are in memory), so damage is refused rather than moved.
+                    prev = old.get((name, info.offset))
+                    if prev is not None and crc32c(data) != prev.crc32c:
+                        refuse(f"{checkpoint_dir / name}: key {index.fqn!r} at offset {info.offset}: CRC32C "
+                               f"mismatch against {MANIFEST_FNAME} (corrupted data)")
                     new_storage[index] = _StorageInfo(new_name, dst.tell(), info.length)
                     moved[index] = (info, new_storage[index])
                     offsets.append((info.offset, dst.tell()))
@@ -1990,7 +2548,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 dst.flush()
                 os.fsync(dst.fileno())
             table = _carried_table(store, name, offsets)
-            (checkpoint_dir / blockcrc.table_name(new_name)).unlink(missing_ok=True)
+            containment.remove_beneath(checkpoint_dir, blockcrc.table_name(new_name), source)
             if table is not None:
                 tables[blockcrc.table_name(new_name)] = table
                 atomic_write_bytes(checkpoint_dir / blockcrc.table_name(new_name), table)
@@ -2004,9 +2562,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         if mcore:
             md.mcore_data = {k: v for k, v in mcore.items() if k not in doomed}
         md_bytes = pickle.dumps(md)
-        manifest = read_manifest(checkpoint_dir)
         if manifest is not None:
-            old = manifest.range_index()
+            manifest.keys = {k: v for k, v in manifest.keys.items() if k not in doomed}
             for name in to_delete:
                 manifest.drop(name)
                 manifest.drop(blockcrc.table_name(name))
@@ -2016,7 +2573,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 prev = old.get((old_info.relative_path, old_info.offset))
                 if prev is not None:
                     manifest.ranges.setdefault(new_info.relative_path, []).append(
-                        RangeChecksum(new_info.offset, new_info.length, prev.crc32c, index.fqn))
+                        RangeChecksum(new_info.offset, new_info.length, prev.crc32c, index.fqn, prev.chunk))
                 manifest.files[new_info.relative_path] = (checkpoint_dir / new_info.relative_path).stat().st_size
             manifest.set_bytes(METADATA_FNAME, md_bytes)
         index_bytes = _reindex(md, md_bytes, manifest)
@@ -2027,19 +2584,42 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         if index_bytes is not None:
             atomic_write_bytes(checkpoint_dir / INDEX_FNAME, index_bytes)
         for name in to_delete:
-            os.remove(checkpoint_dir / name)
-            (checkpoint_dir / blockcrc.table_name(name)).unlink(missing_ok=True)
+            # Each name passed the containment rule in _removal_plan; removal resolves it again
+            # beneath the checkpoint (a symlink is removed itself, never its target).
+            containment.remove_beneath(checkpoint_dir, name, checkpoint_dir / METADATA_FNAME)
+            containment.remove_beneath(checkpoint_dir, blockcrc.table_name(name), checkpoint_dir / METADATA_FNAME)
 
     def _removal_plan(self, location, key_prefix: str):
         """What ``remove_sharded_tensors`` works from: the metadata, the doomed keys, every file's
         (index, storage info) records, and the storage records that stay."""
-        md = read_metadata(location, self.trusted)
+        md = checked_metadata(location, self.trusted)
         doomed = {k for k in md.state_dict_metadata if k.startswith(key_prefix)}
         if not doomed:
             raise CheckpointingException(f"{location}: no key starts with {key_prefix!r}")
         by_file: Dict[str, List[Tuple[MetadataIndex, _StorageInfo]]] = defaultdict(list)
+        source = storage.join(location, METADATA_FNAME)
         for index, info in md.storage_data.items():
             by_file[info.relative_path].append((index, info))
+        # Every file the metadata names is checked before anything is rewritten or deleted: a
+        # hostile name refuses the whole removal, leaving the checkpoint as it was.
+        for name in by_file:
+            containment.check_name(name, source, f"storage record of {by_file[name][0][0].fqn!r}: file name")
+        # So is every file it will read, replace or delete: a missing, short or non-regular one
+        # is refused now, not half-way through.
+        for name, entries in sorted(by_file.items()):
+            kept = [(i, info) for i, info in entries if i.fqn not in doomed]
+            if len(kept) == len(entries):
+                continue
+            size = _surgery_file_size(location, name, source)
+            need = max((info.offset + info.length for _, info in kept), default=0)
+            if size is None and kept:
+                raise CheckpointingException(
+                    f"{storage.join(location, name)}: data file is missing (holds kept keys "
+                    f"{sorted({i.fqn for i, _ in kept})[:5]}); nothing was changed")
+            if size is not None and size < need:
+                raise CheckpointingException(
+                    f"{storage.join(location, name)}: truncated ({size} bytes, kept items need {need}); "
+                    f"nothing was changed")
         new_storage = {i: info for i, info in md.storage_data.items() if i.fqn not in doomed}
         return md, doomed, by_file, new_storage
 
@@ -2065,13 +2645,17 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             new_name = f"{stem}.r{uuid.uuid4().hex[:8]}{DATA_SUFFIX}"
             views = store.get_ranges(name, [info.offset for _, info in kept], [info.length for _, info in kept])
             position, offsets = 0, []
-            for index, info in kept:
+            for (index, info), view in zip(kept, views):
                 new_storage[index] = _StorageInfo(new_name, position, info.length)
                 offsets.append((info.offset, position))
                 prev = old.get((name, info.offset))
+                if prev is not None and (len(view) != info.length or crc32c(view) != prev.crc32c):
+                    raise CheckpointingException(
+                        f"{store.where(name)}: key {index.fqn!r} at offset {info.offset}: CRC32C mismatch "
+                        f"against {MANIFEST_FNAME} (corrupted data); {METADATA_FNAME} was not changed")
                 if manifest is not None and prev is not None:
                     manifest.ranges.setdefault(new_name, []).append(
-                        RangeChecksum(position, info.length, prev.crc32c, index.fqn))
+                        RangeChecksum(position, info.length, prev.crc32c, index.fqn, prev.chunk))
                 position += info.length
             store.put(new_name, b"".join(bytes(v) for v in views))
             if manifest is not None:
@@ -2088,6 +2672,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             md.mcore_data = {k: v for k, v in mcore.items() if k not in doomed}
         md_bytes = pickle.dumps(md)
         if manifest is not None:
+            manifest.keys = {k: v for k, v in manifest.keys.items() if k not in doomed}
             manifest.set_bytes(METADATA_FNAME, md_bytes)
         index_bytes = _reindex(md, md_bytes, manifest)
         if manifest is not None:
@@ -2109,8 +2694,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             if not sh.allow_shape_mismatch:
                 raise CheckpointingException(
                     f"ShardedTensor {sh.key!r}: global shape {list(sh.global_shape)} was requested but "
-                    f"the checkpoint stores {list(logical)} (set allow_shape_mismatch=True to load "
-                    f"the overlap and zero the rest)")
+                    f"the checkpoint stores {list(logical)} (in {stored.source}; set allow_shape_mismatch=True "
+                    f"to load the overlap and zero the rest)")
             dest.zero_()
         if sh.flattened_range is None:
             pieces = [(tuple(sh.global_offset), full_local, dest.view(full_local))]
@@ -2132,17 +2717,22 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     @staticmethod
     def _plan_box_from_regular(plan, key, stored: _StoredKey, off, size, view) -> None:
+        met = []
         for ch in stored.chunks:
             if ch.offset == off and ch.size == size:
                 # The request is this chunk (a load in the layout it was saved in): all of it.
                 plan.add(ch, CopyOp(key, 0, size, contiguous_strides(size), view))
+                met.append((off, size))
                 continue
             inter = _intersect(off, size, ch.offset, ch.size)
             if inter is None:
                 continue
+            met.append(inter)
             lo = tuple(a - b for a, b in zip(inter[0], ch.offset))
             plan.add(ch, CopyOp(key, _ravel(lo, ch.size), inter[1], contiguous_strides(ch.size),
                                  view[_rel_slices(*inter, off)]))
+        if len(met) != 1 or met[0] != (off, size):
+            _check_covered(stored, off, size, met)
 
     @staticmethod
     def _plan_flat_to_flat(plan, sh, stored: _StoredKey, dest, full_local, start, stop) -> None:
@@ -2186,9 +2776,19 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
     # ----------------------------------------------------------------- execution
 
     def _checksums(self, checkpoint_dir) -> Optional[Dict]:
-        """The manifest's checksums by (file, offset) when verifying, and always on an object store
-        (its own checksums do not cover ranged reads); None otherwise."""
-        if not self.verify and not isinstance(checkpoint_dir, storage.Store):
+        """The manifest's checksums by (file, offset); None without a manifest, or when checks
+        are switched off (``checksums=False``, not on an object store: its own checksums do not
+        cover ranged reads)."""
+        manifest = self._manifest(checkpoint_dir)
+        return None if manifest is None else self._checks_of(manifest)
+
+    def _checks_of(self, manifest: Manifest) -> Dict:
+        """``manifest``'s checksums by (file, offset), as this load applies them."""
+        return manifest.range_index() if self.verify else _DefaultChecks(manifest.range_index())
+
+    def _manifest(self, checkpoint_dir) -> Optional[Manifest]:
+        """The manifest a load checks against (see :meth:`_checksums`); None when it has none."""
+        if not (self.verify or self.checksums or isinstance(checkpoint_dir, storage.Store)):
             return None
         manifest = read_manifest(checkpoint_dir)
         if manifest is None:
@@ -2199,7 +2799,19 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 logger.info("%s has no integrity manifest: its ranged reads are checked structurally only",
                             checkpoint_dir)
             return None
-        return manifest.range_index()
+        return manifest
+
+    @staticmethod
+    def _cross_check(md: Metadata, checkpoint_dir) -> None:
+        """``verify=True``: ``.metadata`` against the manifest (:func:`cross_check`)."""
+        manifest = read_manifest(checkpoint_dir)
+        if manifest is None:
+            return
+        problems = cross_check(md, manifest, storage.join(checkpoint_dir, METADATA_FNAME),
+                               storage.join(checkpoint_dir, MANIFEST_FNAME))
+        if problems:
+            more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+            raise CheckpointingException("; ".join(problems[:3]) + more)
 
     @staticmethod
     def _check_allocations(sharded_state_dict: ShardedStateDict, index: Dict[str, Any], checkpoint_dir) -> None:
@@ -2285,7 +2897,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 for st, part, rs in group:
                     mine = [next(views) for _ in rs]
                     if part is None:
-                        _read_chunk(-1, where, st, plan.ops[st], checksums, rank, True, bytearray(mine[0]))
+                        _read_chunk(-1, where, st, plan.ops[st], checksums, rank, True, bytearray(mine[0]),
+                                    claimed=plan.keys.get(plan.ops[st][0].key))
                     else:
                         part.copy(mine, plan.ops[st], rank)
                 nbytes += sum(n for _, n in requests)
@@ -2293,9 +2906,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             counted.append(nbytes)
 
         def read_file(name: str) -> None:
-            path = bounds.inside(checkpoint_dir, name, checkpoint_dir / METADATA_FNAME)
+            path = checkpoint_dir / name
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = containment.open_beneath(checkpoint_dir, name, checkpoint_dir / METADATA_FNAME)
             except FileNotFoundError:
                 keys = sorted({op.key for st in by_file[name] for op in plan.ops[st]})
                 raise CheckpointingException(
@@ -2319,13 +2932,27 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                     for st in items:
                         start = st.file_offset - first
                         _read_chunk(fd, path, st, plan.ops[st], checksums, rank, verify,
-                                    view[start:start + st.length])
+                                    view[start:start + st.length], claimed=plan.keys.get(plan.ops[st][0].key))
                     counted.append(len(raw))
                     return
+                table, vouched = None, False
+                if checksums is not None and not verify and any(
+                        st.length >= blockcrc.MIN_PAYLOAD and not _whole_into_cpu(st, plan.ops[st]) for st in items):
+                    table, vouched = _local_block_table(checkpoint_dir, name, checksums)
                 bounce = HostBounce(self.pinned_slot_bytes) if self.pinned_slot_bytes else None
                 try:
                     for st in items:
-                        nbytes += _read_chunk(fd, path, st, plan.ops[st], checksums, rank, verify, bounce=bounce)
+                        blocks = None
+                        expected = checksums.get((name, st.file_offset)) if table is not None else None
+                        if expected is not None and not _whole_into_cpu(st, plan.ops[st]):
+                            entry = _table_entry(st, table, expected, vouched, str(path))
+                            if entry is not None:
+                                blocks = BlockReader(fd, st.file_offset + entry.payload_offset, entry, table.block,
+                                                     f"key {plan.ops[st][0].key!r} in {path} at offset "
+                                                     f"{st.file_offset} (rank {rank})",
+                                                     f"its block table {blockcrc.table_name(name)}")
+                        nbytes += _read_chunk(fd, path, st, plan.ops[st], checksums, rank, verify, bounce=bounce,
+                                              blocks=blocks, claimed=plan.keys.get(plan.ops[st][0].key))
                 finally:
                     if bounce is not None:
                         bounce.close()
@@ -2368,12 +2995,14 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
 
     def _load_object(self, obj: ShardedObject, stored: Optional[_Stored], checkpoint_dir: Path,
                      checksums: Optional[Dict]) -> Any:
-        value = self._load_bytes(f"ShardedObject {obj.unique_key!r}", stored, checkpoint_dir, checksums)
+        value = self._load_bytes(f"ShardedObject {obj.unique_key!r}", stored, checkpoint_dir, checksums, obj.unique_key)
         return value[0] if isinstance(value, list) and len(value) == 1 else value
 
     def _load_bytes(self, name: str, stored: Optional[_Stored], checkpoint_dir: Path,
-                    checksums: Optional[Dict]) -> Any:
-        """Unpickle one byte item (safely unless ``trusted``); ``name`` says what it is."""
+                    checksums: Optional[Dict], key: str) -> Any:
+        """Unpickle one byte item (safely unless ``trusted``); ``name`` says what it is. With
+        ``checksums``, the manifest must list the item's range as one of ``key``: a key renamed
+        in the metadata is refused, not returned under its new name."""
         if stored is None:
             raise CheckpointingException(f"{name} is not in checkpoint {checkpoint_dir} (rank {dist.get_rank()})")
         source = storage.join(checkpoint_dir, METADATA_FNAME)
@@ -2388,14 +3017,14 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             if isinstance(checkpoint_dir, storage.Store):
                 raw = bytes(checkpoint_dir.get_ranges(stored.relative_path, [stored.file_offset], [stored.length])[0])
             else:
-                with open(path, "rb") as f:
+                with open(containment.open_beneath(checkpoint_dir, stored.relative_path, source), "rb") as f:
                     f.seek(stored.file_offset)
                     raw = f.read(stored.length)
         except FileNotFoundError:
             raise CheckpointingException(f"{what}: data file is missing") from None
         if len(raw) != stored.length:
             raise CheckpointingException(f"{what}: file is truncated")
-        _check_item(raw, stored, checksums, what)
+        _check_item(raw, stored, checksums, what, key)
         return safe_torch_load(raw, what=what, trusted=self.trusted)
 
     def _load_index(self, sharded_state_dict: ShardedStateDict, checkpoint_dir) -> Tuple[Dict[str, Any], Optional[Dict]]:
@@ -2405,8 +3034,20 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         reader = self._open_index(checkpoint_dir) if self.use_index else None
         if reader is None:
             self.last_load_used_index = False
-            md = read_metadata(checkpoint_dir, self.trusted, self.verify)
-            return _index(md, storage.join(checkpoint_dir, METADATA_FNAME)), self._checksums(checkpoint_dir)
+            _, index = self._parsed_metadata(checkpoint_dir)
+            manifest = self._manifest(checkpoint_dir)
+            if manifest is None:
+                return index, None
+            if manifest.keys:
+                # Each tensor key this load reads, as .metadata declares it, against what the
+                # writer declared (the sidecar path has no manifest to ask: see the class doc).
+                source = storage.join(checkpoint_dir, METADATA_FNAME)
+                where = storage.join(checkpoint_dir, MANIFEST_FNAME)
+                for fqn in {sh.key for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedTensor)}:
+                    stored = index.get(fqn)
+                    if isinstance(stored, _StoredKey):
+                        check_declared(fqn, stored.dtype, stored.size, stored.orig_shape, manifest.keys, source, where)
+            return index, self._checks_of(manifest)
         self.last_load_used_index = True
         # verify=True checks against the manifest itself (read whole: an opt-in, full check),
         # .metadata and the sidecar included; object-store loads take the items' checksums from
@@ -2415,9 +3056,12 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         if self.verify:
             for name in (METADATA_FNAME, INDEX_FNAME):
                 check_whole_file(checkpoint_dir, name, storage.read_bytes(checkpoint_dir, name))
+            md = read_metadata(checkpoint_dir, self.trusted)
+            _index(md, storage.join(checkpoint_dir, METADATA_FNAME))  # its claims checked
+            self._cross_check(md, checkpoint_dir)
             checksums = self._checksums(checkpoint_dir)
         own: Optional[Dict] = {} if checksums is None and (
-            self.verify or isinstance(checkpoint_dir, storage.Store)) else None
+            self.verify or self.checksums or isinstance(checkpoint_dir, storage.Store)) else None
         index = _index_from_sidecar(reader, sharded_state_dict, own)
         if own is not None:
             checksums = own
@@ -2451,6 +3095,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 commits.append(lambda t=target, d=dest: t.copy_(d))
             else:
                 dest = target.detach()  # same memory; copies into its views bypass autograd
+            plan.keys[sh.key] = stored
             self._plan_tensor(plan, sh, stored, dest)
             return sh
 

@@ -29,12 +29,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Pattern, Proto
 
 import torch
 
-from distckpt import commit, storage
+from distckpt import commit, containment, storage
 from distckpt.core import (
     CheckpointingConfig,
     CheckpointingException,
     PathLike,
     atomic_write_bytes,
+    write_all,
     write_file_durably,
 )
 from distckpt.dcp_native import checkpoint_config, describe_missing_config
@@ -145,6 +146,8 @@ class DistckptWriter:
         # (relative path, offset, length, crc32c, key) of every byte range written.
         self.ranges: List[Tuple[str, int, int, int, str]] = []
         self.sizes: Dict[str, int] = {}
+        # The manifest's block CRC32Cs of large files written as one range (zarr chunks).
+        self.blocks: Dict[str, Tuple[int, int, bytes]] = {}
         self.tensor_count = 0
         self.tensor_bytes = 0
 
@@ -198,7 +201,8 @@ class DistckptWriter:
     def finish(self) -> Dict[str, Any]:
         """Write the backend's index and the manifest, then commit (``metadata.json`` last)."""
         self._finish_data()
-        write_manifest(self.dst, build_manifest(self._staging.save_id, self.backend, self.ranges, self.sizes))
+        write_manifest(self.dst, build_manifest(self._staging.save_id, self.backend, self.ranges, self.sizes,
+                                                blocks=self.blocks))
         self._protocol.commit(self._staging, CheckpointingConfig(self.backend, self.version, "torch", 1))
         return {"path": str(self.target), "backend": self.backend, "tensors": self.tensor_count,
                 "nbytes": self.tensor_bytes, "files": len(self.sizes) + 2}
@@ -243,18 +247,28 @@ class ZarrWriter(DistckptWriter):
             if self.remote:
                 self.dst.put(f"{unique_key}.pt", data)
             else:
-                path = self.dst / f"{unique_key}.pt"
-                path.parent.mkdir(parents=True, exist_ok=True)
-                write_file_durably(path, data)
+                # The key comes from the source checkpoint: the file is created beneath the
+                # destination by the containment rule, never through '..' or a symlink out.
+                fd = containment.open_beneath(self.dst, f"{unique_key}.pt", self.dst, "ShardedObject file name",
+                                              flags=os.O_WRONLY | os.O_CREAT | os.O_TRUNC, make_parents=True)
+                try:
+                    write_all(fd, data)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             self._record_file(f"{unique_key}.pt", data, unique_key)
 
     def _write_tensor(self, key: str, tensor: torch.Tensor) -> None:
         self.arrays.write(key, tensor)
 
     def _finish_data(self) -> None:
-        for path, size, crc, key in self.arrays.finish():
+        from distckpt.strategies.zarr import block_entries
+
+        records = self.arrays.finish()
+        for path, size, crc, key, _ in records:
             self.ranges.append((path, 0, size, crc, key))
             self.sizes[path] = size
+        self.blocks.update(block_entries(records))
 
 
 def _standalone(t: torch.Tensor) -> torch.Tensor:
@@ -432,7 +446,10 @@ class _Source:
         return self.common.load_sharded_objects(request, self.path)[unique_key]
 
     def load_tensors(self, metas: Dict[str, ShardedTensor]) -> Dict[str, torch.Tensor]:
-        request = {key: ShardedTensor.from_rank_offsets(key, torch.empty(tuple(m.global_shape), dtype=m.dtype))
+        # Without data: the strategy allocates each tensor only after checking that the
+        # checkpoint stores its bytes (a claimed shape of 2^40 elements is refused, not allocated).
+        request = {key: ShardedTensor(key, None, m.dtype, tuple(m.global_shape), tuple(m.global_shape),
+                                      (0,) * len(m.global_shape), None, 0)
                    for key, m in metas.items()}
         return self.sharded.load(request, self.path)
 
@@ -542,6 +559,9 @@ def _stream(src: _Source, writer: CheckpointWriter, wanted: Callable[[str], bool
     report.skipped += [k for k in metas if k not in selected]
     objects = {}
     for unique_key, obj in src.objects().items():
+        # A ShardedObject key becomes a file name in a zarr destination: refused here, before
+        # anything is written, if it could name a file outside the destination.
+        containment.check_name(f"{unique_key}.pt", src.path, "ShardedObject key as a file name")
         if wanted(obj.key):
             objects[unique_key] = src.load_object(unique_key, obj)
         else:

@@ -53,6 +53,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from distckpt import containment
 from distckpt.core import CheckpointingException, PathLike, fsync_dir, write_all
 from distckpt.strategies.filesystem import byte_view, pread_exact
 from distckpt.tools.inspect import Progress, TensorMeta, TensorSource, dtype_name
@@ -246,10 +247,13 @@ class SafetensorsSource(TensorSource):
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise CheckpointingException(f"{index}: unreadable safetensors index: {e}") from None
         names = list(dict.fromkeys(weight_map.values()))
-        missing = [n for n in names if not (index.parent / n).is_file()]
+        # The containment rule: the index names shard files beside it, never outside its folder
+        # (safetensors opens them itself, so this is the checked resolve, not a no-follow open).
+        paths = [containment.path_beneath(index.parent, n, index, "shard file") for n in names]
+        missing = [n for n, p in zip(names, paths) if not p.is_file()]
         if missing:
             raise CheckpointingException(f"{index}: shard files missing: {', '.join(missing)}")
-        return [index.parent / n for n in names]
+        return paths
 
     def tensors(self) -> Dict[str, TensorMeta]:
         return self._metas

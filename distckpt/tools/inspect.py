@@ -24,6 +24,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Protocol, Sequ
 
 import torch
 
+from distckpt import containment
 from distckpt.core import CONFIG_FNAME, CheckpointingException, PathLike
 from distckpt.dcp_native import checkpoint_config, describe_missing_config, is_dcp_native
 from distckpt.mapping import ShardedObject, ShardedTensor
@@ -370,8 +371,10 @@ class CheckpointSource(TensorSource):
                 self._objects = {}
                 for uk in sorted(self.common_strategy.load_sharded_metadata(self.path)):
                     if isinstance(self.path, Path):
-                        path = self.path / f"{uk}.pt"
-                        size = path.stat().st_size if path.is_file() else None
+                        try:
+                            size = containment.size_beneath(self.path, f"{uk}.pt", self.path, "ShardedObject file")
+                        except FileNotFoundError:
+                            size = None
                     else:
                         size = self.path.size(f"{uk}.pt") if self.path.exists(f"{uk}.pt") else None
                     self._objects[uk] = ObjectMeta(uk, size, f"{uk}.pt")
@@ -423,17 +426,20 @@ class CheckpointSource(TensorSource):
         shape = meta.shape
         offset = tuple(offset) if offset is not None else (0,) * len(shape)
         size = tuple(size) if size is not None else shape
-        return ShardedTensor(key, torch.empty(size, dtype=meta.dtype), meta.dtype, size, shape, offset, None, 0)
+        # Without data: the strategy allocates it only after checking that the checkpoint stores
+        # its bytes (a claimed shape of 2^40 elements is refused, not allocated).
+        return ShardedTensor(key, None, meta.dtype, size, shape, offset, None, 0)
 
     def read(self, key: str, offset: Optional[Shape] = None, size: Optional[Shape] = None) -> torch.Tensor:
         request = self._request(key, offset, size)
-        if request.data.numel() == 0:
-            return request.data
+        if math.prod(request.local_shape) == 0:
+            return torch.empty(request.local_shape, dtype=request.dtype)
         return self.sharded.load({key: request}, self.path)[key]
 
     def read_many(self, keys: Sequence[str]) -> Dict[str, torch.Tensor]:
         requests = {k: self._request(k, None, None) for k in keys}
-        empty = {k: r.data for k, r in requests.items() if r.data.numel() == 0}
+        empty = {k: torch.empty(r.local_shape, dtype=r.dtype) for k, r in requests.items()
+                 if math.prod(r.local_shape) == 0}
         wanted = {k: r for k, r in requests.items() if k not in empty}
         loaded = self.sharded.load(wanted, self.path) if wanted else {}
         return {k: empty[k] if k in empty else loaded[k] for k in keys}

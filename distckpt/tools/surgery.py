@@ -17,8 +17,8 @@ In place, the renamed checkpoint is assembled beside the original as a tree of h
 ``renameat2(RENAME_EXCHANGE)``: a reader sees the old checkpoint or the new one, never a mix.
 Where hard links or the exchange are unavailable, ``torch_dist`` falls back to replacing the
 manifest and then ``.metadata``, each atomically (a crash between the two leaves the old
-``.metadata``, loadable under the old names, with a manifest already describing the new one:
-``verify`` reports the mismatch and running the same rename again finishes it); ``zarr`` falls
+``.metadata`` with a manifest already describing the new one: a load and ``verify`` report the
+mismatch, naming both files, and running the same rename again finishes it); ``zarr`` falls
 back to a full copy beside, then two renames. With ``out=`` the
 renamed checkpoint is written as a copy under a temporary name and renamed into place.
 """
@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from distckpt import containment
 from distckpt.core import (
     CONFIG_FNAME,
     CheckpointingException,
@@ -189,14 +190,30 @@ def rename_keys(checkpoint: PathLike, mapping: Sequence[Tuple[str, str]] = (),
     """
     root = _committed(checkpoint)
     src = CheckpointSource(root, trusted)
-    plan = plan_renames(list(src.tensors()), list(src.objects()), mapping, regexes)
+    md, refusal = None, None
+    if src.format == "torch_dist":
+        from distckpt.strategies.torch import checked_metadata, read_metadata
+
+        # Checked before planning: the keys a damaged .metadata claims are not planned with.
+        try:
+            md = checked_metadata(root, trusted)
+        except CheckpointingException as e:
+            # Damage, or a rename interrupted after its manifest was written, whose .metadata
+            # this run turns into the one that manifest describes: the result decides.
+            md, refusal = read_metadata(root, trusted), e
+    try:
+        plan = plan_renames(list(src.tensors()), list(src.objects()), mapping, regexes)
+    except CheckpointingException:
+        if refusal is not None:
+            raise refusal from None
+        raise
     if dry_run:
         return plan
     _local_output_only(root, out)
     if out is not None:
         _check_new_output(Path(out))
-    if src.format == "torch_dist":
-        _rename_torch_dist(root, plan, trusted, out, progress)
+    if md is not None:
+        _rename_torch_dist(root, md, plan, out, progress, refusal)
     elif src.format == "zarr":
         _rename_zarr(root, plan, out, progress)
     else:
@@ -204,12 +221,15 @@ def rename_keys(checkpoint: PathLike, mapping: Sequence[Tuple[str, str]] = (),
     return plan
 
 
-def _rename_torch_dist(root: Path, plan: RenamePlan, trusted: bool, out: Optional[PathLike],
-                       progress: Optional[Progress]) -> None:
+def _rename_torch_dist(root: Path, md: Any, plan: RenamePlan, out: Optional[PathLike],
+                       progress: Optional[Progress], refusal: Optional[CheckpointingException] = None) -> None:
+    """Rename in ``md``, the checkpoint's ``.metadata`` as :func:`checked_metadata` returned it,
+    or, with the ``refusal`` that function raised, as read: then the rename goes on only if it
+    finishes an interrupted one (its result is the ``.metadata`` the manifest already lists)."""
+    from distckpt.manifest import check_whole_file
     from distckpt.strategies.index import INDEX_FNAME, index_from_metadata
-    from distckpt.strategies.torch import METADATA_FNAME, read_metadata
+    from distckpt.strategies.torch import METADATA_FNAME
 
-    md = read_metadata(root, trusted)
     name = plan.name
     md.state_dict_metadata = {name(k): v for k, v in md.state_dict_metadata.items()}
     md.storage_data = {replace(i, fqn=name(i.fqn)): info for i, info in md.storage_data.items()}
@@ -222,8 +242,15 @@ def _rename_torch_dist(root: Path, plan: RenamePlan, trusted: bool, out: Optiona
     if isinstance(plans, list):
         md.all_local_plans = [_renamed_save_plan(p, name) for p in plans]
     md_bytes = pickle.dumps(md)
-    contents = {METADATA_FNAME: md_bytes}
     manifest = read_manifest(root)
+    if refusal is not None:
+        try:
+            if manifest is None:
+                raise refusal
+            check_whole_file(root, METADATA_FNAME, md_bytes)
+        except CheckpointingException:
+            raise refusal from None
+    contents = {METADATA_FNAME: md_bytes}
     if manifest is not None and INDEX_FNAME in manifest.files:
         # The sidecar index names keys too: rebuilt from the renamed metadata.
         contents[INDEX_FNAME] = index_from_metadata(md, manifest.range_index(), len(md_bytes))
@@ -300,13 +327,13 @@ def _rename_zarr(root: Path, plan: RenamePlan, out: Optional[PathLike], progress
     for old, new in dirs.items():
         meta_path = root / old / zarr_strategy.ARRAY_META
         if meta_path.is_file():
-            md = json.loads(meta_path.read_text())
+            md = json.loads(containment.read_beneath(root, f"{old}/{zarr_strategy.ARRAY_META}", root))
             attrs = md.setdefault("attributes", {}).setdefault("distckpt", {})
             if isinstance(attrs, dict) and "key" in attrs:
                 attrs["key"] = new
             contents[f"{new}/{zarr_strategy.ARRAY_META}"] = json.dumps(md).encode()
     if has_root_list:
-        root_md = json.loads((root / zarr_strategy.ARRAY_META).read_text())
+        root_md = json.loads(containment.read_beneath(root, zarr_strategy.ARRAY_META, root))
         root_md.setdefault("attributes", {}).setdefault("distckpt", {})["keys"] = sorted(new_keys)
         contents[zarr_strategy.ARRAY_META] = json.dumps(root_md).encode()
         group = json.dumps({"zarr_format": 3, "node_type": "group"}).encode()
@@ -351,7 +378,7 @@ def _renamed_manifest(manifest: Manifest, moved: Dict[str, str], contents: Dict[
                       name: Callable[[str], str], dropped: frozenset = frozenset()) -> Manifest:
     """The manifest after a rename: files moved per ``moved``, ``dropped`` ones left out, files in
     ``contents`` re-described (size and whole-file CRC32C), range keys renamed."""
-    out = Manifest(manifest.save_id, manifest.backend)
+    out = Manifest(manifest.save_id, manifest.backend, keys={name(k): v for k, v in manifest.keys.items()})
     for old_rel, size in manifest.files.items():
         if old_rel in dropped:
             continue
@@ -361,8 +388,10 @@ def _renamed_manifest(manifest: Manifest, moved: Dict[str, str], contents: Dict[
             out.set_bytes(rel, data)
             continue
         out.files[rel] = size
-        out.ranges[rel] = [RangeChecksum(r.offset, r.length, r.crc32c, rel if r.key == old_rel else name(r.key))
-                           for r in manifest.ranges.get(old_rel, [])]
+        out.ranges[rel] = [RangeChecksum(r.offset, r.length, r.crc32c, rel if r.key == old_rel else name(r.key),
+                                         r.chunk) for r in manifest.ranges.get(old_rel, [])]
+        if old_rel in manifest.blocks:  # same bytes, same block CRC32Cs
+            out.blocks[rel] = manifest.blocks[old_rel]
     return out
 
 
@@ -439,6 +468,14 @@ def _materialize(root: Path, dst: Path, path_map: Callable[[str], Optional[str]]
     progress = progress or NoProgress()
     rels = [(rel, path_map(rel)) for rel in _files(root)]
     todo = [(rel, new) for rel, new in rels if new is not None and new not in contents]
+    # The containment rule, before anything is linked or copied: no file of the source is a
+    # symlink that leads out of it (a link or copy would carry the outside file in), and every
+    # new name lies beneath the new tree.
+    for rel, new in todo:
+        containment.path_beneath(root, rel, root)
+        containment.check_name(new, dst, "new file name")
+    for rel in contents:
+        containment.check_name(rel, dst, "new file name")
     if not link:
         progress.start(sum((root / rel).stat().st_size for rel, _ in todo), "copying")
     dst.mkdir()

@@ -29,10 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from distckpt import storage
+from distckpt import containment, storage
 from distckpt.core import CONFIG_FNAME, CheckpointingException, PathLike
 from distckpt.dcp_native import DCP_METADATA_FNAME, checkpoint_config, is_dcp_native
 from distckpt.manifest import MANIFEST_FNAME, read_manifest, verify_files
+from distckpt.strategies.tiling import coverage_problem
 from distckpt.tools.inspect import CheckpointSource, NoProgress, Progress
 
 
@@ -104,9 +105,9 @@ def verify_checkpoint(path: PathLike, *, checksums: bool = True, deep: bool = Fa
     report.backend = backend
     dcp_values = 0
     if backend == "torch_dist":
-        dcp_values = _check_torch_dist(root, trusted, report)
+        dcp_values = _check_torch_dist(root, trusted, report, manifest)
     elif backend == "zarr":
-        _check_zarr(root, report)
+        _check_zarr(root, report, manifest)
     elif backend is not None:
         report.notes.append(f"backend {backend!r}: no structural checks available")
     if config is not None and config.common_backend == "torch":
@@ -231,7 +232,8 @@ _LISTINGS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _file_size(root, name: str) -> Optional[int]:
     if isinstance(root, Path):
         try:
-            return (root / name).stat().st_size
+            # The containment rule: a symlink out of the checkpoint is an error, not a size.
+            return containment.size_beneath(root, name, root)
         except FileNotFoundError:
             return None
     return _listing(root).get(name)
@@ -255,12 +257,19 @@ def _guess_backend(root) -> Optional[str]:
 # --------------------------------------------------------------------------- torch_dist
 
 
-def _check_torch_dist(root: Path, trusted: bool, report: VerifyReport) -> int:
-    """Structural checks of ``.metadata`` and the data files; returns the number of DCP values
+def _check_torch_dist(root: Path, trusted: bool, report: VerifyReport, manifest=None) -> int:
+    """Structural checks of ``.metadata`` and the data files, and (with a ``manifest``) its
+    claims against what the manifest says was written; returns the number of DCP values
     (non-tensor values of a ``dcp.save``, the common state of such a checkpoint)."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-    from distckpt.strategies.torch import METADATA_FNAME, check_claims, plain_byte_items, read_metadata
+    from distckpt.strategies.torch import (
+        METADATA_FNAME,
+        check_claims,
+        cross_check,
+        plain_byte_items,
+        read_metadata,
+    )
 
     try:
         md = read_metadata(root, trusted)
@@ -269,6 +278,10 @@ def _check_torch_dist(root: Path, trusted: bool, report: VerifyReport) -> int:
     except CheckpointingException as e:
         report.problems.append(str(e))
         return 0
+    if manifest is not None:
+        report.problems.extend(cross_check(md, manifest, METADATA_FNAME, MANIFEST_FNAME))
+        report.checked.append(f"storage records and key declarations of {METADATA_FNAME} against {MANIFEST_FNAME}")
+    _check_sidecar(root, md, report)
     sizes: Dict[str, Optional[int]] = {}
 
     def size_of(name: str) -> Optional[int]:
@@ -294,6 +307,7 @@ def _check_torch_dist(root: Path, trusted: bool, report: VerifyReport) -> int:
         keys = sorted(set(keys))
         report.problems.append(f"{name}: missing (holds {len(keys)} key(s): "
                                f"{', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''})")
+    report.problems.extend(_shared_bytes(md, METADATA_FNAME))
 
     values = plain_byte_items(md)  # non-tensor values of a dcp.save: common state
     n_tensors = n_objects = 0
@@ -322,37 +336,102 @@ def _check_torch_dist(root: Path, trusted: bool, report: VerifyReport) -> int:
     return len(values)
 
 
-def coverage_problem(shape: Sequence[int], boxes: Sequence[Tuple[Sequence[int], Sequence[int]]]) -> Optional[str]:
-    """Why ``boxes`` (offset, size) do not tile ``shape`` exactly once, or None if they do."""
-    total = math.prod(shape)
-    volume = 0
-    for off, size in boxes:
-        if len(off) != len(shape) or len(size) != len(shape):
-            return f"chunk at {list(off)} has {len(off)} axes, the tensor {len(shape)}"
-        if any(o < 0 or s < 0 or o + s > n for o, s, n in zip(off, size, shape)):
-            return f"chunk at {list(off)} of size {list(size)} lies outside the global shape {list(shape)}"
-        volume += math.prod(size)
-    nonempty = sorted((tuple(o), tuple(s)) for o, s in boxes if math.prod(s) > 0)
-    if shape:
-        # sweep along axis 0: only boxes whose axis-0 ranges intersect can overlap
-        active: List[Tuple[Tuple[int, ...], Tuple[int, ...]]] = []
-        for off, size in nonempty:
-            active = [b for b in active if b[0][0] + b[1][0] > off[0]]
-            for o2, s2 in active:
-                if all(max(a, b) < min(a + x, b + y) for a, x, b, y in zip(off, size, o2, s2)):
-                    return f"chunks at {list(o2)} and {list(off)} overlap"
-            active.append((off, size))
-    elif len(nonempty) > 1:
-        return f"{len(nonempty)} chunks of a scalar"
-    if volume < total:
-        return f"chunks cover {volume} of {total} elements (missing data)"
-    return None
+def _shared_bytes(md, source: str) -> List[str]:
+    """Storage records that claim bytes of a data file another record claims, one line per file.
+    A writer gives every record its own range, so this is damaged metadata: the same bytes would
+    load as several chunks (20,000 rows from one stored row), which nothing else catches where
+    there is no manifest. Sorting by offset keeps it n log n."""
+    spans: Dict[str, List[Tuple[int, int, object]]] = {}
+    for index, info in md.storage_data.items():
+        if info.length:
+            spans.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length, index))
+    problems = []
+    for name, items in sorted(spans.items()):
+        items.sort(key=lambda s: (s[0], s[1]))
+        shared, first, end, last = 0, None, -1, None
+        for start, stop, index in items:
+            if start < end:
+                shared += 1
+                first = first or (last, index, start)
+            if stop > end:
+                end, last = stop, index
+        if shared:
+            a, b, at = first
+            problems.append(f"{source}: {shared} storage record(s) claim bytes of {name} that another record "
+                            f"claims (first: {_record(b)} and {_record(a)}, at offset {at}): damaged metadata")
+    return problems
+
+
+def _record(index) -> str:
+    return f"key {index.fqn!r}" + (f" chunk at {list(index.offset)}" if index.offset is not None else "")
+
+
+def _check_sidecar(root, md, report: VerifyReport) -> None:
+    """The sidecar index, when the checkpoint has a current one (loads read it instead of
+    ``.metadata``): its directory parses and every entry is well-formed, it declares the keys
+    ``.metadata`` declares with the same dtype, shape and original shape, and its records are
+    ``.metadata``'s storage records (file, offset, length, chunk box). Its CRC32Cs are the
+    manifest's business (checked with the files)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    from distckpt.strategies.index import INDEX_FNAME, IndexReader, _dtype_name
+    from distckpt.strategies.torch import METADATA_FNAME
+
+    try:
+        reader = IndexReader.open(root)
+        if reader is None:
+            return   # none, or stale (built for another .metadata): loads read .metadata then
+        reader.check_all()
+        problems: List[str] = []
+        mcore = getattr(md, "mcore_data", None) or {}
+        records: Dict[str, set] = {}
+        for index, info in md.storage_data.items():
+            records.setdefault(index.fqn, set()).add(
+                (tuple(index.offset) if index.offset is not None else (), info.relative_path, info.offset, info.length))
+        boxes = {}
+        for fqn, meta in md.state_dict_metadata.items():
+            e = reader.entry(fqn)
+            if e is None:
+                problems.append(f"{INDEX_FNAME}: declares no key {fqn!r} ({METADATA_FNAME} does)")
+                continue
+            if isinstance(meta, BytesStorageMetadata):
+                item = e.get("item")
+                got = {((), *item[:3])} if e.get("bytes") and item else set()
+                if got != records.get(fqn, set()):
+                    problems.append(f"{INDEX_FNAME}: object {fqn!r}: its item {item!r} is not the storage record "
+                                    f"of {METADATA_FNAME}")
+                continue
+            if not isinstance(meta, TensorStorageMetadata):
+                continue
+            orig = mcore.get(fqn, {}).get("nd_reformulated_orig_global_shape") if isinstance(mcore.get(fqn), dict) else None
+            want = (_dtype_name(meta.properties.dtype), list(meta.size), list(orig) if orig is not None else None)
+            got = (e.get("dtype"), e.get("size"), e.get("orig_shape"))
+            if e.get("bytes") or got != want:
+                problems.append(f"{INDEX_FNAME}: key {fqn!r} is declared as {got}, {METADATA_FNAME} says {want}")
+                continue
+            boxes[fqn] = [((0,) * len(meta.size), tuple(meta.size))]
+        stray = sorted(set(reader.keys) - set(md.state_dict_metadata))
+        if stray:
+            problems.append(f"{INDEX_FNAME}: declares keys {METADATA_FNAME} does not: {stray[:5]}")
+        chunk_sizes = {(fqn, tuple(c.offsets)): tuple(c.sizes) for fqn in boxes
+                       for c in md.state_dict_metadata[fqn].chunks}
+        for fqn, rows in reader.query(boxes).items():
+            got = {(tuple(off), path, foff, length) for off, size, path, foff, length, _crc in rows}
+            bad_size = [list(off) for off, size, *_ in rows if chunk_sizes.get((fqn, tuple(off))) != tuple(size)]
+            if got != records.get(fqn, set()) or bad_size:
+                problems.append(f"{INDEX_FNAME}: key {fqn!r}: its {len(rows)} chunk records are not the "
+                                f"{len(records.get(fqn, ()))} storage records of {METADATA_FNAME}")
+    except CheckpointingException as e:
+        report.problems.append(str(e))
+        return
+    report.problems.extend(problems)
+    report.checked.append(f"{INDEX_FNAME} against {METADATA_FNAME}: {len(reader.keys)} keys and their records")
 
 
 # --------------------------------------------------------------------------- zarr
 
 
-def _check_zarr(root: Path, report: VerifyReport) -> None:
+def _check_zarr(root: Path, report: VerifyReport, manifest=None) -> None:
     from distckpt.strategies import zarr as zarr_strategy
 
     try:
@@ -360,6 +439,16 @@ def _check_zarr(root: Path, report: VerifyReport) -> None:
     except CheckpointingException as e:
         report.problems.append(str(e))
         return
+    # The listing is a claim: checked against the folders first, so a listing of 100,000 keys
+    # over a checkpoint of 3 arrays is one problem naming it, found in a blink, not 100,000
+    # reads of metadata that is not there.
+    missing = _keys_without_array_meta(root, keys)
+    if missing:
+        report.problems.append(
+            f"{storage.join(root, 'zarr.json')}: lists {len(missing)} of its {len(keys)} array keys with no array "
+            f"metadata (missing): {', '.join(map(repr, missing[:3]))}{' ...' if len(missing) > 3 else ''}")
+        absent = set(missing)
+        keys = [key for key in keys if key not in absent]
     chunk_files = 0
     for key in keys:
         try:
@@ -370,16 +459,32 @@ def _check_zarr(root: Path, report: VerifyReport) -> None:
         if meta is None:
             report.problems.append(f"{key}/: listed in the root group but has no array metadata (missing)")
             continue
+        if manifest is not None:
+            problem = zarr_strategy.manifest_disagreement(meta, manifest)
+            if problem:
+                report.problems.append(problem)
         grid = [range(-(-s // c)) if c else range(0) for s, c in zip(meta.shape, meta.chunks)]
+        cells = math.prod(len(r) for r in grid)
+        present = _chunk_files_at_most(root, meta, cells) if cells > _GRID_WALK else cells
+        if present < cells:
+            # Each chunk of the grid needs a file: count the files rather than loop over a grid
+            # that a hostile zarr.json can make 2^40 chunks large.
+            report.problems.append(f"{key}: its grid of {cells} chunks has only {present} chunk files "
+                                   f"({cells - present} missing)")
+            continue
         missing, wrong = [], []
         for index in _product(grid):
             chunk_files += 1
             rel = meta.chunk_relpath(index)
             if isinstance(root, Path):
                 try:
-                    actual = meta.chunk_path(index).stat().st_size
+                    actual = containment.size_beneath(meta.path, meta.chunk_name(index), meta.path / "zarr.json",
+                                                      "chunk file")
                 except (FileNotFoundError, NotADirectoryError):
                     actual = None
+                except CheckpointingException as e:   # a chunk file that is a symlink out
+                    report.problems.append(str(e))
+                    continue
             else:
                 actual = _file_size(root, rel)
             if actual is None:
@@ -394,6 +499,58 @@ def _check_zarr(root: Path, report: VerifyReport) -> None:
             report.problems.append(f"{key}: {len(wrong)} chunk file(s) of the wrong size (truncated?): "
                                    f"{', '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}")
     report.checked.append(f"{len(keys)} arrays: metadata and {chunk_files} chunk files (presence, size)")
+
+
+def _keys_without_array_meta(root, keys: Sequence[str]) -> List[str]:
+    """The listed ``keys`` (names the listing check already accepted) whose folder holds neither
+    ``zarr.json`` nor ``.zarray``: set look-ups in the listings of the real folders on their
+    paths, each folder listed once, so the work is bounded by what the checkpoint holds, not by
+    what the listing claims (on a store: look-ups in its one listing). Only a presence test:
+    reading the file goes through the containment rule."""
+    names = ("zarr.json", ".zarray")
+    if not isinstance(root, Path):
+        return [k for k in keys if not any(f"{k}/{n}" in _listing(root) for n in names)]
+    folders: Dict[str, Optional[set]] = {}
+
+    def entries(folder: str) -> Optional[set]:
+        if folder not in folders:
+            try:
+                listing = containment.list_beneath(root, folder, root / "zarr.json")
+            except (OSError, CheckpointingException):
+                listing = None   # not a folder, or one a symlink leads out to
+            folders[folder] = None if listing is None else set(listing)
+        return folders[folder]
+
+    def present(key: str) -> bool:
+        folder = ""
+        for part in key.split("/"):   # stops at the first segment that is not there
+            inside = entries(folder)
+            if inside is None or part not in inside:
+                return False
+            folder = f"{folder}/{part}" if folder else part
+        inside = entries(folder)
+        return inside is not None and any(n in inside for n in names)
+
+    return [key for key in keys if not present(key)]
+
+
+# Grids up to this many chunks are checked chunk by chunk at once; larger ones only after their
+# chunk files were counted (each chunk is a file, so the files bound the loop).
+_GRID_WALK = 1 << 16
+
+
+def _chunk_files_at_most(root, meta, limit: int) -> int:
+    """The files of array ``meta`` besides its metadata, counted up to ``limit``."""
+    count = 0
+    if isinstance(root, Path):
+        for filenames in containment.walk_beneath(root, meta.key, root / "zarr.json", "array key"):
+            count += sum(1 for n in filenames if n not in (".zarray", ".zattrs", "zarr.json"))
+            if count >= limit:
+                return limit
+        return count
+    prefix = f"{meta.key}/"
+    return min(limit, sum(1 for n in _listing(root) if n.startswith(prefix)
+                          and n.rsplit("/", 1)[-1] not in (".zarray", ".zattrs", "zarr.json")))
 
 
 def _product(ranges):
