@@ -250,6 +250,9 @@ def read_manifest(checkpoint_dir) -> Optional[Manifest]:
         for r in rs:
             bounds.natural(r.offset, path, f"range offset in {name!r}")
             bounds.natural(r.length, path, f"range length in {name!r}")
+            bounds.natural(r.crc32c, path, f"CRC32C of a range in {name!r}", 0xFFFFFFFF)
+            for value in (r.chunk[0] + r.chunk[1]) if r.chunk is not None else ():
+                bounds.natural(value, path, f"chunk of the range at {r.offset} in {name!r}", bounds.MAX_NUMEL)
     stray = sorted(set(m.ranges) - set(m.files))
     unchecked = sorted(f for f, size in m.files.items() if size and not m.ranges.get(f))
     if stray or unchecked:

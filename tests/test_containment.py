@@ -304,12 +304,13 @@ def test_saving_a_sharded_object_key_outside_the_checkpoint_is_refused(tmp_path)
     assert not (tmp_path / "escaped").exists()
 
 
-def test_diff_and_rename_refuse_a_data_file_that_is_a_symlink_out(tmp_path, victim):
+def test_show_diff_and_rename_refuse_a_data_file_that_is_a_symlink_out(tmp_path, victim):
     ckpt = _save(tmp_path / "ckpt", "torch_dist")
     other = _save(tmp_path / "other", "torch_dist")
     md = read_metadata(ckpt)
     name = next(i.relative_path for k, i in md.storage_data.items() if k.fqn == "w")
     _symlink_out(ckpt, name, tmp_path)
+    _refused(cli("show", ckpt, "w"), "outside the checkpoint")
     _refused(cli("diff", ckpt, other), "outside the checkpoint")
     out = tmp_path / "renamed"
     _refused(cli("rename", ckpt, "--map", "w=v", "--out", out), "outside the checkpoint")
@@ -327,3 +328,19 @@ def test_a_zarr_array_folder_symlinked_out_is_refused_by_rename_and_rm_prefix(tm
     _refused(cli("rename", ckpt, "--map", "w=v"), "outside the checkpoint")
     _refused(cli("rm-prefix", ckpt, "w"), "outside the checkpoint")
     assert sorted(p.relative_to(outside).as_posix() for p in outside.rglob("*")) == before
+
+
+def test_a_local_tier_piece_that_is_a_symlink_out_is_never_read(tmp_path, caplog):
+    from distckpt.local import LocalCheckpointManager
+    from distckpt.local.manager import NoLocalCheckpointError, iteration_dir, piece_name
+
+    root = tmp_path / "local"
+    manager = LocalCheckpointManager(root, replication_factor=1)
+    manager.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(64, dtype=torch.float32))}, 3)
+    # The piece moved out and linked back, bytes intact: following the link would load it.
+    piece = next(p for p in iteration_dir(root, 3).iterdir() if p.name == piece_name(0, 0))
+    _symlink_out(piece.parent, piece.name, tmp_path)
+    again = LocalCheckpointManager(root, replication_factor=1)
+    with pytest.raises(NoLocalCheckpointError, match="no iteration restored"):
+        again.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(64))})
+    assert f"{piece.name}: named by" in caplog.text and "outside the checkpoint" in caplog.text, caplog.text

@@ -11,6 +11,7 @@ import pickle
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ def _save(ckpt: Path, backend: str = "torch_dist") -> None:
                   ckpt, sharded_strategy=(backend, 1))
 
 
-def _load(ckpt: Path, verify: bool = False):
+def _load(ckpt: Path, verify: Optional[bool] = False):
     return distckpt.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(64))}, ckpt, verify=verify)
 
 
@@ -606,3 +607,57 @@ def test_a_zarr_key_dropped_from_the_root_listing_is_refused_not_left_out(tmp_pa
         distckpt.load_plain_tensors(path)
     with pytest.raises(CheckpointingException, match=match):
         distckpt.load_tensors_metadata(path)
+
+
+def test_a_zarr_array_described_big_endian_or_transposed_is_refused_when_distckpt_wrote_it(zckpt):
+    # The chunk bytes and their CRC32Cs are untouched: only the decoding zarr.json describes
+    # changed, which would load every value byte-swapped (or transposed) without this check.
+    for codecs in ([{"name": "bytes", "configuration": {"endian": "big"}}],
+                   [{"name": "transpose", "configuration": {"order": [0]}}, {"name": "bytes"}]):
+        def edit(md, codecs=codecs):
+            md["codecs"] = codecs
+        original = (zckpt / "w" / "zarr.json").read_bytes()
+        _edit_json(zckpt / "w" / "zarr.json", edit)
+        reseal_manifest(zckpt)
+        for load in (lambda: _load(zckpt, verify=None), lambda: distckpt.load_plain_tensors(zckpt)):
+            with pytest.raises(CheckpointingException, match=r"w/zarr\.json describes its elements in another layout"):
+                load()
+        (zckpt / "w" / "zarr.json").write_bytes(original)
+        reseal_manifest(zckpt)
+    assert torch.equal(_load(zckpt, verify=None)["w"], torch.arange(64, dtype=torch.float32))
+
+
+def test_a_manifest_checksum_beyond_32_bits_is_refused_naming_the_manifest(ckpt):
+    path = ckpt / ".distckpt_manifest.json"
+    md = json.loads(path.read_text())
+    name = next(n for n in md["ranges"] if n.endswith(".distcp"))
+    md["ranges"][name][0][2] = 10 ** 40
+    path.write_text(json.dumps(md))
+    with pytest.raises(CheckpointingException, match=r"distckpt_manifest\.json: CRC32C of a range .* is not an integer"):
+        read_manifest(ckpt)
+    with pytest.raises(CheckpointingException, match=r"distckpt_manifest\.json"):
+        distckpt.remove_sharded_tensors(ckpt, "nothing.")
+
+
+@pytest.mark.parametrize("field", ["length", "properties"])
+def test_the_tools_refuse_metadata_objects_missing_a_field_naming_metadata(ckpt, tmp_path, field):
+    def edit(md):
+        if field == "length":
+            del next(iter(md.storage_data.values())).length
+        else:
+            del next(iter(md.state_dict_metadata.values())).properties
+    _rewrite_metadata(ckpt, edit)
+    for args in (("inspect", ckpt), ("diff", ckpt, ckpt), ("show", ckpt, "w")):
+        _, output = _surgery_cli(*args)
+        assert ".metadata: malformed checkpoint metadata" in output, (args, output)
+
+
+def test_a_zarr_rename_refuses_array_metadata_it_cannot_carry_over(zckpt):
+    def edit(md):
+        md["attributes"] = []
+    _edit_json(zckpt / "w" / "zarr.json", edit)
+    reseal_manifest(zckpt)
+    before = _tree(zckpt)
+    _, output = _surgery_cli("rename", zckpt, "--map", "w=v")
+    assert "w/zarr.json: 'attributes' is list, not an object (nothing was changed)" in output, output
+    assert _tree(zckpt) == before

@@ -202,6 +202,9 @@ class ArrayMeta:
     key_prefix: str                # "c" for the v3 default encoding, "" otherwise
     separator: str
     store: Any = None              # the object store holding the array (None: local ``path``)
+    # The element layout distckpt writes (little-endian, C order; compressed or not): an array
+    # whose key the integrity manifest lists must have it, whoever decodes its chunks.
+    native: bool = True
 
     @property
     def itemsize(self) -> int:
@@ -279,7 +282,10 @@ def _meta_from_v3(key: str, path: Path, md: Dict[str, Any]) -> ArrayMeta:
     raw = (len(codecs) == 1 and codecs[0].get("name") == "bytes"
            and (codecs[0].get("configuration") or {}).get("endian", "little") == "little"
            and not md.get("storage_transformers") and sys.byteorder == "little")
-    return ArrayMeta(key, path, 3, shape, chunks, dtype, raw, prefix, sep)
+    native = all(isinstance(c, dict) and c.get("name") != "transpose"
+                 and (c.get("name") != "bytes" or (c.get("configuration") or {}).get("endian", "little") == "little")
+                 for c in codecs)
+    return ArrayMeta(key, path, 3, shape, chunks, dtype, raw, prefix, sep, native=native)
 
 
 def _meta_from_v2(key: str, path: Path, md: Dict[str, Any]) -> ArrayMeta:
@@ -289,7 +295,7 @@ def _meta_from_v2(key: str, path: Path, md: Dict[str, Any]) -> ArrayMeta:
     raw = (md.get("compressor") is None and not md.get("filters") and md.get("order", "C") == "C"
            and little and sys.byteorder == "little")
     return ArrayMeta(key, path, 2, tuple(md["shape"]), tuple(md["chunks"]), dtype, raw, "",
-                     md.get("dimension_separator", "."))
+                     md.get("dimension_separator", "."), native=False)  # distckpt writes Zarr v3
 
 
 # A chunk may be larger than its array (zarr pads the last chunk), but not absurdly so.
@@ -324,7 +330,13 @@ def manifest_disagreement(meta: ArrayMeta, manifest: Any) -> Optional[str]:
     writer wrote (its dtype and shape), naming both files; None when they agree or the manifest
     records nothing of the key."""
     declared = manifest.keys.get(meta.key)
-    if declared is None or (dtype_name(meta.dtype), tuple(meta.shape)) == (declared[0], tuple(declared[1])):
+    if declared is None:
+        return None
+    if not meta.native:
+        return (f"key {meta.key!r}: {meta_file(meta)} describes its elements in another layout (byte order, "
+                f"element order or format) than the little-endian C-order Zarr v3 chunks distckpt writes, and the "
+                f"integrity manifest {MANIFEST_FNAME} says distckpt wrote this key: the array metadata is damaged")
+    if (dtype_name(meta.dtype), tuple(meta.shape)) == (declared[0], tuple(declared[1])):
         return None
     return (f"key {meta.key!r}: {meta_file(meta)} says {dtype_name(meta.dtype)} of shape {list(meta.shape)}, the "
             f"integrity manifest {MANIFEST_FNAME} says the writer wrote {declared[0]} of shape "

@@ -301,10 +301,14 @@ class CheckpointSource(TensorSource):
 
     def dcp_metadata(self):
         """The ``torch_dist`` ``.metadata`` (read once)."""
-        from distckpt.strategies.torch import read_metadata
+        from distckpt import storage
+        from distckpt.strategies.torch import METADATA_FNAME, check_claims, read_metadata
 
         if self._dcp_metadata is None:
-            self._dcp_metadata = read_metadata(self.path, self.trusted)
+            md = read_metadata(self.path, self.trusted)
+            # Every field the tools read of it, checked as a load checks it first.
+            check_claims(md, storage.join(self.path, METADATA_FNAME))
+            self._dcp_metadata = md
         return self._dcp_metadata
 
     def tensors(self) -> Dict[str, TensorMeta]:

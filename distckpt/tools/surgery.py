@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from distckpt import containment
+from distckpt import bounds, containment
 from distckpt.core import (
     CONFIG_FNAME,
     CheckpointingException,
@@ -303,6 +303,14 @@ def _rename_zarr(root: Path, plan: RenamePlan, out: Optional[PathLike], progress
     from distckpt.strategies import zarr as zarr_strategy
 
     keys = zarr_strategy.list_array_keys(root)
+    # What is carried over is checked first, as a load checks it: a rename writes a fresh manifest
+    # that would otherwise launder a damaged array description into one that verifies.
+    manifest = read_manifest(root)
+    for key in keys:
+        meta = zarr_strategy.read_array_meta(root, key)
+        problem = None if meta is None or manifest is None else zarr_strategy.manifest_disagreement(meta, manifest)
+        if problem:
+            raise CheckpointingException(f"{problem} (nothing was changed)")
     new_keys = [plan.name(k) for k in keys]
     zarr_strategy._check_key_paths(new_keys)
     dirs = {k: plan.tensors[k] for k in keys if k in plan.tensors}
@@ -327,7 +335,12 @@ def _rename_zarr(root: Path, plan: RenamePlan, out: Optional[PathLike], progress
     for old, new in dirs.items():
         meta_path = root / old / zarr_strategy.ARRAY_META
         if meta_path.is_file():
-            md = json.loads(containment.read_beneath(root, f"{old}/{zarr_strategy.ARRAY_META}", root))
+            md = bounds.parse_json(containment.read_beneath(root, f"{old}/{zarr_strategy.ARRAY_META}", root),
+                                   meta_path, "array metadata")
+            attrs = md.get("attributes") if isinstance(md, dict) else None
+            if attrs is not None and not isinstance(attrs, dict):
+                raise CheckpointingException(f"{meta_path}: 'attributes' is {type(attrs).__name__}, not an object "
+                                             f"(nothing was changed)")
             attrs = md.setdefault("attributes", {}).setdefault("distckpt", {})
             if isinstance(attrs, dict) and "key" in attrs:
                 attrs["key"] = new
