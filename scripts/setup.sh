@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up: a virtual environment with distckpt installed editable, plus its test extras
-# (pytest & co., and megatron-core for the interoperability tests).
+# (pytest & co., ruff, and megatron-core for the interoperability tests).
 #
 #   bash scripts/setup.sh
 #
@@ -56,9 +56,9 @@ pip_install() {
 
 echo "setup.sh: installing torch (constraints: $constraints)" >&2
 pip_install torch
-echo "setup.sh: installing distckpt[test,megatron] (editable)" >&2
+echo "setup.sh: installing distckpt[test,dev,megatron] (editable)" >&2
 # megatron-core is a test-only extra: the interop tests run against its real classes.
-pip_install -e "$root[test,megatron]"
+pip_install -e "$root[test,dev,megatron]"
 
 if ! installed; then
     echo "setup.sh: after installing, 'import distckpt, torch' still fails in $venv:" >&2
