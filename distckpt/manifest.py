@@ -300,9 +300,21 @@ def check_whole_file(checkpoint_dir: PathLike, name: str, data: bytes, listed: b
     (``listed``) if a manifest exists but does not list ``name``. Only ``name``'s entry is built
     from the manifest's JSON (metadata queries call this on every read of ``.metadata``)."""
     parsed, _ = _parsed(checkpoint_dir, lambda raw, files: (files, [int(c) for _o, _n, c, *_k in raw["ranges"].get(name, [])]))
-    if parsed is None:
-        return
-    files, expected = parsed
+    if parsed is not None:
+        _compare_whole(checkpoint_dir, name, data, *parsed, listed)
+
+
+def check_whole_bytes(manifest: Optional[Manifest], checkpoint_dir: PathLike, name: str, data: bytes,
+                      listed: bool = True) -> None:
+    """:func:`check_whole_file` against a manifest already read (None: the checkpoint has none),
+    for a caller that checks many files of one checkpoint."""
+    if manifest is not None:
+        _compare_whole(checkpoint_dir, name, data, manifest.files,
+                       [r.crc32c for r in manifest.ranges.get(name, [])], listed)
+
+
+def _compare_whole(checkpoint_dir: PathLike, name: str, data: bytes, files: Dict[str, int], expected: List[int],
+                   listed: bool) -> None:
     if not listed and name not in files:
         return
     if name not in files:

@@ -300,3 +300,20 @@ def test_a_manifest_without_the_layout_fields_still_loads_and_verifies(tmp_path)
     (path / MANIFEST_FNAME).write_text(json.dumps(raw))
     assert torch.equal(_load_whole(path, verify=True)["w"], _full("w"))
     assert _cli_verify(path).exit_code == 0
+
+
+def test_a_zarr_load_of_many_objects_reads_the_manifest_once_and_checks_each(tmp_path, monkeypatch):
+    from distckpt import ShardedObject
+    from distckpt.strategies import common
+
+    def state(value):
+        return {f"o{i}": ShardedObject(f"o{i}", value, (1,), (0,), replica_id=0) for i in range(20)}
+    distckpt.save(state({"x": 1}), tmp_path, sharded_strategy=("zarr", 1))
+    reads = []
+    real = common.read_manifest
+    monkeypatch.setattr(common, "read_manifest", lambda *a, **k: reads.append(a) or real(*a, **k))
+    out = distckpt.load(state(None), tmp_path)
+    assert all(out[f"o{i}"] == {"x": 1} for i in range(20)) and len(reads) == 1
+    faults.flip_byte(tmp_path / "o7" / "shard_0_1.pt", 40)
+    with pytest.raises(CheckpointingException, match=r"o7/shard_0_1\.pt: contents do not match the integrity manifest"):
+        distckpt.load(state(None), tmp_path)

@@ -27,7 +27,7 @@ import torch
 from distckpt import bounds, containment, dist, storage
 from distckpt.core import CheckpointingException
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
-from distckpt.manifest import check_whole_file, read_manifest
+from distckpt.manifest import check_whole_bytes, check_whole_file, read_manifest
 from distckpt.mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
 from distckpt.strategies.base import (
     LoadCommonStrategy,
@@ -193,9 +193,14 @@ def _save_whole(obj: Any, location, name: str) -> Tuple[int, int]:
     return _fsynced_torch_save(obj, fd)
 
 
-def _read_checked(location, name: str, verify: bool, what: str, checksums: bool = True) -> bytes:
+_UNREAD = object()
+
+
+def _read_checked(location, name: str, verify: bool, what: str, checksums: bool = True,
+                  manifest: Any = _UNREAD) -> bytes:
     """The bytes of ``name``, compared with the manifest: with ``verify`` the file must be listed;
-    by default (``checksums``) it is compared when listed."""
+    by default (``checksums``) it is compared when listed. ``manifest``: the checkpoint's
+    manifest already read (None: it has none), for a caller that reads many files."""
     try:
         data = storage.read_bytes(location, name)
     except FileNotFoundError:
@@ -205,8 +210,12 @@ def _read_checked(location, name: str, verify: bool, what: str, checksums: bool 
         raise CheckpointingException(
             f"{what}: cannot read {storage.join(location, name)} (rank {dist.get_rank()}): "
             f"{e.strerror or e}") from None
-    if verify or checksums:
+    if not (verify or checksums):
+        return data
+    if manifest is _UNREAD:
         check_whole_file(location, name, data, listed=verify)
+    else:
+        check_whole_bytes(manifest, location, name, data, listed=verify)
     return data
 
 
@@ -263,12 +272,18 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
 
     def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict,
                              checkpoint_dir: Path) -> StateDict:
+        location = _location(checkpoint_dir)
+        manifest: Any = _UNREAD
+
         def load_one(obj: Any) -> Any:
+            nonlocal manifest
             if not isinstance(obj, ShardedObject):
                 return obj
-            location, name = _location(checkpoint_dir), f"{obj.unique_key}.pt"
+            if manifest is _UNREAD and (self.verify or self.checksums):
+                manifest = read_manifest(location)  # once for all the objects of this load
+            name = f"{obj.unique_key}.pt"
             what = f"ShardedObject {obj.unique_key!r} in {storage.join(location, name)}"
-            data = _read_checked(location, name, self.verify, what, self.checksums)
+            data = _read_checked(location, name, self.verify, what, self.checksums, manifest)
             return safe_torch_load(data, what=what, trusted=self.trusted)
 
         return dict_list_map_inplace(load_one, sharded_objects_state_dict)
