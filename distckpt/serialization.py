@@ -489,7 +489,11 @@ def load(
             sharded_strategy, common_strategy = _load_strategies(checkpoint_dir, sharded_strategy, common_strategy)
             _configure(sharded_strategy, verify, trusted)
             _configure(common_strategy, verify, trusted)
-            common_state_dict = read_common_state(checkpoint_dir, sharded_strategy, common_strategy)
+            # The group's first rank alone compares common.pt with the manifest (which lists every
+            # range of the checkpoint: at scale far more than a rank's share); its verdict reaches
+            # every rank at the stage below, and every rank reads the same file.
+            common_state_dict = read_common_state(checkpoint_dir, sharded_strategy, common_strategy,
+                                                  check=verify is True or dist.get_rank(group) == 0)
             common_state_dict.pop(CONTENT_METADATA_KEY, None)
             timings.begin("local checks")
 
@@ -584,17 +588,24 @@ def _configure(strategy, verify: Optional[bool], trusted: bool) -> None:
 
 
 def read_common_state(checkpoint_dir: Location, sharded_strategy: LoadShardedStrategy,
-                      common_strategy: LoadCommonStrategy) -> StateDict:
+                      common_strategy: LoadCommonStrategy, check: bool = True) -> StateDict:
     """The stored common state, content metadata included: ``common.pt`` merged with the common
     values the sharded format holds itself (the non-tensor values of a ``dcp.save``, which
-    writes no ``common.pt``). Runs on any rank, alone; ``checkpoint_dir`` is resolved."""
+    writes no ``common.pt``). Runs on any rank, alone; ``checkpoint_dir`` is resolved. ``check``
+    False: ``common.pt`` is not compared with the manifest here (another rank does it)."""
     items = sharded_strategy.load_common_items(checkpoint_dir)
+    skip = not check and getattr(common_strategy, "checksums", False) and not getattr(common_strategy, "verify", False)
+    if skip:
+        common_strategy.checksums = False
     try:
         state = common_strategy.load_common(checkpoint_dir)
     except MissingFileError:
         if not items and not is_dcp_native(checkpoint_dir):
             raise
         state = {}
+    finally:
+        if skip:
+            common_strategy.checksums = True
     merge(state, items)
     return state
 

@@ -317,3 +317,31 @@ def test_a_zarr_load_of_many_objects_reads_the_manifest_once_and_checks_each(tmp
     faults.flip_byte(tmp_path / "o7" / "shard_0_1.pt", 40)
     with pytest.raises(CheckpointingException, match=r"o7/shard_0_1\.pt: contents do not match the integrity manifest"):
         distckpt.load(state(None), tmp_path)
+
+
+def _load_half_counting_manifest_parses(path: str):
+    import torch.distributed as tdist
+
+    from distckpt import manifest
+
+    calls = []
+    real = manifest._parsed
+    manifest._parsed = lambda *a, **k: calls.append(a) or real(*a, **k)
+    try:
+        rank = tdist.get_rank()
+        out = distckpt.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 8), (0, rank, 2))}, path)
+    finally:
+        manifest._parsed = real
+    return len(calls), bool(torch.equal(out["w"], torch.arange(32.0).reshape(4, 8)[2 * rank:2 * rank + 2]))
+
+
+def test_in_a_group_only_the_first_rank_reads_the_manifest_and_its_verdict_reaches_all(tmp_path, run_ranks):
+    from tests.harness import expect_all_ranks_raise
+
+    distckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(32.0).reshape(4, 8)), "step": 3}, tmp_path)
+    (parses0, ok0), (parses1, ok1) = run_ranks(2, _load_half_counting_manifest_parses, str(tmp_path))
+    # Rank 1 reads its share through the sidecar index and common.pt unchecked: no manifest at all.
+    assert ok0 and ok1 and parses0 >= 1 and parses1 == 0, (parses0, parses1)
+    torch.save({"step": 4}, tmp_path / "common.pt")   # loads fine, but is not what was written
+    expect_all_ranks_raise(2, _load_half_counting_manifest_parses, str(tmp_path),
+                           match=r"common\.pt: contents do not match the integrity manifest")
