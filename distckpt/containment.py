@@ -192,6 +192,12 @@ def open_beneath(root: PathLike, name: Any, source: PathLike, what: str = "file 
     return fd
 
 
+def create_beneath(root: PathLike, name: Any, source: PathLike, what: str = "file name") -> int:
+    """A descriptor of ``name`` beneath ``root``, created (or truncated) for writing, its missing
+    folders created on the way (see :func:`open_beneath`)."""
+    return open_beneath(root, name, source, what, flags=os.O_WRONLY | os.O_CREAT | os.O_TRUNC, make_parents=True)
+
+
 def read_beneath(root: PathLike, name: Any, source: PathLike, what: str = "file name") -> bytes:
     """The whole regular file ``name`` beneath ``root`` (see :func:`open_beneath`)."""
     fd = open_beneath(root, name, source, what)

@@ -188,8 +188,7 @@ def _save_whole(obj: Any, location, name: str) -> Tuple[int, int]:
         return len(data), crc32c(data)
     # ``name`` may come from a ShardedObject key (of another checkpoint, in a conversion): it is
     # created beneath ``location`` by the containment rule, never through a symlink out.
-    fd = containment.open_beneath(location, name, location, "object file name",
-                                  flags=os.O_WRONLY | os.O_CREAT | os.O_TRUNC, make_parents=True)
+    fd = containment.create_beneath(location, name, location, "object file name")
     return _fsynced_torch_save(obj, fd)
 
 

@@ -1938,10 +1938,9 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[CopyOp],
         if raw is not None:
             _check_item(raw, st, checksums, what, ops[0].key)  # a small item, in memory already
             checked = True
-        elif _expected(st, checksums, ops[0].key, what) is None:
+        elif (expected := _expected(st, checksums, ops[0].key, what)) is None:
             checksums = None  # a file the manifest says nothing of: read as without one
         else:
-            expected = _expected(st, checksums, ops[0].key, what)
             if _whole_into_cpu(st, ops):
                 crc = read_framed_crc(fd, st.file_offset, st.length, tuple(st.size), ops[0].dst, what)
                 if crc is not None:
@@ -2525,8 +2524,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             offsets = []
             source = checkpoint_dir / METADATA_FNAME
             src_fd = containment.open_beneath(checkpoint_dir, name, source)
-            dst_fd = containment.open_beneath(checkpoint_dir, new_name, source,
-                                              flags=os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            dst_fd = containment.create_beneath(checkpoint_dir, new_name, source)
             created.append(new_name)
             with open(src_fd, "rb") as src, open(dst_fd, "wb") as dst:
                 for index, info in sorted(kept, key=lambda e: e[1].offset):

@@ -327,9 +327,9 @@ def meta_file(meta: ArrayMeta) -> str:
 
 def manifest_disagreement(meta: ArrayMeta, manifest: Any) -> Optional[str]:
     """Why array ``meta`` (its ``zarr.json``) disagrees with what the integrity manifest says the
-    writer wrote (its dtype and shape), naming both files; None when they agree or the manifest
-    records nothing of the key."""
-    declared = manifest.keys.get(meta.key)
+    writer wrote (its dtype and shape), naming both files; None when they agree, the manifest
+    records nothing of the key, or there is no manifest (None)."""
+    declared = None if manifest is None else manifest.keys.get(meta.key)
     if declared is None:
         return None
     if not meta.native:
@@ -1389,18 +1389,13 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
                 f"ShardedTensor {key!r} is not in checkpoint {root} (rank {dist.get_rank()})")
         return meta
 
-    def _manifest_problem(self, root, meta: ArrayMeta) -> Optional[str]:
-        """With checksums on and a manifest: why ``meta`` disagrees with it (None: it agrees)."""
-        manifest = read_manifest(root) if self.verify or self.checksums or _is_store(root) else None
-        return manifest_disagreement(meta, manifest) if manifest is not None else None
-
     def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
         root = _root(checkpoint_dir)
         out = {}
         manifest = read_manifest(root) if self.verify or self.checksums or _is_store(root) else None
         for key in list_array_keys(root):
             meta = self._meta(root, key)
-            problem = manifest_disagreement(meta, manifest) if manifest is not None else None
+            problem = manifest_disagreement(meta, manifest)
             if problem:
                 raise CheckpointingException(problem)
             out[key] = ShardedTensor.from_rank_offsets(key, torch.empty(meta.shape, dtype=meta.dtype, device="meta"))
@@ -1418,6 +1413,8 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         # The root group is not needed to find the arrays, but a damaged one means a damaged
         # checkpoint: refuse it rather than load around it (one small read per load).
         _root_keys(root)
+        # On an object store every chunk read is checked (storage checksums do not reach us).
+        manifest = read_manifest(root) if self.verify or self.checksums or _is_store(root) else None
         metas: Dict[str, ArrayMeta] = {}
         ops: List[ChunkRead] = []
         commits: List[Callable[[], None]] = []
@@ -1439,7 +1436,8 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             if tuple(sh.global_shape) != meta.shape:
                 if not sh.allow_shape_mismatch or len(sh.global_shape) != len(meta.shape):
                     # A damaged zarr.json (one the manifest contradicts) is the cause to report.
-                    raise CheckpointingException(self._manifest_problem(root, meta) or (
+                    raise CheckpointingException(
+                        manifest_disagreement(meta, manifest) or (
                         f"ShardedTensor {sh.key!r}: global shape {list(sh.global_shape)} was requested but "
                         f"the checkpoint stores {list(meta.shape)} (in {meta_file(meta)}; set "
                         f"allow_shape_mismatch=True to load the overlap and zero the rest)"))
@@ -1460,8 +1458,6 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             return sh
 
         dict_list_map_inplace(prepare, sharded_state_dict)
-        # On an object store every chunk read is checked (storage checksums do not reach us).
-        manifest = read_manifest(root) if self.verify or self.checksums or _is_store(root) else None
         checksums = None
         if manifest is not None:
             for meta in metas.values():

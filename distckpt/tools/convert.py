@@ -249,8 +249,7 @@ class ZarrWriter(DistckptWriter):
             else:
                 # The key comes from the source checkpoint: the file is created beneath the
                 # destination by the containment rule, never through '..' or a symlink out.
-                fd = containment.open_beneath(self.dst, f"{unique_key}.pt", self.dst, "ShardedObject file name",
-                                              flags=os.O_WRONLY | os.O_CREAT | os.O_TRUNC, make_parents=True)
+                fd = containment.create_beneath(self.dst, f"{unique_key}.pt", self.dst, "ShardedObject file name")
                 try:
                     write_all(fd, data)
                     os.fsync(fd)

@@ -308,7 +308,7 @@ def _rename_zarr(root: Path, plan: RenamePlan, out: Optional[PathLike], progress
     manifest = read_manifest(root)
     for key in keys:
         meta = zarr_strategy.read_array_meta(root, key)
-        problem = None if meta is None or manifest is None else zarr_strategy.manifest_disagreement(meta, manifest)
+        problem = None if meta is None else zarr_strategy.manifest_disagreement(meta, manifest)
         if problem:
             raise CheckpointingException(f"{problem} (nothing was changed)")
     new_keys = [plan.name(k) for k in keys]
