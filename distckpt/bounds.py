@@ -88,17 +88,24 @@ def shape(values: Any, source: PathLike, what: str) -> Tuple[int, ...]:
     for d in dims:
         numel *= natural(d, source, what, MAX_NUMEL)
     if numel > MAX_NUMEL:
-        raise CheckpointingException(f"{source}: {what} {list(dims)} claims {numel} elements (more than 2^48)")
+        raise CheckpointingException(
+            f"{source}: {what} {list(dims)} claims {numel} elements (more than 2^48)"
+        )
     return dims
 
 
-def box_inside(offsets: Sequence[int], sizes: Sequence[int], whole: Sequence[int], source: PathLike,
-               what: str) -> None:
+def box_inside(
+    offsets: Sequence[int], sizes: Sequence[int], whole: Sequence[int], source: PathLike, what: str
+) -> None:
     """Raise unless the box ``offsets`` / ``sizes`` lies inside the shape ``whole``."""
-    if len(offsets) != len(whole) or len(sizes) != len(whole) or any(
-            o + s > w for o, s, w in zip(offsets, sizes, whole)):
+    if (
+        len(offsets) != len(whole)
+        or len(sizes) != len(whole)
+        or any(o + s > w for o, s, w in zip(offsets, sizes, whole))
+    ):
         raise CheckpointingException(
-            f"{source}: {what} at {list(offsets)} of size {list(sizes)} lies outside the shape {list(whole)}")
+            f"{source}: {what} at {list(offsets)} of size {list(sizes)} lies outside the shape {list(whole)}"
+        )
 
 
 def parse_json(data: Any, source: PathLike, what: str) -> Any:
@@ -110,7 +117,9 @@ def parse_json(data: Any, source: PathLike, what: str) -> Any:
     try:
         return json.loads(data)
     except RecursionError:
-        raise CheckpointingException(f"{source}: {what} is nested too deeply to parse (damaged or hostile)") from None
+        raise CheckpointingException(
+            f"{source}: {what} is nested too deeply to parse (damaged or hostile)"
+        ) from None
     except ValueError as e:  # UnicodeDecodeError included
         raise CheckpointingException(f"{source}: {what} is not valid JSON: {e}") from None
 
@@ -128,7 +137,8 @@ def check_nesting(obj: Any, source: PathLike, what: str, limit: int = MAX_NESTIN
         seen.add(id(node))
         if depth > limit:
             raise CheckpointingException(
-                f"{source}: {what} nests containers more than {limit} deep (damaged or hostile); refusing it")
+                f"{source}: {what} nests containers more than {limit} deep (damaged or hostile); refusing it"
+            )
         if isinstance(node, dict):
             children = node.values()
         elif isinstance(node, (list, tuple, set, frozenset)):

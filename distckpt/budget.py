@@ -30,21 +30,44 @@ from typing import Iterator, Optional, Union
 
 from distckpt.core import CheckpointingException
 
-__all__ = ["ENV_VAR", "DEFAULT_FRACTION", "host_memory_budget", "set_host_memory_budget",
-           "parse_budget", "local_world_size", "cores_per_rank", "ranks_doing_io"]
+__all__ = [
+    "ENV_VAR",
+    "DEFAULT_FRACTION",
+    "host_memory_budget",
+    "set_host_memory_budget",
+    "parse_budget",
+    "local_world_size",
+    "cores_per_rank",
+    "ranks_doing_io",
+]
 
 ENV_VAR = "DISTCKPT_HOST_MEMORY_BUDGET"
 DEFAULT_FRACTION = 0.25
 MIN_BUDGET = 1 << 16  # a rank's share never goes below 64 KiB
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 1 << 10, "m": 10**6, "mb": 10**6, "mib": 1 << 20,
-          "g": 10**9, "gb": 10**9, "gib": 1 << 30, "t": 10**12, "tb": 10**12, "tib": 1 << 40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 1 << 10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 1 << 20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 1 << 30,
+    "t": 10**12,
+    "tb": 10**12,
+    "tib": 1 << 40,
+}
 _NUMBER = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
 
 _override: Optional[Union[int, float, str]] = None
 # Ranks of this host doing I/O in the current save (set by ``ranks_doing_io``), or None: all of them.
-_ranks_doing_io: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("distckpt_ranks_doing_io",
-                                                                                 default=None)
+_ranks_doing_io: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar(
+    "distckpt_ranks_doing_io", default=None
+)
 
 
 def host_ram_bytes() -> int:
@@ -65,7 +88,8 @@ def parse_budget(value: Union[int, float, str], what: str = ENV_VAR) -> int:
     if isinstance(value, float):
         if not 0 < value <= 1:
             raise CheckpointingException(
-                f"{what}={value!r}: a fraction of the host's RAM must be in (0, 1]; give bytes as an integer")
+                f"{what}={value!r}: a fraction of the host's RAM must be in (0, 1]; give bytes as an integer"
+            )
         return max(1, int(host_ram_bytes() * value))
     if isinstance(value, str):
         m = _NUMBER.match(value)
@@ -73,7 +97,8 @@ def parse_budget(value: Union[int, float, str], what: str = ENV_VAR) -> int:
         if m is None or unit not in _UNITS:
             raise CheckpointingException(
                 f"{what}={value!r}: expected bytes (e.g. 1073741824, 512MiB, 4GiB) or a fraction of "
-                f"the host's RAM (e.g. 0.25)")
+                f"the host's RAM (e.g. 0.25)"
+            )
         number = m.group(1)
         if "." in number and unit == "":
             return parse_budget(float(number), what)
@@ -109,7 +134,7 @@ def cores_per_rank() -> int:
     except AttributeError:  # not Linux
         usable = os.cpu_count() or 1
     if usable < (os.cpu_count() or usable):
-        return max(1, usable)          # pinned: the affinity is this rank's share already
+        return max(1, usable)  # pinned: the affinity is this rank's share already
     sharing = local_world_size()
     busy = _ranks_doing_io.get()
     if busy is not None:

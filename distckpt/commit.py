@@ -94,8 +94,18 @@ _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?P<kind>distckpt-(?:staging|old|trash
 
 # Names a checkpoint writes at its top level (besides what its manifest lists).
 STAGING_TOKEN = ".distckpt_staging"
-_CHECKPOINT_FILES = frozenset({CONFIG_FNAME, ".metadata", ".distckpt_manifest.json", "common.pt",
-                               "zarr.json", ".zgroup", ".zattrs", STAGING_TOKEN})
+_CHECKPOINT_FILES = frozenset(
+    {
+        CONFIG_FNAME,
+        ".metadata",
+        ".distckpt_manifest.json",
+        "common.pt",
+        "zarr.json",
+        ".zgroup",
+        ".zattrs",
+        STAGING_TOKEN,
+    }
+)
 _TEMP_FILE = re.compile(r"^\..+\.tmp\.\d+$")
 
 
@@ -157,8 +167,7 @@ class RenameCommit:
         """rank 0: create the staging directory for ``save_id`` beside ``target``. ``overwrite``
         False refuses a target that holds a committed checkpoint (None and True replace it)."""
         if overwrite is False and _committed(target):
-            raise CheckpointingException(
-                f"{target} already holds a committed checkpoint and overwrite=False")
+            raise CheckpointingException(f"{target} already holds a committed checkpoint and overwrite=False")
         target.parent.mkdir(parents=True, exist_ok=True)
         path = leftover_name(target, STAGING_MARK, save_id)
         path.mkdir()
@@ -179,7 +188,8 @@ class RenameCommit:
         except FileNotFoundError:
             raise CheckpointingException(
                 f"{path}: the staging directory of this save is gone (another save to {target} "
-                f"removed it?); nothing was committed") from None
+                f"removed it?); nothing was committed"
+            ) from None
         try:
             token = (path / STAGING_TOKEN).read_text()
         except FileNotFoundError:
@@ -187,7 +197,8 @@ class RenameCommit:
         if (st.st_dev, st.st_ino) != staging.inode or token != staging.save_id:
             raise CheckpointingException(
                 f"{path}: the staging directory was replaced while this save wrote into it (another "
-                f"save to {target} at the same time?); nothing was committed")
+                f"save to {target} at the same time?); nothing was committed"
+            )
         save_config(config, path)
         _check_complete(path)
         os.remove(path / STAGING_TOKEN)
@@ -213,8 +224,13 @@ class RenameCommit:
         try:
             remove_tree(_to_trash(staging.path))
         except OSError as e:
-            logger.warning("%s: could not remove the staging directory of a failed save (%s); the next "
-                           "save to %s removes it", staging.path, e, staging.target)
+            logger.warning(
+                "%s: could not remove the staging directory of a failed save (%s); the next "
+                "save to %s removes it",
+                staging.path,
+                e,
+                staging.target,
+            )
 
     def cleanup_leftovers(self, target: Path) -> List[Path]:
         """rank 0, before a save: finish a half-done swap, then remove every leftover of earlier
@@ -229,8 +245,12 @@ class RenameCommit:
             remove_tree(trash)
             removed.append(path)
         if removed:
-            logger.info("%s: removed %d leftover(s) of interrupted saves: %s", target, len(removed),
-                        ", ".join(p.name for p in removed))
+            logger.info(
+                "%s: removed %d leftover(s) of interrupted saves: %s",
+                target,
+                len(removed),
+                ", ".join(p.name for p in removed),
+            )
         return removed
 
     def recover(self, target: Path) -> bool:
@@ -275,11 +295,13 @@ def _check_complete(path: Path) -> None:
             actual = (path / name).stat().st_size
         except FileNotFoundError:
             raise CheckpointingException(
-                f"{path / name}: missing from the staging directory at commit; nothing was committed") from None
+                f"{path / name}: missing from the staging directory at commit; nothing was committed"
+            ) from None
         if actual != size:
             raise CheckpointingException(
                 f"{path / name}: {actual} bytes in the staging directory, the manifest says {size}; "
-                f"nothing was committed")
+                f"nothing was committed"
+            )
 
 
 def _is_empty_dir_or_absent(target: Path) -> bool:
@@ -311,15 +333,17 @@ def _looks_like_checkpoint_entry(entry: os.DirEntry) -> bool:
         except OSError:
             return False
         return any(n in ("zarr.json", ".zarray", ".zgroup") for n in inner) or (
-            bool(inner) and all(n.startswith("shard_") and n.endswith(".pt") for n in inner))
+            bool(inner) and all(n.startswith("shard_") and n.endswith(".pt") for n in inner)
+        )
     return False
 
 
 def foreign_entries(target: Path) -> List[str]:
     """Top-level names in ``target`` that are not part of a checkpoint (kept across overwrites)."""
     known = _checkpoint_entries(target)
-    return sorted(e.name for e in os.scandir(target)
-                  if e.name not in known and not _looks_like_checkpoint_entry(e))
+    return sorted(
+        e.name for e in os.scandir(target) if e.name not in known and not _looks_like_checkpoint_entry(e)
+    )
 
 
 def _carry_over_foreign_entries(target: Path, staging: Path) -> None:
@@ -431,7 +455,8 @@ def check_unchanged(path: Path, before: Optional[TreeIdentity]) -> None:
     if before is not None and tree_identity(path) != before:
         raise CheckpointingException(
             f"{path}: the checkpoint was replaced or modified while it was being loaded (another job "
-            f"saved to it?); what was read may mix two saves, so it is discarded — load again")
+            f"saved to it?); what was read may mix two saves, so it is discarded — load again"
+        )
 
 
 class StoreCommit:

@@ -57,11 +57,18 @@ def check_name(name: Any, source: PathLike, what: str = "file name") -> str:
     (the file that held the name) and the name."""
     if not isinstance(name, str) or not name:
         raise CheckpointingException(f"{source}: {what} {name!r} is not a non-empty string")
-    if (name.startswith("/") or "\\" in name or "\x00" in name or _DRIVE.match(name)
-            or os.path.isabs(name) or any(p in ("", ".", "..") for p in name.split("/"))):
+    if (
+        name.startswith("/")
+        or "\\" in name
+        or "\x00" in name
+        or _DRIVE.match(name)
+        or os.path.isabs(name)
+        or any(p in ("", ".", "..") for p in name.split("/"))
+    ):
         raise CheckpointingException(
             f"{source}: {what} {name!r} points outside the checkpoint (absolute, '..', empty segments, "
-            f"a backslash, NUL or a drive prefix); refusing to use it")
+            f"a backslash, NUL or a drive prefix); refusing to use it"
+        )
     return name
 
 
@@ -70,7 +77,8 @@ def _escape(root: PathLike, name: str, source: PathLike, why: str) -> Checkpoint
     real = os.path.realpath(path)
     return CheckpointingException(
         f"{path}: named by {source}, resolves to {real}, outside the checkpoint {root} ({why}); "
-        f"refusing to use it")
+        f"refusing to use it"
+    )
 
 
 def _open_dir(parent: int, part: str) -> int:
@@ -87,8 +95,9 @@ def _link_target(parent: int, part: str) -> Optional[str]:
         raise
 
 
-def _resolve(root: PathLike, name: str, source: PathLike, final: Callable[[int, str], Any],
-             make_parents: bool = False) -> Any:
+def _resolve(
+    root: PathLike, name: str, source: PathLike, final: Callable[[int, str], Any], make_parents: bool = False
+) -> Any:
     """Walk ``name`` beneath ``root`` one component at a time and return ``final(folder_fd,
     last_component)``. ``final`` must not follow a symlink: it raises OSError(ELOOP) on one, and
     the walk then reads the link and goes on with its target (see the module docstring)."""
@@ -133,14 +142,17 @@ def _resolve(root: PathLike, name: str, source: PathLike, final: Callable[[int, 
                     if e.errno not in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
                         raise
                 target = _link_target(fds[-1], part)
-                if target is None:   # a file where a folder should be: the name does not exist
-                    raise FileNotFoundError(errno.ENOTDIR, "Not a directory", str(Path(root) / name)) from None
+                if target is None:  # a file where a folder should be: the name does not exist
+                    raise FileNotFoundError(
+                        errno.ENOTDIR, "Not a directory", str(Path(root) / name)
+                    ) from None
             if target.startswith("/") or os.path.isabs(target):
                 raise _escape(root, name, source, "an absolute symlink")
             links += 1
             if links > MAX_LINKS:
                 raise CheckpointingException(
-                    f"{Path(root) / name}: named by {source}: more than {MAX_LINKS} symlinks; refusing to use it")
+                    f"{Path(root) / name}: named by {source}: more than {MAX_LINKS} symlinks; refusing to use it"
+                )
             todo.extend(reversed(target.split("/")))
         raise AssertionError("unreachable: the walk returns at the last component")
     except FileNotFoundError as e:
@@ -165,8 +177,9 @@ def _open(root: PathLike, name: str, source: PathLike, flags: int, mode: int, ma
         return os.open(path, flags | _CLOEXEC | (os.O_NONBLOCK if reading else 0), mode)
     # O_NONBLOCK: opening a FIFO to read must not block (a read opener clears it again).
     extra = _NOFOLLOW | _CLOEXEC | (os.O_NONBLOCK if reading else 0)
-    return _resolve(root, name, source, lambda d, part: os.open(part, flags | extra, mode, dir_fd=d),
-                    make_parents)
+    return _resolve(
+        root, name, source, lambda d, part: os.open(part, flags | extra, mode, dir_fd=d), make_parents
+    )
 
 
 def _check_realpath(root: PathLike, name: str, source: PathLike, path: Path) -> None:
@@ -175,8 +188,15 @@ def _check_realpath(root: PathLike, name: str, source: PathLike, path: Path) -> 
         raise _escape(root, name, source, "a symlink")
 
 
-def open_beneath(root: PathLike, name: Any, source: PathLike, what: str = "file name",
-                 flags: int = os.O_RDONLY, mode: int = 0o644, make_parents: bool = False) -> int:
+def open_beneath(
+    root: PathLike,
+    name: Any,
+    source: PathLike,
+    what: str = "file name",
+    flags: int = os.O_RDONLY,
+    mode: int = 0o644,
+    make_parents: bool = False,
+) -> int:
     """A descriptor of ``name`` opened beneath ``root`` with ``flags``, never through a symlink
     that leaves ``root`` (see the module docstring); a read-only open must find a regular file.
     ``make_parents``: create missing folders on the way (writes). Raises FileNotFoundError for a
@@ -187,7 +207,9 @@ def open_beneath(root: PathLike, name: Any, source: PathLike, what: str = "file 
         regular, kind = _is_regular(fd)
         if not regular:
             os.close(fd)
-            raise CheckpointingException(f"{Path(root) / name}: named by {source}, is {kind}; refusing to read it")
+            raise CheckpointingException(
+                f"{Path(root) / name}: named by {source}, is {kind}; refusing to read it"
+            )
         os.set_blocking(fd, True)
     return fd
 
@@ -195,7 +217,9 @@ def open_beneath(root: PathLike, name: Any, source: PathLike, what: str = "file 
 def create_beneath(root: PathLike, name: Any, source: PathLike, what: str = "file name") -> int:
     """A descriptor of ``name`` beneath ``root``, created (or truncated) for writing, its missing
     folders created on the way (see :func:`open_beneath`)."""
-    return open_beneath(root, name, source, what, flags=os.O_WRONLY | os.O_CREAT | os.O_TRUNC, make_parents=True)
+    return open_beneath(
+        root, name, source, what, flags=os.O_WRONLY | os.O_CREAT | os.O_TRUNC, make_parents=True
+    )
 
 
 def read_beneath(root: PathLike, name: Any, source: PathLike, what: str = "file name") -> bytes:

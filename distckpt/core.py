@@ -46,7 +46,7 @@ def write_all(fd: int, data) -> None:
     """``os.write`` every byte of ``data`` (bytes-like), however short the individual writes."""
     view = memoryview(data).cast("B")
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def write_file_durably(path: PathLike, data: bytes) -> None:
@@ -126,12 +126,17 @@ def parse_config(text: bytes, path: Any) -> CheckpointingConfig:
         config = CheckpointingConfig(**raw)
     except TypeError as e:
         raise CheckpointingException(f"{path}: invalid checkpoint config: {e}") from e
-    for name, kind in (("sharded_backend", str), ("common_backend", str),
-                       ("sharded_backend_version", int), ("common_backend_version", int)):
+    for name, kind in (
+        ("sharded_backend", str),
+        ("common_backend", str),
+        ("sharded_backend_version", int),
+        ("common_backend_version", int),
+    ):
         value = getattr(config, name)
         if not isinstance(value, kind) or isinstance(value, bool):
             raise CheckpointingException(
-                f"{path}: {name} must be {'a string' if kind is str else 'an integer'}, got {value!r}")
+                f"{path}: {name} must be {'a string' if kind is str else 'an integer'}, got {value!r}"
+            )
     return config
 
 

@@ -70,14 +70,20 @@ def checkpoint_config(checkpoint_dir: Union[PathLike, Store]) -> Optional[Checkp
 def describe_missing_config(checkpoint_dir: Union[PathLike, Store]) -> str:
     """Why ``checkpoint_dir`` (a location without a usable config) is not readable."""
     if isinstance(checkpoint_dir, Store):
-        return (f"{checkpoint_dir.url} is not a distributed checkpoint: {CONFIG_FNAME} is missing, so it is "
-                f"either not a checkpoint or an interrupted save")
+        return (
+            f"{checkpoint_dir.url} is not a distributed checkpoint: {CONFIG_FNAME} is missing, so it is "
+            f"either not a checkpoint or an interrupted save"
+        )
     root = Path(checkpoint_dir)
     if (root / DCP_METADATA_FNAME).is_file():
         extra = [n for n in _TORCH_DIST_ONLY if (root / n).exists()]
-        return (f"{root} is not a distributed checkpoint: it has DCP's {DCP_METADATA_FNAME} but also "
-                f"{' and '.join(extra)} and no {CONFIG_FNAME}, so it is an interrupted torch_dist save "
-                f"(a plain DCP checkpoint, read as torch_dist, has {DCP_METADATA_FNAME} and neither)")
-    return (f"{root} is not a distributed checkpoint: {CONFIG_FNAME} is missing (distckpt, Megatron-Core) and "
-            f"so is DCP's {DCP_METADATA_FNAME} (plain PyTorch DCP), so it is either not a checkpoint or an "
-            f"interrupted save")
+        return (
+            f"{root} is not a distributed checkpoint: it has DCP's {DCP_METADATA_FNAME} but also "
+            f"{' and '.join(extra)} and no {CONFIG_FNAME}, so it is an interrupted torch_dist save "
+            f"(a plain DCP checkpoint, read as torch_dist, has {DCP_METADATA_FNAME} and neither)"
+        )
+    return (
+        f"{root} is not a distributed checkpoint: {CONFIG_FNAME} is missing (distckpt, Megatron-Core) and "
+        f"so is DCP's {DCP_METADATA_FNAME} (plain PyTorch DCP), so it is either not a checkpoint or an "
+        f"interrupted save"
+    )

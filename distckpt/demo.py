@@ -36,11 +36,11 @@ TRAIN_STEPS = 2
 class PhaseReport:
     """One rank's account of one save or load."""
 
-    action: str                    # "save" or "load"
+    action: str  # "save" or "load"
     layout: str
-    seconds: float                 # between barriers: the slowest rank's time
-    keys: list[str]                # sharded keys involved (tensors and objects)
-    nbytes: int                    # save: checkpoint size on disk; load: bytes this rank loaded
+    seconds: float  # between barriers: the slowest rank's time
+    keys: list[str]  # sharded keys involved (tensors and objects)
+    nbytes: int  # save: checkpoint size on disk; load: bytes this rank loaded
     mismatches: list[str] = field(default_factory=list)
 
 
@@ -96,15 +96,22 @@ def main_replica_pieces(sharded_leaves) -> list[Piece]:
     for leaf in sharded_leaves:
         if isinstance(leaf, ShardedTensor) and is_main_replica(leaf.replica_id):
             fr = leaf.flattened_range
-            pieces.append((leaf.key, tuple(leaf.global_shape), leaf.global_slice(),
-                           None if fr is None else (fr.start, fr.stop), leaf.data.detach().clone()))
+            pieces.append(
+                (
+                    leaf.key,
+                    tuple(leaf.global_shape),
+                    leaf.global_slice(),
+                    None if fr is None else (fr.start, fr.stop),
+                    leaf.data.detach().clone(),
+                )
+            )
     return pieces
 
 
 def _region(full: torch.Tensor, index: tuple, flat: tuple[int, int] | None) -> torch.Tensor:
     """Copy of the elements at ``index`` (then flat range ``flat``) of ``full``."""
     region = full[index]
-    return region.reshape(-1)[flat[0]:flat[1]].clone() if flat is not None else region.clone()
+    return region.reshape(-1)[flat[0] : flat[1]].clone() if flat is not None else region.clone()
 
 
 def _assign(full: torch.Tensor, index: tuple, flat: tuple[int, int] | None, value: torch.Tensor) -> None:
@@ -112,7 +119,7 @@ def _assign(full: torch.Tensor, index: tuple, flat: tuple[int, int] | None, valu
         full[index] = value
         return
     region = full[index].clone()
-    region.reshape(-1)[flat[0]:flat[1]] = value
+    region.reshape(-1)[flat[0] : flat[1]] = value
     full[index] = region
 
 
@@ -151,7 +158,9 @@ def compare_with_reference(sharded_leaves, reference: dict[str, torch.Tensor]) -
         want = _region(full, leaf.global_slice(), None if fr is None else (fr.start, fr.stop))
         got = leaf.data
         if got.dtype != want.dtype or got.shape != want.shape or not torch.equal(_bits(got), _bits(want)):
-            wrong.append(f"{leaf.key} at {leaf.global_offset}" + ("" if fr is None else f" [{fr.start}:{fr.stop}]"))
+            wrong.append(
+                f"{leaf.key} at {leaf.global_offset}" + ("" if fr is None else f" [{fr.start}:{fr.stop}]")
+            )
     return wrong
 
 
@@ -214,8 +223,16 @@ def _rank_main(ckpt_dir: str, layouts: list) -> list[PhaseReport]:
     reference, badly_covered = assemble_reference([p for pieces in gathered for p in pieces])
     _, seconds = _timed(save_checkpoint, ckpt_dir, model, optimizer, TRAIN_STEPS, extra=rng)
     size = sum(f.stat().st_size for f in Path(ckpt_dir).iterdir() if f.is_file())
-    reports.append(PhaseReport("save", str(save_layout), seconds, sorted(reference) + ["rng_state"], size,
-                               [f"{k}: saved pieces overlap or leave holes" for k in badly_covered]))
+    reports.append(
+        PhaseReport(
+            "save",
+            str(save_layout),
+            seconds,
+            sorted(reference) + ["rng_state"],
+            size,
+            [f"{k}: saved pieces overlap or leave holes" for k in badly_covered],
+        )
+    )
 
     for layout in layouts[1:]:
         ps, model, optimizer = build(layout, train_cfg)
@@ -229,8 +246,11 @@ def _rank_main(ckpt_dir: str, layouts: list) -> list[PhaseReport]:
             wrong.append(f"rng_state of rank {rank}")
         if state["iteration"] != TRAIN_STEPS:
             wrong.append(f"iteration {state['iteration']} != {TRAIN_STEPS}")
-        nbytes = sum(leaf.data.numel() * leaf.data.element_size() for leaf in leaves
-                     if isinstance(leaf, distckpt.ShardedTensor))
+        nbytes = sum(
+            leaf.data.numel() * leaf.data.element_size()
+            for leaf in leaves
+            if isinstance(leaf, distckpt.ShardedTensor)
+        )
         keys = sorted({leaf.key for leaf in leaves} | {"rng_state"})
         reports.append(PhaseReport("load", str(layout), seconds, keys, nbytes, wrong))
     return reports
@@ -246,8 +266,16 @@ def _summarise(per_rank: list[list[PhaseReport]]) -> list[PhaseReport]:
         first = phase[0]
         nbytes = first.nbytes if first.action == "save" else sum(r.nbytes for r in phase)
         mismatches = [f"rank {rank}: {m}" for rank, r in enumerate(phase) for m in r.mismatches]
-        rows.append(PhaseReport(first.action, first.layout, max(r.seconds for r in phase),
-                                sorted(set().union(*(r.keys for r in phase))), nbytes, mismatches))
+        rows.append(
+            PhaseReport(
+                first.action,
+                first.layout,
+                max(r.seconds for r in phase),
+                sorted(set().union(*(r.keys for r in phase))),
+                nbytes,
+                mismatches,
+            )
+        )
     return rows
 
 
@@ -257,15 +285,23 @@ def _print_table(rows: list[PhaseReport], world_size: int, ckpt_dir: Path, total
 
     console = Console()
     table = Table(title=f"distckpt demo: {world_size} gloo rank(s), GPT + distributed Adam")
-    for name, justify in (("step", "left"), ("layout", "left"), ("keys", "right"), ("bytes", "right"),
-                          ("seconds", "right"), ("verdict", "left")):
+    for name, justify in (
+        ("step", "left"),
+        ("layout", "left"),
+        ("keys", "right"),
+        ("bytes", "right"),
+        ("seconds", "right"),
+        ("verdict", "left"),
+    ):
         table.add_column(name, justify=justify)
     for row in rows:
         if row.mismatches:
             verdict = f"[red]MISMATCH ({len(row.mismatches)})[/red]"
         else:
             verdict = "[green]written[/green]" if row.action == "save" else "[green]bit-exact[/green]"
-        table.add_row(row.action, row.layout, str(len(row.keys)), f"{row.nbytes:,}", f"{row.seconds:.2f}", verdict)
+        table.add_row(
+            row.action, row.layout, str(len(row.keys)), f"{row.nbytes:,}", f"{row.seconds:.2f}", verdict
+        )
     console.print(table)
     for row in rows:
         for line in row.mismatches[:10]:
@@ -288,11 +324,16 @@ def main(world_size: int = 4, out_dir: str | os.PathLike | None = None) -> int:
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     try:
-        per_rank = launch(world_size, _rank_main, str(ckpt_dir), layouts,
-                          timeout=max(120.0, 10.0 * world_size))
+        per_rank = launch(
+            world_size, _rank_main, str(ckpt_dir), layouts, timeout=max(120.0, 10.0 * world_size)
+        )
         rows = _summarise(per_rank)
-        _print_table(rows, world_size, ckpt_dir if out_dir is not None else Path("(temporary, removed)"),
-                     time.perf_counter() - start)
+        _print_table(
+            rows,
+            world_size,
+            ckpt_dir if out_dir is not None else Path("(temporary, removed)"),
+            time.perf_counter() - start,
+        )
     finally:
         if out_dir is None:
             shutil.rmtree(base, ignore_errors=True)

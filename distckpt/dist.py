@@ -138,20 +138,33 @@ class CollectiveTimeout(CheckpointingException):
         missing: global ranks that did not arrive (empty if the store itself became unreachable).
     """
 
-    def __init__(self, stage: str, missing: List[int], timeout: float, detail: str = "",
-                 silent_for: Optional[float] = None):
+    def __init__(
+        self,
+        stage: str,
+        missing: List[int],
+        timeout: float,
+        detail: str = "",
+        silent_for: Optional[float] = None,
+    ):
         self.stage = stage
         self.missing = missing
         if missing and silent_for is not None:
             # Named by the heartbeat watch (``timeout`` is then the wait it cut short).
-            super().__init__(f"{stage}: rank(s) {', '.join(map(str, missing))} did not arrive: no heartbeat "
-                             f"from its process for {silent_for:g} s (dead, or stuck holding the GIL; "
-                             f"{HEARTBEAT_GRACE_ENV} sets the bound)")
+            super().__init__(
+                f"{stage}: rank(s) {', '.join(map(str, missing))} did not arrive: no heartbeat "
+                f"from its process for {silent_for:g} s (dead, or stuck holding the GIL; "
+                f"{HEARTBEAT_GRACE_ENV} sets the bound)"
+            )
             return
-        who = (f"rank(s) {', '.join(map(str, missing))} did not arrive" if missing
-               else "the rendezvous store did not answer (its host, rank 0's process, may have died)")
-        super().__init__(f"{stage}: {who} within {timeout:g} s (dead or hung; {TIMEOUT_ENV} sets the "
-                         f"timeout){': ' + detail if detail else ''}")
+        who = (
+            f"rank(s) {', '.join(map(str, missing))} did not arrive"
+            if missing
+            else "the rendezvous store did not answer (its host, rank 0's process, may have died)"
+        )
+        super().__init__(
+            f"{stage}: {who} within {timeout:g} s (dead or hung; {TIMEOUT_ENV} sets the "
+            f"timeout){': ' + detail if detail else ''}"
+        )
 
     @classmethod
     def from_verdict(cls, stage: str, verdict: str) -> CollectiveTimeout:
@@ -206,8 +219,10 @@ def _raise_if_broken(stage: str, group: ProcessGroup) -> None:
         verdict = _out_of_step.get(_group_name(group))
         if verdict is not None:
             raise CollectiveTimeout.from_verdict(
-                stage, f"{stage}: refused, the process group is out of step since a collective was abandoned "
-                       f"(re-create the group or restart the job); it was abandoned because {verdict}")
+                stage,
+                f"{stage}: refused, the process group is out of step since a collective was abandoned "
+                f"(re-create the group or restart the job); it was abandoned because {verdict}",
+            )
 
 
 def _store():
@@ -270,8 +285,11 @@ def check_in(stage: str, group: ProcessGroup = None, timeout: Optional[float] = 
             with _watching(store, stage, done, {r: f"{prefix}/r{r}" for r in watched}, fill=False):
                 store.wait([done], timedelta(seconds=timeout))
         except Exception as e:  # noqa: BLE001 - timed out: the first rank to give up words the verdict
-            verdict = str(CollectiveTimeout(stage, _missing(store, prefix, ranks), timeout,
-                                            f"{type(e).__name__}: {e}".strip()))
+            verdict = str(
+                CollectiveTimeout(
+                    stage, _missing(store, prefix, ranks), timeout, f"{type(e).__name__}: {e}".strip()
+                )
+            )
             store.compare_set(done, "", verdict)
         outcome = store.get(done).decode()
     except Exception as e:  # noqa: BLE001 - the store itself is gone (rank 0's process died)
@@ -315,8 +333,9 @@ def store_rounds(group: ProcessGroup = None):
     return store if isinstance(inner, (tdist.TCPStore, tdist.HashStore)) else None
 
 
-def _store_round(store, stage: str, group: ProcessGroup, blob: bytes,
-                 decide: Callable[[List[bytes]], bytes]) -> bytes:
+def _store_round(
+    store, stage: str, group: ProcessGroup, blob: bytes, decide: Callable[[List[bytes]], bytes]
+) -> bytes:
     """One stage carried by the store alone: every rank of ``group`` posts ``blob``; the group's
     rank 0 waits for all of them, runs ``decide`` over them (its own first, then by group rank)
     and posts the outcome, which every rank returns. Bounded like :func:`check_in`: a rank that
@@ -380,13 +399,15 @@ def _store_round(store, stage: str, group: ProcessGroup, blob: bytes,
         _passed(store, gid, [done])
     else:
         _passed(store, gid, [])
-        _delete(store, f"{prefix}/r{me}")    # a payload may be large: it does not wait for the next stage
+        _delete(store, f"{prefix}/r{me}")  # a payload may be large: it does not wait for the next stage
     if kind == _FOLLOWS:
         return _guarded(stage, lambda: _broadcast_object(bytes(result), 0, group), group)
     return result if me == root else outcome[1:]
 
 
-def _word_verdict(store, done: str, stage: str, missing: List[int], timeout: float, error: Exception) -> bytes:
+def _word_verdict(
+    store, done: str, stage: str, missing: List[int], timeout: float, error: Exception
+) -> bytes:
     """Post the verdict of a stage this rank gave up on (unless another rank posted first);
     returns what the stage's outcome key holds then."""
     verdict = str(CollectiveTimeout(stage, missing, timeout, f"{type(error).__name__}: {error}".strip()))
@@ -648,7 +669,7 @@ def _bounded(works: Sequence[Any], group: ProcessGroup) -> None:
             work.wait(timeout=timedelta(seconds=max(0.001, deadline - time.monotonic())))
         except RuntimeError as e:
             error = e
-            if work.is_completed():           # it completed as the wait ran out, or failed on its own
+            if work.is_completed():  # it completed as the wait ran out, or failed on its own
                 try:
                     work.wait()
                     continue
@@ -657,15 +678,17 @@ def _bounded(works: Sequence[Any], group: ProcessGroup) -> None:
             text = str(error).lower()
             # gloo words a timed-out point-to-point wait "Application timeout caused pair closure".
             if not work.is_completed() or "timed out" in text or "timeout" in text:
-                raise _Unfinished(f"it did not complete within {timeout:g} s (a rank died or hung inside it; "
-                                  f"{TIMEOUT_ENV} sets the timeout)") from error
+                raise _Unfinished(
+                    f"it did not complete within {timeout:g} s (a rank died or hung inside it; "
+                    f"{TIMEOUT_ENV} sets the timeout)"
+                ) from error
             raise error from None  # the error itself, not the wait that reported it
 
 
 def _run(collective: Callable, /, *args, group: ProcessGroup = None, **kwargs) -> None:
     """One torch.distributed collective, waited for as :func:`_bounded` says."""
     work = collective(*args, group=group, async_op=True, **kwargs)
-    if work is not None:                      # None: this rank is not in ``group``
+    if work is not None:  # None: this rank is not in ``group``
         _bounded([work], group)
 
 
@@ -679,8 +702,11 @@ def _guarded(stage: str, fn: Callable[[], T], group: ProcessGroup = None) -> T:
         raise
     except Exception as e:  # noqa: BLE001 - gloo reports a lost peer as RuntimeError
         detail = str(e) if isinstance(e, _Unfinished) else f"{type(e).__name__}: {e}"
-        verdict = _post_verdict(group, f"{stage}: a collective failed (a rank died or stopped answering), "
-                                       f"first seen on rank {get_rank()}: {detail}")
+        verdict = _post_verdict(
+            group,
+            f"{stage}: a collective failed (a rank died or stopped answering), "
+            f"first seen on rank {get_rank()}: {detail}",
+        )
         if isinstance(e, _Unfinished):
             _out_of_step[_group_name(group)] = verdict
         _break(_group_id(_group_ranks(group)), verdict)
@@ -725,7 +751,7 @@ def _pack(obj: Any, slot: int, device: torch.device) -> Tuple[torch.Tensor, byte
     buf = bytearray(slot)
     buf[:_LEN] = len(data).to_bytes(_LEN, "little")
     if len(data) <= slot - _LEN:
-        buf[_LEN:_LEN + len(data)] = data
+        buf[_LEN : _LEN + len(data)] = data
     return torch.frombuffer(buf, dtype=torch.uint8).to(device), data
 
 
@@ -734,12 +760,12 @@ def _length(slot: torch.Tensor) -> int:
 
 
 def _unpack(slot_bytes: bytes, length: int) -> Any:
-    return pickle.loads(slot_bytes[_LEN:_LEN + length])
+    return pickle.loads(slot_bytes[_LEN : _LEN + length])
 
 
 def _padded(data: bytes, size: int, device: torch.device) -> torch.Tensor:
     buf = bytearray(size)
-    buf[:len(data)] = data
+    buf[: len(data)] = data
     return torch.frombuffer(buf, dtype=torch.uint8).to(device)
 
 
@@ -774,12 +800,16 @@ def _gather_object(obj: Any, dst: int, group: ProcessGroup) -> Optional[List[Any
     me = get_rank(group)
     if longest <= slot - _LEN:
         return [_unpack(r, n) for r, n in zip(raw, lengths)] if me == dst else None
-    full = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)] if me == dst else None
+    full = (
+        [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)] if me == dst else None
+    )
     _run(tdist.gather, _padded(data, longest, device), full, dst=global_rank_of(dst, group), group=group)
     if me != dst:
         return None
-    return [_unpack(r, n) if n <= slot - _LEN else pickle.loads(t.cpu().numpy().tobytes()[:n])
-            for r, n, t in zip(raw, lengths, full)]
+    return [
+        _unpack(r, n) if n <= slot - _LEN else pickle.loads(t.cpu().numpy().tobytes()[:n])
+        for r, n, t in zip(raw, lengths, full)
+    ]
 
 
 def _broadcast_object(obj: Any, src: int, group: ProcessGroup) -> Any:
@@ -794,13 +824,16 @@ def _broadcast_object(obj: Any, src: int, group: ProcessGroup) -> Any:
     length = _length(buf)
     if length <= slot - _LEN:
         return obj if me == src else _unpack(buf.cpu().numpy().tobytes(), length)
-    full = _padded(data, length, device) if me == src else torch.empty(length, dtype=torch.uint8, device=device)
+    full = (
+        _padded(data, length, device) if me == src else torch.empty(length, dtype=torch.uint8, device=device)
+    )
     _run(tdist.broadcast, full, src=global_rank_of(src, group), group=group)
     return obj if me == src else pickle.loads(full.cpu().numpy().tobytes())
 
 
-def all_gather_object(obj: T, group: ProcessGroup = None, stage: str = "all-gather",
-                      checked: bool = True) -> List[T]:
+def all_gather_object(
+    obj: T, group: ProcessGroup = None, stage: str = "all-gather", checked: bool = True
+) -> List[T]:
     if not is_initialized():
         return [obj]
     if checked:
@@ -808,8 +841,9 @@ def all_gather_object(obj: T, group: ProcessGroup = None, stage: str = "all-gath
     return _guarded(stage, lambda: _all_gather_object(obj, group), group)
 
 
-def gather_object(obj: T, dst: int = 0, group: ProcessGroup = None, stage: str = "gather",
-                  checked: bool = True) -> Optional[List[T]]:
+def gather_object(
+    obj: T, dst: int = 0, group: ProcessGroup = None, stage: str = "gather", checked: bool = True
+) -> Optional[List[T]]:
     """Gather to group rank ``dst``; returns the list there and None elsewhere."""
     if not is_initialized():
         return [obj]
@@ -818,8 +852,9 @@ def gather_object(obj: T, dst: int = 0, group: ProcessGroup = None, stage: str =
     return _guarded(stage, lambda: _gather_object(obj, dst, group), group)
 
 
-def broadcast_object(obj: T, src: int = 0, group: ProcessGroup = None, stage: str = "broadcast",
-                     checked: bool = True) -> T:
+def broadcast_object(
+    obj: T, src: int = 0, group: ProcessGroup = None, stage: str = "broadcast", checked: bool = True
+) -> T:
     if not is_initialized():
         return obj
     if checked:
@@ -830,7 +865,11 @@ def broadcast_object(obj: T, src: int = 0, group: ProcessGroup = None, stage: st
 def broadcast(tensor: torch.Tensor, src: int = 0, group: ProcessGroup = None) -> None:
     """Broadcast ``tensor`` in place from group rank ``src``; identity without a process group."""
     if is_initialized():
-        _guarded("broadcast", lambda: _run(tdist.broadcast, tensor, src=global_rank_of(src, group), group=group), group)
+        _guarded(
+            "broadcast",
+            lambda: _run(tdist.broadcast, tensor, src=global_rank_of(src, group), group=group),
+            group,
+        )
 
 
 def all_gather(outputs: List[torch.Tensor], tensor: torch.Tensor, group: ProcessGroup = None) -> None:
@@ -841,13 +880,15 @@ def all_gather(outputs: List[torch.Tensor], tensor: torch.Tensor, group: Process
     _guarded("all-gather", lambda: _run(tdist.all_gather, outputs, tensor, group=group), group)
 
 
-def all_reduce_max(values: Sequence[int], group: ProcessGroup = None, stage: str = "all-reduce",
-                   checked: bool = True) -> List[int]:
+def all_reduce_max(
+    values: Sequence[int], group: ProcessGroup = None, stage: str = "all-reduce", checked: bool = True
+) -> List[int]:
     """Element-wise max of small int vectors over the group (one tiny collective)."""
     if not is_initialized():
         return list(values)
     store = store_rounds(group)
     if store is not None:
+
         def decide(blobs: List[memoryview]) -> bytes:
             vectors = [pickle.loads(b) for b in blobs]
             return pickle.dumps([max(column) for column in zip(*vectors)])
@@ -919,8 +960,9 @@ def _checked_payload(exc: Optional[BaseException], payload: Any) -> tuple:
     return exc, payload
 
 
-def all_gather_or_raise(stage: str, exc: Optional[BaseException], payload: Any = None,
-                        group: ProcessGroup = None) -> List[Any]:
+def all_gather_or_raise(
+    stage: str, exc: Optional[BaseException], payload: Any = None, group: ProcessGroup = None
+) -> List[Any]:
     """All-gather ``payload``; raise the same exception on every rank if any rank passed ``exc``.
 
     Every rank of ``group`` must call this at the same point, whether or not it failed.
@@ -928,8 +970,9 @@ def all_gather_or_raise(stage: str, exc: Optional[BaseException], payload: Any =
     if store_rounds(group) is not None:
         # Rank 0 gathers and hands every rank the list (or None when every payload is None, as
         # for ``sync_errors``: the outcome stays a few bytes).
-        payloads = gather_and_decide(stage, exc, payload,
-                                     lambda ps: ps if any(p is not None for p in ps) else None, group)
+        payloads = gather_and_decide(
+            stage, exc, payload, lambda ps: ps if any(p is not None for p in ps) else None, group
+        )
         return payloads if payloads is not None else [None] * get_world_size(group)
     exc, payload = _checked_payload(exc, payload)
     record = (_error_record(exc, group), None if exc is not None else payload)
@@ -945,8 +988,13 @@ def sync_errors(stage: str, exc: Optional[BaseException], group: ProcessGroup = 
     all_gather_or_raise(stage, exc, None, group)
 
 
-def gather_and_decide(stage: str, exc: Optional[BaseException], payload: Any,
-                      decide: Callable[[List[Any]], Any], group: ProcessGroup = None) -> Any:
+def gather_and_decide(
+    stage: str,
+    exc: Optional[BaseException],
+    payload: Any,
+    decide: Callable[[List[Any]], Any],
+    group: ProcessGroup = None,
+) -> Any:
     """Gather ``payload`` (or this rank's error) to rank 0, run ``decide`` there, share the outcome.
 
     ``decide(payloads)`` runs on group rank 0 only, and only if no rank failed; its return value
@@ -977,8 +1025,9 @@ def gather_and_decide(stage: str, exc: Optional[BaseException], payload: Any,
     _raise_failures(stage, outcome[1], exc, get_world_size(group))
 
 
-def _round_of_records(store, stage: str, group: ProcessGroup, record: tuple,
-                      outcome_of: Callable[[List[tuple]], tuple]) -> tuple:
+def _round_of_records(
+    store, stage: str, group: ProcessGroup, record: tuple, outcome_of: Callable[[List[tuple]], tuple]
+) -> tuple:
     """A :func:`_store_round` of picklable records: rank 0 unpickles them (a record it cannot
     unpickle is that rank's failure) and every rank gets ``outcome_of(records)`` (a tuple whose
     first item is "ok" or "failed"). A failure to pickle the outcome is rank 0's failure."""
@@ -990,14 +1039,21 @@ def _round_of_records(store, stage: str, group: ProcessGroup, record: tuple,
             try:
                 records.append(pickle.loads(b))
             except Exception as e:  # noqa: BLE001 - e.g. a class rank 0 cannot import
-                failures.append((r, f"its payload cannot be unpickled on rank {ranks[0]}: {_one_line(e)}",
-                                 describe_error(e)))
+                failures.append(
+                    (
+                        r,
+                        f"its payload cannot be unpickled on rank {ranks[0]}: {_one_line(e)}",
+                        describe_error(e),
+                    )
+                )
         outcome = ("failed", failures) if failures else outcome_of(records)
         try:
             return pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception as e:  # noqa: BLE001
-            return pickle.dumps(("failed", [(0, f"the outcome cannot be pickled: {_one_line(e)}",
-                                             describe_error(e))]), protocol=pickle.HIGHEST_PROTOCOL)
+            return pickle.dumps(
+                ("failed", [(0, f"the outcome cannot be pickled: {_one_line(e)}", describe_error(e))]),
+                protocol=pickle.HIGHEST_PROTOCOL,
+            )
 
     mine = pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
     return pickle.loads(_store_round(store, stage, group, mine, decide))
@@ -1009,8 +1065,9 @@ def _raise_failures(stage: str, failures: list, exc: Optional[BaseException], wo
     if exc is not None and isinstance(exc, CheckpointingException):
         # Already the same error everywhere (e.g. a strategy that synced its own failure), or a
         # single process: raise it as it is rather than wrapped once more.
-        if not is_initialized() or (len(failures) == world and isinstance(exc, RankErrors)
-                                    and len(set(errors.values())) == 1):
+        if not is_initialized() or (
+            len(failures) == world and isinstance(exc, RankErrors) and len(set(errors.values())) == 1
+        ):
             raise exc
     raise RankErrors(stage, errors, tracebacks) from exc
 

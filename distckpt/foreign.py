@@ -49,13 +49,26 @@ MEGATRON_MAPPING_MODULE = ".".join(("megatron", "core", "dist_checkpointing", "m
 # Megatron-Core 0.15 and 0.16; a required field that is missing means an unknown version.
 _FIELDS: Dict[str, Tuple[type, Tuple[str, ...], Tuple[str, ...]]] = {
     # name: (distckpt class, required fields, optional fields)
-    "ShardedTensor": (ShardedTensor,
-                      ("key", "data", "dtype", "local_shape", "global_shape", "global_offset",
-                       "axis_fragmentations", "replica_id"),
-                      ("prepend_axis_num", "allow_shape_mismatch", "flattened_range")),
+    "ShardedTensor": (
+        ShardedTensor,
+        (
+            "key",
+            "data",
+            "dtype",
+            "local_shape",
+            "global_shape",
+            "global_offset",
+            "axis_fragmentations",
+            "replica_id",
+        ),
+        ("prepend_axis_num", "allow_shape_mismatch", "flattened_range"),
+    ),
     "ShardedObject": (ShardedObject, ("key", "data", "global_shape", "global_offset", "replica_id"), ()),
-    "ShardedTensorFactory": (ShardedTensorFactory,
-                             ("key", "data", "build_fn", "merge_fn", "replica_id"), ("flattened_range",)),
+    "ShardedTensorFactory": (
+        ShardedTensorFactory,
+        ("key", "data", "build_fn", "merge_fn", "replica_id"),
+        ("flattened_range",),
+    ),
     "LocalNonpersistentObject": (LocalNonpersistentObject, ("obj",), ()),
 }
 
@@ -72,8 +85,14 @@ def megatron_class_name(obj: Any) -> Optional[str]:
         return _NAME_BY_TYPE[cls]
     except KeyError:
         pass
-    name = next((c.__name__ for c in cls.__mro__
-                 if c.__module__ == MEGATRON_MAPPING_MODULE and c.__name__ in _FIELDS), None)
+    name = next(
+        (
+            c.__name__
+            for c in cls.__mro__
+            if c.__module__ == MEGATRON_MAPPING_MODULE and c.__name__ in _FIELDS
+        ),
+        None,
+    )
     if len(_NAME_BY_TYPE) < 4096:  # bounded: classes made on the fly must not grow it forever
         _NAME_BY_TYPE[cls] = name
     return name
@@ -105,7 +124,8 @@ def from_foreign(obj: Any, where: str = "") -> Any:
         raise CheckpointingException(
             f"{where}{'leaf' if where else 'Leaf'} {key if isinstance(key, str) else '?'!r}: Megatron-Core "
             f"{name} without field(s) {missing}; this version of Megatron-Core's sharded classes is not "
-            f"supported")
+            f"supported"
+        )
     if cls is LocalNonpersistentObject:
         return LocalNonpersistentObject(obj.obj)
     fields = {f: getattr(obj, f) for f in required}
@@ -170,10 +190,15 @@ def sharded_lookalike(obj: Any) -> Optional[str]:
         return None
     if cls.__name__.startswith("Sharded") or cls.__name__.endswith("Factory"):
         return f"an instance of {cls.__module__}.{cls.__name__}, a sharded class distckpt does not know"
-    if (_has(obj, "key") and _has(obj, "replica_id")
-            and (_has(obj, "global_shape") or _has(obj, "global_offset"))):
-        return (f"an instance of {cls.__module__}.{cls.__name__} with key, replica_id and global "
-                f"shape/offset fields: a sharded description distckpt does not know")
+    if (
+        _has(obj, "key")
+        and _has(obj, "replica_id")
+        and (_has(obj, "global_shape") or _has(obj, "global_offset"))
+    ):
+        return (
+            f"an instance of {cls.__module__}.{cls.__name__} with key, replica_id and global "
+            f"shape/offset fields: a sharded description distckpt does not know"
+        )
     return None
 
 

@@ -103,14 +103,21 @@ class Manifest:
 
     def to_json(self) -> bytes:
         out = {
-            "format": FORMAT, "version": VERSION, "save_id": self.save_id, "backend": self.backend,
+            "format": FORMAT,
+            "version": VERSION,
+            "save_id": self.save_id,
+            "backend": self.backend,
             "files": self.files,
-            "ranges": {f: [[r.offset, r.length, r.crc32c, r.key] for r in rs] for f, rs in self.ranges.items()},
+            "ranges": {
+                f: [[r.offset, r.length, r.crc32c, r.key] for r in rs] for f, rs in self.ranges.items()
+            },
         }
         if self.keys:
             out["keys"] = {k: [d, *map(list, shapes)] for k, (d, *shapes) in self.keys.items()}
-        chunks = {f: [[r.offset, list(r.chunk[0]), list(r.chunk[1])] for r in rs if r.chunk is not None]
-                  for f, rs in self.ranges.items()}
+        chunks = {
+            f: [[r.offset, list(r.chunk[0]), list(r.chunk[1])] for r in rs if r.chunk is not None]
+            for f, rs in self.ranges.items()
+        }
         chunks = {f: c for f, c in chunks.items() if c}
         if chunks:
             out["chunks"] = chunks
@@ -156,18 +163,22 @@ class Manifest:
         return sum(self.files.values())
 
 
-def build_manifest(save_id: str, backend: str,
-                   ranges: Iterable[Tuple[str, int, int, int, str]],
-                   file_sizes: Dict[str, int],
-                   keys: Optional[Dict[str, Tuple[Any, ...]]] = None,
-                   chunks: Optional[Iterable[Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]]]] = None,
-                   blocks: Optional[Dict[str, Tuple[int, int, bytes]]] = None) -> Manifest:
+def build_manifest(
+    save_id: str,
+    backend: str,
+    ranges: Iterable[Tuple[str, int, int, int, str]],
+    file_sizes: Dict[str, int],
+    keys: Optional[Dict[str, Tuple[Any, ...]]] = None,
+    chunks: Optional[Iterable[Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]]]] = None,
+    blocks: Optional[Dict[str, Tuple[int, int, bytes]]] = None,
+) -> Manifest:
     """``ranges`` holds ``(file, offset, length, crc32c, key)`` from every rank; ``keys`` each
     tensor key's (dtype name, stored shape); ``chunks``, aligned with ``ranges``, the (chunk
     offset, chunk size) each range holds (None where it holds no tensor chunk); ``blocks`` the
     block CRC32Cs of files written as one range (see :attr:`Manifest.blocks`)."""
-    m = Manifest(save_id, backend, dict(sorted(file_sizes.items())), keys=dict(keys or {}),
-                 blocks=dict(blocks or {}))
+    m = Manifest(
+        save_id, backend, dict(sorted(file_sizes.items())), keys=dict(keys or {}), blocks=dict(blocks or {})
+    )
     boxes = iter(chunks) if chunks is not None else itertools.repeat(None)
     for (f, offset, length, crc, key), box in zip(ranges, boxes):
         m.ranges.setdefault(f, []).append(RangeChecksum(offset, length, crc, key, box))
@@ -225,6 +236,7 @@ def read_manifest(checkpoint_dir) -> Optional[Manifest]:
     Raises:
         CheckpointingException: the manifest exists but is malformed.
     """
+
     def build(raw: dict, files: Dict[str, int]) -> Manifest:
         m = Manifest(str(raw["save_id"]), str(raw["backend"]), files)
         boxes = {}
@@ -232,14 +244,18 @@ def read_manifest(checkpoint_dir) -> Optional[Manifest]:
             for o, off, size in cs:
                 boxes[(str(f), int(o))] = (tuple(int(x) for x in off), tuple(int(x) for x in size))
         for f, rs in raw["ranges"].items():
-            m.ranges[str(f)] = [RangeChecksum(int(o), int(n), int(c), str(k), boxes.get((str(f), int(o))))
-                                for o, n, c, k in rs]
+            m.ranges[str(f)] = [
+                RangeChecksum(int(o), int(n), int(c), str(k), boxes.get((str(f), int(o))))
+                for o, n, c, k in rs
+            ]
         m.keys = _declared_keys(raw)
         for f, (block, crc, packed) in (raw.get("blocks") or {}).items():
             block, data = int(block), base64.b64decode(packed, validate=True)
             if not 4096 <= block <= (1 << 30) or block % 16 or len(data) % 4:
-                raise ValueError(f"block CRC32Cs of {f!r}: block size {block} not in [4096, 2^30] or not "
-                                 f"a multiple of 16, or {len(data)} bytes of CRC32Cs")
+                raise ValueError(
+                    f"block CRC32Cs of {f!r}: block size {block} not in [4096, 2^30] or not "
+                    f"a multiple of 16, or {len(data)} bytes of CRC32Cs"
+                )
             m.blocks[str(f)] = (block, int(crc), data)
         return m
 
@@ -258,7 +274,8 @@ def read_manifest(checkpoint_dir) -> Optional[Manifest]:
     if stray or unchecked:
         raise CheckpointingException(
             f"{path}: manifest is inconsistent (checksums for unlisted files {stray}, listed files "
-            f"without checksums {unchecked}); it may be corrupted")
+            f"without checksums {unchecked}); it may be corrupted"
+        )
     return m
 
 
@@ -285,8 +302,9 @@ def read_declared_keys(checkpoint_dir) -> Optional[Dict[str, Tuple[Any, ...]]]:
     return _parsed(checkpoint_dir, lambda raw, files: _declared_keys(raw))[0]
 
 
-def add_whole_files(checkpoint_dir: PathLike, entries: Dict[str, Tuple[int, int]], backend: str,
-                    save_id: str) -> None:
+def add_whole_files(
+    checkpoint_dir: PathLike, entries: Dict[str, Tuple[int, int]], backend: str, save_id: str
+) -> None:
     """Merge whole-file checksums ``{name: (size, crc32c)}`` into the manifest (creating it if the
     sharded strategy wrote none). Called on one rank, before ``metadata.json`` is written."""
     manifest = read_manifest(checkpoint_dir) or Manifest(save_id, backend)
@@ -299,31 +317,43 @@ def check_whole_file(checkpoint_dir: PathLike, name: str, data: bytes, listed: b
     """Raise if the manifest records a checksum for ``name`` and ``data`` does not match it, or
     (``listed``) if a manifest exists but does not list ``name``. Only ``name``'s entry is built
     from the manifest's JSON (metadata queries call this on every read of ``.metadata``)."""
-    parsed, _ = _parsed(checkpoint_dir, lambda raw, files: (files, [int(c) for _o, _n, c, *_k in raw["ranges"].get(name, [])]))
+    parsed, _ = _parsed(
+        checkpoint_dir, lambda raw, files: (files, [int(c) for _o, _n, c, *_k in raw["ranges"].get(name, [])])
+    )
     if parsed is not None:
         _compare_whole(checkpoint_dir, name, data, *parsed, listed)
 
 
-def check_whole_bytes(manifest: Optional[Manifest], checkpoint_dir: PathLike, name: str, data: bytes,
-                      listed: bool = True) -> None:
+def check_whole_bytes(
+    manifest: Optional[Manifest], checkpoint_dir: PathLike, name: str, data: bytes, listed: bool = True
+) -> None:
     """:func:`check_whole_file` against a manifest already read (None: the checkpoint has none),
     for a caller that checks many files of one checkpoint."""
     if manifest is not None:
-        _compare_whole(checkpoint_dir, name, data, manifest.files,
-                       [r.crc32c for r in manifest.ranges.get(name, [])], listed)
+        _compare_whole(
+            checkpoint_dir,
+            name,
+            data,
+            manifest.files,
+            [r.crc32c for r in manifest.ranges.get(name, [])],
+            listed,
+        )
 
 
-def _compare_whole(checkpoint_dir: PathLike, name: str, data: bytes, files: Dict[str, int], expected: List[int],
-                   listed: bool) -> None:
+def _compare_whole(
+    checkpoint_dir: PathLike, name: str, data: bytes, files: Dict[str, int], expected: List[int], listed: bool
+) -> None:
     if not listed and name not in files:
         return
     if name not in files:
         raise CheckpointingException(
-            f"{storage.join(_location(checkpoint_dir), name)}: not covered by the integrity manifest; cannot verify it")
+            f"{storage.join(_location(checkpoint_dir), name)}: not covered by the integrity manifest; cannot verify it"
+        )
     if len(data) != files[name] or (len(expected) == 1 and crc32c(data) != expected[0]):
         raise CheckpointingException(
             f"{storage.join(_location(checkpoint_dir), name)}: contents do not match the integrity manifest "
-            f"({len(data)} bytes, manifest says {files[name]}); the file is corrupted")
+            f"({len(data)} bytes, manifest says {files[name]}); the file is corrupted"
+        )
 
 
 def _range_problems(name: str, r: RangeChecksum, data, blocks: Optional[Tuple[int, List[int]]]) -> List[str]:
@@ -339,16 +369,21 @@ def _range_problems(name: str, r: RangeChecksum, data, blocks: Optional[Tuple[in
         crc = blockcrc.extend(0, data, crcs)
         wrong = [i for i, (a, b) in enumerate(zip(crcs, blocks[1])) if a != b]
     if crc != r.crc32c:
-        return [f"{name}: key {r.key!r} at offset {r.offset}: CRC32C mismatch "
-                f"(stored {r.crc32c:#010x}, computed {crc:#010x})"]
+        return [
+            f"{name}: key {r.key!r} at offset {r.offset}: CRC32C mismatch "
+            f"(stored {r.crc32c:#010x}, computed {crc:#010x})"
+        ]
     if wrong:
-        return [f"{name}: the manifest's block CRC32Cs of blocks {wrong[:8]}{' ...' if len(wrong) > 8 else ''} "
-                f"do not match the file, whose whole CRC32C does (the manifest is damaged)"]
+        return [
+            f"{name}: the manifest's block CRC32Cs of blocks {wrong[:8]}{' ...' if len(wrong) > 8 else ''} "
+            f"do not match the file, whose whole CRC32C does (the manifest is damaged)"
+        ]
     return []
 
 
-def verify_files(checkpoint_dir: PathLike, manifest: Manifest, *, checksums: bool = True,
-                 progress=None) -> List[str]:
+def verify_files(
+    checkpoint_dir: PathLike, manifest: Manifest, *, checksums: bool = True, progress=None
+) -> List[str]:
     """Check every file of the manifest: present, right size, and (``checksums``) every range's
     CRC32C. Returns one line per problem, naming file, key and offset; empty if all is well.
 
@@ -386,8 +421,10 @@ def verify_files(checkpoint_dir: PathLike, manifest: Manifest, *, checksums: boo
         ranges = []
         for r in manifest.ranges.get(name, []):
             if r.offset + r.length > actual:
-                problems.append(f"{name}: key {r.key!r} at offset {r.offset}: truncated (the file has "
-                                f"{actual} bytes, the range ends at {r.offset + r.length})")
+                problems.append(
+                    f"{name}: key {r.key!r} at offset {r.offset}: truncated (the file has "
+                    f"{actual} bytes, the range ends at {r.offset + r.length})"
+                )
             else:
                 ranges.append(r)
         # Read in batches of about 64 MiB: ranged reads (concurrent on object stores), bounded memory.
@@ -403,8 +440,10 @@ def verify_files(checkpoint_dir: PathLike, manifest: Manifest, *, checksums: boo
             lengths = [r.length for r in group]
             for r, data in zip(group, store.get_ranges(name, [r.offset for r in group], lengths)):
                 if len(data) != r.length:
-                    problems.append(f"{name}: key {r.key!r} at offset {r.offset}: truncated "
-                                        f"({len(data)} of {r.length} bytes)")
+                    problems.append(
+                        f"{name}: key {r.key!r} at offset {r.offset}: truncated "
+                        f"({len(data)} of {r.length} bytes)"
+                    )
                 else:
                     problems += _range_problems(name, r, data, manifest.block_crcs(name))
                 if progress:

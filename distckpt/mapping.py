@@ -222,13 +222,26 @@ class ShardedTensor(ShardedBase):
         flattening, the chunk inside the global shape. False: the full checks decide (and word
         the error)."""
         ls, gs, go, frags = self.local_shape, self.global_shape, self.global_offset, self.axis_fragmentations
-        if (type(ls) is not tuple or type(gs) is not tuple or type(go) is not tuple
-                or self.prepend_axis_num != 0 or type(self.prepend_axis_num) is not int
-                or self.flattened_range is not None or len(gs) != len(ls) or len(go) != len(ls)):
+        if (
+            type(ls) is not tuple
+            or type(gs) is not tuple
+            or type(go) is not tuple
+            or self.prepend_axis_num != 0
+            or type(self.prepend_axis_num) is not int
+            or self.flattened_range is not None
+            or len(gs) != len(ls)
+            or len(go) != len(ls)
+        ):
             return False
         for local, glob, off in zip(ls, gs, go):
-            if (type(local) is not int or type(glob) is not int or type(off) is not int
-                    or local < 0 or off < 0 or off + local > glob):
+            if (
+                type(local) is not int
+                or type(glob) is not int
+                or type(off) is not int
+                or local < 0
+                or off < 0
+                or off + local > glob
+            ):
                 return False
         if frags is not None:
             if type(frags) is not tuple or len(frags) != len(gs):

@@ -32,7 +32,7 @@ def check_save_options(async_strategy: Optional[str], verify_integrity: object) 
     if async_strategy is not None and async_strategy not in ASYNC_STRATEGIES:
         raise CheckpointingException(
             f"save(async_strategy={async_strategy!r}): unknown async engine; Megatron-Core's are "
-            f"'nvrx' and 'mcore' (each runs distckpt's async engine here), or None")
+            f"'nvrx' and 'mcore' (each runs distckpt's async engine here), or None"
+        )
     if not isinstance(verify_integrity, bool):
-        raise CheckpointingException(
-            f"save(verify_integrity={verify_integrity!r}): must be True or False")
+        raise CheckpointingException(f"save(verify_integrity={verify_integrity!r}): must be True or False")

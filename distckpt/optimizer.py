@@ -91,7 +91,8 @@ def get_param_id_to_sharded_param_map(
     if not id_to_sharded and param_to_id:
         logger.warning(
             "no sharded tensor of the model state dict holds an optimizer parameter: the model's "
-            "sharded_state_dict must put the parameters themselves (keep_vars=True) into its leaves")
+            "sharded_state_dict must put the parameters themselves (keep_vars=True) into its leaves"
+        )
     return id_to_sharded
 
 
@@ -116,32 +117,40 @@ def make_sharded_optimizer_tensor(
     key = _state_prefix_key(prefix, model_param.key)
     if isinstance(model_param, ShardedTensorFactory):
         param = model_param.data
-        if isinstance(param, torch.Tensor) and isinstance(optim_param, torch.Tensor) \
-                and optim_param.shape != param.shape:
+        if (
+            isinstance(param, torch.Tensor)
+            and isinstance(optim_param, torch.Tensor)
+            and optim_param.shape != param.shape
+        ):
             raise CheckpointingException(
                 f"optimizer state {key!r}: shape {tuple(optim_param.shape)} does not match the model "
-                f"parameter's shape {tuple(param.shape)}")
+                f"parameter's shape {tuple(param.shape)}"
+            )
         return replace(model_param, key=key, data=optim_param)
     if not isinstance(model_param, ShardedTensor):
         raise CheckpointingException(
             f"make_sharded_optimizer_tensor: {key!r}: the model parameter must be a ShardedTensor "
-            f"or ShardedTensorFactory, got {type(model_param).__name__}")
+            f"or ShardedTensorFactory, got {type(model_param).__name__}"
+        )
     if not isinstance(optim_param, torch.Tensor):
         raise CheckpointingException(
             f"make_sharded_optimizer_tensor: {key!r}: optimizer state must be a tensor, got "
-            f"{type(optim_param).__name__}")
+            f"{type(optim_param).__name__}"
+        )
     shape = tuple(optim_param.shape)
     if model_param.flattened_range is None:
         if shape != tuple(model_param.local_shape):
             raise CheckpointingException(
                 f"optimizer state {key!r}: shape {shape} does not match the model parameter's "
-                f"local shape {tuple(model_param.local_shape)}")
+                f"local shape {tuple(model_param.local_shape)}"
+            )
     else:
         fr = model_param.flattened_range
         if optim_param.ndim != 1 or optim_param.numel() != fr.stop - fr.start:
             raise CheckpointingException(
                 f"optimizer state {key!r}: shape {shape} does not match the model parameter's "
-                f"flattened range [{fr.start}, {fr.stop}) (1-D, {fr.stop - fr.start} elements)")
+                f"flattened range [{fr.start}, {fr.stop}) (1-D, {fr.stop - fr.start} elements)"
+            )
     sharded = replace(model_param, key=key, data=optim_param, dtype=optim_param.dtype)
     sharded.validate_metadata_integrity()
     return sharded
@@ -185,16 +194,19 @@ def make_sharded_optimizer_tensor_flat(
     if isinstance(model_param, ShardedTensorFactory):
         if model_param.flattened_range is not None:
             raise CheckpointingException(f"optimizer state {key!r}: the model factory is already flattened")
-        return replace(model_param, key=key, data=optim_slice, replica_id=replica_id,
-                       flattened_range=flattened_range)
+        return replace(
+            model_param, key=key, data=optim_slice, replica_id=replica_id, flattened_range=flattened_range
+        )
     if not isinstance(model_param, ShardedTensor):
         raise CheckpointingException(
             f"make_sharded_optimizer_tensor_flat: {key!r}: the model parameter must be a "
-            f"ShardedTensor or ShardedTensorFactory, got {type(model_param).__name__}")
+            f"ShardedTensor or ShardedTensorFactory, got {type(model_param).__name__}"
+        )
     if model_param.flattened_range is not None:
         raise CheckpointingException(
             f"optimizer state {key!r}: the model parameter is already flattened "
-            f"({model_param.flattened_range}); pass the parameter's regular ShardedTensor")
+            f"({model_param.flattened_range}); pass the parameter's regular ShardedTensor"
+        )
     return ShardedTensor.from_rank_offsets_flat(
         key,
         optim_slice,
@@ -220,7 +232,8 @@ def _rank_offsets(sharded: ShardedTensor) -> tuple[tuple[int, int, int], ...]:
         if local == 0 or glob % local or off % local:
             raise CheckpointingException(
                 f"ShardedTensor {sharded.key!r}: a flat slice needs a regular grid, but along axis "
-                f"{axis} the local size {local} does not tile global size {glob} at offset {off}")
+                f"{axis} the local size {local} does not tile global size {glob} at offset {off}"
+            )
         offsets.append((axis, off // local, glob // local))
     return tuple(offsets)
 
@@ -259,9 +272,11 @@ def optim_state_to_sharding_state(
                 raise CheckpointingException(
                     f"optimizer state {name!r} of param id {param_id} has no sharded model "
                     f"parameter (known ids: {sorted(id_to_sharded_param_map)}); build the map from "
-                    f"the same parameters, in the same order, as the optimizer's")
+                    f"the same parameters, in the same order, as the optimizer's"
+                )
             sharded_state[param_id][name] = make_sharded_optimizer_tensor(
-                sharded_param, value, prefix=f"optimizer.state.{name}")
+                sharded_param, value, prefix=f"optimizer.state.{name}"
+            )
     optim_state_dict["param_groups"] = deepcopy(optim_state_dict["param_groups"])
     for group in optim_state_dict["param_groups"]:
         group["params"] = LocalNonpersistentObject(group["params"])

@@ -93,15 +93,17 @@ def get_default_save_common_strategy(backend: str = "torch", version: int = 1) -
     return get_default_strategy(StrategyAction.SAVE_COMMON, backend, version)
 
 
-def get_default_load_sharded_strategy(checkpoint_dir: Optional[Location] = None,
-                                      storage_options: StorageOptions = None) -> LoadShardedStrategy:
+def get_default_load_sharded_strategy(
+    checkpoint_dir: Optional[Location] = None, storage_options: StorageOptions = None
+) -> LoadShardedStrategy:
     """A fresh load strategy: the one for ``checkpoint_dir``'s backend, or ``torch_dist``'s when
     no directory is given (Megatron-Core 0.19's form)."""
     if checkpoint_dir is None:
         return get_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dist", 1)
     config = _require_config(storage.resolve(checkpoint_dir, storage_options))
-    return get_default_strategy(StrategyAction.LOAD_SHARDED, config.sharded_backend,
-                                config.sharded_backend_version)
+    return get_default_strategy(
+        StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version
+    )
 
 
 def _require_config(checkpoint_dir) -> CheckpointingConfig:
@@ -110,29 +112,36 @@ def _require_config(checkpoint_dir) -> CheckpointingConfig:
             commit_protocol.recover(checkpoint_dir)
         if not checkpoint_dir.exists():
             raise CheckpointingException(
-                f"checkpoint directory {checkpoint_dir} does not exist (rank {dist.get_rank()})")
+                f"checkpoint directory {checkpoint_dir} does not exist (rank {dist.get_rank()})"
+            )
         if not checkpoint_dir.is_dir():
             raise CheckpointingException(
-                f"checkpoint path {checkpoint_dir} is not a directory (rank {dist.get_rank()})")
+                f"checkpoint path {checkpoint_dir} is not a directory (rank {dist.get_rank()})"
+            )
     config = checkpoint_config(checkpoint_dir)
     if config is None:
         raise CheckpointingException(f"{describe_missing_config(checkpoint_dir)} (rank {dist.get_rank()})")
     return config
 
 
-def _load_strategies(checkpoint_dir, sharded_strategy: Optional[LoadShardedStrategy],
-                     common_strategy: Optional[LoadCommonStrategy]):
+def _load_strategies(
+    checkpoint_dir,
+    sharded_strategy: Optional[LoadShardedStrategy],
+    common_strategy: Optional[LoadCommonStrategy],
+):
     config = _require_config(checkpoint_dir)
     try:
         if sharded_strategy is None:
-            sharded_strategy = get_default_strategy(StrategyAction.LOAD_SHARDED, config.sharded_backend,
-                                                    config.sharded_backend_version)
+            sharded_strategy = get_default_strategy(
+                StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version
+            )
         else:
             sharded_strategy.check_backend_compatibility(config.sharded_backend)
             sharded_strategy.check_version_compatibility(config.sharded_backend_version)
         if common_strategy is None:
-            common_strategy = get_default_strategy(StrategyAction.LOAD_COMMON, config.common_backend,
-                                                   config.common_backend_version)
+            common_strategy = get_default_strategy(
+                StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version
+            )
     except CheckpointingException as e:
         raise CheckpointingException(f"{storage.join(checkpoint_dir, CONFIG_FNAME)}: {e}") from None
     return sharded_strategy, common_strategy
@@ -226,13 +235,17 @@ def save(
             target = commit_protocol.resolve_target(checkpoint_dir)
             protocol = commit_protocol.protocol_for(target)
             if isinstance(target, Path) and target.exists() and not target.is_dir():
-                raise CheckpointingException(f"checkpoint path {checkpoint_dir} exists and is not a directory")
+                raise CheckpointingException(
+                    f"checkpoint path {checkpoint_dir} exists and is not a directory"
+                )
             normalize_sharded_state_dict(sharded_state_dict)
             apply_factories(sharded_state_dict)
             _, sharded_state_dict = extract_matching_values(
-                sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject))
+                sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject)
+            )
             sharded_part, common_part = extract_matching_values(
-                sharded_state_dict, lambda v: isinstance(v, ShardedBase))
+                sharded_state_dict, lambda v: isinstance(v, ShardedBase)
+            )
             if async_sharded_save and isinstance(sharded_strategy, AsyncSaveShardedStrategy):
                 # Device-to-host copies first: they run while the checks and the planning below do.
                 prestaged = sharded_strategy.prestage(sharded_part)
@@ -244,8 +257,11 @@ def save(
             common_view = None
             if preprocess_common_before_consistancy_check is not None:
                 common_view = preprocess_common_before_consistancy_check(common_part)
-            payload = (shard_table(shards, rank) if validate_access_integrity else None, common_view,
-                       _io_mark(shards, sharded_strategy))
+            payload = (
+                shard_table(shards, rank) if validate_access_integrity else None,
+                common_view,
+                _io_mark(shards, sharded_strategy),
+            )
         except Exception as e:  # noqa: BLE001 - shared with every rank below
             exc = e
         timings.begin("global validation")
@@ -272,8 +288,15 @@ def save(
             timings.begin("common state")
             # Where only some ranks of a host write (data-parallel replicas), they share its cores.
             with budget.ranks_doing_io(writers.get(_host_key())):
-                return _write_and_commit(staging, protocol, sharded_part, common_part, sharded_strategy,
-                                         common_strategy, async_sharded_save)
+                return _write_and_commit(
+                    staging,
+                    protocol,
+                    sharded_part,
+                    common_part,
+                    sharded_strategy,
+                    common_strategy,
+                    async_sharded_save,
+                )
         except BaseException:
             if prestaged:
                 sharded_strategy.discard_prestaged()
@@ -292,7 +315,8 @@ def _io_mark(shards: List[ShardedBase], strategy: Any) -> Tuple[int, bool]:
     ranks of each host from these. A strategy that moves replicas between ranks (the fully
     parallel wrapper, ``reassigns_replicas``) may make any rank a writer."""
     writes = bool(getattr(strategy, "reassigns_replicas", False)) or any(
-        is_main_replica(sh.replica_id) for sh in shards)
+        is_main_replica(sh.replica_id) for sh in shards
+    )
     return _host_key(), writes
 
 
@@ -301,8 +325,15 @@ def _writers_by_host(marks: List[Tuple[int, bool]]) -> Dict[int, int]:
     return dict(collections.Counter(host for host, writes in marks if writes))
 
 
-def _write_and_commit(staging: commit_protocol.Staging, protocol, sharded_part, common_part, sharded_strategy,
-                      common_strategy, async_sharded_save: bool) -> Any:
+def _write_and_commit(
+    staging: commit_protocol.Staging,
+    protocol,
+    sharded_part,
+    common_part,
+    sharded_strategy,
+    common_strategy,
+    async_sharded_save: bool,
+) -> Any:
     """Every rank writes into the staging directory; rank 0 commits it (after ``metadata.json``)."""
     ckpt = protocol.where(staging)
     # A strategy with ``save_and_commit`` writes, reports and commits in one stage; a failure of
@@ -313,15 +344,18 @@ def _write_and_commit(staging: commit_protocol.Staging, protocol, sharded_part, 
     try:
         common_strategy.save_common(common_part, ckpt)
         if not sharded_strategy.can_handle_sharded_objects:
-            objects, sharded_part = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
+            objects, sharded_part = extract_matching_values(
+                sharded_part, lambda v: isinstance(v, ShardedObject)
+            )
             common_strategy.save_sharded_objects(objects, ckpt)
     except Exception as e:  # noqa: BLE001
         exc = e
     if merged is None:
         dist.sync_errors("common state write", exc)
 
-    config = CheckpointingConfig(sharded_strategy.backend, sharded_strategy.version,
-                                 common_strategy.backend, common_strategy.version)
+    config = CheckpointingConfig(
+        sharded_strategy.backend, sharded_strategy.version, common_strategy.backend, common_strategy.version
+    )
     written = dict(getattr(common_strategy, "written_files", {}))
 
     def decide(payloads):
@@ -342,7 +376,8 @@ def _write_and_commit(staging: commit_protocol.Staging, protocol, sharded_part, 
     if async_sharded_save:
         if not isinstance(sharded_strategy, AsyncSaveShardedStrategy):
             raise CheckpointingException(
-                f"{type(sharded_strategy).__name__} cannot save asynchronously (not an AsyncSaveShardedStrategy)")
+                f"{type(sharded_strategy).__name__} cannot save asynchronously (not an AsyncSaveShardedStrategy)"
+            )
         request, exc = None, None
         timings.begin_unless_timed(sharded_strategy, "staging")
         try:
@@ -378,8 +413,9 @@ _VALIDATED_STRUCTURES: collections.OrderedDict[bytes, None] = collections.Ordere
 _VALIDATED_CAPACITY = 8
 
 
-def _validate_with_cache(exc: Optional[BaseException], payload: Any, check: Callable,
-                         begin: Callable) -> Tuple[commit_protocol.Staging, Dict[int, int]]:
+def _validate_with_cache(
+    exc: Optional[BaseException], payload: Any, check: Callable, begin: Callable
+) -> Tuple[commit_protocol.Staging, Dict[int, int]]:
     """Validate the global sharding unless this exact structure passed before; returns the
     staging ``check`` / ``begin`` created on rank 0 and the writing ranks of each host.
 
@@ -414,8 +450,15 @@ def _log_common_differences(views) -> None:
     for r, view in enumerate(views[1:], start=1):
         only_0, only_r, mismatch = diff(reference, view)
         if only_0 or only_r or mismatch:
-            logger.warning("common state of rank %d differs from rank 0: only on rank 0 %s, only on "
-                           "rank %d %s, different %s", r, only_0, r, only_r, mismatch)
+            logger.warning(
+                "common state of rank %d differs from rank 0: only on rank 0 %s, only on "
+                "rank %d %s, different %s",
+                r,
+                only_0,
+                r,
+                only_r,
+                mismatch,
+            )
 
 
 # --------------------------------------------------------------------------- load
@@ -486,26 +529,36 @@ def load(
             need_keys = StrictHandling.requires_global_app_metadata(strict_mode)
             commit_protocol.recover(checkpoint_dir)
             identity = commit_protocol.tree_identity(checkpoint_dir)
-            sharded_strategy, common_strategy = _load_strategies(checkpoint_dir, sharded_strategy, common_strategy)
+            sharded_strategy, common_strategy = _load_strategies(
+                checkpoint_dir, sharded_strategy, common_strategy
+            )
             _configure(sharded_strategy, verify, trusted)
             _configure(common_strategy, verify, trusted)
             # The group's first rank alone compares common.pt with the manifest (which lists every
             # range of the checkpoint: at scale far more than a rank's share); its verdict reaches
             # every rank at the stage below, and every rank reads the same file.
-            common_state_dict = read_common_state(checkpoint_dir, sharded_strategy, common_strategy,
-                                                  check=verify is True or dist.get_rank(group) == 0)
+            common_state_dict = read_common_state(
+                checkpoint_dir,
+                sharded_strategy,
+                common_strategy,
+                check=verify is True or dist.get_rank(group) == 0,
+            )
             common_state_dict.pop(CONTENT_METADATA_KEY, None)
             timings.begin("local checks")
 
             normalize_sharded_state_dict(sharded_state_dict)
             factories, _ = extract_matching_values(
-                sharded_state_dict, lambda v: isinstance(v, ShardedTensorFactory), return_lists_as_dicts=True)
+                sharded_state_dict, lambda v: isinstance(v, ShardedTensorFactory), return_lists_as_dicts=True
+            )
             apply_factories(sharded_state_dict)
             nonpersistent, sharded_state_dict = extract_matching_values(
-                sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject))
+                sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject)
+            )
             dict_list_map_inplace(lambda o: o.unwrap(), nonpersistent)
             merge(common_state_dict, nonpersistent)
-            sharded_part, _ = extract_matching_values(sharded_state_dict, lambda v: isinstance(v, ShardedBase))
+            sharded_part, _ = extract_matching_values(
+                sharded_state_dict, lambda v: isinstance(v, ShardedBase)
+            )
             shards = list(nested_values(sharded_part))
             validate_local_integrity(shards)
 
@@ -516,8 +569,10 @@ def load(
                     ckpt_meta.update(common_strategy.load_sharded_metadata(checkpoint_dir))
                 ckpt_keys = {v.key for v in ckpt_meta.values()}
             local_keys = {s.key for s in shards}
-            payload = (local_keys if need_keys else None,
-                       shard_table(shards, dist.get_rank(group)) if validate_access_integrity else None)
+            payload = (
+                local_keys if need_keys else None,
+                shard_table(shards, dist.get_rank(group)) if validate_access_integrity else None,
+            )
         except Exception as e:  # noqa: BLE001 - shared with every rank below
             exc = _replaced_or(e, checkpoint_dir, identity)
         timings.begin("global validation")
@@ -536,13 +591,17 @@ def load(
         try:
             if StrictHandling.requires_explicit_ckpt_mismatch_check(strict_mode):
                 missing, unexpected = determine_missing_and_unexpected_keys(
-                    ckpt_keys, local_keys, global_keys)
+                    ckpt_keys, local_keys, global_keys
+                )
                 handle_mismatched_keys(strict_mode, missing, unexpected, str(checkpoint_dir))
                 if unexpected:
                     sharded_part, _ = extract_matching_values(
-                        sharded_part, lambda v: isinstance(v, ShardedBase) and v.key not in unexpected)
+                        sharded_part, lambda v: isinstance(v, ShardedBase) and v.key not in unexpected
+                    )
             if not sharded_strategy.can_handle_sharded_objects:
-                objects, sharded_part = extract_matching_values(sharded_part, lambda v: isinstance(v, ShardedObject))
+                objects, sharded_part = extract_matching_values(
+                    sharded_part, lambda v: isinstance(v, ShardedObject)
+                )
                 merge(common_state_dict, common_strategy.load_sharded_objects(objects, checkpoint_dir))
             timings.begin_unless_timed(sharded_strategy, "reading")
             loaded = sharded_strategy.load(sharded_part, checkpoint_dir)
@@ -580,21 +639,30 @@ def _configure(strategy, verify: Optional[bool], trusted: bool) -> None:
             continue
         if not hasattr(strategy, name):
             raise CheckpointingException(
-                f"{type(strategy).__name__} (backend {strategy.backend!r}) does not support {name}=True")
+                f"{type(strategy).__name__} (backend {strategy.backend!r}) does not support {name}=True"
+            )
         setattr(strategy, name, value)
 
 
 # --------------------------------------------------------------------------- queries
 
 
-def read_common_state(checkpoint_dir: Location, sharded_strategy: LoadShardedStrategy,
-                      common_strategy: LoadCommonStrategy, check: bool = True) -> StateDict:
+def read_common_state(
+    checkpoint_dir: Location,
+    sharded_strategy: LoadShardedStrategy,
+    common_strategy: LoadCommonStrategy,
+    check: bool = True,
+) -> StateDict:
     """The stored common state, content metadata included: ``common.pt`` merged with the common
     values the sharded format holds itself (the non-tensor values of a ``dcp.save``, which
     writes no ``common.pt``). Runs on any rank, alone; ``checkpoint_dir`` is resolved. ``check``
     False: ``common.pt`` is not compared with the manifest here (another rank does it)."""
     items = sharded_strategy.load_common_items(checkpoint_dir)
-    skip = not check and getattr(common_strategy, "checksums", False) and not getattr(common_strategy, "verify", False)
+    skip = (
+        not check
+        and getattr(common_strategy, "checksums", False)
+        and not getattr(common_strategy, "verify", False)
+    )
     if skip:
         common_strategy.checksums = False
     try:
@@ -610,8 +678,11 @@ def read_common_state(checkpoint_dir: Location, sharded_strategy: LoadShardedStr
     return state
 
 
-def load_common_state_dict(checkpoint_dir: Location, common_strategy: Optional[LoadCommonStrategy] = None,
-                           storage_options: StorageOptions = None) -> StateDict:
+def load_common_state_dict(
+    checkpoint_dir: Location,
+    common_strategy: Optional[LoadCommonStrategy] = None,
+    storage_options: StorageOptions = None,
+) -> StateDict:
     """Load only the common (non-sharded) state (with a ``dcp.save``'s non-tensor values)."""
     checkpoint_dir = storage.resolve(checkpoint_dir, storage_options)
     sharded_strategy, common_strategy = _load_strategies(checkpoint_dir, None, common_strategy)
@@ -620,7 +691,11 @@ def load_common_state_dict(checkpoint_dir: Location, common_strategy: Optional[L
     return state
 
 
-def load_content_metadata(checkpoint_dir: Location, preloaded_state_dict: Optional[StateDict] = None, storage_options: StorageOptions = None) -> Optional[dict]:
+def load_content_metadata(
+    checkpoint_dir: Location,
+    preloaded_state_dict: Optional[StateDict] = None,
+    storage_options: StorageOptions = None,
+) -> Optional[dict]:
     """The ``content_metadata`` passed to ``save``, or None."""
     checkpoint_dir = storage.resolve(checkpoint_dir, storage_options)
     if preloaded_state_dict is None:
@@ -629,7 +704,11 @@ def load_content_metadata(checkpoint_dir: Location, preloaded_state_dict: Option
     return preloaded_state_dict.get(CONTENT_METADATA_KEY)
 
 
-def load_tensors_metadata(checkpoint_dir: Location, sharded_strategy: Optional[LoadShardedStrategy] = None, storage_options: StorageOptions = None) -> ShardedStateDict:
+def load_tensors_metadata(
+    checkpoint_dir: Location,
+    sharded_strategy: Optional[LoadShardedStrategy] = None,
+    storage_options: StorageOptions = None,
+) -> ShardedStateDict:
     """Describe every stored tensor: key -> data-free ShardedTensor of the whole global tensor
     (data is a ``meta`` tensor with the global shape and dtype)."""
     checkpoint_dir = storage.resolve(checkpoint_dir, storage_options)
@@ -637,8 +716,12 @@ def load_tensors_metadata(checkpoint_dir: Location, sharded_strategy: Optional[L
     return sharded_strategy.load_tensors_metadata(checkpoint_dir)
 
 
-def load_sharded_metadata(checkpoint_dir: Location, sharded_strategy: Optional[LoadShardedStrategy] = None,
-                          common_strategy: Optional[LoadCommonStrategy] = None, storage_options: StorageOptions = None) -> ShardedStateDict:
+def load_sharded_metadata(
+    checkpoint_dir: Location,
+    sharded_strategy: Optional[LoadShardedStrategy] = None,
+    common_strategy: Optional[LoadCommonStrategy] = None,
+    storage_options: StorageOptions = None,
+) -> ShardedStateDict:
     """Like load_tensors_metadata, plus the stored ShardedObjects keyed by their unique key."""
     checkpoint_dir = storage.resolve(checkpoint_dir, storage_options)
     sharded_strategy, common_strategy = _load_strategies(checkpoint_dir, sharded_strategy, common_strategy)
@@ -648,7 +731,11 @@ def load_sharded_metadata(checkpoint_dir: Location, sharded_strategy: Optional[L
     return out
 
 
-def load_plain_tensors(checkpoint_dir: Location, sharded_strategy: Optional[LoadShardedStrategy] = None, storage_options: StorageOptions = None) -> StateDict:
+def load_plain_tensors(
+    checkpoint_dir: Location,
+    sharded_strategy: Optional[LoadShardedStrategy] = None,
+    storage_options: StorageOptions = None,
+) -> StateDict:
     """Load every stored tensor whole, on this rank alone (no collectives)."""
     checkpoint_dir = storage.resolve(checkpoint_dir, storage_options)
     sharded_strategy, _ = _load_strategies(checkpoint_dir, sharded_strategy, None)
@@ -658,14 +745,16 @@ def load_plain_tensors(checkpoint_dir: Location, sharded_strategy: Optional[Load
     return sharded_strategy.load(request, checkpoint_dir)
 
 
-def remove_sharded_tensors(checkpoint_dir: Location, key_prefix: str, storage_options: StorageOptions = None) -> None:
+def remove_sharded_tensors(
+    checkpoint_dir: Location, key_prefix: str, storage_options: StorageOptions = None
+) -> None:
     """Remove every tensor whose key starts with ``key_prefix`` from a checkpoint (not from a
     plain PyTorch DCP directory: those are read-only)."""
     checkpoint_dir = storage.resolve(checkpoint_dir, storage_options)
     if is_dcp_native(checkpoint_dir):
         raise CheckpointingException(
             f"{checkpoint_dir}: a plain PyTorch DCP checkpoint (no metadata.json) is read-only to distckpt; "
-            f"convert it to torch_dist first")
+            f"convert it to torch_dist first"
+        )
     sharded_strategy, _ = _load_strategies(checkpoint_dir, None, None)
     sharded_strategy.remove_sharded_tensors(checkpoint_dir, key_prefix)
-

@@ -54,7 +54,9 @@ class Timings:
 
     def __str__(self) -> str:
         parts = ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in self.phases.items())
-        return f"{self.op} {self.total_s:.3f} s on rank {self.rank}{' (failed)' if self.failed else ''}: {parts}"
+        return (
+            f"{self.op} {self.total_s:.3f} s on rank {self.rank}{' (failed)' if self.failed else ''}: {parts}"
+        )
 
 
 class _Recorder:
@@ -89,7 +91,7 @@ def recording(op: str, first: str) -> Iterator[None]:
     finally:
         _local.recorder = outer
         end = time.perf_counter()
-        rec.phases[rec.current] += end - rec.last   # a failure is charged to the phase it hit
+        rec.phases[rec.current] += end - rec.last  # a failure is charged to the phase it hit
         result = Timings(op, dist.get_rank(), end - rec.start, rec.phases, failed)
         with _last_lock:
             _last[op] = result

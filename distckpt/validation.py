@@ -80,8 +80,16 @@ def parse_strict_flag(strict: Union[str, StrictHandling]) -> StrictHandling:
 # ``local_shape`` has the full rank of the global tensor (prepended axes have size 1), so the shard
 # is the box ``[global_offset, global_offset + local_shape)``; for a flattened range the box is the
 # whole (un-flattened) chunk and ``flat`` is the ``(start, stop)`` slice of it, else None.
-ShardDesc = Tuple[str, bool, Optional[str], Tuple[int, ...], Tuple[int, ...], Tuple[int, ...],
-                  Optional[Tuple[int, int]], bool]
+ShardDesc = Tuple[
+    str,
+    bool,
+    Optional[str],
+    Tuple[int, ...],
+    Tuple[int, ...],
+    Tuple[int, ...],
+    Optional[Tuple[int, int]],
+    bool,
+]
 
 
 @dataclass
@@ -129,8 +137,12 @@ class ShardTable:
             for main, offset, local, flat in group:
                 rows.append((1 if main else 0, *offset, *zeros, *local, *ones, *(flat or (0, 0))))
         entries = tuple(props + (len(group),) for props, group in groups.items())
-        return cls(rank, entries, np.array(rows, dtype=np.int64).reshape(len(rows), 3 + 2 * ndim),
-                   layout_digest(entries))
+        return cls(
+            rank,
+            entries,
+            np.array(rows, dtype=np.int64).reshape(len(rows), 3 + 2 * ndim),
+            layout_digest(entries),
+        )
 
 
 def layout_digest(entries: Tuple) -> bytes:
@@ -141,13 +153,29 @@ def layout_digest(entries: Tuple) -> bytes:
 def shard_desc(sh: ShardedBase) -> ShardDesc:
     if isinstance(sh, ShardedObject):
         ones = (1,) * len(sh.global_shape)
-        return (sh.key, True, None, tuple(sh.global_shape), tuple(sh.global_offset), ones, None,
-                is_main_replica(sh.replica_id))
+        return (
+            sh.key,
+            True,
+            None,
+            tuple(sh.global_shape),
+            tuple(sh.global_offset),
+            ones,
+            None,
+            is_main_replica(sh.replica_id),
+        )
     assert isinstance(sh, ShardedTensor)
     full_local = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
     flat = None if sh.flattened_range is None else (sh.flattened_range.start, sh.flattened_range.stop)
-    return (sh.key, False, str(sh.dtype), tuple(sh.global_shape), tuple(sh.global_offset), full_local, flat,
-            is_main_replica(sh.replica_id))
+    return (
+        sh.key,
+        False,
+        str(sh.dtype),
+        tuple(sh.global_shape),
+        tuple(sh.global_offset),
+        full_local,
+        flat,
+        is_main_replica(sh.replica_id),
+    )
 
 
 def shard_table(shards: Iterable[ShardedBase], rank: int) -> ShardTable:
@@ -183,7 +211,7 @@ def validate_global_integrity(tables: Sequence[ShardTable]) -> None:
     if not tables:
         return
     ndim = max(t.ndim for t in tables)
-    props: List[Tuple] = []                 # global entry id -> (key, is_object, dtype, shape, flat)
+    props: List[Tuple] = []  # global entry id -> (key, is_object, dtype, shape, flat)
     ids: Dict[Tuple, int] = {}
     # A layout -> (rows per rank, (entry id, first row, end row) of each entry, its ranks' tables).
     groups: Dict[object, Tuple[int, List[Tuple[int, int, int]], List[ShardTable]]] = {}
@@ -200,8 +228,9 @@ def validate_global_integrity(tables: Sequence[ShardTable]) -> None:
                 start += e[5]
             group = groups[t.layout or object()] = (start, entry_spans, [])
         if group[0] != len(t.rows):
-            raise CheckpointingException(f"rank {t.rank}: malformed shard table ({len(t.rows)} rows for "
-                                         f"{group[0]} shards)")
+            raise CheckpointingException(
+                f"rank {t.rank}: malformed shard table ({len(t.rows)} rows for {group[0]} shards)"
+            )
         group[2].append(t)
     # Each entry's rows: one array per entry, filled group by group (one copy of every row).
     total = [0] * len(props)
@@ -213,13 +242,20 @@ def validate_global_integrity(tables: Sequence[ShardTable]) -> None:
     part_ranks = [np.empty(n, np.int64) for n in total]
     filled = [0] * len(props)
     for _, entry_spans, members in groups.values():
-        stacked = np.stack([t.rows for t in members])        # [ranks, rows, columns]
+        stacked = np.stack([t.rows for t in members])  # [ranks, rows, columns]
         own = members[0].ndim
         if own < ndim:
             r, n, pad = stacked.shape[0], stacked.shape[1], ndim - own
-            stacked = np.concatenate([stacked[:, :, :1 + own], np.zeros((r, n, pad), np.int64),
-                                      stacked[:, :, 1 + own:1 + 2 * own], np.ones((r, n, pad), np.int64),
-                                      stacked[:, :, 1 + 2 * own:]], axis=2)
+            stacked = np.concatenate(
+                [
+                    stacked[:, :, : 1 + own],
+                    np.zeros((r, n, pad), np.int64),
+                    stacked[:, :, 1 + own : 1 + 2 * own],
+                    np.ones((r, n, pad), np.int64),
+                    stacked[:, :, 1 + 2 * own :],
+                ],
+                axis=2,
+            )
         ranks = np.array([t.rank for t in members], dtype=np.int64)
         repeats: Dict[int, np.ndarray] = {}
         for gid, lo, hi in entry_spans:
@@ -274,12 +310,12 @@ def _check_rows(key: str, props: Tuple, ndim: int, part: np.ndarray, part_rank: 
     if not main.all():
         part, part_rank = part[main], part_rank[main]
     n = len(global_shape)
-    offs = part[:, 1:1 + n]
-    sizes = part[:, 1 + ndim:1 + ndim + n]
+    offs = part[:, 1 : 1 + n]
+    sizes = part[:, 1 + ndim : 1 + ndim + n]
     if is_object:
         _check_object_grid(key, global_shape, offs, part_rank)
     elif flat:
-        _check_flat_tiling(key, global_shape, offs, sizes, part[:, 1 + 2 * ndim:], part_rank)
+        _check_flat_tiling(key, global_shape, offs, sizes, part[:, 1 + 2 * ndim :], part_rank)
     else:
         check_exact_cover(key, global_shape, offs, sizes, part_rank)
 
@@ -291,6 +327,7 @@ def _ranks(ranks: Iterable[int]) -> str:
 def _diagnose_disagreement(key: str, entries: List[Tuple[Tuple, List[int]]]) -> None:
     """``entries``: ``((key, is_object, dtype, global_shape, flattened), ranks)`` in the order
     first met; raises on the first property the ranks disagree on."""
+
     def ranks_by(i: int) -> Dict:
         out: Dict = {}
         for p, rs in entries:
@@ -301,7 +338,8 @@ def _diagnose_disagreement(key: str, entries: List[Tuple[Tuple, List[int]]]) -> 
     if len(kinds) > 1:
         raise CheckpointingException(
             f"key {key!r} is a ShardedTensor on rank(s) {_ranks(kinds.get(False, []))} and a ShardedObject "
-            f"on rank(s) {_ranks(kinds.get(True, []))}")
+            f"on rank(s) {_ranks(kinds.get(True, []))}"
+        )
     shapes = ranks_by(3)
     if len(shapes) > 1:
         desc = "; ".join(f"{list(shape)} on rank(s) {_ranks(rs)}" for shape, rs in shapes.items())
@@ -312,7 +350,8 @@ def _diagnose_disagreement(key: str, entries: List[Tuple[Tuple, List[int]]]) -> 
         raise CheckpointingException(f"key {key!r}: ranks disagree on the dtype: {desc}")
     flat = ranks_by(4)
     raise CheckpointingException(
-        f"key {key!r}: flattened on rank(s) {_ranks(flat.get(True, []))} but not on the others")
+        f"key {key!r}: flattened on rank(s) {_ranks(flat.get(True, []))} but not on the others"
+    )
 
 
 def _check_object_grid(key: str, global_shape: Tuple[int, ...], offs: np.ndarray, ranks: np.ndarray) -> None:
@@ -323,7 +362,8 @@ def _check_object_grid(key: str, global_shape: Tuple[int, ...], offs: np.ndarray
             i = int(np.argmin(inside))
             raise CheckpointingException(
                 f"ShardedObject {key!r}: offset {offs[i].tolist()} of rank {int(ranks[i])} is outside the "
-                f"grid of global shape {list(global_shape)}")
+                f"grid of global shape {list(global_shape)}"
+            )
         cells = np.ravel_multi_index(offs.T, global_shape)
     else:
         cells = np.zeros(len(offs), dtype=np.int64)
@@ -334,14 +374,16 @@ def _check_object_grid(key: str, global_shape: Tuple[int, ...], offs: np.ndarray
         j = int(first[inverse.reshape(-1)[i]])
         raise CheckpointingException(
             f"ShardedObject {key!r}: offset {offs[i].tolist()} is written by more than one "
-            f"main replica (ranks {int(ranks[j])} and {int(ranks[i])})")
+            f"main replica (ranks {int(ranks[j])} and {int(ranks[i])})"
+        )
     if len(first) != expected:
         present = np.zeros(expected, dtype=bool)
         present[cells] = True
         missing = np.unravel_index(int(np.argmin(present)), global_shape) if global_shape else ()
         raise CheckpointingException(
             f"ShardedObject {key!r}: {expected - len(first)} of {expected} shards have no main "
-            f"replica (e.g. offset {[int(m) for m in missing]}); set replica_id=0 on exactly one rank per shard")
+            f"replica (e.g. offset {[int(m) for m in missing]}); set replica_id=0 on exactly one rank per shard"
+        )
 
 
 def _sorted_by_chunk(offs: np.ndarray, sizes: np.ndarray, start: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
@@ -368,8 +410,14 @@ def _sorted_by_chunk(offs: np.ndarray, sizes: np.ndarray, start: np.ndarray) -> 
     return order, np.cumsum(first) - 1
 
 
-def _check_flat_tiling(key: str, global_shape: Tuple[int, ...], offs: np.ndarray, sizes: np.ndarray,
-                       flat: np.ndarray, ranks: np.ndarray) -> None:
+def _check_flat_tiling(
+    key: str,
+    global_shape: Tuple[int, ...],
+    offs: np.ndarray,
+    sizes: np.ndarray,
+    flat: np.ndarray,
+    ranks: np.ndarray,
+) -> None:
     """Flattened slices of each chunk must tile ``[0, numel)`` exactly once; the chunks (boxes
     of a regular grid) must then cover the tensor exactly once. Vectorized over all slices."""
     if not len(offs):
@@ -377,7 +425,7 @@ def _check_flat_tiling(key: str, global_shape: Tuple[int, ...], offs: np.ndarray
         return
     order, chunk = _sorted_by_chunk(offs, sizes, flat[:, 0])
     starts = np.flatnonzero(np.concatenate([[True], chunk[1:] != chunk[:-1]]))
-    owner = np.minimum.reduceat(order, starts)   # each chunk's first shard, in the ranks' order
+    owner = np.minimum.reduceat(order, starts)  # each chunk's first shard, in the ranks' order
     numel = np.prod(sizes[owner], axis=1) if sizes.shape[1] else np.ones(len(owner), np.int64)
     keep = flat[order, 1] > flat[order, 0]
     idx, cid = order[keep], chunk[keep]
@@ -394,10 +442,12 @@ def _check_flat_tiling(key: str, global_shape: Tuple[int, ...], offs: np.ndarray
         if start[i] < expected_start[i]:
             raise CheckpointingException(
                 f"ShardedTensor {key!r}: flattened ranges overlap in the chunk at offset "
-                f"{where}: [{start[i]}, {stop[i]}) on rank {ranks[idx[i]]} starts before {expected_start[i]}")
+                f"{where}: [{start[i]}, {stop[i]}) on rank {ranks[idx[i]]} starts before {expected_start[i]}"
+            )
         raise CheckpointingException(
             f"ShardedTensor {key!r}: flattened range [{expected_start[i]}, {start[i]}) of the chunk at offset "
-            f"{where} is not written by any main replica")
+            f"{where} is not written by any main replica"
+        )
     ends = np.zeros(len(owner), dtype=np.int64)
     ends[cid[last]] = stop[last]
     short = np.flatnonzero(ends != numel)
@@ -405,7 +455,8 @@ def _check_flat_tiling(key: str, global_shape: Tuple[int, ...], offs: np.ndarray
         c = short[0]
         raise CheckpointingException(
             f"ShardedTensor {key!r}: flattened range [{ends[c]}, {numel[c]}) of the chunk at offset "
-            f"{offs[owner[c]].tolist()} is not written by any main replica")
+            f"{offs[owner[c]].tolist()} is not written by any main replica"
+        )
     check_exact_cover(key, global_shape, offs[owner], sizes[owner], ranks[owner])
 
 
@@ -420,7 +471,7 @@ def _small_exact_cover(global_shape: Sequence[int], offs: List[List[int]], sizes
         total += math.prod(size)
     boxes = list(zip(offs, sizes))
     for i, (a_off, a_size) in enumerate(boxes):
-        for b_off, b_size in boxes[i + 1:]:
+        for b_off, b_size in boxes[i + 1 :]:
             if all(ao < bo + bs and bo < ao + az for ao, az, bo, bs in zip(a_off, a_size, b_off, b_size)):
                 return False
     return total == math.prod(global_shape)
@@ -430,8 +481,9 @@ def _small_exact_cover(global_shape: Sequence[int], offs: List[List[int]], sizes
 _MAX_GRID_CELLS = 50_000_000
 
 
-def check_exact_cover(key: str, global_shape: Sequence[int], offs: np.ndarray, sizes: np.ndarray,
-                      ranks: np.ndarray) -> None:
+def check_exact_cover(
+    key: str, global_shape: Sequence[int], offs: np.ndarray, sizes: np.ndarray, ranks: np.ndarray
+) -> None:
     """Check that the boxes ``[offs[i], offs[i] + sizes[i])`` (written by ``ranks[i]``) cover
     ``global_shape`` exactly once.
 
@@ -446,7 +498,8 @@ def check_exact_cover(key: str, global_shape: Sequence[int], offs: np.ndarray, s
         if len(offs) != 1:
             raise CheckpointingException(
                 f"ShardedTensor {key!r}: a scalar needs exactly one main replica, got {len(offs)} "
-                f"(ranks {sorted(ranks.tolist())})")
+                f"(ranks {sorted(ranks.tolist())})"
+            )
         return
     nonempty = (sizes > 0).all(axis=1)
     if not nonempty.all():
@@ -454,8 +507,14 @@ def check_exact_cover(key: str, global_shape: Sequence[int], offs: np.ndarray, s
     if len(offs) <= 4 and _small_exact_cover(global_shape, offs.tolist(), sizes.tolist()):
         return  # a few boxes (most keys of most models): plain Python, no more numpy
     gshape = np.array(global_shape, dtype=np.int64)
-    if len(offs) and (sizes == sizes[0]).all() and not (offs % sizes[0]).any() and not (gshape % sizes[0]).any() \
-            and (offs >= 0).all() and (offs + sizes <= gshape).all():
+    if (
+        len(offs)
+        and (sizes == sizes[0]).all()
+        and not (offs % sizes[0]).any()
+        and not (gshape % sizes[0]).any()
+        and (offs >= 0).all()
+        and (offs + sizes <= gshape).all()
+    ):
         # Regular grid (the common case): exact cover <=> every grid cell held exactly once.
         cells = offs // sizes[0]
         grid_shape = gshape // sizes[0]
@@ -463,8 +522,10 @@ def check_exact_cover(key: str, global_shape: Sequence[int], offs: np.ndarray, s
         counts = np.bincount(flat, minlength=int(np.prod(grid_shape)))
         if counts.max() <= 1 and counts.min() == 1:
             return
-    cuts = [np.unique(np.concatenate([[0, global_shape[a]], offs[:, a], offs[:, a] + sizes[:, a]]))
-            for a in range(ndim)]
+    cuts = [
+        np.unique(np.concatenate([[0, global_shape[a]], offs[:, a], offs[:, a] + sizes[:, a]]))
+        for a in range(ndim)
+    ]
     grid = tuple(len(c) - 1 for c in cuts)
     if math.prod(grid) > _MAX_GRID_CELLS:
         _check_cover_by_volume(key, global_shape, offs.tolist(), sizes.tolist(), ranks.tolist())
@@ -479,16 +540,21 @@ def check_exact_cover(key: str, global_shape: Sequence[int], offs: np.ndarray, s
         counts[sl] += 1
     if (counts > 1).any():
         cell = tuple(int(i) for i in np.argwhere(counts > 1)[0])
-        owners = [int(r) for r, sl in zip(ranks, cell_slices)
-                  if all(s.start <= c < s.stop for s, c in zip(sl, cell))]
+        owners = [
+            int(r)
+            for r, sl in zip(ranks, cell_slices)
+            if all(s.start <= c < s.stop for s, c in zip(sl, cell))
+        ]
         raise CheckpointingException(
             f"ShardedTensor {key!r}: main replicas overlap at global region {_region(cuts, cell)} "
-            f"(written by ranks {owners}); give all but one of them replica_id != 0")
+            f"(written by ranks {owners}); give all but one of them replica_id != 0"
+        )
     if (counts == 0).any():
         cell = tuple(int(i) for i in np.argwhere(counts == 0)[0])
         raise CheckpointingException(
             f"ShardedTensor {key!r}: global region {_region(cuts, cell)} of shape "
-            f"{list(global_shape)} is not covered by any main replica")
+            f"{list(global_shape)} is not covered by any main replica"
+        )
 
 
 def _region(cuts: List[np.ndarray], cell: Tuple[int, ...]) -> str:
@@ -504,14 +570,18 @@ def _check_cover_by_volume(key, global_shape, offs, sizes, ranks) -> None:
     for b in order:
         active = [a for a in active if a[0][0] + a[1][0] > b[0][0]]
         for a in active:
-            if all(a[0][i] < b[0][i] + b[1][i] and b[0][i] < a[0][i] + a[1][i] for i in range(len(global_shape))):
+            if all(
+                a[0][i] < b[0][i] + b[1][i] and b[0][i] < a[0][i] + a[1][i] for i in range(len(global_shape))
+            ):
                 raise CheckpointingException(
                     f"ShardedTensor {key!r}: main replicas of ranks {a[2]} and {b[2]} overlap "
-                    f"(offsets {list(a[0])} and {list(b[0])})")
+                    f"(offsets {list(a[0])} and {list(b[0])})"
+                )
         active.append(b)
     if total != expected:
         raise CheckpointingException(
-            f"ShardedTensor {key!r}: main replicas cover {total} of {expected} elements")
+            f"ShardedTensor {key!r}: main replicas cover {total} of {expected} elements"
+        )
 
 
 # --------------------------------------------------------------------------- strict load checks
@@ -529,8 +599,9 @@ def determine_missing_and_unexpected_keys(
     return missing, unexpected
 
 
-def handle_mismatched_keys(strict: StrictHandling, missing: Set[str], unexpected: Set[str],
-                           checkpoint_dir: str) -> None:
+def handle_mismatched_keys(
+    strict: StrictHandling, missing: Set[str], unexpected: Set[str], checkpoint_dir: str
+) -> None:
     """Log or raise according to ``strict``; returning and skipping is the caller's job."""
     if not missing and not unexpected:
         return
@@ -587,7 +658,8 @@ def common_tensor_limit(value: Union[int, None, str] = "default") -> Optional[in
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise CheckpointingException(
-            f"{source}={value!r}: expected a number of bytes >= 0, or None (no limit)")
+            f"{source}={value!r}: expected a number of bytes >= 0, or None (no limit)"
+        )
     return value
 
 
@@ -619,7 +691,8 @@ def check_common_state(common_state: object, max_tensor_bytes: Union[int, None, 
             raise CheckpointingException(
                 f"common state {where} is {problem}; it would be pickled whole into the "
                 f"common state, from rank 0 only, and the other ranks' pieces lost. Put distckpt or "
-                f"Megatron-Core sharded objects directly in dicts or lists of the sharded state dict")
+                f"Megatron-Core sharded objects directly in dicts or lists of the sharded state dict"
+            )
         if isinstance(value, torch.Tensor):
             nbytes = value.numel() * value.element_size()
             if max_tensor_bytes is not None and nbytes > max_tensor_bytes and value.device.type != "meta":
@@ -627,7 +700,8 @@ def check_common_state(common_state: object, max_tensor_bytes: Union[int, None, 
                     f"common state {where} is a torch tensor of {nbytes} bytes (shape "
                     f"{list(value.shape)}), above the {max_tensor_bytes}-byte limit for "
                     f"common tensors: common state is saved by rank 0 alone. Wrap it in a ShardedTensor, "
-                    f"or allow it with save(..., max_common_tensor_bytes=None)")
+                    f"or allow it with save(..., max_common_tensor_bytes=None)"
+                )
             continue
         if isinstance(value, dict):
             stack.extend((v, path + (k,), depth) for k, v in value.items() if type(v) not in _ATOMS)
@@ -645,8 +719,22 @@ _ATOMS = frozenset({int, float, complex, bool, str, bytes, type(None)})
 def _is_plain_object(value: object) -> bool:
     """An instance of a user class whose attributes live in ``__dict__`` (dataclasses,
     argparse namespaces, config objects), not a module, class or function."""
-    if isinstance(value, (type, types.ModuleType, types.FunctionType, types.MethodType,
-                          types.BuiltinFunctionType, str, bytes, int, float, complex, bool)):
+    if isinstance(
+        value,
+        (
+            type,
+            types.ModuleType,
+            types.FunctionType,
+            types.MethodType,
+            types.BuiltinFunctionType,
+            str,
+            bytes,
+            int,
+            float,
+            complex,
+            bool,
+        ),
+    ):
         return False
     try:
         return isinstance(vars(value), dict)

@@ -49,30 +49,71 @@ OPTIMIZERS = {"adam": False, "distributed": True}
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layout", type=Layout.parse, default=Layout(2, 2, 2),
-                        help="layout of the uninterrupted run, e.g. TP2xPP2xDP2 or 2,2,2 (default: %(default)s)")
-    parser.add_argument("--resume-layout", type=Layout.parse, default=Layout(1, 1, 1),
-                        help="layout to resume under (default: %(default)s)")
-    parser.add_argument("--optimizer", choices=OPTIMIZERS, default="distributed",
-                        help="optimizer of the uninterrupted run (default: %(default)s)")
-    parser.add_argument("--resume-optimizer", choices=OPTIMIZERS, default="adam",
-                        help="optimizer of the resumed run (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=3, help="steps before the checkpoint (default: %(default)s)")
+    parser.add_argument(
+        "--layout",
+        type=Layout.parse,
+        default=Layout(2, 2, 2),
+        help="layout of the uninterrupted run, e.g. TP2xPP2xDP2 or 2,2,2 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--resume-layout",
+        type=Layout.parse,
+        default=Layout(1, 1, 1),
+        help="layout to resume under (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default="distributed",
+        help="optimizer of the uninterrupted run (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--resume-optimizer",
+        choices=OPTIMIZERS,
+        default="adam",
+        help="optimizer of the resumed run (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=3, help="steps before the checkpoint (default: %(default)s)"
+    )
     parser.add_argument("--resume-steps", type=int, default=3, help="steps after it (default: %(default)s)")
-    parser.add_argument("--dir", type=Path, default=None,
-                        help="checkpoint directory (default: a temporary one, removed afterwards)")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=None,
+        help="checkpoint directory (default: a temporary one, removed afterwards)",
+    )
     local = parser.add_argument_group("fast recovery (local tier + persistent checkpoints, same layout)")
-    local.add_argument("--local-every", type=int, default=0,
-                       help="save to the local tier every N iterations (turns this mode on)")
-    local.add_argument("--persistent-every", type=int, default=0,
-                       help="persistent checkpoint every M iterations (default: off)")
-    local.add_argument("--crash-at", type=int, default=None,
-                       help="iteration at which the first run stops (default: --steps)")
-    local.add_argument("--node-size", type=int, default=1, help="ranks per simulated node (default: %(default)s)")
-    local.add_argument("--replication-factor", type=int, default=2,
-                       help="copies of every rank's piece, own included (default: %(default)s)")
-    local.add_argument("--lose-node", type=int, default=None,
-                       help="delete this node's local directory before restarting (a replaced node)")
+    local.add_argument(
+        "--local-every",
+        type=int,
+        default=0,
+        help="save to the local tier every N iterations (turns this mode on)",
+    )
+    local.add_argument(
+        "--persistent-every",
+        type=int,
+        default=0,
+        help="persistent checkpoint every M iterations (default: off)",
+    )
+    local.add_argument(
+        "--crash-at", type=int, default=None, help="iteration at which the first run stops (default: --steps)"
+    )
+    local.add_argument(
+        "--node-size", type=int, default=1, help="ranks per simulated node (default: %(default)s)"
+    )
+    local.add_argument(
+        "--replication-factor",
+        type=int,
+        default=2,
+        help="copies of every rank's piece, own included (default: %(default)s)",
+    )
+    local.add_argument(
+        "--lose-node",
+        type=int,
+        default=None,
+        help="delete this node's local directory before restarting (a replaced node)",
+    )
     return parser.parse_args(argv)
 
 
@@ -83,22 +124,33 @@ def main_local(args: argparse.Namespace) -> int:
     cfg = TrainConfig(distributed_optimizer=OPTIMIZERS[args.optimizer])
     with tempfile.TemporaryDirectory(prefix="distckpt-train-") as tmp:
         root = args.dir if args.dir is not None else Path(tmp)
-        plan = CheckpointPlan(str(root / "local"), args.local_every, str(root / "persistent"),
-                              args.persistent_every, args.node_size, args.replication_factor)
-        reference = last_stage_losses(launch(layout.world_size, run_with_recovery, layout, total, cfg,
-                                             CheckpointPlan()))
+        plan = CheckpointPlan(
+            str(root / "local"),
+            args.local_every,
+            str(root / "persistent"),
+            args.persistent_every,
+            args.node_size,
+            args.replication_factor,
+        )
+        reference = last_stage_losses(
+            launch(layout.world_size, run_with_recovery, layout, total, cfg, CheckpointPlan())
+        )
         print(f"{layout}: {total} steps uninterrupted")
         launch(layout.world_size, run_with_recovery, layout, total, cfg, plan, crash_at)
-        print(f"{layout}: local tier every {args.local_every}, persistent every {args.persistent_every or '-'}; "
-              f"crashed at iteration {crash_at}")
+        print(
+            f"{layout}: local tier every {args.local_every}, persistent every {args.persistent_every or '-'}; "
+            f"crashed at iteration {crash_at}"
+        )
         if args.lose_node is not None:
             shutil.rmtree(Path(plan.local_root) / f"node{args.lose_node}", ignore_errors=True)
             print(f"node {args.lose_node} replaced: its local directory is gone")
         start = time.perf_counter()
         results = launch(layout.world_size, run_with_recovery, layout, total, cfg, plan)
         first, source = results[0].first_iteration, results[0].resumed_from
-        print(f"restarted from the {source or 'no'} checkpoint at iteration {first}, trained to {total} "
-              f"({time.perf_counter() - start:.1f} s)")
+        print(
+            f"restarted from the {source or 'no'} checkpoint at iteration {first}, trained to {total} "
+            f"({time.perf_counter() - start:.1f} s)"
+        )
     after, resumed = reference[first:], last_stage_losses(results)
     print(f"\n{'step':>4}  {'uninterrupted':>14}  {'resumed':>14}")
     for i, (a, b) in enumerate(zip(after, resumed)):
@@ -120,17 +172,34 @@ def main(argv: list[str] | None = None) -> int:
         resume_cfg = TrainConfig(distributed_optimizer=OPTIMIZERS[args.resume_optimizer])
 
         start = time.perf_counter()
-        reference = last_stage_losses(launch(args.layout.world_size, run, args.layout,
-                                             args.steps + args.resume_steps, save_cfg, None, ckpt, args.steps))
-        print(f"{args.layout} ({args.optimizer}): {args.steps + args.resume_steps} steps, saved after "
-              f"{args.steps} to {ckpt} ({time.perf_counter() - start:.1f} s)")
+        reference = last_stage_losses(
+            launch(
+                args.layout.world_size,
+                run,
+                args.layout,
+                args.steps + args.resume_steps,
+                save_cfg,
+                None,
+                ckpt,
+                args.steps,
+            )
+        )
+        print(
+            f"{args.layout} ({args.optimizer}): {args.steps + args.resume_steps} steps, saved after "
+            f"{args.steps} to {ckpt} ({time.perf_counter() - start:.1f} s)"
+        )
         start = time.perf_counter()
-        resumed = last_stage_losses(launch(args.resume_layout.world_size, run, args.resume_layout,
-                                           args.resume_steps, resume_cfg, ckpt))
-        print(f"{args.resume_layout} ({args.resume_optimizer}): resumed, {args.resume_steps} steps "
-              f"({time.perf_counter() - start:.1f} s)")
+        resumed = last_stage_losses(
+            launch(
+                args.resume_layout.world_size, run, args.resume_layout, args.resume_steps, resume_cfg, ckpt
+            )
+        )
+        print(
+            f"{args.resume_layout} ({args.resume_optimizer}): resumed, {args.resume_steps} steps "
+            f"({time.perf_counter() - start:.1f} s)"
+        )
 
-    after = reference[args.steps:]
+    after = reference[args.steps :]
     print(f"\n{'step':>4}  {'uninterrupted':>14}  {'resumed':>14}  {'relative diff':>13}")
     for i, (a, b) in enumerate(zip(after, resumed)):
         print(f"{args.steps + i + 1:>4}  {a:>14.9f}  {b:>14.9f}  {abs(a - b) / abs(a):>13.2e}")

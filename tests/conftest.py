@@ -84,7 +84,9 @@ def s3_server():
         from obstore.store import S3Store
 
         # moto creates a bucket on an unsigned PUT /<bucket>; no SDK needed.
-        urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/{S3_BUCKET}", method="PUT"), timeout=10)
+        urllib.request.urlopen(
+            urllib.request.Request(f"http://{host}:{port}/{S3_BUCKET}", method="PUT"), timeout=10
+        )
         with _server_env(env):
             S3Store.from_url(f"s3://{S3_BUCKET}")  # the env is complete enough to build a client
             yield f"s3://{S3_BUCKET}"
@@ -146,8 +148,9 @@ def _azurite_create_container(endpoint: str, name: str) -> None:
     to_sign = "PUT\n" + "\n" * 11 + canonical + resource
     mac = hmac.new(base64.b64decode(AZURITE_KEY), to_sign.encode(), hashlib.sha256).digest()
     headers["Authorization"] = f"SharedKey {AZURITE_ACCOUNT}:{base64.b64encode(mac).decode()}"
-    request = urllib.request.Request(f"{endpoint}/{AZURITE_ACCOUNT}/{name}?restype=container", method="PUT",
-                                     headers=headers)
+    request = urllib.request.Request(
+        f"{endpoint}/{AZURITE_ACCOUNT}/{name}?restype=container", method="PUT", headers=headers
+    )
     urllib.request.urlopen(request, timeout=10)
 
 
@@ -168,11 +171,22 @@ def azure_server(tmp_path_factory):
 
     binary = azurite_binary()
     if binary is None:
-        pytest.skip("Azurite not found: install it with `npm install -g azurite` or point DISTCKPT_AZURITE "
-                    "at an azurite-blob binary (npm package; not installed by scripts/setup.sh)")
+        pytest.skip(
+            "Azurite not found: install it with `npm install -g azurite` or point DISTCKPT_AZURITE "
+            "at an azurite-blob binary (npm package; not installed by scripts/setup.sh)"
+        )
     port = _free_port()
-    args = [binary, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--inMemoryPersistence",
-            "--disableTelemetry", "--silent", "--skipApiVersionCheck"]
+    args = [
+        binary,
+        "--blobHost",
+        "127.0.0.1",
+        "--blobPort",
+        str(port),
+        "--inMemoryPersistence",
+        "--disableTelemetry",
+        "--silent",
+        "--skipApiVersionCheck",
+    ]
     if Path(binary).name.split(".")[0] == "azurite":  # the all-services binary: keep off the default ports
         args += ["--queuePort", str(_free_port()), "--tablePort", str(_free_port())]
     log = tmp_path_factory.mktemp("azurite") / "azurite.log"
@@ -186,7 +200,9 @@ def azure_server(tmp_path_factory):
                 break
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"Azurite did not start ({' '.join(args)}): {log.read_text()[-2000:]}") from None
+                    raise RuntimeError(
+                        f"Azurite did not start ({' '.join(args)}): {log.read_text()[-2000:]}"
+                    ) from None
                 time.sleep(0.1)
         endpoint = f"http://127.0.0.1:{port}"
         _azurite_create_container(endpoint, AZURE_CONTAINER)

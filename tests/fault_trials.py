@@ -41,8 +41,10 @@ def trial_plan(seed: int, trials: int, world: int, max_fraction: float) -> List[
     """Per trial: the victim, and when to kill it as a fraction of the duration of the same save
     just before (beyond 1: after the save, which must then be the complete new checkpoint)."""
     rng = random.Random(seed)
-    return [{"victim": rng.randrange(world), "fraction": round(rng.uniform(0.0, max_fraction), 4)}
-            for _ in range(trials)]
+    return [
+        {"victim": rng.randrange(world), "fraction": round(rng.uniform(0.0, max_fraction), 4)}
+        for _ in range(trials)
+    ]
 
 
 def _wait_for(paths: Sequence[Path], timeout: float) -> bool:
@@ -63,8 +65,9 @@ def _write_json(path: Path, value: Any) -> None:
 # --------------------------------------------------------------------------- rank child
 
 
-def _rank_child(scenario: str, rank: int, world: int, trial_dir: Path, collective_timeout: float,
-                store_port: int) -> None:
+def _rank_child(
+    scenario: str, rank: int, world: int, trial_dir: Path, collective_timeout: float, store_port: int
+) -> None:
     import torch
 
     import distckpt
@@ -77,11 +80,13 @@ def _rank_child(scenario: str, rank: int, world: int, trial_dir: Path, collectiv
     # the launcher's log, which the test shows when it fails.
     faulthandler.dump_traceback_later(45)
     store = torch.distributed.PrefixStore(
-        f"{trial_dir.name}/", torch.distributed.TCPStore("127.0.0.1", store_port, is_master=False,
-                                                         timeout=timedelta(seconds=60)))
-    torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                         timeout=timedelta(seconds=60))
-    distckpt.set_collective_timeout(60)    # the healthy first save, cold, on a busy machine
+        f"{trial_dir.name}/",
+        torch.distributed.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=60)),
+    )
+    torch.distributed.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60)
+    )
+    distckpt.set_collective_timeout(60)  # the healthy first save, cold, on a busy machine
     target = trial_dir / "target"
 
     def run_save(path: Path, generation: int, armed: Optional[Path]) -> None:
@@ -114,8 +119,13 @@ def _rank_child(scenario: str, rank: int, world: int, trial_dir: Path, collectiv
         run_save(target, new, trial_dir / f"armed.{rank}")
         result.update(outcome="returned", at=time.time())
     except Exception as e:  # noqa: BLE001 - recorded for the test
-        result.update(outcome="raised", at=time.time(), type=type(e).__name__, message=str(e)[:500],
-                      checkpointing=isinstance(e, distckpt.CheckpointingException))
+        result.update(
+            outcome="raised",
+            at=time.time(),
+            type=type(e).__name__,
+            message=str(e)[:500],
+            checkpointing=isinstance(e, distckpt.CheckpointingException),
+        )
     _write_json(trial_dir / f"result.{rank}.json", result)
 
 
@@ -143,7 +153,9 @@ def _classify(scenario: str, trial_dir: Path) -> Dict[str, Any]:
             out["why"] = "no committed checkpoint"
         elif matches(new_gen):
             out["outcome"] = "new"
-        elif old_gen is not None and faults.tree_digest(target) == json.loads((trial_dir / "old.json").read_text()):
+        elif old_gen is not None and faults.tree_digest(target) == json.loads(
+            (trial_dir / "old.json").read_text()
+        ):
             out["outcome"] = "old" if matches(old_gen) else "mixed"
         else:
             out["outcome"] = "mixed"
@@ -177,7 +189,9 @@ def _check_trial(scenario: str, trial_dir: Path, plan: Dict[str, Any], world: in
     result = _classify(scenario, trial_dir)
     killed = trial_dir / "killed"
     killed_at = float(killed.read_text()) if killed.exists() else None
-    result.update(victim=plan["victim"], fraction=plan["fraction"], killed=killed_at is not None, survivors={})
+    result.update(
+        victim=plan["victim"], fraction=plan["fraction"], killed=killed_at is not None, survivors={}
+    )
     for rank in range(world):
         if rank == plan["victim"] and killed_at is not None:
             continue
@@ -200,8 +214,15 @@ def _launcher(args: argparse.Namespace) -> int:
     for k, trial in enumerate(plan):
         trial_dir = root / f"trial{k:03d}"
         trial_dir.mkdir(parents=True, exist_ok=True)
-        pid = _fork(_rank_child, args.scenario, args.rank, args.world, trial_dir, args.collective_timeout,
-                    args.store_port)
+        pid = _fork(
+            _rank_child,
+            args.scenario,
+            args.rank,
+            args.world,
+            trial_dir,
+            args.collective_timeout,
+            args.store_port,
+        )
         status = None
         if args.rank == trial["victim"]:
             armed = trial_dir / f"armed.{args.rank}"
@@ -216,7 +237,7 @@ def _launcher(args: argparse.Namespace) -> int:
                 time.sleep(trial["fraction"] * duration)
                 reaped, code = os.waitpid(pid, os.WNOHANG)
                 if reaped:
-                    status = code          # it had finished already: nothing to kill
+                    status = code  # it had finished already: nothing to kill
                 else:
                     os.kill(pid, signal.SIGKILL)
                     _write_json(trial_dir / "killed", time.time())
@@ -226,9 +247,14 @@ def _launcher(args: argparse.Namespace) -> int:
         if args.rank == 0:
             if not _wait_for([trial_dir / f"exited.{r}" for r in range(args.world)], args.trial_timeout):
                 stuck = [r for r in range(args.world) if not (trial_dir / f"exited.{r}").exists()]
-                _write_json(trial_dir / "trial.json", {"outcome": "stuck", "victim": trial["victim"], "stuck": stuck})
-                print(f"trial {k} ({trial}): the children of rank(s) {stuck} did not end within "
-                      f"{args.trial_timeout:g} s of rank 0's", flush=True)
+                _write_json(
+                    trial_dir / "trial.json", {"outcome": "stuck", "victim": trial["victim"], "stuck": stuck}
+                )
+                print(
+                    f"trial {k} ({trial}): the children of rank(s) {stuck} did not end within "
+                    f"{args.trial_timeout:g} s of rank 0's",
+                    flush=True,
+                )
                 return 2
             checker = _fork(_check_trial, args.scenario, trial_dir, trial, args.world)
             os.waitpid(checker, 0)
@@ -302,8 +328,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--collective-timeout", type=float, default=3.0)
     p.add_argument("--trial-timeout", type=float, default=60.0)
     p.add_argument("--store-port", type=int, required=True, help="a TCPStore server on 127.0.0.1")
-    for name, help_text in (("writer", "a job saving one generation again and again"),
-                            ("reader", "a job loading again and again")):
+    for name, help_text in (
+        ("writer", "a job saving one generation again and again"),
+        ("reader", "a job loading again and again"),
+    ):
         q = sub.add_parser(name, help=help_text)
         q.add_argument("--target", required=True)
         q.add_argument("--out", required=True)

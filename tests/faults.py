@@ -59,8 +59,19 @@ from distckpt.strategies.filesystem import ChecksummingSink, read_archive_layout
 from distckpt.strategies.torch import TorchDistSaveShardedStrategy
 from tests import layouts
 
-SAVE_STAGES = ("validation", "common", "prepare", "write", "mid_file", "finalize", "metadata_write",
-               "manifest_write", "commit", "commit_write", "async_write")
+SAVE_STAGES = (
+    "validation",
+    "common",
+    "prepare",
+    "write",
+    "mid_file",
+    "finalize",
+    "metadata_write",
+    "manifest_write",
+    "commit",
+    "commit_write",
+    "async_write",
+)
 RANK0_ONLY_STAGES = ("metadata_write", "manifest_write", "commit_write")
 
 
@@ -192,12 +203,14 @@ def _failing_after(fn, stage: str, code: Optional[int] = None):
     def wrapper(*args, **kwargs):
         fn(*args, **kwargs)
         raise _os_error(code, stage) if code is not None else InjectedFault(_message(stage))
+
     return wrapper
 
 
 def _failing(stage: str, code: int):
     def wrapper(*args, **kwargs):
         raise _os_error(code, stage)
+
     return wrapper
 
 
@@ -208,13 +221,16 @@ def injected(fault: Fault) -> Iterator[None]:
         if fault.here:
             stage = fault.stage
             if stage == "validation":
+
                 def validate(shards, _real=serialization.validate_local_integrity):
                     _real(shards)
                     raise InjectedFault(_message("validation"))
+
                 stack.enter_context(patched(serialization, "validate_local_integrity", validate))
             elif stage in ("write", "async_write"):
-                stack.enter_context(patched(torch_strategy, "write_plan",
-                                            _failing_after(torch_strategy.write_plan, stage)))
+                stack.enter_context(
+                    patched(torch_strategy, "write_plan", _failing_after(torch_strategy.write_plan, stage))
+                )
             elif stage == "mid_file":
                 stack.enter_context(patched(torch_strategy, "ChecksummingSink", FaultySink))
             elif stage == "metadata_write":
@@ -272,8 +288,11 @@ def generation_mismatches(loaded: dict, rank: int, world: int, generation: int) 
         if not layouts.bitwise_equal(loaded[piece.name], _generation_piece(piece, generation).expected()):
             wrong.append(piece.name)
     rng = loaded.get("rng")
-    if not (isinstance(rng, dict) and rng.get("generation") == generation
-            and torch.equal(rng["state"], torch.arange(4) + generation)):
+    if not (
+        isinstance(rng, dict)
+        and rng.get("generation") == generation
+        and torch.equal(rng["state"], torch.arange(4) + generation)
+    ):
         wrong.append("rng")
     if loaded.get("common") != {"generation": generation}:
         wrong.append("common")
@@ -295,11 +314,15 @@ def save_with_fault(ckpt: str, generation: int, fault: Optional[Fault]) -> None:
             distckpt.save(sd, ckpt, sharded, common)
 
 
-def load_with_fault(ckpt: str, generation: int, fault: Optional[Fault] = None, verify: bool = False) -> List[str]:
+def load_with_fault(
+    ckpt: str, generation: int, fault: Optional[Fault] = None, verify: bool = False
+) -> List[str]:
     """Every rank: load ``ckpt`` and return what differs from ``generation`` (empty = exact)."""
     rank, world = ddist.get_rank(), ddist.get_world_size()
     with injected(fault) if fault is not None else contextlib.nullcontext():
-        loaded = distckpt.load(generation_state(rank, world, generation, with_data=False), ckpt, verify=verify)
+        loaded = distckpt.load(
+            generation_state(rank, world, generation, with_data=False), ckpt, verify=verify
+        )
     return generation_mismatches(loaded, rank, world, generation)
 
 
@@ -334,8 +357,8 @@ def item_range(ckpt: Path, key: str) -> Tuple[str, RangeChecksum]:
 def tensor_bytes_middle(ckpt: Path, key: str) -> Tuple[str, int]:
     """(file, offset) of the middle byte of the tensor data of item ``key`` (not its zip headers)."""
     name, r = item_range(ckpt, key)
-    raw = (ckpt / name).read_bytes()[r.offset:r.offset + r.length]
-    layout = read_archive_layout(lambda o, n: raw[o:o + n], len(raw))
+    raw = (ckpt / name).read_bytes()[r.offset : r.offset + r.length]
+    layout = read_archive_layout(lambda o, n: raw[o : o + n], len(raw))
     if layout is None:
         raise ValueError(f"item {key!r} is not a plain tensor archive")
     return name, r.offset + layout.data_offset + layout.data_length // 2
@@ -353,15 +376,20 @@ def reseal_manifest(ckpt: Path, extra: Sequence[Tuple[str, RangeChecksum]] = ())
         if len(whole) == 1 and whole[0].offset == 0 and whole[0].length == manifest.files[name]:
             whole = [RangeChecksum(0, len(data), 0, whole[0].key)]
         manifest.files[name] = len(data)
-        manifest.ranges[name] = [RangeChecksum(r.offset, r.length, crc32c(data[r.offset:r.offset + r.length]), r.key)
-                                 for r in whole]
+        manifest.ranges[name] = [
+            RangeChecksum(r.offset, r.length, crc32c(data[r.offset : r.offset + r.length]), r.key)
+            for r in whole
+        ]
     write_manifest(ckpt, manifest)
 
 
 def tree_digest(root: Path) -> Dict[str, str]:
     """sha256 of every file under ``root``, by relative path."""
-    return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 # --------------------------------------------------------------------------- SIGKILL rank process
@@ -390,6 +418,7 @@ def _stalling_save_config(marker: Path):
     def stall(config, checkpoint_dir):
         marker.write_text("before metadata.json")
         time.sleep(600)
+
     return stall
 
 
@@ -400,16 +429,26 @@ def _sigkill_rank(args: argparse.Namespace) -> int:
     root = Path(args.root)
     torch.set_num_threads(1)
     # A FileStore rendezvous: no port to pick, so no race for one; gloo itself runs on loopback.
-    torch.distributed.init_process_group("gloo", init_method=f"file://{root / 'rendezvous'}", rank=args.rank,
-                                         world_size=args.world, timeout=timedelta(seconds=args.pg_timeout))
+    torch.distributed.init_process_group(
+        "gloo",
+        init_method=f"file://{root / 'rendezvous'}",
+        rank=args.rank,
+        world_size=args.world,
+        timeout=timedelta(seconds=args.pg_timeout),
+    )
     save_with_fault(str(root / "neighbour"), 1, None)
     save_with_fault(str(root / "target"), 1, None)
     ddist.barrier()
     if args.rank == 0:
-        (root / "phase1.json").write_text(json.dumps({
-            "neighbour": tree_digest(root / "neighbour"),
-            "target": tree_digest(root / "target"),
-            "target_sizes": {p.name: p.stat().st_size for p in (root / "target").iterdir()}}))
+        (root / "phase1.json").write_text(
+            json.dumps(
+                {
+                    "neighbour": tree_digest(root / "neighbour"),
+                    "target": tree_digest(root / "target"),
+                    "target_sizes": {p.name: p.stat().st_size for p in (root / "target").iterdir()},
+                }
+            )
+        )
     ddist.barrier()
     stalled = root / f"stalled.{args.rank}"
     with contextlib.ExitStack() as stack:

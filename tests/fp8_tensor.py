@@ -14,11 +14,12 @@ from torch.utils._pytree import tree_map
 class ScaledFp8Tensor(torch.Tensor):
     @staticmethod
     def __new__(cls, payload: torch.Tensor, scale: float):
-        return torch.Tensor._make_wrapper_subclass(cls, payload.shape, dtype=torch.float32,
-                                                   device=payload.device)
+        return torch.Tensor._make_wrapper_subclass(
+            cls, payload.shape, dtype=torch.float32, device=payload.device
+        )
 
     def __init__(self, payload: torch.Tensor, scale: float):
-        self.payload = payload          # uint8 bits of float8_e4m3fn values
+        self.payload = payload  # uint8 bits of float8_e4m3fn values
         self.scale = scale
 
     @classmethod

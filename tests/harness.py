@@ -169,8 +169,9 @@ def _worker_main(rank: int, world_size: int, store_port: int, conn, stack_file: 
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
-                              timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
+        store = dist.TCPStore(
+            "127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S)
+        )
         dist.init_process_group(
             "gloo",
             rank=rank,
@@ -263,8 +264,13 @@ class RankPool:
         self._tmp = tempfile.TemporaryDirectory(prefix=f"distckpt-rankpool-w{self.world_size}-")
         # The rendezvous store lives here, on a port the system picked (no race for one); it
         # outlives any worker, and the next pool gets a fresh one.
-        self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                               timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S))
+        self._store = TCPStore(
+            "127.0.0.1",
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S),
+        )
         for rank in range(self.world_size):
             parent_end, child_end = self._ctx.Pipe(duplex=True)
             proc = self._ctx.Process(
@@ -530,8 +536,9 @@ def shutdown_pools() -> None:
 atexit.register(shutdown_pools)
 
 
-def run_ranks(world_size: int, fn: Callable, *args, timeout: float = 60, breaks_group: bool = False,
-              **kwargs) -> list:
+def run_ranks(
+    world_size: int, fn: Callable, *args, timeout: float = 60, breaks_group: bool = False, **kwargs
+) -> list:
     """Run ``fn(*args, **kwargs)`` on every rank of the session's pool for ``world_size``.
 
     Returns the per-rank values (index = rank). See :meth:`RankPool.run` for what it raises and

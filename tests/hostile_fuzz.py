@@ -73,7 +73,7 @@ REPO = Path(__file__).resolve().parent.parent
 BACKENDS = ("torch_dist", "zarr")
 FAILURES = ("SILENT-WRONG", "crash", "hang", "oom", "escaped", "fuzzer-error")
 SOFT = ("vague", "meta-differs", "verify-missed")
-CANARY = b"DISTCKPT-CANARY-"                 # 16 bytes: the content of every canary file
+CANARY = b"DISTCKPT-CANARY-"  # 16 bytes: the content of every canary file
 CANARY_NAMES = ("secret.distcp", "secret.bin", "precious.txt")
 HUGE = 1 << 40
 
@@ -116,12 +116,25 @@ NOT_RESEALED = {"delete", "as-dir", "fifo", "symlink-out", "symlink-dir-out", "f
 
 def hostile_names(outside: Path) -> List[str]:
     """Names that leave the checkpoint (towards the canaries) or are otherwise malformed."""
-    return ["../secret.distcp", "../../outside/secret.bin", str(outside / "secret.bin"), "..", ".", "",
-            "a/../../secret.distcp", "..\\secret.distcp", "x\x00y", "/", "w", "common.pt",
-            "sub/" * 300 + "x", "../precious.txt"]
+    return [
+        "../secret.distcp",
+        "../../outside/secret.bin",
+        str(outside / "secret.bin"),
+        "..",
+        ".",
+        "",
+        "a/../../secret.distcp",
+        "..\\secret.distcp",
+        "x\x00y",
+        "/",
+        "w",
+        "common.pt",
+        "sub/" * 300 + "x",
+        "../precious.txt",
+    ]
 
 
-HOSTILE_NUMBERS: List[Any] = [HUGE, 1 << 63, (1 << 64) + 1, -1, -HUGE, 0, 1, 2.5, 1e308, True, 10 ** 40]
+HOSTILE_NUMBERS: List[Any] = [HUGE, 1 << 63, (1 << 64) + 1, -1, -HUGE, 0, 1, 2.5, 1e308, True, 10**40]
 
 
 def _leaves(doc: Any, path: Tuple[Any, ...] = ()) -> Iterable[Tuple[Tuple[Any, ...], Any]]:
@@ -191,12 +204,24 @@ Mutator = Callable[[Ctx], str]
 class MutatorSpec:
     fn: Mutator
     kinds: frozenset
-    klass: str        # the column of docs/reliability.md's table
+    klass: str  # the column of docs/reliability.md's table
 
 
 MUTATORS: Dict[str, MutatorSpec] = {}
-ALL_KINDS = frozenset({"config", "common", "dcp-metadata", "dcp-data", "manifest", "sidecar", "zarr-group",
-                       "zarr-array", "zarr-chunk", "object"})
+ALL_KINDS = frozenset(
+    {
+        "config",
+        "common",
+        "dcp-metadata",
+        "dcp-data",
+        "manifest",
+        "sidecar",
+        "zarr-group",
+        "zarr-array",
+        "zarr-chunk",
+        "object",
+    }
+)
 JSON_KINDS = frozenset({"config", "manifest", "zarr-group", "zarr-array", "sidecar"})
 PICKLE_KINDS = frozenset({"dcp-metadata", "common", "object"})
 ZIP_KINDS = frozenset({"common", "object", "dcp-data"})
@@ -206,6 +231,7 @@ def mutator(name: str, kinds: Iterable[str], klass: str) -> Callable[[Mutator], 
     def register(fn: Mutator) -> Mutator:
         MUTATORS[name] = MutatorSpec(fn, frozenset(kinds), klass)
         return fn
+
     return register
 
 
@@ -265,7 +291,7 @@ def _m_zero(c: Ctx) -> str:
         return "empty file left empty"
     start = c.rng.randrange(len(data))
     n = min(c.rng.choice([4, 16, 64, 512]), len(data) - start)
-    data[start:start + n] = bytes(n)
+    data[start : start + n] = bytes(n)
     c.write(bytes(data))
     return f"bytes {start}..{start + n} zeroed"
 
@@ -302,8 +328,11 @@ def _m_symlink(c: Ctx) -> str:
     return f"file moved outside, replaced by a symlink to {target.name}"
 
 
-@mutator("symlink-dir-out", ALL_KINDS - {"config", "common", "dcp-metadata", "dcp-data", "manifest",
-                                          "sidecar", "zarr-group"}, "symlinks")
+@mutator(
+    "symlink-dir-out",
+    ALL_KINDS - {"config", "common", "dcp-metadata", "dcp-data", "manifest", "sidecar", "zarr-group"},
+    "symlinks",
+)
 def _m_symlink_dir(c: Ctx) -> str:
     top = c.rel.split("/")[0]
     target = c.outside / ("linkdir-" + top)
@@ -314,12 +343,20 @@ def _m_symlink_dir(c: Ctx) -> str:
 
 @mutator("file-swap", ALL_KINDS, "swaps")
 def _m_swap(c: Ctx) -> str:
-    same = sorted(str(p.relative_to(c.ckpt)) for p in c.ckpt.rglob("*")
-                  if p.is_file() and not p.is_symlink() and str(p.relative_to(c.ckpt)) != c.rel
-                  and file_kind(str(p.relative_to(c.ckpt))) == c.kind)
+    same = sorted(
+        str(p.relative_to(c.ckpt))
+        for p in c.ckpt.rglob("*")
+        if p.is_file()
+        and not p.is_symlink()
+        and str(p.relative_to(c.ckpt)) != c.rel
+        and file_kind(str(p.relative_to(c.ckpt))) == c.kind
+    )
     if not same:
-        same = sorted(str(p.relative_to(c.ckpt)) for p in c.ckpt.rglob("*")
-                      if p.is_file() and str(p.relative_to(c.ckpt)) != c.rel)
+        same = sorted(
+            str(p.relative_to(c.ckpt))
+            for p in c.ckpt.rglob("*")
+            if p.is_file() and str(p.relative_to(c.ckpt)) != c.rel
+        )
     other = c.ckpt / c.rng.choice(same)
     a, b = c.read(), other.read_bytes()
     c.write(b)
@@ -336,10 +373,10 @@ def _json_edit(c: Ctx, edit: Callable[[Any], Tuple[Any, str]]) -> str:
         from distckpt.manifest import crc32c
 
         length = struct.unpack_from("<Q", raw, 8)[0]
-        doc = json.loads(raw[20:20 + length])
+        doc = json.loads(raw[20 : 20 + length])
         doc, what = edit(doc)
         body = _dump_json(doc)
-        c.write(raw[:8] + struct.pack("<QI", len(body), crc32c(body)) + body + raw[20 + length:])
+        c.write(raw[:8] + struct.pack("<QI", len(body), crc32c(body)) + body + raw[20 + length :])
         return what + " (sidecar directory, CRC fixed)"
     doc, what = edit(json.loads(raw))
     c.write(_dump_json(doc))
@@ -359,6 +396,7 @@ def _m_json_number(c: Ctx) -> str:
         path = _pick(c, doc, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
         value = c.rng.choice(HOSTILE_NUMBERS)
         return _set(doc, path, value), f"{list(path)} = {value!r}"
+
     return _json_edit(c, edit)
 
 
@@ -374,6 +412,7 @@ def _m_json_name(c: Ctx) -> str:
             return doc, f"key {list(path) + [key]} renamed to {name!r}"
         path = _pick(c, doc, lambda v: isinstance(v, str))
         return _set(doc, path, name), f"{list(path)} = {name!r}"
+
     return _json_edit(c, edit)
 
 
@@ -385,6 +424,7 @@ def _m_json_type(c: Ctx) -> str:
         choices = [{}, [], "x", None, 0, True, [old], {"x": old}, str(old)[:20]]
         value = c.rng.choice([v for v in choices if type(v) is not type(old)] or choices)
         return _set(doc, path, value), f"{list(path)}: {type(old).__name__} -> {json.dumps(value)[:40]}"
+
     return _json_edit(c, edit)
 
 
@@ -393,6 +433,7 @@ def _m_json_deep(c: Ctx) -> str:
     def edit(doc):
         path = c.rng.choice([p for p, _ in _leaves(doc)])
         return _set(doc, path, DEEP), f"{list(path)} = 100,000 nested lists"
+
     return _json_edit(c, edit)
 
 
@@ -413,25 +454,58 @@ def _m_json_drop(c: Ctx) -> str:
             return doc, f"element {list(path) + [i]} dropped"
         v.insert(i, v[i])
         return doc, f"element {list(path) + [i]} duplicated"
+
     return _json_edit(c, edit)
 
 
 # ---- zarr metadata, field by field
 
 ZARR_ARRAY_FIELDS: List[Tuple[Tuple[str, ...], List[Any]]] = [
-    (("shape",), [[HUGE], [HUGE, 8], [6, HUGE], [-1, 8], [0, 8], [6], [6, 8, 1], [], "6,8", [6.5, 8],
-                  [1 << 20, 1 << 20]]),
-    (("chunk_grid", "configuration", "chunk_shape"), [[0, 8], [HUGE, 8], [-1, 8], [1], [3, 8, 1], [1, 1], "3,8"]),
+    (
+        ("shape",),
+        [
+            [HUGE],
+            [HUGE, 8],
+            [6, HUGE],
+            [-1, 8],
+            [0, 8],
+            [6],
+            [6, 8, 1],
+            [],
+            "6,8",
+            [6.5, 8],
+            [1 << 20, 1 << 20],
+        ],
+    ),
+    (
+        ("chunk_grid", "configuration", "chunk_shape"),
+        [[0, 8], [HUGE, 8], [-1, 8], [1], [3, 8, 1], [1, 1], "3,8"],
+    ),
     (("chunk_grid", "name"), ["rectilinear", "../x", None]),
     (("data_type",), ["int32", "float16", "bfloat16", "float64", "uint8", "bool", "complex64", "bogus", 7]),
-    (("attributes", "distckpt", "torch_dtype"), ["torch.int32", "torch.bfloat16", "os.system", "torch.float64"]),
-    (("codecs",), [[], [{"name": "bytes", "configuration": {"endian": "big"}}],
-                   [{"name": "transpose", "configuration": {"order": [1, 0]}}, {"name": "bytes"}],
-                   [{"name": "bytes"}, {"name": "gzip", "configuration": {"level": 1}}],
-                   [{"name": "blosc"}], "bytes"]),
-    (("chunk_key_encoding",), [{"name": "v2", "configuration": {"separator": "."}},
-                               {"name": "default", "configuration": {"separator": "."}},
-                               {"name": "default", "configuration": {"separator": "/../"}}]),
+    (
+        ("attributes", "distckpt", "torch_dtype"),
+        ["torch.int32", "torch.bfloat16", "os.system", "torch.float64"],
+    ),
+    (
+        ("codecs",),
+        [
+            [],
+            [{"name": "bytes", "configuration": {"endian": "big"}}],
+            [{"name": "transpose", "configuration": {"order": [1, 0]}}, {"name": "bytes"}],
+            [{"name": "bytes"}, {"name": "gzip", "configuration": {"level": 1}}],
+            [{"name": "blosc"}],
+            "bytes",
+        ],
+    ),
+    (
+        ("chunk_key_encoding",),
+        [
+            {"name": "v2", "configuration": {"separator": "."}},
+            {"name": "default", "configuration": {"separator": "."}},
+            {"name": "default", "configuration": {"separator": "/../"}},
+        ],
+    ),
     (("fill_value",), [float("nan"), "NaN", 1e40, None, "x"]),
     (("node_type",), ["group", "array2"]),
     (("zarr_format",), [2, 4, "3"]),
@@ -443,7 +517,7 @@ ZARR_ARRAY_FIELDS: List[Tuple[Tuple[str, ...], List[Any]]] = [
 @mutator("zarr-field", {"zarr-array"}, "numbers")
 def _m_zarr_field(c: Ctx) -> str:
     def edit(doc):
-        if c.rng.random() < 0.15:      # a 2^40-chunk grid of one-element chunks
+        if c.rng.random() < 0.15:  # a 2^40-chunk grid of one-element chunks
             doc["shape"], doc["chunk_grid"]["configuration"]["chunk_shape"] = [1 << 20, 1 << 20], [1, 1]
             return doc, "shape [2^20, 2^20] in chunks of [1, 1] (a 2^40-chunk grid)"
         path, values = c.rng.choice(ZARR_ARRAY_FIELDS)
@@ -455,6 +529,7 @@ def _m_zarr_field(c: Ctx) -> str:
             parent = parent.setdefault(p, {})
         parent[path[-1]] = value
         return doc, f"{'.'.join(path)} = {json.dumps(value)[:60]}"
+
     return _json_edit(c, edit)
 
 
@@ -476,6 +551,7 @@ def _m_zarr_keys(c: Ctx) -> str:
             keys.append(c.rng.choice(hostile_names(c.outside)))
         meta["keys"] = keys
         return doc, f"keys = {json.dumps(keys)[:80]}"
+
     return _json_edit(c, edit)
 
 
@@ -510,8 +586,31 @@ def _pickle_edit(c: Ctx, edit: Callable[[bytes], Tuple[bytes, str]]) -> str:
     return what + " (data.pkl)"
 
 
-_OPCODES = [b"R", b"b", b"c", b"\x93", b"i", b"o", b"0", b".", b"\x81", b"e", b"u", b"s", b"h", b"q", b"N", b"]",
-            b"}", b"(", b"t", b"\x85", b"\x86", b"\x87", b"a"]
+_OPCODES = [
+    b"R",
+    b"b",
+    b"c",
+    b"\x93",
+    b"i",
+    b"o",
+    b"0",
+    b".",
+    b"\x81",
+    b"e",
+    b"u",
+    b"s",
+    b"h",
+    b"q",
+    b"N",
+    b"]",
+    b"}",
+    b"(",
+    b"t",
+    b"\x85",
+    b"\x86",
+    b"\x87",
+    b"a",
+]
 
 
 @mutator("pickle-opcode", PICKLE_KINDS, "pickle")
@@ -520,7 +619,8 @@ def _m_pickle_opcode(c: Ctx) -> str:
         ops = [pos for _, _, pos in pickletools.genops(p)]
         pos = c.rng.choice(ops[1:] or ops)
         new = c.rng.choice(_OPCODES + [bytes([c.rng.randrange(256)])])
-        return p[:pos] + new + p[pos + 1:], f"opcode at {pos} -> {new!r}"
+        return p[:pos] + new + p[pos + 1 :], f"opcode at {pos} -> {new!r}"
+
     return _pickle_edit(c, edit)
 
 
@@ -538,9 +638,22 @@ def _m_pickle_arg(c: Ctx) -> str:
     def edit(p: bytes):
         ops = [(op, arg, pos) for op, arg, pos in pickletools.genops(p)]
         ends = [pos for _, _, pos in ops[1:]] + [len(p)]
-        cands = [(op, arg, pos, end) for (op, arg, pos), end in zip(ops, ends)
-                 if op.name in ("BININT", "BININT1", "BININT2", "LONG1", "BINUNICODE", "SHORT_BINUNICODE",
-                                "BINSTRING", "SHORT_BINSTRING", "BINFLOAT")]
+        cands = [
+            (op, arg, pos, end)
+            for (op, arg, pos), end in zip(ops, ends)
+            if op.name
+            in (
+                "BININT",
+                "BININT1",
+                "BININT2",
+                "LONG1",
+                "BINUNICODE",
+                "SHORT_BINUNICODE",
+                "BINSTRING",
+                "SHORT_BINSTRING",
+                "BINFLOAT",
+            )
+        ]
         if not cands:
             return p, "no argument to change"
         op, arg, pos, end = c.rng.choice(cands)
@@ -554,6 +667,7 @@ def _m_pickle_arg(c: Ctx) -> str:
             new = c.rng.choice([HUGE, -1, 0, 1 << 63, -HUGE, (arg or 0) + 1])
             enc = _encode_int(new)
         return p[:pos] + enc + p[end:], f"{op.name} {arg!r} at {pos} -> {new!r}"[:160]
+
     return _pickle_edit(c, edit)
 
 
@@ -563,10 +677,16 @@ def _m_pickle_exec(c: Ctx) -> str:
 
     def edit(p: bytes):
         call = c.rng.choice([(b"posix", b"mkdir"), (b"builtins", b"exec"), (b"os", b"system")])
-        arg = target if call[1] == b"mkdir" else (
-            f"open({target!r}, 'w')" if call[1] == b"exec" else f"touch {target}")
-        inject = b"c" + call[0] + b"\n" + call[1] + b"\n(X" + struct.pack("<I", len(arg)) + arg.encode() + b"tR0"
+        arg = (
+            target
+            if call[1] == b"mkdir"
+            else (f"open({target!r}, 'w')" if call[1] == b"exec" else f"touch {target}")
+        )
+        inject = (
+            b"c" + call[0] + b"\n" + call[1] + b"\n(X" + struct.pack("<I", len(arg)) + arg.encode() + b"tR0"
+        )
         return p[:2] + inject + p[2:], f"{call[0].decode()}.{call[1].decode()} call injected"
+
     return _pickle_edit(c, edit)
 
 
@@ -578,26 +698,53 @@ def _m_pickle_deep(c: Ctx) -> str:
         if c.rng.random() < 0.5:
             return b"\x80\x02" + deep + b".", "the whole pickle: 100,000 nested lists"
         return b"\x80\x02}X\x04\x00\x00\x00deep" + deep + b"s.", "a dict holding 100,000 nested lists"
+
     return _pickle_edit(c, edit)
 
 
 @mutator("pickle-long", PICKLE_KINDS, "lengths")
 def _m_pickle_long(c: Ctx) -> str:
     def edit(p: bytes):
-        op = c.rng.choice([b"X" + struct.pack("<I", 0xFFFFFFF0), b"\x8e" + struct.pack("<Q", 1 << 50),
-                           b"\x8b" + struct.pack("<i", 0x7FFFFFF0), b"B" + struct.pack("<i", 0x7FFFFFF0)])
+        op = c.rng.choice(
+            [
+                b"X" + struct.pack("<I", 0xFFFFFFF0),
+                b"\x8e" + struct.pack("<Q", 1 << 50),
+                b"\x8b" + struct.pack("<i", 0x7FFFFFF0),
+                b"B" + struct.pack("<i", 0x7FFFFFF0),
+            ]
+        )
         return p[:2] + op + p[2:], f"an argument claiming huge length injected ({op[:1]!r})"
+
     return _pickle_edit(c, edit)
 
 
 # ---- zip headers (common.pt, object files, the torch.save items inside .distcp files)
 
 _ZIP_FIELDS = {
-    b"PK\x03\x04": [("method", 8, "H"), ("crc", 14, "I"), ("csize", 18, "I"), ("usize", 22, "I"),
-                    ("name_len", 26, "H"), ("extra_len", 28, "H"), ("flags", 6, "H")],
-    b"PK\x01\x02": [("method", 10, "H"), ("crc", 16, "I"), ("csize", 20, "I"), ("usize", 24, "I"),
-                    ("name_len", 28, "H"), ("extra_len", 30, "H"), ("local_offset", 42, "I")],
-    b"PK\x05\x06": [("entries_here", 8, "H"), ("entries", 10, "H"), ("cd_size", 12, "I"), ("cd_offset", 16, "I")],
+    b"PK\x03\x04": [
+        ("method", 8, "H"),
+        ("crc", 14, "I"),
+        ("csize", 18, "I"),
+        ("usize", 22, "I"),
+        ("name_len", 26, "H"),
+        ("extra_len", 28, "H"),
+        ("flags", 6, "H"),
+    ],
+    b"PK\x01\x02": [
+        ("method", 10, "H"),
+        ("crc", 16, "I"),
+        ("csize", 20, "I"),
+        ("usize", 24, "I"),
+        ("name_len", 28, "H"),
+        ("extra_len", 30, "H"),
+        ("local_offset", 42, "I"),
+    ],
+    b"PK\x05\x06": [
+        ("entries_here", 8, "H"),
+        ("entries", 10, "H"),
+        ("cd_size", 12, "I"),
+        ("cd_offset", 16, "I"),
+    ],
     b"PK\x06\x06": [("entries", 32, "Q"), ("cd_size", 40, "Q"), ("cd_offset", 48, "Q")],
 }
 
@@ -609,17 +756,19 @@ def _m_zip_header(c: Ctx) -> str:
     if not spots:
         return _m_byte(c)
     start, sig = c.rng.choice(spots)
-    if sig in (b"PK\x03\x04", b"PK\x01\x02") and c.rng.random() < 0.3:      # the entry's name
+    if sig in (b"PK\x03\x04", b"PK\x01\x02") and c.rng.random() < 0.3:  # the entry's name
         name_at = start + (30 if sig == b"PK\x03\x04" else 46)
         n = struct.unpack_from("<H", data, start + (26 if sig == b"PK\x03\x04" else 28))[0]
         new = c.rng.choice([b"../", b"/", b"..", b"a/../../"])[:n]
-        data[name_at:name_at + len(new)] = new
+        data[name_at : name_at + len(new)] = new
         c.write(bytes(data))
         return f"name of the entry at {start} starts with {new!r}"
     name, off, fmt = c.rng.choice(_ZIP_FIELDS[sig])
     width = struct.calcsize("<" + fmt)
     top = (1 << (8 * width)) - 1
-    value = c.rng.choice({"method": [8, 12, 14, 99, 0xFFFF]}.get(name, [0, top, top - 1, 1, 1 << (8 * width - 1)]))
+    value = c.rng.choice(
+        {"method": [8, 12, 14, 99, 0xFFFF]}.get(name, [0, top, top - 1, 1, 1 << (8 * width - 1)])
+    )
     if start + off + width > len(data):
         return _m_byte(c)
     struct.pack_into("<" + fmt, data, start + off, value)
@@ -653,13 +802,41 @@ def _zip_with_raw(entries: Sequence[Tuple[str, bytes, int, int, int]]) -> bytes:
     for name, body, method, crc, usize in entries:
         offset = out.tell()
         encoded = name.encode()
-        out.write(struct.pack("<4sHHHHHIIIHH", b"PK\x03\x04", 20, 0, method, 0, 0x21, crc, len(body), usize,
-                              len(encoded), 0) + encoded + body)
-        central.write(struct.pack("<4sHHHHHHIIIHHHHHII", b"PK\x01\x02", 20, 20, 0, method, 0, 0x21, crc, len(body),
-                                  usize, len(encoded), 0, 0, 0, 0, 0, offset) + encoded)
+        out.write(
+            struct.pack(
+                "<4sHHHHHIIIHH", b"PK\x03\x04", 20, 0, method, 0, 0x21, crc, len(body), usize, len(encoded), 0
+            )
+            + encoded
+            + body
+        )
+        central.write(
+            struct.pack(
+                "<4sHHHHHHIIIHHHHHII",
+                b"PK\x01\x02",
+                20,
+                20,
+                0,
+                method,
+                0,
+                0x21,
+                crc,
+                len(body),
+                usize,
+                len(encoded),
+                0,
+                0,
+                0,
+                0,
+                0,
+                offset,
+            )
+            + encoded
+        )
     cd = central.getvalue()
     cd_offset = out.tell()
-    out.write(cd + struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, len(entries), len(entries), len(cd), cd_offset, 0))
+    out.write(
+        cd + struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, len(entries), len(entries), len(cd), cd_offset, 0)
+    )
     return out.getvalue()
 
 
@@ -668,7 +845,9 @@ def _m_zip_bomb(c: Ctx) -> str:
     entries = _zip_entries(c.read())
     name = next(n for n, _ in entries if n.endswith("data.pkl"))
     # {"iteration": 11, "bomb": <3 GiB str>}: the string is the last thing before SETITEMS and STOP.
-    prefix = b"\x80\x02}(X\x09\x00\x00\x00iterationK\x0bX\x04\x00\x00\x00bombX" + struct.pack("<I", BOMB_BYTES)
+    prefix = b"\x80\x02}(X\x09\x00\x00\x00iterationK\x0bX\x04\x00\x00\x00bombX" + struct.pack(
+        "<I", BOMB_BYTES
+    )
     raw, crc, usize = _deflated_bomb(prefix, BOMB_BYTES, b"u.")
     rest = [(n, b, 0, zlib.crc32(b), len(b)) for n, b in entries if n != name]
     c.write(_zip_with_raw([(name, raw, 8, crc, usize)] + rest))
@@ -696,8 +875,11 @@ def _m_md_record(c: Ctx) -> str:
     index = c.rng.choice(sorted(md.storage_data, key=str))
     info = md.storage_data[index]
     field = c.rng.choice(["relative_path", "relative_path", "offset", "length"])
-    value = (c.rng.choice(hostile_names(c.outside)) if field == "relative_path"
-             else c.rng.choice(HOSTILE_NUMBERS + [info.length + 1, max(info.length - 1, 0)]))
+    value = (
+        c.rng.choice(hostile_names(c.outside))
+        if field == "relative_path"
+        else c.rng.choice(HOSTILE_NUMBERS + [info.length + 1, max(info.length - 1, 0)])
+    )
     md.storage_data[index] = dataclasses.replace(info, **{field: value})
     _md_store(c, md)
     return f"storage record {index.fqn}@{list(index.offset or ())}: {field} = {value!r}"[:200]
@@ -758,7 +940,9 @@ def _m_md_key(c: Ctx) -> str:
     old = c.rng.choice(sorted(md.state_dict_metadata))
     new = c.rng.choice(hostile_names(c.outside) + ["b", "opt.f", "../escaped/shard_0_2", "rng/../../x"])
     md.state_dict_metadata[new] = md.state_dict_metadata.pop(old)
-    md.storage_data = {(dataclasses.replace(i, fqn=new) if i.fqn == old else i): v for i, v in md.storage_data.items()}
+    md.storage_data = {
+        (dataclasses.replace(i, fqn=new) if i.fqn == old else i): v for i, v in md.storage_data.items()
+    }
     _md_store(c, md)
     return f"key {old!r} renamed to {new!r}"
 
@@ -767,8 +951,12 @@ def _m_md_key(c: Ctx) -> str:
 def _m_md_swap(c: Ctx) -> str:
     md = _md_load(c)
     items = sorted(md.storage_data, key=str)
-    pairs = [(a, b) for a in items for b in items if str(a) < str(b)
-             and md.storage_data[a].length == md.storage_data[b].length]
+    pairs = [
+        (a, b)
+        for a in items
+        for b in items
+        if str(a) < str(b) and md.storage_data[a].length == md.storage_data[b].length
+    ]
     a, b = c.rng.choice(pairs or [(x, y) for x in items for y in items if str(x) < str(y)])
     md.storage_data[a], md.storage_data[b] = md.storage_data[b], md.storage_data[a]
     _md_store(c, md)
@@ -786,8 +974,10 @@ def _m_md_many(c: Ctx) -> str:
     info = md.storage_data[index]
     n = 20_000
     meta.size = torch.Size([n, 8])
-    meta.chunks = [dataclasses.replace(meta.chunks[0], offsets=torch.Size([r, 0]), sizes=torch.Size([1, 8]))
-                   for r in range(n)]
+    meta.chunks = [
+        dataclasses.replace(meta.chunks[0], offsets=torch.Size([r, 0]), sizes=torch.Size([1, 8]))
+        for r in range(n)
+    ]
     md.storage_data = {i: v for i, v in md.storage_data.items() if i.fqn != key}
     for r in range(n):
         md.storage_data[dataclasses.replace(index, offset=torch.Size([r, 0]), index=None)] = info
@@ -804,7 +994,7 @@ def _m_manifest_swap(c: Ctx) -> str:
     ranges = [(f, i) for f, rs in doc["ranges"].items() for i in range(len(rs))]
     (fa, ia), (fb, ib) = c.rng.sample(ranges, 2)
     a, b = doc["ranges"][fa][ia], doc["ranges"][fb][ib]
-    field = c.rng.choice([2, 3])      # the CRC32C or the key
+    field = c.rng.choice([2, 3])  # the CRC32C or the key
     a[field], b[field] = b[field], a[field]
     c.write(json.dumps(doc).encode())
     return f"{'crc' if field == 2 else 'key'} of ranges {fa}#{ia} and {fb}#{ib} swapped"
@@ -840,8 +1030,9 @@ def reseal(ckpt: Path, touched: str) -> str:
         if len(whole) == 1 and whole[0].offset == 0 and whole[0].length == manifest.files[name]:
             whole = [dataclasses.replace(whole[0], length=len(data))]
         manifest.files[name] = len(data)
-        manifest.ranges[name] = [dataclasses.replace(r, crc32c=crc32c(data[r.offset:r.offset + r.length]))
-                                 for r in whole]
+        manifest.ranges[name] = [
+            dataclasses.replace(r, crc32c=crc32c(data[r.offset : r.offset + r.length])) for r in whole
+        ]
     if (ckpt / ".distckpt_index").is_file() and ".distckpt_index" not in manifest.files:
         manifest.set_bytes(".distckpt_index", (ckpt / ".distckpt_index").read_bytes())
     write_manifest(ckpt, manifest)
@@ -871,19 +1062,24 @@ class Case:
         return self.mutator + ("+reseal" if self.resealed else "")
 
     def command(self) -> str:
-        return (f"python -m tests.hostile_fuzz case --base {self.base} --file {self.file} "
-                f"--mutator {self.mutator} --seed {self.seed}")
+        return (
+            f"python -m tests.hostile_fuzz case --base {self.base} --file {self.file} "
+            f"--mutator {self.mutator} --seed {self.seed}"
+        )
 
 
-def generate(files: Dict[str, List[str]], count: int, seed: int = 0,
-             mutators: Optional[Sequence[str]] = None) -> List[Case]:
+def generate(
+    files: Dict[str, List[str]], count: int, seed: int = 0, mutators: Optional[Sequence[str]] = None
+) -> List[Case]:
     """The two control cases (no mutation), then ``count - 2`` cases that take the mutators in
     turn (each as often as the others, however many files it applies to) and, for each mutator,
     the files it applies to in a seeded order; a short run still touches every mutator."""
     order = random.Random(f"order|{seed}")
     names = sorted(m for m in (mutators or MUTATORS) if m != "none")
-    targets = {m: [(b, f) for b in BACKENDS for f in sorted(files[b]) if file_kind(f) in MUTATORS[m].kinds]
-               for m in names}
+    targets = {
+        m: [(b, f) for b in BACKENDS for f in sorted(files[b]) if file_kind(f) in MUTATORS[m].kinds]
+        for m in names
+    }
     names = [m for m in names if targets[m]]
     order.shuffle(names)
     for m in names:
@@ -915,7 +1111,7 @@ def base_values():
 
     w = torch.arange(48, dtype=torch.float32).reshape(6, 8) * 0.25 + 0.125 - 3
     b = ((torch.arange(20, dtype=torch.float32) - 7.5) / 7).to(torch.bfloat16).reshape(4, 5)
-    f = torch.arange(24, dtype=torch.float32) * 0.5 + 100.25      # opt.f, [4, 6], held flat in two ranges
+    f = torch.arange(24, dtype=torch.float32) * 0.5 + 100.25  # opt.f, [4, 6], held flat in two ranges
     return w, b, f
 
 
@@ -937,9 +1133,15 @@ def base_state(with_data: bool = True) -> dict:
         "w0": ShardedTensor.from_rank_offsets("w", w[:3].clone(), (0, 0, 2)),
         "w1": ShardedTensor.from_rank_offsets("w", w[3:].clone(), (0, 1, 2)),
         "b": ShardedTensor.from_rank_offsets("b", b.clone()),
-        "f0": ShardedTensor.from_rank_offsets_flat("opt.f", f[:10].clone(), (4, 6), flattened_range=slice(0, 10)),
-        "f1": ShardedTensor.from_rank_offsets_flat("opt.f", f[10:].clone(), (4, 6), flattened_range=slice(10, 24)),
-        "rng": ShardedObject("rng", ({**RNG_STATE, "state": torch.arange(5)} if with_data else None), (1,), (0,)),
+        "f0": ShardedTensor.from_rank_offsets_flat(
+            "opt.f", f[:10].clone(), (4, 6), flattened_range=slice(0, 10)
+        ),
+        "f1": ShardedTensor.from_rank_offsets_flat(
+            "opt.f", f[10:].clone(), (4, 6), flattened_range=slice(10, 24)
+        ),
+        "rng": ShardedObject(
+            "rng", ({**RNG_STATE, "state": torch.arange(5)} if with_data else None), (1,), (0,)
+        ),
     }
     if with_data:
         sd.update(json.loads(json.dumps(COMMON)))
@@ -950,8 +1152,15 @@ def expected_load() -> dict:
     import torch
 
     w, b, f = base_values()
-    return {"w0": w[:3], "w1": w[3:], "b": b, "f0": f[:10], "f1": f[10:],
-            "rng": {**RNG_STATE, "state": torch.arange(5)}, **COMMON}
+    return {
+        "w0": w[:3],
+        "w1": w[3:],
+        "b": b,
+        "f0": f[:10],
+        "f1": f[10:],
+        "rng": {**RNG_STATE, "state": torch.arange(5)},
+        **COMMON,
+    }
 
 
 def reshard_request() -> dict:
@@ -961,22 +1170,37 @@ def reshard_request() -> dict:
 
     from distckpt import ShardedObject, ShardedTensor
 
-    flat = {f"f{i}": ShardedTensor.from_rank_offsets_flat("opt.f", torch.zeros(hi - lo), (4, 6),
-                                                           flattened_range=slice(lo, hi))
-            for i, (lo, hi) in enumerate([(0, 5), (5, 18), (18, 24)])}
-    return {"w0": ShardedTensor.from_rank_offsets("w", torch.zeros(6, 4), (1, 0, 2)),
-            "w1": ShardedTensor.from_rank_offsets("w", torch.zeros(6, 4), (1, 1, 2)),
-            "b0": ShardedTensor.from_rank_offsets("b", torch.zeros(2, 5, dtype=torch.bfloat16), (0, 0, 2)),
-            "b1": ShardedTensor.from_rank_offsets("b", torch.zeros(2, 5, dtype=torch.bfloat16), (0, 1, 2)),
-            **flat, "rng": ShardedObject("rng", None, (1,), (0,))}
+    flat = {
+        f"f{i}": ShardedTensor.from_rank_offsets_flat(
+            "opt.f", torch.zeros(hi - lo), (4, 6), flattened_range=slice(lo, hi)
+        )
+        for i, (lo, hi) in enumerate([(0, 5), (5, 18), (18, 24)])
+    }
+    return {
+        "w0": ShardedTensor.from_rank_offsets("w", torch.zeros(6, 4), (1, 0, 2)),
+        "w1": ShardedTensor.from_rank_offsets("w", torch.zeros(6, 4), (1, 1, 2)),
+        "b0": ShardedTensor.from_rank_offsets("b", torch.zeros(2, 5, dtype=torch.bfloat16), (0, 0, 2)),
+        "b1": ShardedTensor.from_rank_offsets("b", torch.zeros(2, 5, dtype=torch.bfloat16), (0, 1, 2)),
+        **flat,
+        "rng": ShardedObject("rng", None, (1,), (0,)),
+    }
 
 
 def expected_reshard() -> dict:
     import torch
 
     w, b, f = base_values()
-    return {"w0": w[:, :4], "w1": w[:, 4:], "b0": b[:2], "b1": b[2:], "f0": f[:5], "f1": f[5:18], "f2": f[18:],
-            "rng": {**RNG_STATE, "state": torch.arange(5)}, **COMMON}
+    return {
+        "w0": w[:, :4],
+        "w1": w[:, 4:],
+        "b0": b[:2],
+        "b1": b[2:],
+        "f0": f[:5],
+        "f1": f[5:18],
+        "f2": f[18:],
+        "rng": {**RNG_STATE, "state": torch.arange(5)},
+        **COMMON,
+    }
 
 
 def expected_plain(prefix_removed: bool = False, renamed: bool = False) -> dict:
@@ -1009,8 +1233,12 @@ def same(a: Any, b: Any) -> bool:
     import torch
 
     if isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape)
-                and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+        return (
+            isinstance(a, torch.Tensor)
+            and a.dtype == b.dtype
+            and tuple(a.shape) == tuple(b.shape)
+            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+        )
     if isinstance(b, dict):
         return isinstance(a, dict) and set(a) == set(b) and all(same(a[k], b[k]) for k in b)
     if isinstance(b, (list, tuple)):
@@ -1037,11 +1265,29 @@ def _first_difference(a: Any, b: Any, path: str = "") -> str:
 
 # --------------------------------------------------------------------------- escape detection
 
-_IN = {"ACCESS": 0x1, "MODIFY": 0x2, "ATTRIB": 0x4, "CLOSE_WRITE": 0x8, "OPEN": 0x20, "MOVED_FROM": 0x40,
-       "MOVED_TO": 0x80, "CREATE": 0x100, "DELETE": 0x200, "DELETE_SELF": 0x400, "MOVE_SELF": 0x800}
+_IN = {
+    "ACCESS": 0x1,
+    "MODIFY": 0x2,
+    "ATTRIB": 0x4,
+    "CLOSE_WRITE": 0x8,
+    "OPEN": 0x20,
+    "MOVED_FROM": 0x40,
+    "MOVED_TO": 0x80,
+    "CREATE": 0x100,
+    "DELETE": 0x200,
+    "DELETE_SELF": 0x400,
+    "MOVE_SELF": 0x800,
+}
 _IN_ISDIR = 0x40000000
-_CHANGES = _IN["MODIFY"] | _IN["ATTRIB"] | _IN["CLOSE_WRITE"] | _IN["MOVED_FROM"] | _IN["MOVED_TO"] | \
-    _IN["CREATE"] | _IN["DELETE"]
+_CHANGES = (
+    _IN["MODIFY"]
+    | _IN["ATTRIB"]
+    | _IN["CLOSE_WRITE"]
+    | _IN["MOVED_FROM"]
+    | _IN["MOVED_TO"]
+    | _IN["CREATE"]
+    | _IN["DELETE"]
+)
 
 
 class Watch:
@@ -1089,7 +1335,7 @@ class Watch:
             i = 0
             while i < len(buf):
                 wd, mask, _, n = struct.unpack_from("iIII", buf, i)
-                name = buf[i + 16:i + 16 + n].rstrip(b"\0").decode(errors="replace")
+                name = buf[i + 16 : i + 16 + n].rstrip(b"\0").decode(errors="replace")
                 i += 16 + n
                 if wd in self.dirs:
                     out.append((self.dirs[wd], name, mask))
@@ -1103,8 +1349,10 @@ class Watch:
                 bad.append(f"{kinds} {name or '.'} beside work/")
             elif where.startswith("outside"):
                 bad.append(f"{kinds} {where}/{name}")
-            elif where == "work" and (name in CANARY_NAMES or (mask & (_IN["CREATE"] | _IN["MOVED_TO"])
-                                                                and not _sibling(name, ("ckpt", "copy")))):
+            elif where == "work" and (
+                name in CANARY_NAMES
+                or (mask & (_IN["CREATE"] | _IN["MOVED_TO"]) and not _sibling(name, ("ckpt", "copy")))
+            ):
                 bad.append(f"{kinds} work/{name}")
             elif where == "dst" and mask & _CHANGES and not _sibling(name, ("out",)):
                 bad.append(f"{kinds} dst/{name}")
@@ -1155,10 +1403,23 @@ def _clone(src: Path, dst: Path) -> None:
             os.mkfifo(target)
 
 
-ENTRY_POINTS = ("load", "load-reshard", "load-verify", "load_common_state_dict", "load_plain_tensors",
-                "load_tensors_metadata", "check_is_distributed_checkpoint", "remove_sharded_tensors",
-                "cli-inspect", "cli-verify", "cli-verify-deep", "cli-diff", "cli-convert", "cli-rm-prefix",
-                "cli-rename")
+ENTRY_POINTS = (
+    "load",
+    "load-reshard",
+    "load-verify",
+    "load_common_state_dict",
+    "load_plain_tensors",
+    "load_tensors_metadata",
+    "check_is_distributed_checkpoint",
+    "remove_sharded_tensors",
+    "cli-inspect",
+    "cli-verify",
+    "cli-verify-deep",
+    "cli-diff",
+    "cli-convert",
+    "cli-rm-prefix",
+    "cli-rename",
+)
 LOADS = ("load", "load-reshard", "load-verify", "load_common_state_dict", "load_plain_tensors")
 
 
@@ -1193,7 +1454,7 @@ class Worker:
     def _fresh(self, case: Case) -> str:
         root = self.case_root
         if root.exists():
-            for p in root.rglob("*"):        # a case may have left read-only or odd entries
+            for p in root.rglob("*"):  # a case may have left read-only or odd entries
                 if p.is_dir() and not p.is_symlink():
                     os.chmod(p, 0o755)
             shutil.rmtree(root)
@@ -1207,7 +1468,9 @@ class Worker:
 
     # -- calls
 
-    def run(self, case: Case, eps: Sequence[str], emit: Callable[[dict], None] = lambda m: None) -> Dict[str, dict]:
+    def run(
+        self, case: Case, eps: Sequence[str], emit: Callable[[dict], None] = lambda m: None
+    ) -> Dict[str, dict]:
         signal.setitimer(signal.ITIMER_REAL, 60)
         try:
             what = self._fresh(case)
@@ -1274,7 +1537,9 @@ class Worker:
         if isinstance(e, RuntimeError) and re.search(r"alloc|out of memory", str(e), re.I):
             return "oom", text[:400]
         tb = traceback.extract_tb(e.__traceback__)
-        where = next((f"{Path(f.filename).name}:{f.lineno}" for f in reversed(tb) if "distckpt" in f.filename), "")
+        where = next(
+            (f"{Path(f.filename).name}:{f.lineno}" for f in reversed(tb) if "distckpt" in f.filename), ""
+        )
         return "crash", f"{text[:300]} @ {where}"
 
     def _names_a_file(self, message: str) -> bool:
@@ -1302,9 +1567,21 @@ class Worker:
             return "escaped", "the canary's content is in the output: " + tail
         if "Traceback" in out or code not in (0, 1, 2):
             lines = out.splitlines()
-            error = next((line for line in reversed(lines) if re.match(r"\w+(Error|Exception|Interrupt)\b", line)), tail)
-            frame = next((f"{Path(m.group(1)).name}:{m.group(2)}" for m in
-                          (re.search(r'File "(.*?distckpt/.*?\.py)", line (\d+)', line) for line in reversed(lines)) if m), "")
+            error = next(
+                (line for line in reversed(lines) if re.match(r"\w+(Error|Exception|Interrupt)\b", line)),
+                tail,
+            )
+            frame = next(
+                (
+                    f"{Path(m.group(1)).name}:{m.group(2)}"
+                    for m in (
+                        re.search(r'File "(.*?distckpt/.*?\.py)", line (\d+)', line)
+                        for line in reversed(lines)
+                    )
+                    if m
+                ),
+                "",
+            )
             return "crash", f"exit {code}: {error[:300]} @ {frame}"
         if code == 0:
             return None
@@ -1313,11 +1590,13 @@ class Worker:
     def _check_result(self, got: Any, want: Any, what: str) -> Tuple[str, str]:
         import torch
 
-        if self.plant == "all":      # the planted bug: the originals the checker is given are wrong
-            want = {k: (v + 1 if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-                    for k, v in want.items()}
+        if self.plant == "all":  # the planted bug: the originals the checker is given are wrong
+            want = {
+                k: (v + 1 if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                for k, v in want.items()
+            }
         flat = {k: v for k, v in got.items()} if isinstance(got, dict) else got
-        for v in (flat.values() if isinstance(flat, dict) else []):
+        for v in flat.values() if isinstance(flat, dict) else []:
             if isinstance(v, torch.Tensor) and CANARY in v.contiguous().view(torch.uint8).numpy().tobytes():
                 return "escaped", f"{what}: a loaded tensor holds the canary's bytes"
         if same(got, want):
@@ -1353,13 +1632,18 @@ class Worker:
         if ep == "load-reshard":
             return self._check_result(distckpt.load(reshard_request(), ckpt), expected_reshard(), "loaded")
         if ep == "load-verify":
-            return self._check_result(distckpt.load(base_state(False), ckpt, verify=True), expected_load(), "loaded")
+            return self._check_result(
+                distckpt.load(base_state(False), ckpt, verify=True), expected_load(), "loaded"
+            )
         if ep == "load_common_state_dict":
             return self._check_result(distckpt.load_common_state_dict(ckpt), COMMON, "loaded")
         if ep == "load_plain_tensors":
             return self._check_result(distckpt.load_plain_tensors(ckpt), expected_plain(), "loaded")
         if ep == "load_tensors_metadata":
-            got = {k: (tuple(v.global_shape), str(v.dtype)) for k, v in distckpt.load_tensors_metadata(ckpt).items()}
+            got = {
+                k: (tuple(v.global_shape), str(v.dtype))
+                for k, v in distckpt.load_tensors_metadata(ckpt).items()
+            }
             want = {k: (tuple(v.shape), str(v.dtype)) for k, v in expected_plain().items()}
             return ("ok-exact", "") if got == want else ("meta-differs", f"{got} vs {want}"[:300])
         if ep == "check_is_distributed_checkpoint":
@@ -1425,7 +1709,11 @@ def _limit_memory(extra: int) -> None:
 
 def worker_main(args: argparse.Namespace) -> None:
     proto = os.fdopen(os.dup(1), "w", buffering=1)
-    log = os.open(args.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if args.log else os.open(os.devnull, os.O_WRONLY)
+    log = (
+        os.open(args.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        if args.log
+        else os.open(os.devnull, os.O_WRONLY)
+    )
     os.dup2(log, 1)
     os.dup2(log, 2)
     sys.stdout = io.TextIOWrapper(os.fdopen(1, "wb", closefd=False), line_buffering=True)
@@ -1452,7 +1740,7 @@ def worker_main(args: argparse.Namespace) -> None:
         emit({"t": "done", "results": results})
         if any(r["outcome"] in ("hang", "oom") for r in results.values()):
             proto.flush()
-            os._exit(0)      # a fresh process for the next case; never wait for a stuck thread
+            os._exit(0)  # a fresh process for the next case; never wait for a stuck thread
 
 
 # --------------------------------------------------------------------------- the parent
@@ -1461,15 +1749,42 @@ def worker_main(args: argparse.Namespace) -> None:
 class _Proc:
     """One worker process and its line protocol."""
 
-    def __init__(self, scratch: Path, time_limit: float, mem_limit: int, plant: Optional[str], log: Path) -> None:
-        env = dict(os.environ, PYTHONPATH=str(REPO), DISTCKPT_HOST_MEMORY_BUDGET="256MiB", OMP_NUM_THREADS="1",
-                   PYTHONHASHSEED="0")
-        cmd = [sys.executable, "-m", "tests.hostile_fuzz", "worker", "--scratch", str(scratch),
-               "--time-limit", str(time_limit), "--mem-limit", str(mem_limit), "--log", str(log)]
+    def __init__(
+        self, scratch: Path, time_limit: float, mem_limit: int, plant: Optional[str], log: Path
+    ) -> None:
+        env = dict(
+            os.environ,
+            PYTHONPATH=str(REPO),
+            DISTCKPT_HOST_MEMORY_BUDGET="256MiB",
+            OMP_NUM_THREADS="1",
+            PYTHONHASHSEED="0",
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "tests.hostile_fuzz",
+            "worker",
+            "--scratch",
+            str(scratch),
+            "--time-limit",
+            str(time_limit),
+            "--mem-limit",
+            str(mem_limit),
+            "--log",
+            str(log),
+        ]
         if plant:
             cmd += ["--plant", plant]
-        self.p = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.DEVNULL, text=True, bufsize=1)
+        self.p = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
+        )
         self.buf = ""
 
     def send(self, msg: dict) -> None:
@@ -1509,10 +1824,19 @@ def _fast_tmp() -> Optional[str]:
     return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
 
 
-def run_cases(count: int, *, seed: int = 0, time_limit: float = 5.0, mem_limit: int = 2 << 30,
-              eps: Sequence[str] = ENTRY_POINTS, mutators: Optional[Sequence[str]] = None,
-              plant: Optional[str] = None, scratch: Optional[Path] = None,
-              cases: Optional[Sequence[Case]] = None, progress: Optional[Callable[[str], None]] = None) -> List[dict]:
+def run_cases(
+    count: int,
+    *,
+    seed: int = 0,
+    time_limit: float = 5.0,
+    mem_limit: int = 2 << 30,
+    eps: Sequence[str] = ENTRY_POINTS,
+    mutators: Optional[Sequence[str]] = None,
+    plant: Optional[str] = None,
+    scratch: Optional[Path] = None,
+    cases: Optional[Sequence[Case]] = None,
+    progress: Optional[Callable[[str], None]] = None,
+) -> List[dict]:
     """Run ``count`` generated cases (or ``cases``) against ``eps``; one row per (case, entry point)."""
     own = scratch is None
     scratch = Path(tempfile.mkdtemp(prefix="distckpt-fuzz-", dir=_fast_tmp())) if own else scratch
@@ -1555,7 +1879,7 @@ def run_cases(count: int, *, seed: int = 0, time_limit: float = 5.0, mem_limit: 
                         else:
                             outcome, detail = "crash", f"worker died (exit {code})"
                         rows.append(_row(case, ep, outcome, detail, what))
-                        left = left[left.index(ep) + 1:]
+                        left = left[left.index(ep) + 1 :]
                         proc = None
                         break
                     if msg["t"] == "mutated":
@@ -1563,7 +1887,9 @@ def run_cases(count: int, *, seed: int = 0, time_limit: float = 5.0, mem_limit: 
                     elif msg["t"] == "start":
                         current = msg["ep"]
                     elif msg["t"] == "result":
-                        rows.append(_row(case, msg["ep"], msg["outcome"], msg["detail"], what, msg["seconds"]))
+                        rows.append(
+                            _row(case, msg["ep"], msg["outcome"], msg["detail"], what, msg["seconds"])
+                        )
                         left.remove(msg["ep"])
                         current = None
                     elif msg["t"] == "done":
@@ -1572,7 +1898,7 @@ def run_cases(count: int, *, seed: int = 0, time_limit: float = 5.0, mem_limit: 
                             left = []
                         _apply_cross_check(rows, case, msg["results"])
                         if any(r["outcome"] in ("hang", "oom") for r in msg["results"].values()):
-                            proc.kill()      # the worker leaves after a hang or an oom
+                            proc.kill()  # the worker leaves after a hang or an oom
                             proc = None
                         break
                     elif msg["t"] == "fatal":
@@ -1590,9 +1916,20 @@ def run_cases(count: int, *, seed: int = 0, time_limit: float = 5.0, mem_limit: 
 
 
 def _row(case: Case, ep: str, outcome: str, detail: str, what: str, seconds: float = 0.0) -> dict:
-    return {"base": case.base, "file": case.file, "kind": case.kind, "mutator": case.label,
-            "mutator_class": MUTATORS[case.mutator].klass, "seed": case.seed, "ep": ep, "outcome": outcome,
-            "detail": detail, "mutation": what, "seconds": seconds, "command": case.command()}
+    return {
+        "base": case.base,
+        "file": case.file,
+        "kind": case.kind,
+        "mutator": case.label,
+        "mutator_class": MUTATORS[case.mutator].klass,
+        "seed": case.seed,
+        "ep": ep,
+        "outcome": outcome,
+        "detail": detail,
+        "mutation": what,
+        "seconds": seconds,
+        "command": case.command(),
+    }
 
 
 def _apply_cross_check(rows: List[dict], case: Case, results: Dict[str, dict]) -> None:
@@ -1618,8 +1955,10 @@ def summarize(rows: List[dict], failures: Sequence[str] = FAILURES, limit: int =
     lines = []
     total = Counter(r["outcome"] for r in rows)
     cases = len({(r["base"], r["seed"]) for r in rows})
-    lines.append(f"{cases} cases x entry points = {len(rows)} runs: "
-                 + ", ".join(f"{k} {v}" for k, v in total.most_common()))
+    lines.append(
+        f"{cases} cases x entry points = {len(rows)} runs: "
+        + ", ".join(f"{k} {v}" for k, v in total.most_common())
+    )
     outcomes = [o for o in ("ok-exact", "ok", "refused") + SOFT + FAILURES if total[o]]
     lines.append("")
     lines.append("| entry point | " + " | ".join(outcomes) + " |")
@@ -1638,7 +1977,7 @@ def summarize(rows: List[dict], failures: Sequence[str] = FAILURES, limit: int =
         merged: Dict[Tuple[str, str, str, str], List[str]] = {}
         for (b, f, m, ep, o), n in sorted(groups.items()):
             merged.setdefault((b, f, m, ep), []).append(f"{o} {n}")
-        for (b, f, m, ep), outs in list(merged.items())[:limit * 3]:
+        for (b, f, m, ep), outs in list(merged.items())[: limit * 3]:
             lines.append(f"| {b} | {f} | {m} | {ep} | {', '.join(outs)} |")
         lines.append("")
         lines.append("First reproducer of each distinct failure:")
@@ -1647,7 +1986,9 @@ def summarize(rows: List[dict], failures: Sequence[str] = FAILURES, limit: int =
         for r in bad:
             seen.setdefault(signature(r), r)
         for r in list(seen.values())[:limit]:
-            lines.append(f"- **{r['ep']} {r['outcome']}** ({r['base']} {r['file']}, {r['mutator']}: {r['mutation']})")
+            lines.append(
+                f"- **{r['ep']} {r['outcome']}** ({r['base']} {r['file']}, {r['mutator']}: {r['mutation']})"
+            )
             lines.append(f"  `{r['command']}`")
             lines.append(f"  -> {r['detail'][:300]}")
         if len(seen) > limit:
@@ -1664,7 +2005,9 @@ def _case_main(args: argparse.Namespace) -> None:
     worker = Worker(scratch, args.time_limit)
     case = Case(args.base, args.file, args.mutator, args.seed)
     eps = args.eps.split(",") if args.eps else ENTRY_POINTS
-    results = worker.run(case, eps, emit=lambda m: print("mutation:", m["what"]) if m["t"] == "mutated" else None)
+    results = worker.run(
+        case, eps, emit=lambda m: print("mutation:", m["what"]) if m["t"] == "mutated" else None
+    )
     for ep, r in results.items():
         print(f"{ep:34} {r['outcome']:13} {r['detail'][:200]}")
     print(f"the damaged checkpoint: {worker.case_root / 'work' / 'ckpt'}")
@@ -1703,10 +2046,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         _case_main(args)
     else:
         t0 = time.monotonic()
-        rows = run_cases(args.cases, seed=args.seed, time_limit=args.time_limit, mem_limit=args.mem_limit,
-                         eps=args.eps.split(",") if args.eps else ENTRY_POINTS,
-                         mutators=args.mutators.split(",") if args.mutators else None,
-                         progress=lambda s: print(s, file=sys.stderr, flush=True))
+        rows = run_cases(
+            args.cases,
+            seed=args.seed,
+            time_limit=args.time_limit,
+            mem_limit=args.mem_limit,
+            eps=args.eps.split(",") if args.eps else ENTRY_POINTS,
+            mutators=args.mutators.split(",") if args.mutators else None,
+            progress=lambda s: print(s, file=sys.stderr, flush=True),
+        )
         text = summarize(rows) + f"\n\n({time.monotonic() - t0:.0f} s)"
         print(text)
         if args.report:

@@ -34,8 +34,8 @@ class Piece:
     """One rank's piece of global tensor ``key``: the box at ``offset`` of shape
     ``(1,)*prepend + local_shape``, optionally only the flat range ``flat`` of it."""
 
-    name: str                     # key in the state dict
-    key: str                      # ShardedTensor key
+    name: str  # key in the state dict
+    key: str  # ShardedTensor key
     global_shape: Tuple[int, ...]
     offset: Tuple[int, ...]
     local_shape: Tuple[int, ...]
@@ -48,11 +48,14 @@ class Piece:
     def expected(self) -> torch.Tensor:
         full = full_tensor(self.key, self.global_shape, self.dtype)
         index = tuple(
-            self.offset[i] if i < self.prepend else slice(self.offset[i], self.offset[i] + self.local_shape[i - self.prepend])
-            for i in range(len(self.global_shape)))
+            self.offset[i]
+            if i < self.prepend
+            else slice(self.offset[i], self.offset[i] + self.local_shape[i - self.prepend])
+            for i in range(len(self.global_shape))
+        )
         local = full[index].contiguous()
         if self.flat is not None:
-            local = local.flatten()[self.flat[0]:self.flat[1]].clone()
+            local = local.flatten()[self.flat[0] : self.flat[1]].clone()
         return local
 
     def sharded(self, with_data: bool = True, **kwargs) -> ShardedTensor:
@@ -61,10 +64,24 @@ class Piece:
         fragments = self.fragments
         if fragments is None:
             fragments = tuple(
-                1 if i < self.prepend else max(1, self.global_shape[i] // max(1, self.local_shape[i - self.prepend]))
-                for i in range(len(self.global_shape)))
-        return ShardedTensor(self.key, data, self.dtype, tuple(self.local_shape), tuple(self.global_shape),
-                             tuple(self.offset), fragments, self.replica, self.prepend, flattened_range=flat, **kwargs)
+                1
+                if i < self.prepend
+                else max(1, self.global_shape[i] // max(1, self.local_shape[i - self.prepend]))
+                for i in range(len(self.global_shape))
+            )
+        return ShardedTensor(
+            self.key,
+            data,
+            self.dtype,
+            tuple(self.local_shape),
+            tuple(self.global_shape),
+            tuple(self.offset),
+            fragments,
+            self.replica,
+            self.prepend,
+            flattened_range=flat,
+            **kwargs,
+        )
 
 
 def splits(n: int, parts: int) -> List[Tuple[int, int]]:
@@ -80,8 +97,12 @@ def tp_dp(rank: int, world: int, tp: int) -> List[Piece]:
     """A small transformer-like model: TP splits on axis 0 and 1, DP replicas of everything."""
     tp_rank, dp_rank = rank % tp, rank // tp
     pieces = []
-    for name, shape, axis, dtype in [("col", (8, 6), 0, torch.float32), ("row", (6, 8), 1, torch.float32),
-                                     ("emb", (16, 4), 0, torch.bfloat16), ("half", (4, 8), 1, torch.float16)]:
+    for name, shape, axis, dtype in [
+        ("col", (8, 6), 0, torch.float32),
+        ("row", (6, 8), 1, torch.float32),
+        ("emb", (16, 4), 0, torch.bfloat16),
+        ("half", (4, 8), 1, torch.float16),
+    ]:
         local = list(shape)
         local[axis] //= tp
         off = [0] * len(shape)
@@ -115,8 +136,9 @@ def uneven(rank: int, world: int, parts: Optional[int] = None) -> List[Piece]:
 def multi(rank: int, world: int) -> List[Piece]:
     """Several shards of one key per rank: rank r holds row blocks r and r + world of a [16, 3]."""
     rows = 16 // (2 * world)
-    return [Piece(f"multi.{i}", "multi", (16, 3), (rows * (rank + i * world), 0), (rows, 3))
-            for i in range(2)]
+    return [
+        Piece(f"multi.{i}", "multi", (16, 3), (rows * (rank + i * world), 0), (rows, 3)) for i in range(2)
+    ]
 
 
 def stacked(rank: int, world: int, pp: int, per_layer: bool) -> List[Piece]:
@@ -129,8 +151,10 @@ def stacked(rank: int, world: int, pp: int, per_layer: bool) -> List[Piece]:
     layers = splits(4, pp)[stage]
     replica = rank // pp
     if per_layer:
-        return [Piece(f"layers.{i}", "layers.w", (4, 6, 4), (i, 0, 0), (6, 4), prepend=1, replica=replica)
-                for i in range(layers[0], layers[0] + layers[1])]
+        return [
+            Piece(f"layers.{i}", "layers.w", (4, 6, 4), (i, 0, 0), (6, 4), prepend=1, replica=replica)
+            for i in range(layers[0], layers[0] + layers[1])
+        ]
     return [Piece("layers", "layers.w", (4, 6, 4), (layers[0], 0, 0), (layers[1], 6, 4), replica=replica)]
 
 
@@ -164,7 +188,10 @@ def wide(rank: int, world: int, parts: Optional[int] = None) -> List[Piece]:
     column block of a stored chunk: long runs that are not contiguous on disk."""
     parts = parts or world
     out = []
-    for key, shape, dtype in [("wide_fp32", (16, 1024), torch.float32), ("wide_bf16", (8, 2048), torch.bfloat16)]:
+    for key, shape, dtype in [
+        ("wide_fp32", (16, 1024), torch.float32),
+        ("wide_bf16", (8, 2048), torch.bfloat16),
+    ]:
         off, length = splits(shape[1], parts)[rank % parts]
         out.append(Piece(key, key, shape, (0, off), (shape[0], length), dtype, replica=rank // parts))
     return out
@@ -180,8 +207,14 @@ def fp8(rank: int, world: int) -> List[Piece]:
 
 
 LAYOUTS: Dict[str, Callable[..., List[Piece]]] = {
-    "tp_dp": tp_dp, "grid": grid, "uneven": uneven, "multi": multi, "stacked": stacked,
-    "flat_optimizer": flat_optimizer, "fp8": fp8, "wide": wide,
+    "tp_dp": tp_dp,
+    "grid": grid,
+    "uneven": uneven,
+    "multi": multi,
+    "stacked": stacked,
+    "flat_optimizer": flat_optimizer,
+    "fp8": fp8,
+    "wide": wide,
 }
 
 
@@ -191,7 +224,9 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     if a.numel() == 0:
         return True
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+    return torch.equal(
+        a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8)
+    )
 
 
 def build(layout: str, rank: int, world: int, with_data: bool, **params) -> Tuple[dict, Dict[str, Piece]]:

@@ -41,7 +41,7 @@ class ShardedTensor:
     def split(cls, key: str, data: torch.Tensor, axis: int, rank: int, parts: int, replica_id: Any = 0):
         """``data`` is piece ``rank`` of ``parts`` equal pieces along ``axis`` of the global tensor."""
         shape = tuple(data.shape)
-        global_shape = shape[:axis] + (shape[axis] * parts,) + shape[axis + 1:]
+        global_shape = shape[:axis] + (shape[axis] * parts,) + shape[axis + 1 :]
         offset = tuple(rank * shape[axis] if a == axis else 0 for a in range(len(shape)))
         frags = tuple(parts if a == axis else 1 for a in range(len(shape)))
         return cls(key, data, data.dtype, shape, global_shape, offset, frags, replica_id)

@@ -52,8 +52,11 @@ def test_request_is_frozen_once_scheduled(tmp_path):
 
 def test_execute_sync_runs_the_write_then_every_finalize_fn_in_order(tmp_path):
     order = []
-    request = AsyncRequest(lambda p: (order.append("write"), Path(p).write_bytes(b"x")), (tmp_path / "d",),
-                           [lambda: order.append("metadata")])
+    request = AsyncRequest(
+        lambda p: (order.append("write"), Path(p).write_bytes(b"x")),
+        (tmp_path / "d",),
+        [lambda: order.append("metadata")],
+    )
     request.add_finalize_fn(lambda: order.append("commit"))
     request.execute_sync()
     assert order == ["write", "metadata", "commit"]
@@ -74,8 +77,13 @@ def _execute_sync_failing_on_rank1(tmp):
 
 
 def test_execute_sync_failure_on_one_rank_raises_everywhere_before_any_finalize(tmp_path):
-    expect_all_ranks_raise(2, _execute_sync_failing_on_rank1, str(tmp_path),
-                           match=r"synchronous save failed on rank\(s\) 1: OSError: no space left", timeout=TIMEOUT)
+    expect_all_ranks_raise(
+        2,
+        _execute_sync_failing_on_rank1,
+        str(tmp_path),
+        match=r"synchronous save failed on rank\(s\) 1: OSError: no space left",
+        timeout=TIMEOUT,
+    )
     assert not list(tmp_path.glob("commit*"))
 
 
@@ -86,7 +94,8 @@ def test_schedule_returns_at_once_and_the_write_runs_in_the_background(tmp_path)
     queue = AsyncCallsQueue()
     start = time.perf_counter()
     idx = queue.schedule_async_request(
-        AsyncRequest(_write_after, (tmp_path / "data", b"abc", 0.3), [lambda: _commit(tmp_path / "commit")]))
+        AsyncRequest(_write_after, (tmp_path / "data", b"abc", 0.3), [lambda: _commit(tmp_path / "commit")])
+    )
     assert time.perf_counter() - start < 0.1
     assert idx == 0
     assert queue.maybe_finalize_async_calls(no_dist=True) == []
@@ -101,8 +110,9 @@ def test_requests_finish_out_of_order_but_finalize_in_order(tmp_path):
     queue = AsyncCallsQueue(persistent=False)  # one thread per request: they overlap
     finalized = []
     for i, delay in enumerate([1.0, 0.0, 0.0]):
-        queue.schedule_async_request(AsyncRequest(_write_after, (tmp_path / f"d{i}", b"x", delay),
-                                                  [lambda i=i: finalized.append(i)]))
+        queue.schedule_async_request(
+            AsyncRequest(_write_after, (tmp_path / f"d{i}", b"x", delay), [lambda i=i: finalized.append(i)])
+        )
     deadline = time.monotonic() + 0.8
     while not (tmp_path / "d2").exists() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -126,8 +136,9 @@ def test_close_abort_cancels_pending_work_and_commits_nothing(tmp_path):
     queue = AsyncCallsQueue()
     release = threading.Event()
     queue.schedule_async_request(AsyncRequest(release.wait, (10,), [lambda: _commit(tmp_path / "c0")]))
-    queue.schedule_async_request(AsyncRequest(_write_after, (tmp_path / "d1", b"x"),
-                                              [lambda: _commit(tmp_path / "c1")]))
+    queue.schedule_async_request(
+        AsyncRequest(_write_after, (tmp_path / "d1", b"x"), [lambda: _commit(tmp_path / "c1")])
+    )
     start = time.perf_counter()
     queue.close(abort=True)
     assert time.perf_counter() - start < 1
@@ -142,8 +153,9 @@ def test_close_abort_cancels_pending_work_and_commits_nothing(tmp_path):
 
 def test_close_waits_for_work_in_flight_and_finalizes_it(tmp_path):
     queue = AsyncCallsQueue()
-    queue.schedule_async_request(AsyncRequest(_write_after, (tmp_path / "d", b"x", 0.2),
-                                              [lambda: _commit(tmp_path / "commit")]))
+    queue.schedule_async_request(
+        AsyncRequest(_write_after, (tmp_path / "d", b"x", 0.2), [lambda: _commit(tmp_path / "commit")])
+    )
     queue.close()
     assert (tmp_path / "commit").exists()
     assert queue.get_num_unfinalized_calls() == 0
@@ -157,8 +169,11 @@ def _finalize_only_when_every_rank_is_done(tmp):
     queue = AsyncCallsQueue()
     finalized = []
     # Rank 1's write is slow: rank 0 is done locally but must not finalize yet.
-    queue.schedule_async_request(AsyncRequest(_write_after, (f"{tmp}/d{rank}", b"x", 1.0 if rank else 0.0),
-                                              [lambda: finalized.append("call 0")]))
+    queue.schedule_async_request(
+        AsyncRequest(
+            _write_after, (f"{tmp}/d{rank}", b"x", 1.0 if rank else 0.0), [lambda: finalized.append("call 0")]
+        )
+    )
     time.sleep(0.1)
     early = queue.maybe_finalize_async_calls()
     finalized_early = list(finalized)
@@ -176,11 +191,17 @@ def test_a_call_is_finalized_only_once_its_work_is_done_on_every_rank(tmp_path):
 def _failure_in_one_worker(tmp):
     rank = ddist.get_rank()
     queue = AsyncCallsQueue()
-    fn, args = (_fail_after, (0.1, "injected write failure on rank 1")) if rank == 1 else \
-        (_write_after, (f"{tmp}/d0_{rank}", b"x"))
+    fn, args = (
+        (_fail_after, (0.1, "injected write failure on rank 1"))
+        if rank == 1
+        else (_write_after, (f"{tmp}/d0_{rank}", b"x"))
+    )
     queue.schedule_async_request(AsyncRequest(fn, args, [lambda: _commit(f"{tmp}/commit0_{rank}")]))
-    queue.schedule_async_request(AsyncRequest(_write_after, (f"{tmp}/d1_{rank}", b"y", 0.1),
-                                              [lambda: _commit(f"{tmp}/commit1_{rank}")]))
+    queue.schedule_async_request(
+        AsyncRequest(
+            _write_after, (f"{tmp}/d1_{rank}", b"y", 0.1), [lambda: _commit(f"{tmp}/commit1_{rank}")]
+        )
+    )
     try:
         queue.maybe_finalize_async_calls(blocking=True)
         error = None
@@ -189,7 +210,9 @@ def _failure_in_one_worker(tmp):
     after_failure = queue.get_num_unfinalized_calls()
     later = queue.maybe_finalize_async_calls(blocking=True)
     queue.close()
-    commits = sorted(p.name for p in Path(tmp).iterdir() if p.name.startswith("commit") and p.name.endswith(f"_{rank}"))
+    commits = sorted(
+        p.name for p in Path(tmp).iterdir() if p.name.startswith("commit") and p.name.endswith(f"_{rank}")
+    )
     return error, after_failure, later, commits
 
 
@@ -201,8 +224,8 @@ def test_a_failed_write_on_one_rank_raises_on_every_rank_and_commits_nothing(tmp
     assert "async save (call 0) failed on rank(s) 1" in error
     assert "OSError: injected write failure on rank 1" in error
     for rank, (_, after_failure, later, commits) in enumerate(results):
-        assert after_failure == 1            # call 0 dropped, call 1 still queued
-        assert later == [1]                  # the later request is unaffected
+        assert after_failure == 1  # call 0 dropped, call 1 still queued
+        assert later == [1]  # the later request is unaffected
         assert commits == [f"commit1_{rank}"]  # call 0 committed nowhere, not even on rank 0
 
 
@@ -231,7 +254,9 @@ def _queue_on_rank0_only(tmp):
     if ddist.get_rank() != 0:
         return None
     queue = AsyncCallsQueue()
-    queue.schedule_async_request(AsyncRequest(_write_after, (f"{tmp}/d", b"x"), [lambda: _commit(f"{tmp}/c")]))
+    queue.schedule_async_request(
+        AsyncRequest(_write_after, (f"{tmp}/d", b"x"), [lambda: _commit(f"{tmp}/c")])
+    )
     done = queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
     queue.close(abort=True)
     return done
@@ -381,8 +406,12 @@ def test_an_async_cuda_save_copies_each_tensor_once_and_a_failed_one_keeps_no_bu
 
     model = {f"w{i}": torch.randn(64, 32, device="cuda") for i in range(5)}
     strategy = TorchDistSaveShardedStrategy()
-    request = distckpt.save({k: ShardedTensor.from_rank_offsets(k, t) for k, t in model.items()},
-                            tmp_path / "ok", sharded_strategy=strategy, async_sharded_save=True)
+    request = distckpt.save(
+        {k: ShardedTensor.from_rank_offsets(k, t) for k, t in model.items()},
+        tmp_path / "ok",
+        sharded_strategy=strategy,
+        async_sharded_save=True,
+    )
     assert strategy._staging.allocated_bytes == 5 * 64 * 32 * 4  # the early copies were taken up
     for t in model.values():
         t.zero_()
@@ -390,8 +419,10 @@ def test_an_async_cuda_save_copies_each_tensor_once_and_a_failed_one_keeps_no_bu
     targets = {k: torch.empty(64, 32, device="cuda") for k in model}
     distckpt.load({k: ShardedTensor.from_rank_offsets(k, t) for k, t in targets.items()}, tmp_path / "ok")
     assert all(torch.count_nonzero(t) > 0 for t in targets.values())  # the saved values, not the zeros
-    bad = {"w": ShardedTensor.from_rank_offsets("w", torch.ones(4, 4, device="cuda"), (0, 0, 2)),
-           "v": ShardedTensor.from_rank_offsets("w", torch.ones(4, 4, device="cuda"), (0, 0, 2))}  # overlap
+    bad = {
+        "w": ShardedTensor.from_rank_offsets("w", torch.ones(4, 4, device="cuda"), (0, 0, 2)),
+        "v": ShardedTensor.from_rank_offsets("w", torch.ones(4, 4, device="cuda"), (0, 0, 2)),
+    }  # overlap
     with pytest.raises(CheckpointingException):
         distckpt.save(bad, tmp_path / "bad", sharded_strategy=strategy, async_sharded_save=True)
     assert strategy._staging.in_use == 0

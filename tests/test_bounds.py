@@ -41,8 +41,14 @@ DEEP = 100_000
 
 
 def _save(path: Path, backend: str) -> Path:
-    distckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(64, dtype=torch.float32)),
-                   "common": {"lr": 0.1}}, path, sharded_strategy=(backend, 1))
+    distckpt.save(
+        {
+            "w": ShardedTensor.from_rank_offsets("w", torch.arange(64, dtype=torch.float32)),
+            "common": {"lr": 0.1},
+        },
+        path,
+        sharded_strategy=(backend, 1),
+    )
     return path
 
 
@@ -62,7 +68,7 @@ def _load(path: Path):
 
 def _cli(*args, codes=(1, 2)) -> tuple:
     result = CliRunner().invoke(cli_main, [str(a) for a in args])
-    assert result.exit_code in codes, (result.exit_code, result.output)   # 3 is "internal error"
+    assert result.exit_code in codes, (result.exit_code, result.output)  # 3 is "internal error"
     assert "Traceback" not in result.output
     return result.exit_code, result.output
 
@@ -87,9 +93,12 @@ def test_a_key_claiming_2_to_the_40_elements_is_refused_by_reads_before_allocati
     def edit(md):
         md.state_dict_metadata["w"].size = torch.Size((TB,))
         md.state_dict_metadata["w"].chunks[0].sizes = torch.Size((TB,))
+
     _edit_metadata(ckpt, edit)
     start = time.monotonic()
-    with pytest.raises(CheckpointingException, match=r"\.metadata: key 'w': chunk at \[0\] of \[1099511627776\]"):
+    with pytest.raises(
+        CheckpointingException, match=r"\.metadata: key 'w': chunk at \[0\] of \[1099511627776\]"
+    ):
         CheckpointSource(ckpt).read("w")
     report = verify_checkpoint(ckpt, deep=True)
     assert any(".metadata: key 'w'" in p for p in report.problems), report.problems
@@ -100,14 +109,21 @@ def test_a_key_claiming_2_to_the_40_elements_is_refused_by_reads_before_allocati
 
 
 def test_a_zarr_grid_of_2_to_the_40_chunks_is_reported_without_looping_over_it(zckpt, tmp_path):
-    _edit_json(zckpt / "w" / "zarr.json", lambda md: (md.update(shape=[TB]),
-                                                       md["chunk_grid"]["configuration"].update(chunk_shape=[1])))
+    _edit_json(
+        zckpt / "w" / "zarr.json",
+        lambda md: (md.update(shape=[TB]), md["chunk_grid"]["configuration"].update(chunk_shape=[1])),
+    )
     reseal_manifest(zckpt)
     start = time.monotonic()
     report = verify_checkpoint(zckpt)
-    assert any(f"w: its grid of {TB} chunks has only 1 chunk files" in p for p in report.problems), report.problems
-    with pytest.raises(CheckpointingException, match=r"w/zarr\.json: key 'w': loading \[1099511627776\] needs|"
-                                                     r"w/zarr\.json says float32 of shape \[1099511627776\]"):
+    assert any(f"w: its grid of {TB} chunks has only 1 chunk files" in p for p in report.problems), (
+        report.problems
+    )
+    with pytest.raises(
+        CheckpointingException,
+        match=r"w/zarr\.json: key 'w': loading \[1099511627776\] needs|"
+        r"w/zarr\.json says float32 of shape \[1099511627776\]",
+    ):
         convert_checkpoint(zckpt, tmp_path / "out", "torch_dist")
     assert time.monotonic() - start < 5
     _cli("convert", zckpt, tmp_path / "out2", "--to", "zarr")
@@ -118,9 +134,9 @@ def _strips_and_columns(n: int):
     columns, laid out so that a sweep along either axis keeps half of them active: quadratic
     for a pairwise overlap search."""
     half = n // 2
-    rows = [((i, 0), (1, half)) for i in range(half)]                 # rows 0..half-1, columns 0..half-1
-    cols = [((0, half), (half + 1, 1))]                                  # the last column, whole
-    cols += [((half, j), (1, 1)) for j in range(half)]                  # the last row, cell by cell
+    rows = [((i, 0), (1, half)) for i in range(half)]  # rows 0..half-1, columns 0..half-1
+    cols = [((0, half), (half + 1, 1))]  # the last column, whole
+    cols += [((half, j), (1, 1)) for j in range(half)]  # the last row, cell by cell
     return (half + 1, half + 1), rows + cols
 
 
@@ -142,9 +158,12 @@ def test_verify_of_20000_chunks_of_one_key_in_one_row_is_quick(ckpt):
         index = next(i for i in md.storage_data if i.fqn == "w")
         info = md.storage_data.pop(index)
         meta.size = torch.Size((1, n))
-        meta.chunks = [ChunkStorageMetadata(offsets=torch.Size((0, j)), sizes=torch.Size((1, 1))) for j in range(n)]
+        meta.chunks = [
+            ChunkStorageMetadata(offsets=torch.Size((0, j)), sizes=torch.Size((1, 1))) for j in range(n)
+        ]
         for j in range(n):
             md.storage_data[MetadataIndex("w", torch.Size((0, j)))] = info
+
     _edit_metadata(ckpt, edit)
     assert (ckpt / ".metadata").stat().st_size > 1 << 20
     start = time.monotonic()
@@ -205,14 +224,15 @@ def test_a_zip_bomb_common_pt_is_refused_before_inflating(ckpt):
     reseal_manifest(ckpt)
     assert (ckpt / "common.pt").stat().st_size < 1 << 20
     for entry in ("load_common_state_dict", "load"):
-        proc = subprocess.run([sys.executable, "-c", _MEASURE, str(ckpt), entry], capture_output=True, text=True,
-                              timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-c", _MEASURE, str(ckpt), entry], capture_output=True, text=True, timeout=120
+        )
         lines = proc.stdout.strip().splitlines()
         assert lines and lines[0].startswith("REFUSED"), (proc.stdout, proc.stderr)
         assert "common.pt: compressed archive entries inflate to" in lines[0]
         grew, took = lines[-1].split()
         assert int(grew) < 200 << 20 and float(took) < 5, lines
-    code, out = _cli("inspect", ckpt, codes=(0, 1, 2))   # inspect shows what it can read
+    code, out = _cli("inspect", ckpt, codes=(0, 1, 2))  # inspect shows what it can read
     assert "zip bomb" in out
 
 
@@ -225,7 +245,9 @@ def test_a_stored_archive_entry_claiming_more_than_it_holds_is_refused(ckpt):
     struct.pack_into("<I", data, at + 24, 0x7FFFFFFF)
     (ckpt / "common.pt").write_bytes(bytes(data))
     reseal_manifest(ckpt)
-    with pytest.raises(CheckpointingException, match=r"common\.pt: stored archive entry .* claims 2147483647 bytes"):
+    with pytest.raises(
+        CheckpointingException, match=r"common\.pt: stored archive entry .* claims 2147483647 bytes"
+    ):
         distckpt.load_common_state_dict(ckpt)
 
 
@@ -236,10 +258,16 @@ def _deep_json() -> bytes:
     return b'{"a":' * DEEP + b"1" + b"}" * DEEP
 
 
-@pytest.mark.parametrize("backend, name", [
-    ("torch_dist", "metadata.json"), ("torch_dist", ".distckpt_manifest.json"),
-    ("zarr", "zarr.json"), ("zarr", "w/zarr.json"), ("zarr", ".distckpt_manifest.json"),
-])
+@pytest.mark.parametrize(
+    "backend, name",
+    [
+        ("torch_dist", "metadata.json"),
+        ("torch_dist", ".distckpt_manifest.json"),
+        ("zarr", "zarr.json"),
+        ("zarr", "w/zarr.json"),
+        ("zarr", ".distckpt_manifest.json"),
+    ],
+)
 def test_json_nested_100000_deep_is_refused_naming_the_file(tmp_path, backend, name):
     path = _save(tmp_path / "ckpt", backend)
     (path / name).write_bytes(_deep_json())
@@ -275,13 +303,17 @@ def test_a_common_state_nested_100000_deep_is_refused_naming_common_pt(ckpt, tmp
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w") as z:
         for info in src.infolist():
-            z.writestr(info.filename, pickled if info.filename.endswith("data.pkl") else src.read(info.filename))
+            z.writestr(
+                info.filename, pickled if info.filename.endswith("data.pkl") else src.read(info.filename)
+            )
     (ckpt / "common.pt").write_bytes(out.getvalue())
     reseal_manifest(ckpt)
     for load in (distckpt.load_common_state_dict, _load):
-        with pytest.raises(CheckpointingException, match=r"common\.pt: the unpickled state nests containers more than"):
+        with pytest.raises(
+            CheckpointingException, match=r"common\.pt: the unpickled state nests containers more than"
+        ):
             load(ckpt)
-    code, out = _cli("inspect", ckpt, codes=(0, 1, 2))   # inspect shows what it can read
+    code, out = _cli("inspect", ckpt, codes=(0, 1, 2))  # inspect shows what it can read
     assert "common.pt: the unpickled state nests containers" in out
     _cli("diff", ckpt, ckpt)
 
@@ -298,17 +330,29 @@ def test_a_common_pt_that_is_a_directory_or_a_list_is_a_checkpointing_error(ckpt
     torch.save([1, 2], ckpt / "common.pt")
     reseal_manifest(ckpt)
     for load in (distckpt.load_common_state_dict, _load):
-        with pytest.raises(CheckpointingException, match=r"common\.pt: the common state is a list, not a dict"):
+        with pytest.raises(
+            CheckpointingException, match=r"common\.pt: the common state is a list, not a dict"
+        ):
             load(ckpt)
 
 
-@pytest.mark.parametrize("content, match", [
-    (b"\xff\xfe\x00{not json", r"zarr\.json: unreadable root group metadata"),
-    (b"[1, 2]", r"zarr\.json: root group metadata is a JSON list"),
-    (json.dumps({"zarr_format": 3, "node_type": "group",
-                 "attributes": {"distckpt": {"format": "zarr", "keys": "w"}}}).encode(),
-     r"zarr\.json: root group metadata lists its array keys as str, not a list"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (b"\xff\xfe\x00{not json", r"zarr\.json: unreadable root group metadata"),
+        (b"[1, 2]", r"zarr\.json: root group metadata is a JSON list"),
+        (
+            json.dumps(
+                {
+                    "zarr_format": 3,
+                    "node_type": "group",
+                    "attributes": {"distckpt": {"format": "zarr", "keys": "w"}},
+                }
+            ).encode(),
+            r"zarr\.json: root group metadata lists its array keys as str, not a list",
+        ),
+    ],
+)
 def test_a_damaged_root_zarr_json_is_an_error_naming_it_not_a_load(zckpt, content, match):
     (zckpt / "zarr.json").write_bytes(content)
     reseal_manifest(zckpt)
@@ -321,7 +365,7 @@ def test_a_damaged_root_zarr_json_is_an_error_naming_it_not_a_load(zckpt, conten
 
 def test_an_array_zarr_json_that_is_not_utf8_is_an_error_naming_it(zckpt):
     raw = bytearray((zckpt / "w" / "zarr.json").read_bytes())
-    raw[5] = 0xff
+    raw[5] = 0xFF
     (zckpt / "w" / "zarr.json").write_bytes(bytes(raw))
     reseal_manifest(zckpt)
     with pytest.raises(CheckpointingException, match=r"w/zarr\.json: unreadable Zarr metadata of key 'w'"):
@@ -355,8 +399,10 @@ def _timed_cli(*args, codes=(0, 1, 2)) -> tuple:
 
 
 def test_a_zarr_listing_of_100000_keys_over_one_array_is_one_problem_naming_zarr_json(zckpt, tmp_path):
-    _edit_json(zckpt / "zarr.json", lambda md: md["attributes"]["distckpt"].update(
-        keys=[f"k{i}" for i in range(100_000)] + ["w"]))
+    _edit_json(
+        zckpt / "zarr.json",
+        lambda md: md["attributes"]["distckpt"].update(keys=[f"k{i}" for i in range(100_000)] + ["w"]),
+    )
     reseal_manifest(zckpt)
     for deep in (False, True):
         start = time.monotonic()
@@ -364,13 +410,19 @@ def test_a_zarr_listing_of_100000_keys_over_one_array_is_one_problem_naming_zarr
         assert time.monotonic() - start < 5
         assert [p for p in report.problems if "k0" in p] == [
             f"{zckpt / 'zarr.json'}: lists 100000 of its 100001 array keys with no array metadata (missing): "
-            f"'k0', 'k1', 'k2' ..."], report.problems[:3]
+            f"'k0', 'k1', 'k2' ..."
+        ], report.problems[:3]
     code, out = _timed_cli("verify", zckpt)
     assert code == 1 and "zarr.json: lists 100000 of its 100001 array keys" in out
     other = _save(tmp_path / "other", "zarr")
-    for args in (["inspect", zckpt], ["show", zckpt, "w"], ["diff", zckpt, other],
-                 ["convert", zckpt, tmp_path / "out", "--to", "torch_dist"],
-                 ["rm-prefix", zckpt, "w"], ["rename", zckpt, "--map", "w=w2"]):
+    for args in (
+        ["inspect", zckpt],
+        ["show", zckpt, "w"],
+        ["diff", zckpt, other],
+        ["convert", zckpt, tmp_path / "out", "--to", "torch_dist"],
+        ["rm-prefix", zckpt, "w"],
+        ["rename", zckpt, "--map", "w=w2"],
+    ):
         code, out = _timed_cli(*args, codes=(2,))
         assert "'k0'" in out, (args, out)
 
@@ -385,9 +437,15 @@ def test_a_zarr_listing_naming_one_array_100000_times_is_refused_naming_zarr_jso
     assert verify_checkpoint(zckpt).problems == [message]
     assert time.monotonic() - start < 5
     other = _save(tmp_path / "other", "zarr")
-    for args in (["verify", zckpt], ["inspect", zckpt], ["show", zckpt, "w"], ["diff", zckpt, other],
-                 ["convert", zckpt, tmp_path / "out", "--to", "torch_dist"],
-                 ["rm-prefix", zckpt, "w"], ["rename", zckpt, "--map", "w=w2"]):
+    for args in (
+        ["verify", zckpt],
+        ["inspect", zckpt],
+        ["show", zckpt, "w"],
+        ["diff", zckpt, other],
+        ["convert", zckpt, tmp_path / "out", "--to", "torch_dist"],
+        ["rm-prefix", zckpt, "w"],
+        ["rename", zckpt, "--map", "w=w2"],
+    ):
         code, out = _timed_cli(*args, codes=(1, 2))
         assert message in out.replace("\n", ""), (args, out)
 
@@ -407,18 +465,25 @@ def _20000_chunks(md, record) -> None:
 
 def test_20000_chunks_sharing_one_record_get_a_clear_outcome_from_every_tool_quickly(ckpt, tmp_path):
     other = _save(tmp_path / "other", "torch_dist")
-    _edit_metadata(ckpt, lambda md: _20000_chunks(md, lambda info, j: info))   # every record the same bytes
+    _edit_metadata(ckpt, lambda md: _20000_chunks(md, lambda info, j: info))  # every record the same bytes
     start = time.monotonic()
     report = verify_checkpoint(ckpt, deep=True)
     assert time.monotonic() - start < 5
-    assert ".metadata: key 'w' is float32 of shape [20000], .distckpt_manifest.json says the writer wrote float32 " \
-           "of shape [64]" in report.problems, report.problems
+    assert (
+        ".metadata: key 'w' is float32 of shape [20000], .distckpt_manifest.json says the writer wrote float32 "
+        "of shape [64]" in report.problems
+    ), report.problems
     code, out = _timed_cli("verify", "--deep", ckpt)
     assert code == 1 and "says the writer wrote float32 of shape [64]" in out
     code, out = _timed_cli("diff", ckpt, other)
     assert code == 1 and "[20000] vs [64]" in out
-    for args in (["inspect", ckpt], ["show", ckpt, "w"], ["convert", ckpt, tmp_path / "out", "--to", "zarr"],
-                 ["rm-prefix", ckpt, "opt."], ["rename", ckpt, "--map", "w=w2"]):
+    for args in (
+        ["inspect", ckpt],
+        ["show", ckpt, "w"],
+        ["convert", ckpt, tmp_path / "out", "--to", "zarr"],
+        ["rm-prefix", ckpt, "opt."],
+        ["rename", ckpt, "--map", "w=w2"],
+    ):
         code, out = _timed_cli(*args)
         assert code == 0 if args[0] == "inspect" else code == 2, (args, out)
     # Without a manifest (Megatron's checkpoints) the shared bytes are what give it away.
@@ -426,14 +491,17 @@ def test_20000_chunks_sharing_one_record_get_a_clear_outcome_from_every_tool_qui
     report = verify_checkpoint(ckpt)
     assert report.problems == [
         ".metadata: 19999 storage record(s) claim bytes of __0_0.distcp that another record claims (first: key "
-        "'w' chunk at [1] and key 'w' chunk at [0], at offset 0): damaged metadata"], report.problems
+        "'w' chunk at [1] and key 'w' chunk at [0], at offset 0): damaged metadata"
+    ], report.problems
 
 
 def test_verify_prints_the_first_100_of_20000_odd_problems_and_counts_the_rest(ckpt):
     import dataclasses
 
     # Chunk j's record: byte j, which the manifest lists no range for, most of them past the end.
-    _edit_metadata(ckpt, lambda md: _20000_chunks(md, lambda info, j: dataclasses.replace(info, offset=j, length=1)))
+    _edit_metadata(
+        ckpt, lambda md: _20000_chunks(md, lambda info, j: dataclasses.replace(info, offset=j, length=1))
+    )
     start = time.monotonic()
     problems = verify_checkpoint(ckpt).problems
     assert time.monotonic() - start < 5
@@ -441,7 +509,10 @@ def test_verify_prints_the_first_100_of_20000_odd_problems_and_counts_the_rest(c
     code, out = _timed_cli("verify", ckpt)
     # Printing every line took seconds (20,000 of them), the first ones say what is wrong.
     assert code == 1 and out.count("PROBLEM") == 101, out[-500:]
-    assert f"... and {len(problems) - 100} more (--json lists them all)" in out and f"{len(problems)} problem(s)" in out
+    assert (
+        f"... and {len(problems) - 100} more (--json lists them all)" in out
+        and f"{len(problems)} problem(s)" in out
+    )
     code, out = _timed_cli("verify", "--json", ckpt)
     assert json.loads(out)["problems"] == problems
 
@@ -455,14 +526,18 @@ def test_a_load_strategy_parses_metadata_again_once_its_bytes_change(ckpt):
         return strategy.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(64))}, ckpt)["w"]
 
     assert torch.equal(load(), torch.arange(64, dtype=torch.float32))
-    assert torch.equal(load(), torch.arange(64, dtype=torch.float32))   # parsed once, read twice
+    assert torch.equal(load(), torch.arange(64, dtype=torch.float32))  # parsed once, read twice
 
     def halve(md):
         md.state_dict_metadata["w"].size = torch.Size((32,))
         md.state_dict_metadata["w"].chunks[0].sizes = torch.Size((32,))
+
     _edit_metadata(ckpt, halve)
     # (refused by the manifest's declaration of 'w' where the load reads .metadata, else by the
     # shape check)
-    with pytest.raises(CheckpointingException, match=r"global shape \[64\] was requested but the checkpoint "
-                                                     r"stores \[32\]|key 'w' is float32 of shape \[32\]"):
+    with pytest.raises(
+        CheckpointingException,
+        match=r"global shape \[64\] was requested but the checkpoint "
+        r"stores \[32\]|key 'w' is float32 of shape \[32\]",
+    ):
         load()

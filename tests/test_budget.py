@@ -42,8 +42,10 @@ def test_default_is_a_fraction_of_ram_split_between_the_local_ranks(clean_budget
     assert distckpt.host_memory_budget() == int(ram * budget.DEFAULT_FRACTION) // 4
 
 
-@pytest.mark.parametrize("raw, expected", [
-    ("1048576", MiB), ("512MiB", 512 * MiB), ("2GB", 2 * 10**9), ("3 KiB", 3 << 10), (" 64k ", 64000)])
+@pytest.mark.parametrize(
+    "raw, expected",
+    [("1048576", MiB), ("512MiB", 512 * MiB), ("2GB", 2 * 10**9), ("3 KiB", 3 << 10), (" 64k ", 64000)],
+)
 def test_env_bytes(clean_budget, raw, expected):
     clean_budget.setenv(budget.ENV_VAR, raw)
     clean_budget.setenv("LOCAL_WORLD_SIZE", "1")
@@ -97,7 +99,7 @@ def _state(rank, fill=None):
     sd = {}
     for i, rows in enumerate([8, 32, 64, 128, 256, 16, 512, 100, 300, 1000, 800]):
         full = layouts.full_tensor(f"t{i}", (WORLD * rows, 256))
-        local = full[rank * rows:(rank + 1) * rows].clone()
+        local = full[rank * rows : (rank + 1) * rows].clone()
         if fill is not None:
             local.fill_(fill)
         sd[f"t{i}"] = ShardedTensor.from_rank_offsets(f"t{i}", local, (0, rank, WORLD))
@@ -113,7 +115,9 @@ def _async_save(ckpt, host_budget):
         sd = _state(rank)
         strategy = TorchDistSaveShardedStrategy()
         queue = AsyncCallsQueue()
-        queue.schedule_async_request(distckpt.save(sd, ckpt, sharded_strategy=strategy, async_sharded_save=True))
+        queue.schedule_async_request(
+            distckpt.save(sd, ckpt, sharded_strategy=strategy, async_sharded_save=True)
+        )
         staging = strategy._staging
         for t in sd.values():
             if isinstance(t, ShardedTensor):
@@ -266,7 +270,9 @@ def _zarr_async_save(ckpt, host_budget):
         sd = _state(rank)
         strategy = ZarrSaveShardedStrategy()
         queue = AsyncCallsQueue()
-        queue.schedule_async_request(distckpt.save(sd, ckpt, sharded_strategy=strategy, async_sharded_save=True))
+        queue.schedule_async_request(
+            distckpt.save(sd, ckpt, sharded_strategy=strategy, async_sharded_save=True)
+        )
         for t in sd.values():
             if isinstance(t, ShardedTensor):
                 t.data.fill_(-1.0)  # training goes on: the staged bytes must not change
@@ -279,8 +285,11 @@ def _zarr_async_save(ckpt, host_budget):
 
 
 def _chunk_files(ckpt: Path):
-    return {str(p.relative_to(ckpt)): p.read_bytes() for p in sorted(ckpt.rglob("*"))
-            if p.is_file() and "/c/" in f"/{p.relative_to(ckpt)}"}
+    return {
+        str(p.relative_to(ckpt)): p.read_bytes()
+        for p in sorted(ckpt.rglob("*"))
+        if p.is_file() and "/c/" in f"/{p.relative_to(ckpt)}"
+    }
 
 
 def test_zarr_async_save_under_a_tiny_budget_writes_the_same_chunks(tmp_path):
@@ -305,7 +314,7 @@ def test_cores_per_rank_splits_the_host_unless_a_launcher_pinned_the_rank(clean_
     clean_budget.setenv("LOCAL_WORLD_SIZE", str(usable))
     assert budget.cores_per_rank() == 1
     clean_budget.setenv("LOCAL_WORLD_SIZE", str(4 * usable))
-    assert budget.cores_per_rank() == 1            # never below one core
+    assert budget.cores_per_rank() == 1  # never below one core
     # A save where one rank of the host writes gives that rank the host's cores; a count above
     # the host's ranks never lowers a rank's share.
     clean_budget.setenv("LOCAL_WORLD_SIZE", str(usable))
@@ -313,12 +322,12 @@ def test_cores_per_rank_splits_the_host_unless_a_launcher_pinned_the_rank(clean_
         assert budget.cores_per_rank() == usable
     with budget.ranks_doing_io(8 * usable):
         assert budget.cores_per_rank() == 1
-    assert budget.cores_per_rank() == 1            # back to every rank of the host after the block
+    assert budget.cores_per_rank() == 1  # back to every rank of the host after the block
     if os.cpu_count() and os.cpu_count() > 1 and usable == os.cpu_count():
         before = os.sched_getaffinity(0)
         try:
             os.sched_setaffinity(0, {min(before)})
-            assert budget.cores_per_rank() == 1    # pinned: the affinity is the share, not divided again
+            assert budget.cores_per_rank() == 1  # pinned: the affinity is the share, not divided again
             os.sched_setaffinity(0, before)
             clean_budget.setenv("LOCAL_WORLD_SIZE", "1")
             assert budget.cores_per_rank() == usable
@@ -349,13 +358,16 @@ def test_the_default_save_writes_two_files_with_at_most_one_thread_per_core(clea
     assert reader.reader_threads(tmp_path) == min(4, len(os.sched_getaffinity(0)))
     assert TorchDistLoadShardedStrategy(thread_count=3).reader_threads(tmp_path) == 3
     # One writer thread, still two files: the layout does not depend on the host.
-    sd = {k: ShardedTensor.from_rank_offsets(k, torch.arange(3 << 20, dtype=torch.float32) + i)
-          for i, k in enumerate(("a", "b"))}
+    sd = {
+        k: ShardedTensor.from_rank_offsets(k, torch.arange(3 << 20, dtype=torch.float32) + i)
+        for i, k in enumerate(("a", "b"))
+    }
     distckpt.save(sd, tmp_path / "ckpt", sharded_strategy=default)
     names = sorted(p.name for p in (tmp_path / "ckpt").glob("*.distcp"))
     assert names == ["__0_0.distcp", "__0_1.distcp"], names
-    loaded = distckpt.load({k: ShardedTensor.from_rank_offsets(k, torch.zeros(3 << 20)) for k in sd},
-                           tmp_path / "ckpt")
+    loaded = distckpt.load(
+        {k: ShardedTensor.from_rank_offsets(k, torch.zeros(3 << 20)) for k in sd}, tmp_path / "ckpt"
+    )
     assert all(torch.equal(loaded[k], sd[k].data) for k in sd)
 
 
@@ -372,9 +384,9 @@ def _writer_cores(ckpt, layout):
 
     rank = ddist.get_rank()
     t = torch.arange(4 << 20, dtype=torch.float32)
-    if layout == "tp":   # both ranks hold a main replica
+    if layout == "tp":  # both ranks hold a main replica
         sd = {"w": ShardedTensor.from_rank_offsets("w", t.clone(), (0, rank, WORLD))}
-    else:                # data parallel: rank 1 holds replicas only
+    else:  # data parallel: rank 1 holds replicas only
         sd = {"w": ShardedTensor.from_rank_offsets("w", t.clone(), replica_id=rank)}
     inner = _RecordingWriters()
     strategy = FullyParallelSaveStrategyWrapper(inner) if layout == "dp, fully parallel" else inner
@@ -387,8 +399,10 @@ def _writer_cores(ckpt, layout):
     return inner.seen, budget.cores_per_rank()
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or len(os.sched_getaffinity(0)) < (os.cpu_count() or 1),
-                    reason="needs two unpinned cores to tell one writer from two")
+@pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2 or len(os.sched_getaffinity(0)) < (os.cpu_count() or 1),
+    reason="needs two unpinned cores to tell one writer from two",
+)
 @pytest.mark.parametrize("layout", ["tp", "dp", "dp, async", "dp, fully parallel"])
 def test_ranks_that_write_alone_on_a_host_get_the_idle_ranks_cores(layout, tmp_path):
     usable = len(os.sched_getaffinity(0))

@@ -28,7 +28,7 @@ from distckpt.strategies.index import INDEX_FNAME
 from distckpt.strategies.torch import METADATA_FNAME
 from tests import faults
 
-ROWS, COLS = 512, 512   # 1 MiB of float32: the item gets a block CRC table entry (4 blocks)
+ROWS, COLS = 512, 512  # 1 MiB of float32: the item gets a block CRC table entry (4 blocks)
 
 
 def _full(key: str) -> torch.Tensor:
@@ -56,7 +56,7 @@ def _load_part(path: Path, columns: bool, **kwargs) -> torch.Tensor:
 
 
 def _expected_part(columns: bool) -> torch.Tensor:
-    return _full("w")[:, COLS // 2:] if columns else _full("w")[ROWS // 2:]
+    return _full("w")[:, COLS // 2 :] if columns else _full("w")[ROWS // 2 :]
 
 
 def _data_byte(path: Path, backend: str, element: int):
@@ -101,7 +101,9 @@ def test_default_load_detects_a_flipped_byte_in_a_whole_item_read(tmp_path, back
     path = _save(tmp_path / "ckpt", backend)
     file, offset = _data_byte(path, backend, ROWS * COLS // 2 + 7)
     _flip(file, offset)
-    with pytest.raises(CheckpointingException, match=rf"(?=.*{re.escape(str(file))})(?=.*'w')(?=.*CRC32C mismatch)"):
+    with pytest.raises(
+        CheckpointingException, match=rf"(?=.*{re.escape(str(file))})(?=.*'w')(?=.*CRC32C mismatch)"
+    ):
         _load_whole(path)
     # The explicit opt-out checks nothing: the damaged value loads.
     out = _load_whole(path, verify=False)
@@ -142,13 +144,17 @@ def test_a_partial_read_with_a_damaged_block_table_falls_back_to_the_whole_item(
     assert torch.equal(_load_part(path, True), _expected_part(True))
 
 
-BLOCK = 256 << 10           # the block of the manifest's block CRC32Cs: 128 rows of ``w``
+BLOCK = 256 << 10  # the block of the manifest's block CRC32Cs: 128 rows of ``w``
 BLOCK_ROWS = BLOCK // (4 * COLS)
 
 
 def _load_rows(path: Path, piece: int, **kwargs) -> torch.Tensor:
     """Rows ``[piece * 128, (piece + 1) * 128)`` of ``w``: piece ``piece`` of a 4-way row split."""
-    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(BLOCK_ROWS, COLS), (0, piece, ROWS // BLOCK_ROWS))}
+    sd = {
+        "w": ShardedTensor.from_rank_offsets(
+            "w", torch.zeros(BLOCK_ROWS, COLS), (0, piece, ROWS // BLOCK_ROWS)
+        )
+    }
     return distckpt.load(sd, path, validate_access_integrity=False, **kwargs)["w"]
 
 
@@ -169,7 +175,7 @@ def _chunk_reads(monkeypatch, chunk: Path) -> list:
 def test_zarr_partial_default_load_reads_and_checks_only_the_touched_blocks(tmp_path, monkeypatch):
     path = _save(tmp_path / "ckpt", "zarr")
     chunk = path / "w" / "c" / "0" / "0"
-    expected = _full("w")[2 * BLOCK_ROWS:3 * BLOCK_ROWS]
+    expected = _full("w")[2 * BLOCK_ROWS : 3 * BLOCK_ROWS]
     reads = _chunk_reads(monkeypatch, chunk)
     assert torch.equal(_load_rows(path, 2), expected)
     # Block 2 of the 1 MiB chunk file, straight into place: not the chunk whole.
@@ -182,8 +188,10 @@ def test_zarr_partial_default_load_reads_and_checks_only_the_touched_blocks(tmp_
         _load_rows(path, 2, verify=True)
     # Damage in the touched block is caught, naming file, key, block and where its CRC32C is.
     _flip(chunk, 2 * BLOCK + 100)
-    match = (rf"(?=.*{re.escape(str(chunk))})(?=.*'w')(?=.*CRC32C mismatch in block 2 )"
-             rf"(?=.*{re.escape(MANIFEST_FNAME)})")
+    match = (
+        rf"(?=.*{re.escape(str(chunk))})(?=.*'w')(?=.*CRC32C mismatch in block 2 )"
+        rf"(?=.*{re.escape(MANIFEST_FNAME)})"
+    )
     with pytest.raises(CheckpointingException, match=match):
         _load_rows(path, 2)
     # Half of every row needs every block of this small chunk: it is read whole and checked.
@@ -197,15 +205,15 @@ def test_zarr_partial_load_without_usable_block_crcs_reads_the_chunk_whole(tmp_p
     path = _save(tmp_path / "ckpt", "zarr")
     raw = json.loads((path / MANIFEST_FNAME).read_text())
     if how == "older manifest":
-        raw.pop("blocks")                  # as distckpt wrote it before block CRC32Cs
+        raw.pop("blocks")  # as distckpt wrote it before block CRC32Cs
     else:
-        raw["blocks"]["w/c/0/0"][1] ^= 1   # not the CRC32C the manifest lists for the file
+        raw["blocks"]["w/c/0/0"][1] ^= 1  # not the CRC32C the manifest lists for the file
     (path / MANIFEST_FNAME).write_text(json.dumps(raw))
     chunk = path / "w" / "c" / "0" / "0"
     reads = _chunk_reads(monkeypatch, chunk)
-    assert torch.equal(_load_rows(path, 2), _full("w")[2 * BLOCK_ROWS:3 * BLOCK_ROWS])
+    assert torch.equal(_load_rows(path, 2), _full("w")[2 * BLOCK_ROWS : 3 * BLOCK_ROWS])
     assert sum(n for _, n in reads) == ROWS * COLS * 4
-    _flip(chunk, 3 * BLOCK + 100)          # checked against the whole file's CRC32C
+    _flip(chunk, 3 * BLOCK + 100)  # checked against the whole file's CRC32C
     with pytest.raises(CheckpointingException, match=rf"{re.escape(str(chunk))}.*CRC32C mismatch"):
         _load_rows(path, 2)
 
@@ -215,7 +223,7 @@ def test_distckpt_verify_checks_the_zarr_block_crcs(tmp_path):
     assert _cli_verify(path).exit_code == 0
     raw = json.loads((path / MANIFEST_FNAME).read_text())
     packed = bytearray(base64.b64decode(raw["blocks"]["w/c/0/0"][2]))
-    packed[4 * 2] ^= 1                     # block 2's CRC32C, the file intact
+    packed[4 * 2] ^= 1  # block 2's CRC32C, the file intact
     raw["blocks"]["w/c/0/0"][2] = base64.b64encode(bytes(packed)).decode()
     (path / MANIFEST_FNAME).write_text(json.dumps(raw))
     result = _cli_verify(path)
@@ -231,7 +239,10 @@ def _swap_records(path: Path) -> None:
     manifest kept consistent with the damaged file."""
     md = pickle.loads((path / METADATA_FNAME).read_bytes())
     idx = {i.fqn: i for i in md.storage_data}
-    md.storage_data[idx["w"]], md.storage_data[idx["b"]] = md.storage_data[idx["b"]], md.storage_data[idx["w"]]
+    md.storage_data[idx["w"]], md.storage_data[idx["b"]] = (
+        md.storage_data[idx["b"]],
+        md.storage_data[idx["w"]],
+    )
     (path / METADATA_FNAME).write_bytes(pickle.dumps(md))
     _relist(path, METADATA_FNAME)
     _drop_sidecar(path)
@@ -296,7 +307,7 @@ def test_intact_checkpoints_pass_the_cross_check(tmp_path):
 def test_a_manifest_without_the_layout_fields_still_loads_and_verifies(tmp_path):
     path = _save(tmp_path / "ckpt", "torch_dist")
     raw = json.loads((path / MANIFEST_FNAME).read_text())
-    raw.pop("keys"), raw.pop("chunks")   # as an older distckpt wrote it
+    raw.pop("keys"), raw.pop("chunks")  # as an older distckpt wrote it
     (path / MANIFEST_FNAME).write_text(json.dumps(raw))
     assert torch.equal(_load_whole(path, verify=True)["w"], _full("w"))
     assert _cli_verify(path).exit_code == 0
@@ -308,6 +319,7 @@ def test_a_zarr_load_of_many_objects_reads_the_manifest_once_and_checks_each(tmp
 
     def state(value):
         return {f"o{i}": ShardedObject(f"o{i}", value, (1,), (0,), replica_id=0) for i in range(20)}
+
     distckpt.save(state({"x": 1}), tmp_path, sharded_strategy=("zarr", 1))
     reads = []
     real = common.read_manifest
@@ -315,7 +327,9 @@ def test_a_zarr_load_of_many_objects_reads_the_manifest_once_and_checks_each(tmp
     out = distckpt.load(state(None), tmp_path)
     assert all(out[f"o{i}"] == {"x": 1} for i in range(20)) and len(reads) == 1
     faults.flip_byte(tmp_path / "o7" / "shard_0_1.pt", 40)
-    with pytest.raises(CheckpointingException, match=r"o7/shard_0_1\.pt: contents do not match the integrity manifest"):
+    with pytest.raises(
+        CheckpointingException, match=r"o7/shard_0_1\.pt: contents do not match the integrity manifest"
+    ):
         distckpt.load(state(None), tmp_path)
 
 
@@ -329,19 +343,27 @@ def _load_half_counting_manifest_parses(path: str):
     manifest._parsed = lambda *a, **k: calls.append(a) or real(*a, **k)
     try:
         rank = tdist.get_rank()
-        out = distckpt.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 8), (0, rank, 2))}, path)
+        out = distckpt.load(
+            {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 8), (0, rank, 2))}, path
+        )
     finally:
         manifest._parsed = real
-    return len(calls), bool(torch.equal(out["w"], torch.arange(32.0).reshape(4, 8)[2 * rank:2 * rank + 2]))
+    return len(calls), bool(torch.equal(out["w"], torch.arange(32.0).reshape(4, 8)[2 * rank : 2 * rank + 2]))
 
 
 def test_in_a_group_only_the_first_rank_reads_the_manifest_and_its_verdict_reaches_all(tmp_path, run_ranks):
     from tests.harness import expect_all_ranks_raise
 
-    distckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(32.0).reshape(4, 8)), "step": 3}, tmp_path)
+    distckpt.save(
+        {"w": ShardedTensor.from_rank_offsets("w", torch.arange(32.0).reshape(4, 8)), "step": 3}, tmp_path
+    )
     (parses0, ok0), (parses1, ok1) = run_ranks(2, _load_half_counting_manifest_parses, str(tmp_path))
     # Rank 1 reads its share through the sidecar index and common.pt unchecked: no manifest at all.
     assert ok0 and ok1 and parses0 >= 1 and parses1 == 0, (parses0, parses1)
-    torch.save({"step": 4}, tmp_path / "common.pt")   # loads fine, but is not what was written
-    expect_all_ranks_raise(2, _load_half_counting_manifest_parses, str(tmp_path),
-                           match=r"common\.pt: contents do not match the integrity manifest")
+    torch.save({"step": 4}, tmp_path / "common.pt")  # loads fine, but is not what was written
+    expect_all_ranks_raise(
+        2,
+        _load_half_counting_manifest_parses,
+        str(tmp_path),
+        match=r"common\.pt: contents do not match the integrity manifest",
+    )

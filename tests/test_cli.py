@@ -49,7 +49,9 @@ def ckpt(saved, tmp_path):
 def cli(*args, code=0):
     """Run ``distckpt ARGS``; check the exit code; return the result (stdout and stderr apart)."""
     result = CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
-    assert result.exit_code == code, f"exit {result.exit_code}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.exit_code == code, (
+        f"exit {result.exit_code}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    )
     return result
 
 
@@ -67,19 +69,22 @@ def test_top_level_help_lists_the_commands_and_exit_codes():
     assert all(c in out for c in COMMANDS) and "Exit codes" in out
 
 
-@pytest.mark.parametrize("args", [
-    ["inspect", "/nonexistent/ckpt"],
-    ["verify", "/nonexistent/ckpt"],
-    ["show", "{fixture}", "no.such.key"],
-    ["show", "{fixture}", "decoder.extra.0", "--slice", "0:1,:,5"],
-    ["diff", "{fixture}", "/nonexistent"],
-    ["convert", "{fixture}", "{tmp}/out", "--to", "safetensors", "--keys", "("],
-    ["convert", "{fixture}", "{tmp}/out", "--to", "torch", "--max-shard-size", "1GB"],
-    ["convert", "{fixture}", "{tmp}/out", "--to", "torch", "--dtype", "float7"],
-    ["rename", "{fixture}"],
-    ["rm-prefix", "{tmp}", "x"],
-    ["inspect", "{fixture}", "--depth", "-1"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["inspect", "/nonexistent/ckpt"],
+        ["verify", "/nonexistent/ckpt"],
+        ["show", "{fixture}", "no.such.key"],
+        ["show", "{fixture}", "decoder.extra.0", "--slice", "0:1,:,5"],
+        ["diff", "{fixture}", "/nonexistent"],
+        ["convert", "{fixture}", "{tmp}/out", "--to", "safetensors", "--keys", "("],
+        ["convert", "{fixture}", "{tmp}/out", "--to", "torch", "--max-shard-size", "1GB"],
+        ["convert", "{fixture}", "{tmp}/out", "--to", "torch", "--dtype", "float7"],
+        ["rename", "{fixture}"],
+        ["rm-prefix", "{tmp}", "x"],
+        ["inspect", "{fixture}", "--depth", "-1"],
+    ],
+)
 def test_user_errors_exit_2_with_one_line_and_no_traceback(args, tmp_path):
     fixture = FIXTURES["tp2_basic"] / "ckpt"
     args = [a.format(fixture=fixture, tmp=tmp_path) for a in args]
@@ -146,7 +151,9 @@ def test_inspect_tree_shows_every_key_segment_and_the_manifest(saved):
 @pytest.mark.parametrize("name", sorted(FIXTURES))
 def test_inspect_json_describes_megatron_fixtures(name):
     doc = json.loads(cli("inspect", FIXTURES[name] / "ckpt", "--json").stdout)
-    assert {t["key"]: t["shape"] for t in doc["tensors"]} == {k: list(v.shape) for k, v in fixture_tensors(name).items()}
+    assert {t["key"]: t["shape"] for t in doc["tensors"]} == {
+        k: list(v.shape) for k, v in fixture_tensors(name).items()
+    }
     assert doc["format"] == ("zarr" if "zarr" in name else "torch_dist")
 
 
@@ -239,13 +246,35 @@ def test_convert_to_safetensors_loads_with_safetensors_to_the_same_tensors(saved
 
 
 def test_convert_model_only_bf16_round_trips_through_import(saved, tmp_path):
-    cli("convert", saved, tmp_path / "model.safetensors", "--to", "safetensors", "--model-only", "--dtype", "bf16")
+    cli(
+        "convert",
+        saved,
+        tmp_path / "model.safetensors",
+        "--to",
+        "safetensors",
+        "--model-only",
+        "--dtype",
+        "bf16",
+    )
     cli("convert", tmp_path / "model.safetensors", tmp_path / "back", "--to", "torch_dist")
     cli("verify", tmp_path / "back")
     out = cli("diff", saved, tmp_path / "back", "--no-values", "--keys", ".", code=1).stdout
     assert "optimizer.exp_avg " in out and "only in A" in out
-    doc = json.loads(cli("diff", saved, tmp_path / "back", "--json", "--exclude", "^optimizer", "--atol", "0.1",
-                         "--rtol", "0.01", code=1).stdout)
+    doc = json.loads(
+        cli(
+            "diff",
+            saved,
+            tmp_path / "back",
+            "--json",
+            "--exclude",
+            "^optimizer",
+            "--atol",
+            "0.1",
+            "--rtol",
+            "0.01",
+            code=1,
+        ).stdout
+    )
     assert {t["kind"] for t in doc["tensors"]} == {"dtype"}  # fp32/fp16 became bf16; values within tolerance
     assert all(t.get("mismatched", 0) == 0 for t in doc["tensors"])
 
@@ -254,7 +283,9 @@ def test_convert_model_only_bf16_round_trips_through_import(saved, tmp_path):
 def test_convert_between_formats_keeps_every_tensor(saved, tmp_path, to):
     out = tmp_path / ("m.pt" if to == "torch" else to)
     cli("convert", saved, out, "--to", to)
-    report = json.loads(cli("diff", saved, out, "--json", "--keys", ".", code=1 if to == "torch" else 0).stdout)
+    report = json.loads(
+        cli("diff", saved, out, "--json", "--keys", ".", code=1 if to == "torch" else 0).stdout
+    )
     assert not report["tensors"] and not report["only_a"] and not report["only_b"]
 
 
@@ -303,7 +334,9 @@ def test_rename_dry_run_and_megatron_fixture_copy(tmp_path):
     assert (ckpt / ".metadata").read_bytes() == before
     cli("rename", ckpt, "--regex", "^decoder=model.decoder")
     tensors = distckpt.load_plain_tensors(ckpt)
-    renamed = {("model." + k if k.startswith("decoder") else k): v for k, v in fixture_tensors("pp_prepend").items()}
+    renamed = {
+        ("model." + k if k.startswith("decoder") else k): v for k, v in fixture_tensors("pp_prepend").items()
+    }
     assert tensors.keys() == renamed.keys() and all(torch.equal(tensors[k], v) for k, v in renamed.items())
 
 
@@ -311,10 +344,20 @@ def test_rename_dry_run_and_megatron_fixture_copy(tmp_path):
 
 
 def test_the_command_runs_as_a_process():
-    proc = subprocess.run([sys.executable, "-m", "distckpt.cli", "inspect", str(FIXTURES["flat4"] / "ckpt"), "--json"],
-                          capture_output=True, text=True, cwd=Path(__file__).parent.parent, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "distckpt.cli", "inspect", str(FIXTURES["flat4"] / "ckpt"), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert len(json.loads(proc.stdout)["tensors"]) == len(fixture_tensors("flat4"))
-    proc = subprocess.run([sys.executable, "-m", "distckpt.cli", "verify", "/nonexistent"],
-                          capture_output=True, text=True, cwd=Path(__file__).parent.parent, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "distckpt.cli", "verify", "/nonexistent"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+        timeout=120,
+    )
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and "Traceback" not in proc.stderr

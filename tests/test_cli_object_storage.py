@@ -94,12 +94,18 @@ def test_zarr_checkpoints_convert_to_s3_and_are_inspected_verified_and_diffed_th
 
 # --------------------------------------------------------------------------- --storage-option
 
+
 def _s3_options(flag="-o"):
     """The moto server's endpoint and credentials as ``flag KEY=VALUE`` arguments."""
     import os
 
-    options = {"endpoint": os.environ["AWS_ENDPOINT_URL"], "access_key_id": "testing",
-               "secret_access_key": "testing", "region": "us-east-1", "allow_http": "true"}
+    options = {
+        "endpoint": os.environ["AWS_ENDPOINT_URL"],
+        "access_key_id": "testing",
+        "secret_access_key": "testing",
+        "region": "us-east-1",
+        "allow_http": "true",
+    }
     return [a for k, v in options.items() for a in (flag, f"{k}={v}")]
 
 
@@ -128,8 +134,13 @@ def test_storage_options_alone_reach_s3_from_a_process_without_aws_environment(s
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")} | _NO_S3_ENV
 
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "distckpt.cli", *args], env=env, capture_output=True,
-                              text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "distckpt.cli", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     done = run("verify", url, "--json", *options)  # one process (a CLI start costs seconds)
     assert done.returncode == 0, done.stderr
@@ -142,14 +153,33 @@ def test_convert_diff_and_surgery_take_storage_options_for_each_side(s3_url, tmp
     run_ranks(WORLD, _save_model_and_optimizer, str(local), "torch_dist")
     options, target_options = _s3_options(), _s3_options("--target-storage-option")
     _without_s3_env(monkeypatch)
-    out = cli("convert", local, s3_url, "--to", "torch_dist", "-O", "access_key_id=testing",
-              "-O", "secret_access_key=testing", code=2)  # no endpoint among the options
+    out = cli(
+        "convert",
+        local,
+        s3_url,
+        "--to",
+        "torch_dist",
+        "-O",
+        "access_key_id=testing",
+        "-O",
+        "secret_access_key=testing",
+        code=2,
+    )  # no endpoint among the options
     assert "unreachable.invalid" in out.stderr
     assert not distckpt.check_is_distributed_checkpoint(s3_url, dict(o.split("=", 1) for o in options[1::2]))
     cli("convert", local, s3_url, "--to", "torch_dist", *target_options)
     # --b-storage-option replaces -o for B: B gets credentials but no endpoint, so the environment's
-    out = cli("diff", s3_url, s3_url, *options, "--b-storage-option", "access_key_id=testing",
-              "--b-storage-option", "secret_access_key=testing", code=2)
+    out = cli(
+        "diff",
+        s3_url,
+        s3_url,
+        *options,
+        "--b-storage-option",
+        "access_key_id=testing",
+        "--b-storage-option",
+        "secret_access_key=testing",
+        code=2,
+    )
     assert "unreachable.invalid" in out.stderr
     cli("diff", local, s3_url, *options)  # -o: to every URL; identical, exit 0
     copy = s3_url + "-copy"
@@ -186,11 +216,21 @@ def test_storage_options_reach_azure_without_emulator_mode(az_url, tmp_path, mon
     endpoint = os.environ["AZURITE_BLOB_STORAGE_URL"]
     monkeypatch.delenv("AZURE_STORAGE_USE_EMULATOR")
     monkeypatch.delenv("AZURITE_BLOB_STORAGE_URL")
-    options = ["-o", f"account_name={AZURITE_ACCOUNT}", "-o", f"account_key={AZURITE_KEY}",
-               "-o", f"endpoint={endpoint}/{AZURITE_ACCOUNT}", "-o", "allow_http=true"]
+    options = [
+        "-o",
+        f"account_name={AZURITE_ACCOUNT}",
+        "-o",
+        f"account_key={AZURITE_KEY}",
+        "-o",
+        f"endpoint={endpoint}/{AZURITE_ACCOUNT}",
+        "-o",
+        "allow_http=true",
+    ]
     cli("convert", local, az_url, "--to", "torch_dist", *options)
     assert json.loads(cli("verify", az_url, "--json", *options).stdout)["ok"]
     cli("diff", local, az_url, *options)
     cli("rm-prefix", az_url, "optimizer.", *options)
     info = json.loads(cli("inspect", az_url, "--json", *options).stdout)
-    assert {t["key"] for t in info["tensors"]} == {k for k in expected_tensors() if not k.startswith("optimizer.")}
+    assert {t["key"] for t in info["tensors"]} == {
+        k for k in expected_tensors() if not k.startswith("optimizer.")
+    }

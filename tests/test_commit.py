@@ -41,7 +41,7 @@ def test_overwrite_replaces_the_whole_tree_and_leaves_no_staging_behind(tmp_path
     inode = ckpt.stat().st_ino
     _save(ckpt, 2)
     assert _load(ckpt, 2) == []
-    assert ckpt.stat().st_ino != inode          # a new directory was swapped in
+    assert ckpt.stat().st_ino != inode  # a new directory was swapped in
     assert _leftovers(tmp_path) == []
 
 
@@ -56,7 +56,7 @@ def test_files_that_are_not_checkpoint_files_survive_an_overwrite(tmp_path):
     assert (ckpt / "README.txt").read_text() == "notes of the run"
     assert (ckpt / "extras" / "config.yaml").read_text() == "lr: 1"
     assert commit.foreign_entries(ckpt) == ["README.txt", "extras"]
-    assert stale and all((ckpt / n).exists() for n in stale)   # same names, rewritten by the new save
+    assert stale and all((ckpt / n).exists() for n in stale)  # same names, rewritten by the new save
     assert _load(ckpt, 2) == []
 
 
@@ -104,7 +104,7 @@ def test_a_load_finishes_a_fallback_swap_interrupted_between_its_renames(tmp_pat
 
 def test_the_next_save_finishes_an_interrupted_swap_and_removes_every_leftover(tmp_path):
     ckpt = _half_done_fallback_swap(tmp_path)
-    commit.leftover_name(ckpt, commit.STAGING_MARK, "deadbeef").mkdir()   # an abandoned save
+    commit.leftover_name(ckpt, commit.STAGING_MARK, "deadbeef").mkdir()  # an abandoned save
     _save(ckpt, 3)
     assert _load(ckpt, 3) == [] and _leftovers(tmp_path) == []
 
@@ -123,8 +123,8 @@ def test_a_staging_directory_removed_during_the_save_is_not_committed(tmp_path):
     protocol = commit.RenameCommit()
     target = tmp_path / "ckpt"
     staging = protocol.begin(target, "one")
-    protocol.cleanup_leftovers(target)        # a second job's save to the same place
-    staging.path.mkdir()                      # re-created by a late writer
+    protocol.cleanup_leftovers(target)  # a second job's save to the same place
+    staging.path.mkdir()  # re-created by a late writer
     with pytest.raises(CheckpointingException, match="staging directory was replaced"):
         protocol.commit(staging, CheckpointingConfig("torch_dist"))
     assert not target.exists()
@@ -147,18 +147,26 @@ def test_a_staging_tree_missing_a_file_of_its_manifest_is_not_committed(tmp_path
 
 def _fail_creating_the_staging_directory(ckpt: str):
     def refuse(self, target, save_id, overwrite=None):
-        raise PermissionError(13, "Permission denied", str(commit.leftover_name(target, commit.STAGING_MARK, save_id)))
+        raise PermissionError(
+            13, "Permission denied", str(commit.leftover_name(target, commit.STAGING_MARK, save_id))
+        )
 
     with faults.patched(commit.RenameCommit, "begin", refuse):
         save_with_fault(ckpt, 2, None)
 
 
-def test_permission_error_creating_the_staging_directory_fails_every_rank_and_keeps_the_old_checkpoint(tmp_path):
+def test_permission_error_creating_the_staging_directory_fails_every_rank_and_keeps_the_old_checkpoint(
+    tmp_path,
+):
     ckpt = tmp_path / "ckpt"
     run_ranks(2, save_with_fault, str(ckpt), 1, None)
     before = faults.tree_digest(ckpt)
-    expect_all_ranks_raise(2, _fail_creating_the_staging_directory, str(ckpt),
-                           match=r"validation failed on rank\(s\) 0: PermissionError: .*distckpt-staging")
+    expect_all_ranks_raise(
+        2,
+        _fail_creating_the_staging_directory,
+        str(ckpt),
+        match=r"validation failed on rank\(s\) 0: PermissionError: .*distckpt-staging",
+    )
     assert faults.tree_digest(ckpt) == before
     assert run_ranks(2, load_with_fault, str(ckpt), 1, None, True) == [[], []]
 
@@ -189,7 +197,7 @@ def test_a_load_that_sees_the_checkpoint_swapped_under_it_raises_instead_of_mixi
 
     def load_then_overwrite(self, sharded_state_dict, checkpoint_dir):
         out = real(self, sharded_state_dict, checkpoint_dir)
-        _save(ckpt, 2)                           # another job commits while this load runs
+        _save(ckpt, 2)  # another job commits while this load runs
         return out
 
     monkeypatch.setattr(torch_strategy.TorchDistLoadShardedStrategy, "load", load_then_overwrite)
@@ -233,11 +241,13 @@ def test_a_rank_that_never_arrives_is_named_on_every_other_rank_within_the_timeo
     stage = "validation" if op == "save" else "load preparation"
     for rank in (0, 1, 3):
         message, missing, elapsed = results[rank]
-        assert missing == [2] and message.startswith(f"{stage}: rank(s) 2 did not arrive within 1.5 s"), message
-        assert 1.4 <= elapsed < 6, elapsed       # FileStore waits in whole seconds
+        assert missing == [2] and message.startswith(f"{stage}: rank(s) 2 did not arrive within 1.5 s"), (
+            message
+        )
+        assert 1.4 <= elapsed < 6, elapsed  # FileStore waits in whole seconds
     # The same error everywhere, also on the rank that arrives late (at once, not after a timeout).
     assert len({results[r][0] for r in (0, 1, 3)}) == 1 and results[2] == ("late", results[0][0])
-    assert run_ranks(4, load_with_fault, str(ckpt), 1) == [[]] * 4              # the old checkpoint, intact
+    assert run_ranks(4, load_with_fault, str(ckpt), 1) == [[]] * 4  # the old checkpoint, intact
 
 
 def _stall_inside_first_collective(ckpt: str, stalled: int, timeout: float):
@@ -246,7 +256,7 @@ def _stall_inside_first_collective(ckpt: str, stalled: int, timeout: float):
     tries one more collective (as the next save would), which distckpt must refuse at once (the
     group is out of step). The stages run as collectives of the process group (not through the
     store, where no rank is ever inside a collective)."""
-    os.environ[ddist.STORE_ROUNDS_ENV] = "0"     # the pool restores the environment after the task
+    os.environ[ddist.STORE_ROUNDS_ENV] = "0"  # the pool restores the environment after the task
     rank = ddist.get_rank()
     real = ddist._slot_round
     stalls = []
@@ -269,7 +279,7 @@ def _stall_inside_first_collective(ckpt: str, stalled: int, timeout: float):
     finally:
         ddist._slot_round = real
         distckpt.set_collective_timeout(None)
-    ddist.reset_failures()           # what the next save or load does first
+    ddist.reset_failures()  # what the next save or load does first
     start = time.monotonic()
     try:
         ddist.all_gather_object(rank, stage="next")
@@ -292,11 +302,13 @@ def test_a_rank_that_stalls_inside_a_collective_is_an_error_on_every_rank_within
     assert "a collective failed" in message and "did not complete within 1.5 s" in message, message
     for rank in (0, 1, 3):
         assert 1.4 <= results[rank][0][1] < 6, results
-    assert results[2][0][1] >= 3.5, results        # the stalled rank raised the same error when it came back
+    assert results[2][0][1] >= 3.5, results  # the stalled rank raised the same error when it came back
     for _, refusal, elapsed in results:
-        assert refusal.startswith("next: refused, the process group is out of step") and message in refusal, refusal
+        assert refusal.startswith("next: refused, the process group is out of step") and message in refusal, (
+            refusal
+        )
         assert elapsed < 0.5, results
-    assert run_ranks(4, load_with_fault, str(ckpt), 1) == [[]] * 4              # the old checkpoint, intact
+    assert run_ranks(4, load_with_fault, str(ckpt), 1) == [[]] * 4  # the old checkpoint, intact
 
 
 def _receive_from_a_late_sender(timeout: float):
@@ -321,7 +333,10 @@ def _receive_from_a_late_sender(timeout: float):
 def test_a_point_to_point_receive_is_bounded_by_the_collective_timeout():
     results = run_ranks(2, _receive_from_a_late_sender, 1.0, breaks_group=True)
     message, elapsed = results[0]
-    assert message.startswith("point-to-point exchange: a collective failed") and "did not complete within 1 s" in message
+    assert (
+        message.startswith("point-to-point exchange: a collective failed")
+        and "did not complete within 1 s" in message
+    )
     assert 0.9 <= elapsed < 4, results
 
 
@@ -340,5 +355,3 @@ def test_collective_timeout_comes_from_the_environment_and_rejects_nonsense(monk
     assert distckpt.collective_timeout() == ddist.DEFAULT_TIMEOUT_S
     with pytest.raises(CheckpointingException, match="must be positive"):
         distckpt.set_collective_timeout(0)
-
-

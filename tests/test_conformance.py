@@ -81,16 +81,16 @@ def _load_layout(ckpt, layout, params, backend=None):
 
 ROUND_TRIPS = [
     # (save layout, save world, save params, load layout, load world, load params)
-    ("tp_dp", 4, {"tp": 2}, "tp_dp", 1, {"tp": 1}),                      # TP2xDP2 -> TP1
-    ("tp_dp", 2, {"tp": 2}, "tp_dp", 4, {"tp": 4}),                      # TP2 -> TP4
-    ("tp_dp", 4, {"tp": 2}, "tp_dp", 2, {"tp": 1}),                      # TP2xDP2 -> TP1xDP2
+    ("tp_dp", 4, {"tp": 2}, "tp_dp", 1, {"tp": 1}),  # TP2xDP2 -> TP1
+    ("tp_dp", 2, {"tp": 2}, "tp_dp", 4, {"tp": 4}),  # TP2 -> TP4
+    ("tp_dp", 4, {"tp": 2}, "tp_dp", 2, {"tp": 1}),  # TP2xDP2 -> TP1xDP2
     ("tp_dp", 1, {"tp": 1}, "tp_dp", 4, {"tp": 2}),
     ("grid", 4, {"rows": 2, "cols": 2}, "grid", 4, {"rows": 1, "cols": 4}),  # 2x2 grid -> 1x4
     ("grid", 4, {"rows": 2, "cols": 2}, "grid", 2, {"rows": 2, "cols": 1}),
     ("grid", 2, {"rows": 1, "cols": 2}, "grid", 1, {"rows": 1, "cols": 1}),
-    ("uneven", 4, {}, "uneven", 2, {}),                                  # uneven with empty pieces
+    ("uneven", 4, {}, "uneven", 2, {}),  # uneven with empty pieces
     ("uneven", 2, {}, "uneven", 4, {"parts": 3}),
-    ("multi", 2, {}, "multi", 4, {}),                                    # several shards per rank
+    ("multi", 2, {}, "multi", 4, {}),  # several shards per rank
     ("multi", 4, {}, "multi", 1, {}),
     ("stacked", 2, {"pp": 2, "per_layer": True}, "stacked", 1, {"pp": 1, "per_layer": False}),
     ("stacked", 2, {"pp": 2, "per_layer": True}, "stacked", 4, {"pp": 4, "per_layer": True}),
@@ -104,7 +104,7 @@ ROUND_TRIPS = [
     ("flat_optimizer", 4, {"tp": 2}, "flat_optimizer", 2, {"tp": 2, "flat": False}),
     ("flat_optimizer", 2, {"tp": 2, "flat": False}, "flat_optimizer", 4, {"tp": 2, "empty": True}),
     ("flat_optimizer", 1, {"tp": 1}, "flat_optimizer", 4, {"tp": 4, "flat": False}),
-    ("wide", 2, {}, "wide", 4, {}),                                      # column blocks of chunks
+    ("wide", 2, {}, "wide", 4, {}),  # column blocks of chunks
     ("wide", 4, {}, "wide", 3, {}),
     ("fp8", 2, {}, "fp8", 4, {}),
     ("fp8", 4, {}, "fp8", 1, {}),
@@ -130,7 +130,10 @@ def _runs(backend, store, i):
 
 ROUND_TRIP_PARAMS = [
     pytest.param(b, st, c, id=f"{b}-{st}-{c[0]}-w{c[1]}-{c[3]}-w{c[4]}-{c[5]}")
-    for b, st in BACKEND_STORES for i, c in enumerate(ROUND_TRIPS) if _runs(b, st, i)]
+    for b, st in BACKEND_STORES
+    for i, c in enumerate(ROUND_TRIPS)
+    if _runs(b, st, i)
+]
 
 
 @pytest.mark.parametrize("backend,store,case", ROUND_TRIP_PARAMS)
@@ -158,19 +161,31 @@ def test_save_and_load_without_process_group(tmp_path):
 
 def _save_objects(ckpt, backend, replicas):
     rank, world = ddist.get_rank(), ddist.get_world_size()
-    sd = {"rng": layouts.rank_object(rank, world, True, replicas), "iteration": 7,
-          "args": {"lr": 0.5, "layers": [1, 2]}, "skip": LocalNonpersistentObject(object())}
+    sd = {
+        "rng": layouts.rank_object(rank, world, True, replicas),
+        "iteration": 7,
+        "args": {"lr": 0.5, "layers": [1, 2]},
+        "skip": LocalNonpersistentObject(object()),
+    }
     distckpt.save(sd, ckpt, sharded_strategy=(backend, 1))
 
 
 def _load_objects(ckpt, cols):
     rank = ddist.get_rank()
     # Every rank asks for every object of the saved grid; rank 0's requests are the main replicas.
-    sd = {f"rng{c}": ShardedObject("rng_state", None, (1, cols), (0, c), replica_id=rank) for c in range(cols)}
+    sd = {
+        f"rng{c}": ShardedObject("rng_state", None, (1, cols), (0, c), replica_id=rank) for c in range(cols)
+    }
     sd["mine"] = LocalNonpersistentObject("not from disk")
     out = distckpt.load(sd, ckpt)
-    return {k: (v if not isinstance(v, dict) else {kk: (vv.tolist() if isinstance(vv, torch.Tensor) else vv)
-                                                   for kk, vv in v.items()}) for k, v in out.items()}
+    return {
+        k: (
+            v
+            if not isinstance(v, dict)
+            else {kk: (vv.tolist() if isinstance(vv, torch.Tensor) else vv) for kk, vv in v.items()}
+        )
+        for k, v in out.items()
+    }
 
 
 @pytest.mark.parametrize("backend,store", BACKEND_STORES)
@@ -188,8 +203,10 @@ def test_objects_and_common_state_round_trip_on_another_world_size(backend, stor
 
 def _split_factory(key, data, replica_id, flattened_range):
     half = data.shape[0] // 2
-    return {"w": ShardedTensor.from_rank_offsets(f"{key}.w", data[:half], replica_id=replica_id),
-            "v": ShardedTensor.from_rank_offsets(f"{key}.v", data[half:], replica_id=replica_id)}
+    return {
+        "w": ShardedTensor.from_rank_offsets(f"{key}.w", data[:half], replica_id=replica_id),
+        "v": ShardedTensor.from_rank_offsets(f"{key}.v", data[half:], replica_id=replica_id),
+    }
 
 
 def _merge_halves(loaded):
@@ -198,14 +215,21 @@ def _merge_halves(loaded):
 
 def _factory_round_trip(ckpt, backend):
     x = torch.arange(12.0).reshape(6, 2)
-    sd = {"fc1": ShardedTensorFactory("fc1", x.clone(), _split_factory, _merge_halves,
-                                      replica_id=ddist.get_rank())}
+    sd = {
+        "fc1": ShardedTensorFactory(
+            "fc1", x.clone(), _split_factory, _merge_halves, replica_id=ddist.get_rank()
+        )
+    }
     distckpt.save(sd, ckpt, sharded_strategy=(backend, 1))
-    req = {"fc1": ShardedTensorFactory("fc1", torch.zeros(6, 2), _split_factory, _merge_halves,
-                                       replica_id=ddist.get_rank())}
+    req = {
+        "fc1": ShardedTensorFactory(
+            "fc1", torch.zeros(6, 2), _split_factory, _merge_halves, replica_id=ddist.get_rank()
+        )
+    }
     out = distckpt.load(req, ckpt)
-    separately = distckpt.load({"w": ShardedTensor.from_rank_offsets("fc1.w", torch.zeros(3, 2),
-                                                                      replica_id=ddist.get_rank())}, ckpt)
+    separately = distckpt.load(
+        {"w": ShardedTensor.from_rank_offsets("fc1.w", torch.zeros(3, 2), replica_id=ddist.get_rank())}, ckpt
+    )
     return torch.equal(out["fc1"], x), torch.equal(separately["w"], x[:3])
 
 
@@ -231,9 +255,15 @@ def test_metadata_queries_describe_the_checkpoint(backend, store, location):
     run_ranks(4, _save_layout, location, backend, "tp_dp", {"tp": 2}, {"iteration": 11})
     meta = distckpt.load_tensors_metadata(location)
     assert {k: (tuple(v.global_shape), v.dtype) for k, v in meta.items()} == {
-        "col": ((8, 6), torch.float32), "row": ((6, 8), torch.float32), "emb": ((16, 4), torch.bfloat16),
-        "half": ((4, 8), torch.float16), "bias": ((6,), torch.float32), "count": ((5,), torch.int64),
-        "mask": ((3, 3), torch.bool), "steps": ((), torch.int32)}
+        "col": ((8, 6), torch.float32),
+        "row": ((6, 8), torch.float32),
+        "emb": ((16, 4), torch.bfloat16),
+        "half": ((4, 8), torch.float16),
+        "bias": ((6,), torch.float32),
+        "count": ((5,), torch.int64),
+        "mask": ((3, 3), torch.bool),
+        "steps": ((), torch.int32),
+    }
     assert distckpt.load_common_state_dict(location) == {"common": {"iteration": 11}}
     plain = distckpt.load_plain_tensors(location)
     assert torch.equal(plain["row"], layouts.full_tensor("row", (6, 8)))
@@ -245,8 +275,10 @@ def test_metadata_queries_describe_the_checkpoint(backend, store, location):
 
 def _save_ab(ckpt, backend):
     rank = ddist.get_rank()
-    sd = {"a": ShardedTensor.from_rank_offsets("a", torch.ones(2, 3) * rank, (0, rank, 2)),
-          "b": ShardedTensor.from_rank_offsets("b", torch.arange(4.0), replica_id=rank)}
+    sd = {
+        "a": ShardedTensor.from_rank_offsets("a", torch.ones(2, 3) * rank, (0, rank, 2)),
+        "b": ShardedTensor.from_rank_offsets("b", torch.arange(4.0), replica_id=rank),
+    }
     distckpt.save(sd, ckpt, sharded_strategy=(backend, 1))
 
 
@@ -263,13 +295,16 @@ def _load_with_unexpected(ckpt, strict):
 
 
 @pytest.mark.parametrize("backend,store", BACKEND_STORES)
-@pytest.mark.parametrize("strict,expected_rank1", [
-    ("log_unexpected", (["a"], None, None, 1.0)),
-    ("log_all", (["a"], None, None, 1.0)),
-    ("ignore_all", (["a"], None, None, 1.0)),
-    ("return_unexpected", (["a"], [], ["c"], 1.0)),
-    ("return_all", (["a"], ["b"], ["c"], 1.0)),
-])
+@pytest.mark.parametrize(
+    "strict,expected_rank1",
+    [
+        ("log_unexpected", (["a"], None, None, 1.0)),
+        ("log_all", (["a"], None, None, 1.0)),
+        ("ignore_all", (["a"], None, None, 1.0)),
+        ("return_unexpected", (["a"], [], ["c"], 1.0)),
+        ("return_all", (["a"], ["b"], ["c"], 1.0)),
+    ],
+)
 def test_strict_modes_that_skip_the_absent_key(backend, store, strict, expected_rank1, location):
     run_ranks(2, _save_ab, location, backend)
     results = run_ranks(2, _load_with_unexpected, location, strict)
@@ -278,11 +313,14 @@ def test_strict_modes_that_skip_the_absent_key(backend, store, strict, expected_
 
 
 @pytest.mark.parametrize("backend,store", BACKEND_STORES)
-@pytest.mark.parametrize("strict,match", [
-    ("assume_ok_unexpected", r"'c' is not in checkpoint"),
-    ("raise_unexpected", r"requested but not in the checkpoint: \['c'\]"),
-    ("raise_all", r"requested but not in the checkpoint: \['c'\].*not requested by any rank: \['b'\]"),
-])
+@pytest.mark.parametrize(
+    "strict,match",
+    [
+        ("assume_ok_unexpected", r"'c' is not in checkpoint"),
+        ("raise_unexpected", r"requested but not in the checkpoint: \['c'\]"),
+        ("raise_all", r"requested but not in the checkpoint: \['c'\].*not requested by any rank: \['b'\]"),
+    ],
+)
 def test_strict_modes_that_raise_do_so_on_every_rank(backend, store, strict, match, location):
     run_ranks(2, _save_ab, location, backend)
     expect_all_ranks_raise(2, _load_with_unexpected, location, strict, match=match)
@@ -300,8 +338,10 @@ def _save_ab_single(ckpt):
 
 def test_log_unexpected_names_the_key_in_the_log(tmp_path, caplog):
     distckpt.save({"b": ShardedTensor.from_rank_offsets("b", torch.arange(4.0))}, tmp_path)
-    req = {"b": ShardedTensor.from_rank_offsets("b", torch.zeros(4)),
-           "zz": ShardedTensor.from_rank_offsets("zz", torch.zeros(4))}
+    req = {
+        "b": ShardedTensor.from_rank_offsets("b", torch.zeros(4)),
+        "zz": ShardedTensor.from_rank_offsets("zz", torch.zeros(4)),
+    }
     with caplog.at_level(logging.WARNING):
         out = distckpt.load(req, tmp_path, strict="log_unexpected")
     assert "zz" in caplog.text and set(out) == {"b"}
@@ -316,9 +356,9 @@ def _save_bad(ckpt, backend, problem):
     offset = (2 * rank, 0)
     replica = 0
     if problem == "overlap":
-        offset = (0, 0)            # both ranks write rows 0:2 as main replicas
+        offset = (0, 0)  # both ranks write rows 0:2 as main replicas
     elif problem == "gap" and rank == 1:
-        replica = 1                # rows 2:4 have no main replica
+        replica = 1  # rows 2:4 have no main replica
     elif problem == "dtype" and rank == 1:
         dtype = torch.float16
     elif problem == "shape" and rank == 1:
@@ -329,12 +369,15 @@ def _save_bad(ckpt, backend, problem):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("problem,match", [
-    ("overlap", r"'w': main replicas overlap at global region \[0:2, 0:3\]"),
-    ("gap", r"'w': global region \[2:4, 0:3\] of shape \[4, 3\] is not covered"),
-    ("dtype", r"'w': ranks disagree on the dtype"),
-    ("shape", r"'w': ranks disagree on the global shape"),
-])
+@pytest.mark.parametrize(
+    "problem,match",
+    [
+        ("overlap", r"'w': main replicas overlap at global region \[0:2, 0:3\]"),
+        ("gap", r"'w': global region \[2:4, 0:3\] of shape \[4, 3\] is not covered"),
+        ("dtype", r"'w': ranks disagree on the dtype"),
+        ("shape", r"'w': ranks disagree on the global shape"),
+    ],
+)
 def test_invalid_sharding_fails_on_every_rank_and_writes_nothing(backend, problem, match, tmp_path):
     expect_all_ranks_raise(2, _save_bad, str(tmp_path), backend, problem, match=match)
     assert not check_is_distributed_checkpoint(tmp_path)
@@ -342,17 +385,26 @@ def test_invalid_sharding_fails_on_every_rank_and_writes_nothing(backend, proble
 
 
 def _save_with_unknown_strategy(ckpt):
-    distckpt.save({"a": ShardedTensor.from_rank_offsets("a", torch.zeros(2), replica_id=ddist.get_rank())},
-                  ckpt, sharded_strategy=("no_such_backend", 1))
+    distckpt.save(
+        {"a": ShardedTensor.from_rank_offsets("a", torch.zeros(2), replica_id=ddist.get_rank())},
+        ckpt,
+        sharded_strategy=("no_such_backend", 1),
+    )
 
 
 def test_unknown_strategy_lists_the_registered_ones_on_every_rank(tmp_path):
-    expect_all_ranks_raise(2, _save_with_unknown_strategy, str(tmp_path),
-                           match=r"no save_sharded strategy registered for backend 'no_such_backend'.*torch_dist v1")
+    expect_all_ranks_raise(
+        2,
+        _save_with_unknown_strategy,
+        str(tmp_path),
+        match=r"no save_sharded strategy registered for backend 'no_such_backend'.*torch_dist v1",
+    )
 
 
 def _load_from(path):
-    distckpt.load({"a": ShardedTensor.from_rank_offsets("a", torch.zeros(2), replica_id=ddist.get_rank())}, path)
+    distckpt.load(
+        {"a": ShardedTensor.from_rank_offsets("a", torch.zeros(2), replica_id=ddist.get_rank())}, path
+    )
 
 
 def test_missing_directory_is_a_clear_error_on_every_rank(tmp_path):
@@ -400,14 +452,18 @@ def test_interrupted_save_is_never_taken_as_a_checkpoint(backend, store, over_ex
         run_ranks(2, _save_layout, location, backend, "tp_dp", {"tp": 2})
         assert check_is_distributed_checkpoint(location)
         before = tree_digest(Path(location)) if store == "local" else None
-    expect_all_ranks_raise(2, _interrupted_save, location, backend,
-                           match="injected failure after the data files were written")
+    expect_all_ranks_raise(
+        2, _interrupted_save, location, backend, match="injected failure after the data files were written"
+    )
     if store != "local":
         assert open_store(location).list(), "data files were written before the failure"
     else:
         target = Path(location)
-        assert [p.name for p in target.parent.iterdir()
-                if is_leftover(p) and p.name.startswith(f".{target.name}.")] == []  # staging dropped
+        assert [
+            p.name
+            for p in target.parent.iterdir()
+            if is_leftover(p) and p.name.startswith(f".{target.name}.")
+        ] == []  # staging dropped
     if before is not None:
         assert tree_digest(Path(location)) == before
         assert [wrong for _, wrong in run_ranks(2, _load_layout, location, "tp_dp", {"tp": 2})] == [[], []]
@@ -423,27 +479,33 @@ def _fp8_subclass_round_trip(ckpt, backend):
     from tests.fp8_tensor import ScaledFp8Tensor
 
     rank = ddist.get_rank()
-    values = layouts.full_tensor("fp8sub", (4, 6))[2 * rank:2 * rank + 2]
+    values = layouts.full_tensor("fp8sub", (4, 6))[2 * rank : 2 * rank + 2]
     original = ScaledFp8Tensor.quantize(values, scale=0.5)
     sd = {"w": ShardedTensor.from_rank_offsets("w", original, (0, rank, 2))}
     distckpt.save(sd, ckpt, sharded_strategy=(backend, 1))
     target = ScaledFp8Tensor(torch.zeros(2, 6, dtype=torch.uint8), scale=0.5)
     out = distckpt.load({"w": ShardedTensor.from_rank_offsets("w", target, (0, rank, 2))}, ckpt)
-    return (out["w"] is target, type(out["w"]).__name__,
-            torch.equal(target.payload, original.payload), int(target.payload.sum()) > 0)
+    return (
+        out["w"] is target,
+        type(out["w"]).__name__,
+        torch.equal(target.payload, original.payload),
+        int(target.payload.sum()) > 0,
+    )
 
 
 @pytest.mark.parametrize("backend,store", BACKEND_STORES)
 def test_fp8_subclass_target_is_filled_in_place_not_replaced(backend, store, location):
-    assert run_ranks(2, _fp8_subclass_round_trip, location, backend) == [
-        (True, "ScaledFp8Tensor", True, True)] * 2
+    assert (
+        run_ranks(2, _fp8_subclass_round_trip, location, backend)
+        == [(True, "ScaledFp8Tensor", True, True)] * 2
+    )
 
 
 def _load_into_transposed_view(ckpt, backend):
     full = layouts.full_tensor("tv", (4, 6))
     distckpt.save({"w": ShardedTensor.from_rank_offsets("w", full)}, ckpt, sharded_strategy=(backend, 1))
     base = torch.zeros(6, 4)
-    target = base.t()                       # non-contiguous (4, 6) view of base
+    target = base.t()  # non-contiguous (4, 6) view of base
     out = distckpt.load({"w": ShardedTensor.from_rank_offsets("w", target)}, ckpt)
     return out["w"] is target and torch.equal(base.t(), full)
 
@@ -461,7 +523,9 @@ def _load_with_a_bad_request(ckpt, world):
 
     rank = ddist.get_rank()
     full = layouts.full_tensor("bad", (world, 6))
-    distckpt.save({"w": ShardedTensor.from_rank_offsets("w", full[rank:rank + 1].clone(), (0, rank, world))}, ckpt)
+    distckpt.save(
+        {"w": ShardedTensor.from_rank_offsets("w", full[rank : rank + 1].clone(), (0, rank, world))}, ckpt
+    )
     seen = []
     check = serialization.validate_global_integrity
 
@@ -490,21 +554,28 @@ def test_a_bad_load_request_is_checked_on_rank_0_and_raised_on_every_rank(tmp_pa
     results = run_ranks(3, _load_with_a_bad_request, str(tmp_path), 3)
     assert [seen for seen, _ in results] == [[3, 3], [], []]
     for _, message in results:
-        assert "load preparation failed on rank(s) 0" in message and "'w': main replicas overlap" in message, message
+        assert (
+            "load preparation failed on rank(s) 0" in message and "'w': main replicas overlap" in message
+        ), message
 
 
 def _load_other_shape(ckpt, backend, rows, allow):
     rank = ddist.get_rank()
     full = layouts.full_tensor("sm", (4, 6))
-    distckpt.save({"w": ShardedTensor.from_rank_offsets("w", full[2 * rank:2 * rank + 2].clone(), (0, rank, 2))},
-                  ckpt, sharded_strategy=(backend, 1))
+    distckpt.save(
+        {"w": ShardedTensor.from_rank_offsets("w", full[2 * rank : 2 * rank + 2].clone(), (0, rank, 2))},
+        ckpt,
+        sharded_strategy=(backend, 1),
+    )
     local = rows // 2
-    sh = ShardedTensor.from_rank_offsets("w", torch.full((local, 6), 7.0), (0, rank, 2), allow_shape_mismatch=allow)
+    sh = ShardedTensor.from_rank_offsets(
+        "w", torch.full((local, 6), 7.0), (0, rank, 2), allow_shape_mismatch=allow
+    )
     out = distckpt.load({"w": sh}, ckpt)["w"]
     want = torch.zeros(rows, 6)
     n = min(rows, 4)
     want[:n] = full[:n]
-    return torch.equal(out, want[rank * local:(rank + 1) * local])
+    return torch.equal(out, want[rank * local : (rank + 1) * local])
 
 
 @pytest.mark.parametrize("backend,store", BACKEND_STORES)
@@ -515,8 +586,15 @@ def test_allow_shape_mismatch_loads_the_overlap_and_zeroes_the_rest(backend, sto
 
 @pytest.mark.parametrize("backend,store", BACKEND_STORES)
 def test_global_shape_mismatch_names_key_and_both_shapes_on_every_rank(backend, store, location):
-    expect_all_ranks_raise(2, _load_other_shape, location, backend, 6, False,
-                           match=r"'w': global shape \[6, 6\] was requested but the checkpoint stores \[4, 6\]")
+    expect_all_ranks_raise(
+        2,
+        _load_other_shape,
+        location,
+        backend,
+        6,
+        False,
+        match=r"'w': global shape \[6, 6\] was requested but the checkpoint stores \[4, 6\]",
+    )
 
 
 # --------------------------------------------------------------------------- async save
@@ -528,7 +606,7 @@ def _async_save_then_mutate(ckpt, backend):
     sd, pieces = layouts.build("tp_dp", ddist.get_rank(), ddist.get_world_size(), True, tp=2)
     queue = AsyncCallsQueue()
     request = distckpt.save(sd, ckpt, sharded_strategy=(backend, 1), async_sharded_save=True)
-    for sh in sd.values():          # training goes on and changes the parameters in place
+    for sh in sd.values():  # training goes on and changes the parameters in place
         sh.data.fill_(0) if sh.data.dtype != torch.bool else sh.data.logical_not_()
     committed_before = check_is_distributed_checkpoint(ckpt)
     queue.schedule_async_request(request)
@@ -568,11 +646,18 @@ def test_unchanged_structure_is_validated_once(backend, tmp_path):
 def _load_into_parameters(ckpt, backend):
     full = layouts.full_tensor("param", (4, 6))
     rank = ddist.get_rank()
-    distckpt.save({"w": ShardedTensor.from_rank_offsets("w", full, replica_id=rank)}, ckpt,
-                  sharded_strategy=(backend, 1))
-    param = torch.nn.Parameter(torch.zeros(4, 3))          # a column block: not a direct read
+    distckpt.save(
+        {"w": ShardedTensor.from_rank_offsets("w", full, replica_id=rank)},
+        ckpt,
+        sharded_strategy=(backend, 1),
+    )
+    param = torch.nn.Parameter(torch.zeros(4, 3))  # a column block: not a direct read
     out = distckpt.load({"w": ShardedTensor.from_rank_offsets("w", param, (1, rank, 2))}, ckpt)
-    return out["w"] is param and param.requires_grad and torch.equal(param.detach(), full[:, 3 * rank:3 * rank + 3])
+    return (
+        out["w"] is param
+        and param.requires_grad
+        and torch.equal(param.detach(), full[:, 3 * rank : 3 * rank + 3])
+    )
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -603,8 +688,9 @@ def _async_save_with_writer_failure(ckpt, backend):
         first = str(e)
     committed_bad = check_is_distributed_checkpoint(f"{ckpt}/bad")
     sd, _ = layouts.build("tp_dp", rank, ddist.get_world_size(), True, tp=2)
-    queue.schedule_async_request(distckpt.save(sd, f"{ckpt}/good", sharded_strategy=(backend, 1),
-                                               async_sharded_save=True))
+    queue.schedule_async_request(
+        distckpt.save(sd, f"{ckpt}/good", sharded_strategy=(backend, 1), async_sharded_save=True)
+    )
     queue.close()
     return first, committed_bad, check_is_distributed_checkpoint(f"{ckpt}/good")
 
@@ -615,8 +701,9 @@ def test_async_writer_failure_on_one_rank_raises_everywhere_and_commits_nothing(
 
     if not isinstance(get_default_save_sharded_strategy(backend), AsyncSaveShardedStrategy):
         # A synchronous strategy refuses an async save on every rank, before writing anything.
-        expect_all_ranks_raise(2, _async_save_with_writer_failure, str(tmp_path), backend,
-                               match="cannot save asynchronously")
+        expect_all_ranks_raise(
+            2, _async_save_with_writer_failure, str(tmp_path), backend, match="cannot save asynchronously"
+        )
         return
     results = run_ranks(2, _async_save_with_writer_failure, str(tmp_path), backend)
     for message, committed_bad, committed_good in results:

@@ -32,9 +32,11 @@ VICTIM = b"precious: must survive"
 
 
 def _state(with_object: bool = True, object_key: str = "rng"):
-    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(64, dtype=torch.float32)),
-          "optimizer.m": ShardedTensor.from_rank_offsets("optimizer.m", torch.ones(32)),
-          "step": 7}
+    sd = {
+        "w": ShardedTensor.from_rank_offsets("w", torch.arange(64, dtype=torch.float32)),
+        "optimizer.m": ShardedTensor.from_rank_offsets("optimizer.m", torch.ones(32)),
+        "step": 7,
+    }
     if with_object:
         sd["obj"] = ShardedObject(object_key, {"seed": 1}, (1,), (0,), replica_id=0)
     return sd
@@ -78,14 +80,34 @@ def _refused(result, pattern: str) -> None:
 # --------------------------------------------------------------------------- the rule itself
 
 
-@pytest.mark.parametrize("name", ["../x", "/etc/passwd", "a/../../x", "", "a//b", "./a", "a/.", "a\\..\\b",
-                                  "a\x00b", "C:/x", "c:x", 7, None])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "../x",
+        "/etc/passwd",
+        "a/../../x",
+        "",
+        "a//b",
+        "./a",
+        "a/.",
+        "a\\..\\b",
+        "a\x00b",
+        "C:/x",
+        "c:x",
+        7,
+        None,
+    ],
+)
 def test_the_name_rule_refuses_anything_but_a_plain_relative_path(name):
-    with pytest.raises(CheckpointingException, match=r"^holder\.json: object .*(points outside|not a non-empty)"):
+    with pytest.raises(
+        CheckpointingException, match=r"^holder\.json: object .*(points outside|not a non-empty)"
+    ):
         containment.check_name(name, "holder.json", "object")
 
 
-@pytest.mark.parametrize("name", ["a", "a/b/c.distcp", "__0_0.distcp", "w/c/0/0", ".metadata", "key:z", "a..b"])
+@pytest.mark.parametrize(
+    "name", ["a", "a/b/c.distcp", "__0_0.distcp", "w/c/0/0", ".metadata", "key:z", "a..b"]
+)
 def test_the_name_rule_accepts_plain_relative_paths(name):
     assert containment.check_name(name, "holder.json") == name
 
@@ -94,9 +116,9 @@ def test_opens_follow_relative_symlinks_inside_and_refuse_every_way_out(tmp_path
     root = tmp_path / "root"
     (root / "sub").mkdir(parents=True)
     (root / "sub" / "data").write_bytes(b"inside")
-    os.symlink("sub/data", root / "alias")            # relative, stays inside: followed
+    os.symlink("sub/data", root / "alias")  # relative, stays inside: followed
     os.symlink("sub", root / "folder")
-    os.symlink(str(root / "sub" / "data"), root / "abs_inside")   # absolute: refused even inside
+    os.symlink(str(root / "sub" / "data"), root / "abs_inside")  # absolute: refused even inside
     os.symlink(str(victim), root / "abs_out")
     os.symlink("../victim/precious.txt", root / "rel_out")
     os.symlink("../../victim", root / "sub" / "deep_out")
@@ -104,7 +126,9 @@ def test_opens_follow_relative_symlinks_inside_and_refuse_every_way_out(tmp_path
     assert containment.read_beneath(root, "alias", "src") == b"inside"
     assert containment.read_beneath(root, "folder/data", "src") == b"inside"
     for name in ("abs_inside", "abs_out", "rel_out", "sub/deep_out/precious.txt"):
-        with pytest.raises(CheckpointingException, match=rf"{name}: named by src, resolves to .*outside the checkpoint"):
+        with pytest.raises(
+            CheckpointingException, match=rf"{name}: named by src, resolves to .*outside the checkpoint"
+        ):
             containment.read_beneath(root, name, "src")
         with pytest.raises(CheckpointingException, match="outside the checkpoint"):
             containment.size_beneath(root, name, "src")
@@ -113,7 +137,9 @@ def test_opens_follow_relative_symlinks_inside_and_refuse_every_way_out(tmp_path
     # Writes: the folders on the way are resolved the same way, a new folder is created inside.
     with pytest.raises(CheckpointingException, match="outside the checkpoint"):
         containment.open_beneath(root, "sub/deep_out/new.txt", "src", flags=os.O_WRONLY | os.O_CREAT)
-    fd = containment.open_beneath(root, "made/here.txt", "src", flags=os.O_WRONLY | os.O_CREAT, make_parents=True)
+    fd = containment.open_beneath(
+        root, "made/here.txt", "src", flags=os.O_WRONLY | os.O_CREAT, make_parents=True
+    )
     os.close(fd)
     assert (root / "made" / "here.txt").is_file()
     # Deletes remove the symlink itself, never its target.
@@ -131,7 +157,9 @@ def test_a_fifo_or_a_folder_is_refused_without_blocking(tmp_path):
 
     def read():
         for name in ("pipe", "folder"):
-            with pytest.raises(CheckpointingException, match=rf"{name}: named by src, is (not a regular file|a directory)"):
+            with pytest.raises(
+                CheckpointingException, match=rf"{name}: named by src, is (not a regular file|a directory)"
+            ):
                 containment.read_beneath(root, name, "src")
         done.append(True)
 
@@ -144,8 +172,14 @@ def test_a_fifo_or_a_folder_is_refused_without_blocking(tmp_path):
 def test_the_stores_refuse_names_outside_them(tmp_path, victim):
     store = LocalStore(tmp_path / "ckpt")
     store.root.mkdir()
-    for op in (lambda n: store.get(n), lambda n: store.size(n), lambda n: store.get_ranges(n, [0], [1]),
-               lambda n: store.put(n, b"x"), lambda n: store.open_writer(n), lambda n: store.delete(n)):
+    for op in (
+        lambda n: store.get(n),
+        lambda n: store.size(n),
+        lambda n: store.get_ranges(n, [0], [1]),
+        lambda n: store.put(n, b"x"),
+        lambda n: store.open_writer(n),
+        lambda n: store.delete(n),
+    ):
         for name in ("../victim/precious.txt", str(victim)):
             with pytest.raises(CheckpointingException, match="points outside the checkpoint"):
                 op(name)
@@ -179,7 +213,10 @@ def test_remove_sharded_tensors_never_deletes_a_file_named_outside(tmp_path, vic
     name = "../victim/precious.txt" if outside == "relative" else str(victim)
     _name_optimizer_file(ckpt, name)
     before = sorted(p.name for p in ckpt.iterdir())
-    with pytest.raises(CheckpointingException, match=r"\.metadata: storage record of 'optimizer\.m': file name .* points outside"):
+    with pytest.raises(
+        CheckpointingException,
+        match=r"\.metadata: storage record of 'optimizer\.m': file name .* points outside",
+    ):
         distckpt.remove_sharded_tensors(ckpt, "optimizer.")
     _untouched(victim)
     assert sorted(p.name for p in ckpt.iterdir()) == before
@@ -238,7 +275,7 @@ def test_symlinks_out_of_the_checkpoint_are_refused_by_every_load(tmp_path, back
         with pytest.raises(CheckpointingException, match=pattern):
             distckpt.load_plain_tensors(ckpt)
     result = cli("inspect", ckpt)
-    if name == "common.pt":   # inspect shows the common state's error in its place
+    if name == "common.pt":  # inspect shows the common state's error in its place
         assert result.exit_code != 3 and "outside the checkpoint" in result.output, result.output
     else:
         _refused(result, "outside the checkpoint")

@@ -40,26 +40,38 @@ def _save_model(ckpt, backend):
     sd["rng"] = layouts.rank_object(rank, world, True, replicas=2)
     sd["iteration"] = 42
     sd["args"] = {"lr": 0.25}
-    distckpt.save(sd, ckpt, sharded_strategy=(backend, 1), content_metadata={"distrib_optim": "dp_reshardable"})
+    distckpt.save(
+        sd, ckpt, sharded_strategy=(backend, 1), content_metadata={"distrib_optim": "dp_reshardable"}
+    )
 
 
 def _load_model(ckpt):
     sd, pieces = _model(ddist.get_rank(), ddist.get_world_size(), False)
     loaded = distckpt.load(sd, ckpt)
-    return [n for n, p in pieces.items() if loaded[n].dtype != p.expected().dtype or not torch.equal(loaded[n], p.expected())]
+    return [
+        n
+        for n, p in pieces.items()
+        if loaded[n].dtype != p.expected().dtype or not torch.equal(loaded[n], p.expected())
+    ]
 
 
 def _bits(t):
     if t.dtype == torch.bool:
         return t.to(torch.uint8)
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    return t.contiguous().view(
+        {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    )
 
 
 def _objects(ckpt):
     sharded = get_default_strategy(StrategyAction.LOAD_SHARDED, *_backend(ckpt))
     request = {uk: ShardedObject.empty_from_unique_key(uk) for uk in OBJECT_KEYS}
     common = get_default_strategy(StrategyAction.LOAD_COMMON, "torch", 1)
-    out = sharded.load(request, ckpt) if sharded.can_handle_sharded_objects else common.load_sharded_objects(request, ckpt)
+    out = (
+        sharded.load(request, ckpt)
+        if sharded.can_handle_sharded_objects
+        else common.load_sharded_objects(request, ckpt)
+    )
     return {k: repr(v) for k, v in out.items()}
 
 
@@ -112,13 +124,19 @@ def test_zarr_to_zarr_with_small_chunks_is_bit_identical(torch_dist_ckpt, tmp_pa
     convert_checkpoint(torch_dist_ckpt, tmp_path / "a", "zarr")
     convert_checkpoint(tmp_path / "a", tmp_path / "b", "zarr", writer_options={"max_chunk_bytes": 16})
     assert json.loads((tmp_path / "b" / "col" / "zarr.json").read_text())["chunk_grid"]["configuration"][
-        "chunk_shape"] == [1, 6]
+        "chunk_shape"
+    ] == [1, 6]
     _assert_same_tensors(torch_dist_ckpt, tmp_path / "b")
 
 
-@pytest.mark.parametrize("fixture,to", [("megatron-0.15.3/tp2_zarr", "torch_dist"),
-                                        ("megatron-0.15.3/flat_dp4_torch_dist", "zarr"),
-                                        ("megatron-0.16.1/tp2_basic", "zarr")])
+@pytest.mark.parametrize(
+    "fixture,to",
+    [
+        ("megatron-0.15.3/tp2_zarr", "torch_dist"),
+        ("megatron-0.15.3/flat_dp4_torch_dist", "zarr"),
+        ("megatron-0.16.1/tp2_basic", "zarr"),
+    ],
+)
 def test_megatron_checkpoints_convert_exactly(fixture, to, tmp_path):
     expected = torch.load(DATA / fixture / "expected.pt", weights_only=True)
     convert_checkpoint(DATA / fixture / "ckpt", tmp_path / "out", to)
@@ -129,8 +147,11 @@ def test_megatron_checkpoints_convert_exactly(fixture, to, tmp_path):
     sharded = get_default_strategy(StrategyAction.LOAD_SHARDED, *_backend(tmp_path / "out"))
     common = get_default_strategy(StrategyAction.LOAD_COMMON, "torch", 1)
     request = {uk: ShardedObject.empty_from_unique_key(uk) for uk in expected["objects"]}
-    objs = sharded.load(request, tmp_path / "out") if sharded.can_handle_sharded_objects else \
-        common.load_sharded_objects(request, tmp_path / "out")
+    objs = (
+        sharded.load(request, tmp_path / "out")
+        if sharded.can_handle_sharded_objects
+        else common.load_sharded_objects(request, tmp_path / "out")
+    )
     assert {k: repr(v) for k, v in objs.items()} == {k: repr(v) for k, v in expected["objects"].items()}
 
 
@@ -138,8 +159,14 @@ def test_megatron_checkpoints_convert_exactly(fixture, to, tmp_path):
 
 
 def test_keys_exclude_and_dtype_select_and_cast(torch_dist_ckpt, tmp_path):
-    report = convert_checkpoint(torch_dist_ckpt, tmp_path / "out", "zarr", keys=r"^(col|row|emb|count|rng_state)$",
-                                exclude=r"^row$", dtype=torch.bfloat16)
+    report = convert_checkpoint(
+        torch_dist_ckpt,
+        tmp_path / "out",
+        "zarr",
+        keys=r"^(col|row|emb|count|rng_state)$",
+        exclude=r"^row$",
+        dtype=torch.bfloat16,
+    )
     assert sorted(report.tensors) == ["col", "count", "emb"]
     assert report.cast == ["col"]
     assert "row" in report.skipped and "exp_avg" in report.skipped and sorted(report.objects) == OBJECT_KEYS
@@ -151,7 +178,12 @@ def test_keys_exclude_and_dtype_select_and_cast(torch_dist_ckpt, tmp_path):
 
 def test_progress_reports_every_tensor(torch_dist_ckpt, tmp_path):
     calls = []
-    convert_checkpoint(torch_dist_ckpt, tmp_path / "a", "zarr", progress=lambda done, total, key: calls.append((done, total, key)))
+    convert_checkpoint(
+        torch_dist_ckpt,
+        tmp_path / "a",
+        "zarr",
+        progress=lambda done, total, key: calls.append((done, total, key)),
+    )
     total = calls[-1][1]
     assert calls[-1][0] == total > 0 and len(calls) == len(distckpt.load_tensors_metadata(torch_dist_ckpt))
 
@@ -180,7 +212,9 @@ def test_conversion_holds_at_most_one_group_of_keys(torch_dist_ckpt, tmp_path, m
 
     monkeypatch.setattr(convert._Source, "load_tensors", spy)
     convert_checkpoint(torch_dist_ckpt, tmp_path / "one", "zarr", read_budget_bytes=0)
-    assert all(len(g) == 1 for g in groups) and len(groups) == len(distckpt.load_tensors_metadata(torch_dist_ckpt))
+    assert all(len(g) == 1 for g in groups) and len(groups) == len(
+        distckpt.load_tensors_metadata(torch_dist_ckpt)
+    )
     groups.clear()
     convert_checkpoint(torch_dist_ckpt, tmp_path / "budget", "zarr", read_budget_bytes=200)
     assert len(groups) > 1 and max(len(g) for g in groups) > 1
@@ -221,7 +255,9 @@ def test_source_must_be_a_committed_checkpoint_and_not_the_destination(torch_dis
     (tmp_path / "junk").mkdir()
     with pytest.raises(CheckpointingException, match="not a committed checkpoint"):
         convert_checkpoint(tmp_path / "junk", tmp_path / "out", "zarr")
-    with pytest.raises(CheckpointingException, match=r"no checkpoint writer 'hdf5'; known: .*torch_dist.*zarr"):
+    with pytest.raises(
+        CheckpointingException, match=r"no checkpoint writer 'hdf5'; known: .*torch_dist.*zarr"
+    ):
         convert_checkpoint(torch_dist_ckpt, tmp_path / "out", "hdf5")
     with pytest.raises(CheckpointingException, match="invalid key pattern"):
         convert_checkpoint(torch_dist_ckpt, tmp_path / "out", "zarr", keys="(")
@@ -250,7 +286,9 @@ class _RecordingWriter:
 
 def test_writers_plug_in_by_name(torch_dist_ckpt, tmp_path):
     made = []
-    register_writer("recording", lambda dst, overwrite=False, **kw: made.append(_RecordingWriter(dst, **kw)) or made[-1])
+    register_writer(
+        "recording", lambda dst, overwrite=False, **kw: made.append(_RecordingWriter(dst, **kw)) or made[-1]
+    )
     try:
         convert_checkpoint(torch_dist_ckpt, tmp_path / "x", "recording", keys="^(col|steps|rng_state)$")
         events = made[0].events
@@ -258,7 +296,9 @@ def test_writers_plug_in_by_name(torch_dist_ckpt, tmp_path):
         assert sorted(events[1:3]) == [("tensor", "col", (8, 6)), ("tensor", "steps", ())]
         assert events[3] == ("finish",)
         with pytest.raises(RuntimeError, match="injected"):
-            convert_checkpoint(torch_dist_ckpt, tmp_path / "y", "recording", writer_options={"fail_on": "col"})
+            convert_checkpoint(
+                torch_dist_ckpt, tmp_path / "y", "recording", writer_options={"fail_on": "col"}
+            )
         assert made[1].events[-1] == ("abort",)
     finally:
         convert._WRITERS.pop("recording")

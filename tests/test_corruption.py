@@ -45,7 +45,9 @@ def _state(with_data: bool) -> dict:
     sd, _ = layouts.build("tp_dp", 0, 1, with_data, tp=1)
     big = layouts.full_tensor("big", BIG) if with_data else torch.zeros(BIG)
     sd["big"] = ShardedTensor.from_rank_offsets("big", big)
-    sd["rng"] = ShardedObject("rng", {"seed": 1234, "state": torch.arange(6)} if with_data else None, (1,), (0,))
+    sd["rng"] = ShardedObject(
+        "rng", {"seed": 1234, "state": torch.arange(6)} if with_data else None, (1,), (0,)
+    )
     if with_data:
         sd["iteration"] = 7
         sd["args"] = {"lr": 0.5, "layers": [1, 2]}
@@ -179,9 +181,14 @@ def test_bit_flip_in_tensor_data_is_caught_by_default_and_loads_wrong_values_onl
 
 def test_the_real_verify_command_exits_non_zero_on_a_corrupted_checkpoint(ckpt):
     faults.flip_byte(*_flip_target(ckpt, "common.pt"))
-    proc = subprocess.run([sys.executable, "-m", "distckpt.cli", "verify", str(ckpt)], cwd=REPO,
-                          capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="200"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "distckpt.cli", "verify", str(ckpt)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(REPO), COLUMNS="200"),
+    )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "common.pt" in proc.stdout + proc.stderr
 
@@ -211,8 +218,13 @@ def shared_ckpt(tmp_path_factory) -> Path:
     return _save(tmp_path_factory.mktemp("flips") / "ckpt")
 
 
-@settings(max_examples=40, derandomize=True, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40,
+    derandomize=True,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(data=st.data())
 def test_any_single_bit_flip_in_a_checksummed_file_is_detected(shared_ckpt, data):
     manifest = read_manifest(shared_ckpt)
@@ -274,7 +286,9 @@ def _write_config(ckpt: Path, **changes) -> Path:
 
 def test_unknown_key_in_metadata_json_is_rejected_naming_file_and_key(ckpt):
     path = _write_config(ckpt, save_time="today")
-    with pytest.raises(CheckpointingException, match=re.escape(str(path)) + r".*unexpected .*\['save_time'\]"):
+    with pytest.raises(
+        CheckpointingException, match=re.escape(str(path)) + r".*unexpected .*\['save_time'\]"
+    ):
         _load(ckpt)
 
 
@@ -286,12 +300,17 @@ def test_metadata_json_without_a_backend_is_rejected_naming_it(ckpt):
 
 def test_metadata_json_that_is_not_an_object_is_rejected_naming_it(ckpt):
     (ckpt / "metadata.json").write_text("[1, 2]")
-    with pytest.raises(CheckpointingException, match=r"metadata\.json: checkpoint config must be a JSON object"):
+    with pytest.raises(
+        CheckpointingException, match=r"metadata\.json: checkpoint config must be a JSON object"
+    ):
         _load(ckpt)
 
 
-@pytest.mark.parametrize("changes", [{"sharded_backend": "torch_dits"}, {"common_backend": "pickle"},
-                                     {"sharded_backend_version": "1"}], ids=["backend", "common-backend", "version-type"])
+@pytest.mark.parametrize(
+    "changes",
+    [{"sharded_backend": "torch_dits"}, {"common_backend": "pickle"}, {"sharded_backend_version": "1"}],
+    ids=["backend", "common-backend", "version-type"],
+)
 def test_bad_backend_in_metadata_json_is_an_error_naming_it(ckpt, changes):
     path = _write_config(ckpt, **changes)
     with pytest.raises(CheckpointingException, match=re.escape(str(path))):
@@ -330,7 +349,9 @@ def test_the_manifests_file_list_reads_as_the_whole_manifest_does(ckpt):
     assert read_manifest_files(ckpt) == read_manifest(ckpt).files and read_manifest_files(ckpt)
     assert read_manifest_files(ckpt / "absent") is None
     faults.truncate_to_half(ckpt / MANIFEST_FNAME)
-    with pytest.raises(CheckpointingException, match=re.escape(MANIFEST_FNAME) + ": unreadable integrity manifest"):
+    with pytest.raises(
+        CheckpointingException, match=re.escape(MANIFEST_FNAME) + ": unreadable integrity manifest"
+    ):
         read_manifest_files(ckpt)
 
 
@@ -346,7 +367,7 @@ def test_flipped_checksum_in_the_manifest_is_reported_as_a_mismatch_of_its_item(
     path = ckpt / MANIFEST_FNAME
     text = path.read_text()
     digits = f",{r.crc32c},"
-    faults.flip_byte(path, text.index(digits) + 2, 0x01)   # one digit, still valid JSON
+    faults.flip_byte(path, text.index(digits) + 2, 0x01)  # one digit, still valid JSON
     _manifest_checks_all_fail(ckpt, rf"(?=.*{re.escape(name)})(?=.*'big')(?=.*CRC32C mismatch)")
 
 
@@ -368,7 +389,7 @@ def test_manifest_listing_a_missing_file_is_reported(ckpt):
 def test_manifest_that_lost_the_checksums_of_a_file_is_reported(ckpt):
     path = ckpt / MANIFEST_FNAME
     raw = json.loads(path.read_text())
-    raw["ranges"]["common.pu"] = raw["ranges"].pop("common.pt")    # 't' ^ 0x01 == 'u'
+    raw["ranges"]["common.pu"] = raw["ranges"].pop("common.pt")  # 't' ^ 0x01 == 'u'
     path.write_text(json.dumps(raw))
     assert _manifest_problems(ckpt) != []
     faults.flip_byte(*_flip_target(ckpt, "common.pt"))
@@ -416,8 +437,13 @@ def test_corruption_in_one_ranks_file_fails_every_rank_with_verify(tmp_path):
     assert name.startswith("__")
     owner = int(name[2])
     faults.flip_byte(tmp_path / name, offset)
-    expect_all_ranks_raise(2, _load_two_ranks, str(tmp_path), True,
-                           match=rf"load failed on rank\(s\) {owner}: key 'grid' in .*{re.escape(name)}.*CRC32C mismatch")
+    expect_all_ranks_raise(
+        2,
+        _load_two_ranks,
+        str(tmp_path),
+        True,
+        match=rf"load failed on rank\(s\) {owner}: key 'grid' in .*{re.escape(name)}.*CRC32C mismatch",
+    )
     wrong = run_ranks(2, _load_two_ranks, str(tmp_path), False)
     assert wrong[owner] == ["grid"] and wrong[1 - owner] == []
 
@@ -425,15 +451,33 @@ def test_corruption_in_one_ranks_file_fails_every_rank_with_verify(tmp_path):
 # --------------------------------------------------------------------------- bad sharded state dicts
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("global_shape", (float("nan"), 4), r"every entry of global_shape \(nan, 4\) must be an integer, got nan"),
-    ("local_shape", (2, float("nan")), r"every entry of local_shape \(2, nan\) must be an integer, got nan"),
-    ("global_offset", (-2, 0), r"negative global_offset \(-2, 0\)"),
-    ("local_shape", (-1, 4), r"negative shape entry"),
-])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        (
+            "global_shape",
+            (float("nan"), 4),
+            r"every entry of global_shape \(nan, 4\) must be an integer, got nan",
+        ),
+        (
+            "local_shape",
+            (2, float("nan")),
+            r"every entry of local_shape \(2, nan\) must be an integer, got nan",
+        ),
+        ("global_offset", (-2, 0), r"negative global_offset \(-2, 0\)"),
+        ("local_shape", (-1, 4), r"negative shape entry"),
+    ],
+)
 def test_invalid_sharded_tensor_is_refused_naming_the_key(field, value, match):
-    args = {"key": "decoder.w", "data": None, "dtype": torch.float32, "local_shape": (2, 4),
-            "global_shape": (4, 4), "global_offset": (0, 0), "axis_fragmentations": None}
+    args = {
+        "key": "decoder.w",
+        "data": None,
+        "dtype": torch.float32,
+        "local_shape": (2, 4),
+        "global_shape": (4, 4),
+        "global_offset": (0, 0),
+        "axis_fragmentations": None,
+    }
     args[field] = value
     with pytest.raises(CheckpointingException, match=r"ShardedTensor 'decoder\.w': .*" + match):
         ShardedTensor(**args)
@@ -443,17 +487,30 @@ def _save_mutated(ckpt, field, value):
     rank = ddist.get_rank()
     sh = ShardedTensor.from_rank_offsets("decoder.w", torch.ones(2, 4), (0, rank, 2))
     if rank == 1:
-        setattr(sh, field, value)   # mutated after construction, on one rank only
+        setattr(sh, field, value)  # mutated after construction, on one rank only
     distckpt.save({"w": sh}, ckpt)
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("global_shape", (float("nan"), 4), r"every entry of global_shape \(nan, 4\) must be an integer, got nan"),
-    ("global_offset", (-2, 0), r"negative global_offset"),
-])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        (
+            "global_shape",
+            (float("nan"), 4),
+            r"every entry of global_shape \(nan, 4\) must be an integer, got nan",
+        ),
+        ("global_offset", (-2, 0), r"negative global_offset"),
+    ],
+)
 def test_invalid_sharded_tensor_on_one_rank_fails_save_on_every_rank(tmp_path, field, value, match):
-    expect_all_ranks_raise(2, _save_mutated, str(tmp_path), field, value,
-                           match=r"failed on rank\(s\) 1: ShardedTensor 'decoder\.w': .*" + match)
+    expect_all_ranks_raise(
+        2,
+        _save_mutated,
+        str(tmp_path),
+        field,
+        value,
+        match=r"failed on rank\(s\) 1: ShardedTensor 'decoder\.w': .*" + match,
+    )
     assert not check_is_distributed_checkpoint(tmp_path)
     assert not any(p.suffix in (".distcp", ".pt") for p in tmp_path.iterdir())
 
@@ -473,13 +530,20 @@ def _load_mutated(ckpt):
 
 def test_invalid_sharded_tensor_on_one_rank_fails_load_on_every_rank(tmp_path):
     run_ranks(2, _save_valid, str(tmp_path))
-    expect_all_ranks_raise(2, _load_mutated, str(tmp_path),
-                           match=r"failed on rank\(s\) 1: ShardedTensor 'decoder\.w': negative global_offset")
+    expect_all_ranks_raise(
+        2,
+        _load_mutated,
+        str(tmp_path),
+        match=r"failed on rank\(s\) 1: ShardedTensor 'decoder\.w': negative global_offset",
+    )
 
 
 def test_layout_outside_the_stored_tensor_is_refused_naming_key_and_shapes(ckpt):
     sd = _state(False)
     sd["big"] = ShardedTensor.from_rank_offsets("big", torch.zeros(80, 64))
-    with pytest.raises(CheckpointingException, match=r"'big': global shape \[80, 64\] was requested but the "
-                                                      r"checkpoint stores \[64, 64\]"):
+    with pytest.raises(
+        CheckpointingException,
+        match=r"'big': global shape \[80, 64\] was requested but the "
+        r"checkpoint stores \[64, 64\]",
+    ):
         distckpt.load(sd, ckpt)

@@ -27,8 +27,13 @@ STATE = {
     "emb": E,
     "step": 11,
 }
-FLAT = {"model.w": W, "model.layer.bias": torch.arange(5, dtype=torch.int64), "optim.state.w.exp_avg": W * 3,
-        "optim.state.w.step": torch.tensor(7.0), "emb": E}
+FLAT = {
+    "model.w": W,
+    "model.layer.bias": torch.arange(5, dtype=torch.int64),
+    "optim.state.w.exp_avg": W * 3,
+    "optim.state.w.step": torch.tensor(7.0),
+    "emb": E,
+}
 COMMON = {"optim": {"param_groups": [{"lr": 0.01}]}, "step": 11}
 
 
@@ -55,14 +60,18 @@ def test_a_dcp_directory_is_a_checkpoint_and_an_interrupted_save_is_not(plain, t
     with pytest.raises(distckpt.CheckpointingException, match="interrupted torch_dist save"):
         distckpt.load_tensors_metadata(plain)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(distckpt.CheckpointingException, match="metadata.json is missing .* and so is DCP's .metadata"):
+    with pytest.raises(
+        distckpt.CheckpointingException, match="metadata.json is missing .* and so is DCP's .metadata"
+    ):
         distckpt.load({}, tmp_path / "empty")
 
 
 def test_queries_answer_with_dcp_names_and_nested_common_state(plain):
     meta = distckpt.load_tensors_metadata(plain)
     assert sorted(meta) == sorted(FLAT)
-    assert all(tuple(meta[k].global_shape) == tuple(v.shape) and meta[k].dtype == v.dtype for k, v in FLAT.items())
+    assert all(
+        tuple(meta[k].global_shape) == tuple(v.shape) and meta[k].dtype == v.dtype for k, v in FLAT.items()
+    )
     plain_tensors = distckpt.load_plain_tensors(plain)
     assert sorted(plain_tensors) == sorted(FLAT)
     for k, v in FLAT.items():
@@ -77,7 +86,9 @@ def test_queries_answer_with_dcp_names_and_nested_common_state(plain):
 def test_load_reshards_and_returns_common_state(plain):
     request = {
         "model": {"w": distckpt.ShardedTensor.from_rank_offsets("model.w", torch.zeros(6, 4), (1, 1, 2))},
-        "emb": distckpt.ShardedTensor.from_rank_offsets("emb", torch.zeros(4, 5, dtype=torch.bfloat16), (0, 1, 2)),
+        "emb": distckpt.ShardedTensor.from_rank_offsets(
+            "emb", torch.zeros(4, 5, dtype=torch.bfloat16), (0, 1, 2)
+        ),
     }
     loaded = distckpt.load(request, plain, strict="raise_unexpected", validate_access_integrity=False)
     assert torch.equal(loaded["model"]["w"], W[:, 4:])
@@ -99,10 +110,14 @@ def test_torch_save_to_dcp_output_loads(tmp_path):
 
 def test_megatron_torch_dcp_layout_loads(tmp_path):
     # Megatron-Core's --ckpt-format torch_dcp: dcp.save of its whole training state dict.
-    state = {"args": argparse.Namespace(lr=0.1), "checkpoint_version": 3.0, "iteration": 20,
-             "model": {"decoder.layers.0.mlp.linear_fc1.weight": W},
-             "optimizer": {"state": {"decoder.layers.0.mlp.linear_fc1.weight": {"exp_avg": W + 1}}},
-             "rng_state": [{"random_rng_state": (3, (1, 2), None)}]}
+    state = {
+        "args": argparse.Namespace(lr=0.1),
+        "checkpoint_version": 3.0,
+        "iteration": 20,
+        "model": {"decoder.layers.0.mlp.linear_fc1.weight": W},
+        "optimizer": {"state": {"decoder.layers.0.mlp.linear_fc1.weight": {"exp_avg": W + 1}}},
+        "rng_state": [{"random_rng_state": (3, (1, 2), None)}],
+    }
     _quiet_dcp_save(state, tmp_path / "iter_0000020")
     ckpt = tmp_path / "iter_0000020"
     common = distckpt.load_common_state_dict(ckpt)  # argparse.Namespace is on the allowlist
@@ -111,8 +126,9 @@ def test_megatron_torch_dcp_layout_loads(tmp_path):
     request = {"w": distckpt.ShardedTensor.from_rank_offsets(key, torch.zeros(3, 8), (0, 0, 2))}
     loaded = distckpt.load(request, ckpt, validate_access_integrity=False)
     assert torch.equal(loaded["w"], W[:3]) and loaded["iteration"] == 20 and loaded["args"].lr == 0.1
-    assert torch.equal(distckpt.load_plain_tensors(ckpt)["optimizer.state." + key.split(".", 1)[1] + ".exp_avg"],
-                       W + 1)
+    assert torch.equal(
+        distckpt.load_plain_tensors(ckpt)["optimizer.state." + key.split(".", 1)[1] + ".exp_avg"], W + 1
+    )
 
 
 # --------------------------------------------------------------------------- DTensors, 2 ranks
@@ -124,19 +140,27 @@ def _save_dtensors(path: str) -> None:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    state = {"model": {"w": distribute_tensor(W, mesh, [Shard(0)]), "e": distribute_tensor(E, mesh, [Shard(1)]),
-                       "r": distribute_tensor(W[0], mesh, [Replicate()])},
-             "step": 5}
+    state = {
+        "model": {
+            "w": distribute_tensor(W, mesh, [Shard(0)]),
+            "e": distribute_tensor(E, mesh, [Shard(1)]),
+            "r": distribute_tensor(W[0], mesh, [Replicate()]),
+        },
+        "step": 5,
+    }
     dcp.save(state, checkpoint_id=path)
 
 
 def _load_on_two_ranks(path: str):
     r = dist.get_rank()
     # Other split than saved: w by columns, e by rows, r by halves.
-    request = {"w": distckpt.ShardedTensor.from_rank_offsets("model.w", torch.zeros(6, 4), (1, r, 2)),
-               "e": distckpt.ShardedTensor.from_rank_offsets("model.e", torch.zeros(4, 5, dtype=torch.bfloat16),
-                                                             (0, r, 2)),
-               "r": distckpt.ShardedTensor.from_rank_offsets("model.r", torch.zeros(4), (0, r, 2))}
+    request = {
+        "w": distckpt.ShardedTensor.from_rank_offsets("model.w", torch.zeros(6, 4), (1, r, 2)),
+        "e": distckpt.ShardedTensor.from_rank_offsets(
+            "model.e", torch.zeros(4, 5, dtype=torch.bfloat16), (0, r, 2)
+        ),
+        "r": distckpt.ShardedTensor.from_rank_offsets("model.r", torch.zeros(4), (0, r, 2)),
+    }
     out = distckpt.load(request, path, strict="raise_unexpected")
     return {k: v for k, v in out.items()}
 
@@ -149,11 +173,15 @@ def test_dtensors_saved_on_one_or_two_ranks_load_resharded_on_one_and_two(run_ra
     md = distckpt.load_tensors_metadata(ckpt)
     assert sorted(md) == ["model.e", "model.r", "model.w"]
     whole = distckpt.load_plain_tensors(ckpt)
-    assert torch.equal(whole["model.w"], W) and torch.equal(whole["model.e"], E) and torch.equal(whole["model.r"], W[0])
+    assert (
+        torch.equal(whole["model.w"], W)
+        and torch.equal(whole["model.e"], E)
+        and torch.equal(whole["model.r"], W[0])
+    )
     for r, out in enumerate(run_ranks(2, _load_on_two_ranks, str(ckpt), timeout=120)):
-        assert torch.equal(out["w"], W[:, 4 * r:4 * r + 4])
-        assert torch.equal(out["e"], E[4 * r:4 * r + 4])
-        assert torch.equal(out["r"], W[0][4 * r:4 * r + 4])
+        assert torch.equal(out["w"], W[:, 4 * r : 4 * r + 4])
+        assert torch.equal(out["e"], E[4 * r : 4 * r + 4])
+        assert torch.equal(out["r"], W[0][4 * r : 4 * r + 4])
         assert out["step"] == 5
 
 

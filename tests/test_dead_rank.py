@@ -31,8 +31,9 @@ RUN_S = 60
 """Time allowed, after that, for every rank of a world to end."""
 
 
-def _rank(rank: int, port: int, host_store: bool, pg_timeout_s: float, env: dict, plan: dict,
-          out: str) -> None:
+def _rank(
+    rank: int, port: int, host_store: bool, pg_timeout_s: float, env: dict, plan: dict, out: str
+) -> None:
     os.environ.update(env, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", GLOO_SOCKET_IFNAME="lo")
     import torch
 
@@ -40,10 +41,12 @@ def _rank(rank: int, port: int, host_store: bool, pg_timeout_s: float, env: dict
     from tests.faults import generation_state
 
     torch.set_num_threads(1)
-    store = tdist.TCPStore("127.0.0.1", port, WORLD, is_master=host_store and rank == 0,
-                           timeout=timedelta(seconds=START_S))
-    tdist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD,
-                             timeout=timedelta(seconds=pg_timeout_s))
+    store = tdist.TCPStore(
+        "127.0.0.1", port, WORLD, is_master=host_store and rank == 0, timeout=timedelta(seconds=START_S)
+    )
+    tdist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=pg_timeout_s)
+    )
     if rank == plan.get("victim"):
         time.sleep(plan.get("beats_s", 0))
         os.kill(os.getpid(), signal.SIGKILL)
@@ -63,8 +66,15 @@ def _rank(rank: int, port: int, host_store: bool, pg_timeout_s: float, env: dict
 class _World:
     """Four ranks running one scenario (see ``_rank``), started at once."""
 
-    def __init__(self, tmp_path: Path, *, pg_timeout_s: float, plan: dict, env: dict | None = None,
-                 host_store: bool = False):
+    def __init__(
+        self,
+        tmp_path: Path,
+        *,
+        pg_timeout_s: float,
+        plan: dict,
+        env: dict | None = None,
+        host_store: bool = False,
+    ):
         self.tmp_path = tmp_path
         plan = dict(plan, ckpt=str(tmp_path / "ckpt"))
         self.store = None
@@ -73,13 +83,23 @@ class _World:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
         else:
-            self.store = tdist.TCPStore("127.0.0.1", 0, WORLD, is_master=True, wait_for_workers=False,
-                                        timeout=timedelta(seconds=START_S))
+            self.store = tdist.TCPStore(
+                "127.0.0.1",
+                0,
+                WORLD,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=START_S),
+            )
             port = self.store.port
         ctx = multiprocessing.get_context("spawn")
-        self.procs = [ctx.Process(target=_rank, args=(r, port, host_store, pg_timeout_s, env or {}, plan,
-                                                      str(tmp_path / f"r{r}.json")))
-                      for r in range(WORLD)]
+        self.procs = [
+            ctx.Process(
+                target=_rank,
+                args=(r, port, host_store, pg_timeout_s, env or {}, plan, str(tmp_path / f"r{r}.json")),
+            )
+            for r in range(WORLD)
+        ]
         for p in self.procs:
             p.start()
         self.deadline = time.monotonic() + START_S + RUN_S
@@ -93,8 +113,11 @@ class _World:
             assert not stuck, f"ranks {stuck} did not end"
         finally:
             self.kill()
-        return {r: json.loads((self.tmp_path / f"r{r}.json").read_text())
-                for r in range(WORLD) if (self.tmp_path / f"r{r}.json").exists()}
+        return {
+            r: json.loads((self.tmp_path / f"r{r}.json").read_text())
+            for r in range(WORLD)
+            if (self.tmp_path / f"r{r}.json").exists()
+        }
 
     def kill(self) -> None:
         for p in self.procs:
@@ -124,8 +147,13 @@ _WORLDS = {
 def worlds(request, tmp_path_factory):
     """Start the world of every selected test of this module at once; name -> :class:`_World`."""
     here = sys.modules[__name__]
-    wanted = {name for item in request.session.items if getattr(item, "module", None) is here
-              for name in _WORLDS if name in item.name}
+    wanted = {
+        name
+        for item in request.session.items
+        if getattr(item, "module", None) is here
+        for name in _WORLDS
+        if name in item.name
+    }
     started = {name: _World(tmp_path_factory.mktemp(name), **_WORLDS[name]) for name in sorted(wanted)}
     yield started
     for world in started.values():
@@ -143,7 +171,9 @@ def _survivors_raised(results: dict, victim: int) -> list:
     return [r["seconds"] for r in results.values()]
 
 
-def test_a_rank_killed_before_its_save_is_named_by_every_survivor_within_seconds_killed_before_beating(worlds):
+def test_a_rank_killed_before_its_save_is_named_by_every_survivor_within_seconds_killed_before_beating(
+    worlds,
+):
     results = worlds["killed_before_beating"].results()
     seconds = _survivors_raised(results, 2)
     message = next(iter(results.values()))["message"]
@@ -170,8 +200,10 @@ def test_the_default_timeout_follows_a_shorter_process_group_timeout_short_group
     results = worlds["short_group_timeout"].results()
     early = [results[r] for r in (0, 2, 3)]
     # The late rank is alive (it beats): named at the timeout, which is the group's 5 s.
-    assert all(r.get("timeout") and r["missing"] == [1] and "did not arrive within 5 s" in r["message"]
-               for r in early), early
+    assert all(
+        r.get("timeout") and r["missing"] == [1] and "did not arrive within 5 s" in r["message"]
+        for r in early
+    ), early
     assert all(4.5 <= r["seconds"] < 9 for r in early), early
     assert results[1].get("timeout") and results[1]["message"] == early[0]["message"], results[1]
 
@@ -179,8 +211,9 @@ def test_the_default_timeout_follows_a_shorter_process_group_timeout_short_group
 def test_survivors_fail_fast_when_rank_0_dies_with_the_store_it_hosts_store_host_killed(worlds):
     results = worlds["store_host_killed"].results()
     assert sorted(results) == [1, 2, 3], results
-    assert all(r.get("timeout") and "the rendezvous store did not answer" in r["message"]
-               for r in results.values()), results
+    assert all(
+        r.get("timeout") and "the rendezvous store did not answer" in r["message"] for r in results.values()
+    ), results
     assert max(r["seconds"] for r in results.values()) < 5, results
 
 

@@ -39,7 +39,9 @@ def _leaves():
         ShardedTensor.from_rank_offsets("w", w[2:].clone(), (0, 1, 2)),
         ShardedTensor.from_rank_offsets("w", w[2:].clone(), (0, 1, 2), replica_id=1),
         ShardedTensor.from_rank_offsets_flat("m", torch.arange(4.0), (2, 3), flattened_range=slice(0, 4)),
-        ShardedTensor.from_rank_offsets_flat("m", torch.arange(4.0, 6.0), (2, 3), flattened_range=slice(4, 6)),
+        ShardedTensor.from_rank_offsets_flat(
+            "m", torch.arange(4.0, 6.0), (2, 3), flattened_range=slice(4, 6)
+        ),
     ]
 
 

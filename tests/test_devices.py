@@ -14,8 +14,15 @@ from distckpt import dist as ddist
 from tests import layouts
 from tests.harness import run_ranks
 
-_CUDA_ENTRY_POINTS = ("is_available", "synchronize", "current_device", "device_count", "set_device",
-                      "current_stream", "init")
+_CUDA_ENTRY_POINTS = (
+    "is_available",
+    "synchronize",
+    "current_device",
+    "device_count",
+    "set_device",
+    "current_stream",
+    "init",
+)
 
 
 def _cpu_save_load_without_cuda(ckpt):
@@ -48,8 +55,10 @@ def test_cpu_save_and_load_never_call_torch_cuda(tmp_path):
 @pytest.mark.cuda
 def test_cuda_tensors_round_trip_in_one_process(tmp_path):
     full = layouts.full_tensor("cuda", (8, 6)).cuda()
-    distckpt.save({"w": ShardedTensor.from_rank_offsets("w", full), "o": ShardedObject("o", {"a": 1}, (1,), (0,))},
-                  tmp_path)
+    distckpt.save(
+        {"w": ShardedTensor.from_rank_offsets("w", full), "o": ShardedObject("o", {"a": 1}, (1,), (0,))},
+        tmp_path,
+    )
     target = torch.zeros(8, 6, device="cuda")
     out = distckpt.load({"w": ShardedTensor.from_rank_offsets("w", target)}, tmp_path)
     assert out["w"] is target and torch.equal(target, full)
@@ -66,9 +75,13 @@ def _nccl_rank(rank, world, port, ckpt, results):
         from distckpt.strategies.async_utils import AsyncCallsQueue
 
         queue = AsyncCallsQueue()
-        queue.schedule_async_request(distckpt.save(
-            {"w": ShardedTensor.from_rank_offsets("w", local, (0, rank, world))}, f"{ckpt}_async",
-            async_sharded_save=True))
+        queue.schedule_async_request(
+            distckpt.save(
+                {"w": ShardedTensor.from_rank_offsets("w", local, (0, rank, world))},
+                f"{ckpt}_async",
+                async_sharded_save=True,
+            )
+        )
         local.zero_()  # the staged copy must be what gets written
         queue.close()
         ok = True
@@ -89,8 +102,13 @@ def test_nccl_save_and_async_save_load_bit_exactly(tmp_path):
         port = s.getsockname()[1]
     ctx = torch.multiprocessing.get_context("spawn")
     results = ctx.SimpleQueue()
-    torch.multiprocessing.start_processes(_nccl_rank, args=(world, port, str(tmp_path / "ckpt"), results),
-                                          nprocs=world, start_method="spawn", join=True)
+    torch.multiprocessing.start_processes(
+        _nccl_rank,
+        args=(world, port, str(tmp_path / "ckpt"), results),
+        nprocs=world,
+        start_method="spawn",
+        join=True,
+    )
     assert sorted(results.get() for _ in range(world)) == [(r, True) for r in range(world)]
 
 
@@ -122,9 +140,11 @@ def test_host_bounce_cuts_column_blocks_out_of_whole_rows(tmp_path, slot_bytes):
     path = tmp_path / "bytes"
     path.write_bytes(b"\xff" * 8 + item.numpy().tobytes())
     left, right = torch.zeros(6, 4, dtype=torch.int32), torch.zeros(6, 6, dtype=torch.float64)
-    boxes = [CopyOp("k", 2 * 10, (6, 4), (10, 1), left),        # rows 2..7, columns 0..3
-             CopyOp("k", 3 * 10 + 4, (6, 6), (10, 1), right),   # rows 3..8, columns 4..9 (another dtype)
-             CopyOp("k", 1, (5,), (3,), torch.zeros(5, dtype=torch.int32))]  # one axis: not served
+    boxes = [
+        CopyOp("k", 2 * 10, (6, 4), (10, 1), left),  # rows 2..7, columns 0..3
+        CopyOp("k", 3 * 10 + 4, (6, 6), (10, 1), right),  # rows 3..8, columns 4..9 (another dtype)
+        CopyOp("k", 1, (5,), (3,), torch.zeros(5, dtype=torch.int32)),
+    ]  # one axis: not served
     fd = os.open(path, os.O_RDONLY)
     bounce = HostBounce(slot_bytes, slots=2)
     try:
@@ -163,15 +183,26 @@ def test_cuda_targets_load_through_pinned_slots_or_pageable_memory(tmp_path, slo
     g = torch.Generator().manual_seed(5)
     big = torch.randn(512, 256, generator=g).to(torch.bfloat16)  # 256 KiB: 64 slots of 4 KiB
     cols = torch.randn(256, 128, generator=g)  # 128 KiB: read through a mapping, not the small-item path
-    distckpt.save({"big": ShardedTensor.from_rank_offsets("big", big),
-                   "cols": ShardedTensor.from_rank_offsets("cols", cols)}, tmp_path)
+    distckpt.save(
+        {
+            "big": ShardedTensor.from_rank_offsets("big", big),
+            "cols": ShardedTensor.from_rank_offsets("cols", cols),
+        },
+        tmp_path,
+    )
     device_io._pool.clear()
     big_t = torch.zeros(512, 256, dtype=torch.bfloat16, device="cuda")
     cols_t = torch.zeros(256, 64, device="cuda")  # the right half: a strided box of the stored chunk
     strategy = TorchDistLoadShardedStrategy(pinned_slot_bytes=slot_bytes)
-    out = distckpt.load({"big": ShardedTensor.from_rank_offsets("big", big_t),
-                         "cols": ShardedTensor.from_rank_offsets("cols", cols_t, (1, 1, 2))},
-                        tmp_path, sharded_strategy=strategy, validate_access_integrity=False)
+    out = distckpt.load(
+        {
+            "big": ShardedTensor.from_rank_offsets("big", big_t),
+            "cols": ShardedTensor.from_rank_offsets("cols", cols_t, (1, 1, 2)),
+        },
+        tmp_path,
+        sharded_strategy=strategy,
+        validate_access_integrity=False,
+    )
     torch.cuda.synchronize()
     assert out["big"] is big_t and torch.equal(big_t.cpu(), big)
     assert torch.equal(cols_t.cpu(), cols[:, 64:])

@@ -42,8 +42,16 @@ def saved(tmp_path_factory):
     out = {}
     for name, cfg in OPTIMIZERS.items():
         ckpt = tmp_path_factory.mktemp(f"ckpt-{name}")
-        results = run_ranks(SAVE_LAYOUT.world_size, run, SAVE_LAYOUT, STEPS_BEFORE_SAVE + STEPS_AFTER_SAVE, cfg,
-                            None, str(ckpt), STEPS_BEFORE_SAVE)
+        results = run_ranks(
+            SAVE_LAYOUT.world_size,
+            run,
+            SAVE_LAYOUT,
+            STEPS_BEFORE_SAVE + STEPS_AFTER_SAVE,
+            cfg,
+            None,
+            str(ckpt),
+            STEPS_BEFORE_SAVE,
+        )
         out[name] = (str(ckpt), last_stage_losses(results)[STEPS_BEFORE_SAVE:])
     return out
 
@@ -66,9 +74,9 @@ RESHARDED = [
     ("adam", Layout(tp=1, pp=1, dp=1), "adam"),
     ("distributed", Layout(tp=1, pp=1, dp=1), "distributed"),
     ("adam", Layout(tp=4, pp=1, dp=2), "adam"),
-    ("distributed", Layout(tp=4, pp=1, dp=2), "distributed"),   # flat slices cut anew over TP4 x DP2
-    ("distributed", Layout(tp=2, pp=1, dp=1), "adam"),          # flat slices into whole tensors
-    ("adam", Layout(tp=2, pp=1, dp=1), "distributed"),          # whole tensors into flat slices
+    ("distributed", Layout(tp=4, pp=1, dp=2), "distributed"),  # flat slices cut anew over TP4 x DP2
+    ("distributed", Layout(tp=2, pp=1, dp=1), "adam"),  # flat slices into whole tensors
+    ("adam", Layout(tp=2, pp=1, dp=1), "distributed"),  # whole tensors into flat slices
 ]
 
 
@@ -128,7 +136,7 @@ def test_saved_fc1_is_w_then_v_whatever_the_tp(saved):
     tp4 = run_ranks(8, _fc1_of_layer0, saved["adam"][0], Layout(tp=4, dp=2))[:4]  # DP rank 0
     f = cfg.ffn_hidden_size
     w = torch.cat([t[: f // 4] for t in tp4])
-    v = torch.cat([t[f // 4:] for t in tp4])
+    v = torch.cat([t[f // 4 :] for t in tp4])
     assert torch.equal(torch.cat([w, v]), plain[0])
 
 
@@ -147,24 +155,45 @@ def test_layouts_read_from_the_command_line_and_order_ranks_tp_first():
     assert Layout.parse("tp4") == Layout(tp=4)
     layout = Layout(tp=2, pp=2, dp=2)
     assert [layout.coords(r) for r in (0, 1, 2, 4)] == [(0, 0, 0), (1, 0, 0), (0, 0, 1), (0, 1, 0)]
-    assert layout.tp_groups()[0] == [0, 1] and layout.dp_groups()[0] == [0, 2] and layout.pp_groups()[0] == [0, 4]
+    assert (
+        layout.tp_groups()[0] == [0, 1]
+        and layout.dp_groups()[0] == [0, 2]
+        and layout.pp_groups()[0] == [0, 4]
+    )
     with pytest.raises(ValueError, match="cannot read a layout"):
         Layout.parse("TP2xQQ3")
 
 
 def test_train_script_resumes_and_reports_matching_losses(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("train_script", Path(__file__).parents[1] / "examples" / "train.py")
+    spec = importlib.util.spec_from_file_location(
+        "train_script", Path(__file__).parents[1] / "examples" / "train.py"
+    )
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    argv = ["--layout", "1,1,1", "--resume-layout", "TP1", "--steps", "1", "--resume-steps", "1",
-            "--optimizer", "adam", "--dir", str(tmp_path / "ckpt")]
+    argv = [
+        "--layout",
+        "1,1,1",
+        "--resume-layout",
+        "TP1",
+        "--steps",
+        "1",
+        "--resume-steps",
+        "1",
+        "--optimizer",
+        "adam",
+        "--dir",
+        str(tmp_path / "ckpt"),
+    ]
     assert script.main(argv) == 0
     assert "losses match bitwise" in capsys.readouterr().out
 
 
 def test_example_adam_computes_the_same_bits_as_torch_adam():
     g = torch.Generator().manual_seed(0)
-    ours = [torch.nn.Parameter(torch.randn(5, 3, generator=g)), torch.nn.Parameter(torch.randn(7, generator=g))]
+    ours = [
+        torch.nn.Parameter(torch.randn(5, 3, generator=g)),
+        torch.nn.Parameter(torch.randn(7, generator=g)),
+    ]
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     kernel = AdamKernel(ours, lr=1e-2, betas=(0.9, 0.999), eps=1e-8)
     reference = torch.optim.Adam(theirs, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, foreach=False)
@@ -184,11 +213,29 @@ def test_example_adam_computes_the_same_bits_as_torch_adam():
 
 
 def test_train_script_restarts_from_the_local_tier(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("train_script", Path(__file__).parents[1] / "examples" / "train.py")
+    spec = importlib.util.spec_from_file_location(
+        "train_script", Path(__file__).parents[1] / "examples" / "train.py"
+    )
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    argv = ["--layout", "1,1,1", "--optimizer", "adam", "--steps", "3", "--resume-steps", "1",
-            "--local-every", "1", "--persistent-every", "2", "--replication-factor", "1", "--dir", str(tmp_path)]
+    argv = [
+        "--layout",
+        "1,1,1",
+        "--optimizer",
+        "adam",
+        "--steps",
+        "3",
+        "--resume-steps",
+        "1",
+        "--local-every",
+        "1",
+        "--persistent-every",
+        "2",
+        "--replication-factor",
+        "1",
+        "--dir",
+        str(tmp_path),
+    ]
     assert script.main(argv) == 0
     out = capsys.readouterr().out
     assert "restarted from the local checkpoint at iteration 3" in out and "losses match bitwise" in out

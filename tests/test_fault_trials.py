@@ -33,18 +33,49 @@ BOUND_S = 2 * COLLECTIVE_TIMEOUT_S + 4.0
 
 def _run_trials(root: Path, scenario: str, seed: int) -> list:
     # The rendezvous store lives here, in a process no trial kills (see tests/fault_trials.py).
-    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                                       timeout=timedelta(seconds=60))
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", GLOO_SOCKET_IFNAME="lo",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    store = torch.distributed.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",
+        GLOO_SOCKET_IFNAME="lo",
+        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     procs = []
     for rank in range(WORLD):
         log = open(root / f"launcher{rank}.log", "w")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "tests.fault_trials", "launcher", "--rank", str(rank), "--world", str(WORLD),
-             "--root", str(root), "--scenario", scenario, "--trials", str(TRIALS), "--seed", str(seed),
-             "--collective-timeout", str(COLLECTIVE_TIMEOUT_S), "--store-port", str(store.port)],
-            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.fault_trials",
+                    "launcher",
+                    "--rank",
+                    str(rank),
+                    "--world",
+                    str(WORLD),
+                    "--root",
+                    str(root),
+                    "--scenario",
+                    scenario,
+                    "--trials",
+                    str(TRIALS),
+                    "--seed",
+                    str(seed),
+                    "--collective-timeout",
+                    str(COLLECTIVE_TIMEOUT_S),
+                    "--store-port",
+                    str(store.port),
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
         log.close()
     deadline = time.monotonic() + 30 * TRIALS + 120
     try:
@@ -55,7 +86,9 @@ def _run_trials(root: Path, scenario: str, seed: int) -> list:
             if p.poll() is None:
                 p.kill()
                 p.wait(10)
-    logs = "\n".join(f"--- launcher {r} ---\n{(root / f'launcher{r}.log').read_text()[-3000:]}" for r in range(WORLD))
+    logs = "\n".join(
+        f"--- launcher {r} ---\n{(root / f'launcher{r}.log').read_text()[-3000:]}" for r in range(WORLD)
+    )
     assert [p.returncode for p in procs] == [0] * WORLD, logs
     return [json.loads((root / f"trial{k:03d}" / "trial.json").read_text()) for k in range(TRIALS)]
 
@@ -77,11 +110,17 @@ def test_sigkill_at_random_moments_leaves_old_or_new_and_the_survivors_raise_in_
                     latencies.append(rec["after_kill_s"])
             elif rec["outcome"] != "returned":
                 survivor_problems.append((k, rank, rec))
-    summary = {"scenario": scenario, "trials": len(trials), "killed": sum(t["killed"] for t in trials),
-               "old": outcomes.count("old"), "new": outcomes.count("new"), "mixed": len(bad),
-               "survivors_raised": len(latencies),
-               "raise_after_kill_s": [min(latencies), max(latencies)] if latencies else None,
-               "leftovers_after": sum(bool(t["leftovers"]) for t in trials)}
+    summary = {
+        "scenario": scenario,
+        "trials": len(trials),
+        "killed": sum(t["killed"] for t in trials),
+        "old": outcomes.count("old"),
+        "new": outcomes.count("new"),
+        "mixed": len(bad),
+        "survivors_raised": len(latencies),
+        "raise_after_kill_s": [min(latencies), max(latencies)] if latencies else None,
+        "leftovers_after": sum(bool(t["leftovers"]) for t in trials),
+    }
     print(json.dumps(summary))
     (tmp_path / "summary.json").write_text(json.dumps(summary))
     assert bad == [], bad
@@ -95,13 +134,16 @@ def test_sigkill_at_random_moments_leaves_old_or_new_and_the_survivors_raise_in_
         assert len(messages) <= 1, messages
 
 
-
 # --------------------------------------------------------------------------- concurrent jobs
 
 
 def _job(kind: str, root: Path, name: str, **options) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",
+        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     argv = [sys.executable, "-m", "tests.fault_trials", kind, "--out", str(root / f"{name}.json")]
     for key, value in options.items():
         argv += [f"--{key}", str(value)]
@@ -129,9 +171,11 @@ def test_two_jobs_saving_to_one_location_and_a_reader_never_see_a_mix(tmp_path):
 
     target = tmp_path / "target"
     faults.save_with_fault(str(target), 1, None)
-    procs = {"writer1": _job("writer", tmp_path, "writer1", target=target, generation=1),
-             "writer2": _job("writer", tmp_path, "writer2", target=target, generation=2),
-             "reader": _job("reader", tmp_path, "reader", target=target, generations="1,2")}
+    procs = {
+        "writer1": _job("writer", tmp_path, "writer1", target=target, generation=1),
+        "writer2": _job("writer", tmp_path, "writer2", target=target, generation=2),
+        "reader": _job("reader", tmp_path, "reader", target=target, generations="1,2"),
+    }
     results = _finish(tmp_path, procs)
     print(json.dumps({name: r["outcomes"] for name, r in results.items()}))
     (tmp_path / "summary.json").write_text(json.dumps(results))
@@ -146,8 +190,12 @@ def test_two_jobs_saving_to_one_location_and_a_reader_never_see_a_mix(tmp_path):
 
 def _mount_tmpfs(path: Path, size: str) -> bool:
     path.mkdir()
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
+        ).returncode
+        == 0
+    )
 
 
 def _save_with_big_tensor(ckpt: str, nbytes: int) -> None:
@@ -179,8 +227,8 @@ def test_disk_full_fails_every_rank_cleanly_and_keeps_the_previous_checkpoint(tm
         expect_all_ranks_raise(2, _save_with_big_tensor, str(ckpt), 4 << 20, match="No space left on device")
         assert faults.tree_digest(ckpt) == before
         assert run_ranks(2, load_with_fault, str(ckpt), 1, None, True) == [[], []]
-        assert sorted(p.name for p in mnt.iterdir()) == ["ckpt"]       # the partial staging tree is gone
-        run_ranks(2, save_with_fault, str(ckpt), 3, None)              # and the space is back
+        assert sorted(p.name for p in mnt.iterdir()) == ["ckpt"]  # the partial staging tree is gone
+        run_ranks(2, save_with_fault, str(ckpt), 3, None)  # and the space is back
         assert run_ranks(2, load_with_fault, str(ckpt), 3, None, True) == [[], []]
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True)

@@ -33,8 +33,11 @@ from tests.harness import expect_all_ranks_raise, run_ranks
 
 REPO = Path(__file__).resolve().parent.parent
 
-SAVE_FAULTS = [Fault(stage, (rank,)) for stage in SAVE_STAGES
-               for rank in ((0,) if stage in RANK0_ONLY_STAGES else (0, 1))]
+SAVE_FAULTS = [
+    Fault(stage, (rank,))
+    for stage in SAVE_STAGES
+    for rank in ((0,) if stage in RANK0_ONLY_STAGES else (0, 1))
+]
 
 
 def _fault_id(fault: Fault) -> str:
@@ -58,15 +61,20 @@ def test_save_fault_fails_every_rank_keeps_the_older_checkpoint_and_the_next_sav
     run_ranks(2, save_with_fault, str(ckpt), 1, None)  # an older checkpoint, being overwritten
     before = faults.tree_digest(ckpt)
     rank = fault.ranks[0]
-    cause = "OSError: .*No space left" if fault.stage == "mid_file" else rf".*injected {fault.stage} fault on rank {rank}"
-    failure = expect_all_ranks_raise(2, save_with_fault, str(ckpt), 2, fault,
-                                     match=rf"failed on rank\(s\) {rank}: {cause}")
+    cause = (
+        "OSError: .*No space left"
+        if fault.stage == "mid_file"
+        else rf".*injected {fault.stage} fault on rank {rank}"
+    )
+    failure = expect_all_ranks_raise(
+        2, save_with_fault, str(ckpt), 2, fault, match=rf"failed on rank\(s\) {rank}: {cause}"
+    )
     assert all("distckpt.dist.RankErrors" in text for text in failure.errors.values())
     # Whatever the stage, the older checkpoint is untouched and loads bit-exactly; the failed
     # save's staging tree is gone.
     assert faults.tree_digest(ckpt) == before
     assert run_ranks(2, load_with_fault, str(ckpt), 1, None, True) == [[], []]
-    if fault.stage != "async_write":   # a failed background write leaves its tree to the next save
+    if fault.stage != "async_write":  # a failed background write leaves its tree to the next save
         assert _leftovers(tmp_path) == []
 
     run_ranks(2, save_with_fault, str(ckpt), 3, None)
@@ -75,15 +83,23 @@ def test_save_fault_fails_every_rank_keeps_the_older_checkpoint_and_the_next_sav
 
 
 def test_faults_on_several_ranks_are_all_reported_on_every_rank(tmp_path):
-    expect_all_ranks_raise(4, save_with_fault, str(tmp_path), 1, Fault("prepare", (1, 3)),
-                           match=r"failed on 2 rank\(s\):\s+rank 1: .*injected prepare fault on rank 1\s+"
-                                 r"rank 3: .*injected prepare fault on rank 3")
+    expect_all_ranks_raise(
+        4,
+        save_with_fault,
+        str(tmp_path),
+        1,
+        Fault("prepare", (1, 3)),
+        match=r"failed on 2 rank\(s\):\s+rank 1: .*injected prepare fault on rank 1\s+"
+        r"rank 3: .*injected prepare fault on rank 3",
+    )
     assert not check_is_distributed_checkpoint(tmp_path)
 
 
 def test_a_failure_after_every_byte_was_written_still_commits_nothing(tmp_path):
     ckpt = tmp_path / "ckpt"
-    expect_all_ranks_raise(2, save_with_fault, str(ckpt), 1, Fault("commit", (1,)), match="injected commit fault")
+    expect_all_ranks_raise(
+        2, save_with_fault, str(ckpt), 1, Fault("commit", (1,)), match="injected commit fault"
+    )
     assert not ckpt.exists() and not check_is_distributed_checkpoint(ckpt)
     assert _leftovers(tmp_path) == []
 
@@ -92,24 +108,35 @@ def test_failed_mid_file_write_keeps_the_older_checkpoint_and_drops_the_partial_
     ckpt = tmp_path / "ckpt"
     run_ranks(2, save_with_fault, str(ckpt), 1, None)
     before = faults.tree_digest(ckpt)
-    expect_all_ranks_raise(2, save_with_fault, str(ckpt), 2, Fault("mid_file", (1,)), match=r"failed on rank\(s\) 1")
+    expect_all_ranks_raise(
+        2, save_with_fault, str(ckpt), 2, Fault("mid_file", (1,)), match=r"failed on rank\(s\) 1"
+    )
     assert faults.tree_digest(ckpt) == before
     assert _leftovers(tmp_path) == []
 
 
 def test_storage_error_in_the_middle_of_a_file_is_reported_as_such(tmp_path):
-    expect_all_ranks_raise(2, save_with_fault, str(tmp_path), 1, Fault("mid_file", (1,)),
-                           match=r"failed on rank\(s\) 1: OSError: \[Errno 28\] No space left on device")
+    expect_all_ranks_raise(
+        2,
+        save_with_fault,
+        str(tmp_path),
+        1,
+        Fault("mid_file", (1,)),
+        match=r"failed on rank\(s\) 1: OSError: \[Errno 28\] No space left on device",
+    )
 
 
 def _save_with_unpicklable_common_view(ckpt):
     sd = faults.generation_state(ddist.get_rank(), ddist.get_world_size(), 1)
-    distckpt.save(sd, ckpt, preprocess_common_before_consistancy_check=lambda common: {"lock": threading.Lock()})
+    distckpt.save(
+        sd, ckpt, preprocess_common_before_consistancy_check=lambda common: {"lock": threading.Lock()}
+    )
 
 
 def test_unpicklable_common_view_is_a_checkpointing_error_on_every_rank(tmp_path):
-    expect_all_ranks_raise(2, _save_with_unpicklable_common_view, str(tmp_path),
-                           match=r"CheckpointingException|RankErrors")
+    expect_all_ranks_raise(
+        2, _save_with_unpicklable_common_view, str(tmp_path), match=r"CheckpointingException|RankErrors"
+    )
 
 
 def _save_with_bad_offset(ckpt, bad_rank):
@@ -133,15 +160,26 @@ def test_missing_data_file_of_one_ranks_pieces_fails_every_rank(tmp_path):
     ckpt = tmp_path / "ckpt"
     run_ranks(2, save_with_fault, str(ckpt), 1, None)
     os.remove(ckpt / "__1_0.distcp")
-    expect_all_ranks_raise(2, load_with_fault, str(ckpt), 1,
-                           match=r"load failed on rank\(s\) 1: .*__1_0\.distcp: data file is missing")
+    expect_all_ranks_raise(
+        2,
+        load_with_fault,
+        str(ckpt),
+        1,
+        match=r"load failed on rank\(s\) 1: .*__1_0\.distcp: data file is missing",
+    )
 
 
 def test_read_error_on_one_rank_fails_every_rank(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     run_ranks(2, save_with_fault, ckpt, 1, None)
-    expect_all_ranks_raise(2, load_with_fault, ckpt, 1, Fault("read", (1,)),
-                           match=r"load failed on rank\(s\) 1: OSError: .*injected read fault on rank 1")
+    expect_all_ranks_raise(
+        2,
+        load_with_fault,
+        ckpt,
+        1,
+        Fault("read", (1,)),
+        match=r"load failed on rank\(s\) 1: OSError: .*injected read fault on rank 1",
+    )
     assert run_ranks(2, load_with_fault, ckpt, 1) == [[], []]
 
 
@@ -149,7 +187,9 @@ def test_missing_metadata_file_fails_every_rank_naming_it(tmp_path):
     ckpt = tmp_path / "ckpt"
     run_ranks(2, save_with_fault, str(ckpt), 1, None)
     os.remove(ckpt / ".metadata")
-    expect_all_ranks_raise(2, load_with_fault, str(ckpt), 1, match=r"\.metadata: DCP metadata file is missing")
+    expect_all_ranks_raise(
+        2, load_with_fault, str(ckpt), 1, match=r"\.metadata: DCP metadata file is missing"
+    )
 
 
 # --------------------------------------------------------------------------- SIGKILL
@@ -174,23 +214,44 @@ class KilledSave:
         return 1 - self.victim
 
 
-SCENARIOS = {"mid_write": 1, "before_commit": 0}   # window -> victim rank
+SCENARIOS = {"mid_write": 1, "before_commit": 0}  # window -> victim rank
 STALL_TIMEOUT_S = 150
 COLLECTIVE_TIMEOUT_S = 5
 EXIT_TIMEOUT_S = 60
 
 
 def _spawn(root: Path, window: str, victim: int) -> Dict[int, subprocess.Popen]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", GLOO_SOCKET_IFNAME="lo",
-               DISTCKPT_COLLECTIVE_TIMEOUT=str(COLLECTIVE_TIMEOUT_S),
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",
+        GLOO_SOCKET_IFNAME="lo",
+        DISTCKPT_COLLECTIVE_TIMEOUT=str(COLLECTIVE_TIMEOUT_S),
+        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     procs = {}
     for rank in range(2):
         log = open(root / f"rank{rank}.log", "w")
         procs[rank] = subprocess.Popen(
-            [sys.executable, "-m", "tests.faults", "sigkill-rank", "--rank", str(rank),
-             "--root", str(root), "--victim", str(victim), "--window", window],
-            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "tests.faults",
+                "sigkill-rank",
+                "--rank",
+                str(rank),
+                "--root",
+                str(root),
+                "--victim",
+                str(victim),
+                "--window",
+                window,
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         log.close()
     return procs
 
@@ -216,8 +277,10 @@ def killed_saves(tmp_path_factory):
                 elif any(p.poll() is not None for p in procs[w].values()):
                     pytest.fail(f"{w}: a rank exited before the victim stalled:\n" + _logs(run))
             if time.monotonic() > deadline:
-                pytest.fail(f"no stall within {STALL_TIMEOUT_S} s in {sorted(pending)}:\n"
-                            + "\n".join(_logs(runs[w]) for w in pending))
+                pytest.fail(
+                    f"no stall within {STALL_TIMEOUT_S} s in {sorted(pending)}:\n"
+                    + "\n".join(_logs(runs[w]) for w in pending)
+                )
             time.sleep(0.05)
         deadline = time.monotonic() + EXIT_TIMEOUT_S
         for w, group in procs.items():
@@ -253,8 +316,10 @@ def test_sigkill_kills_the_victim_and_the_survivor_fails_instead_of_committing(k
     failure = (run.root / f"failed.{run.survivor}").read_text()
     # A peer that is gone before the stage: named by the check-in; one that dies inside the
     # collective: gloo's closed connection, named by stage.
-    assert (f"rank(s) {run.victim} did not arrive within {COLLECTIVE_TIMEOUT_S} s" in failure
-            or "commit: a collective failed" in failure), failure
+    assert (
+        f"rank(s) {run.victim} did not arrive within {COLLECTIVE_TIMEOUT_S} s" in failure
+        or "commit: a collective failed" in failure
+    ), failure
 
 
 @pytest.mark.parametrize("window", SCENARIOS)
@@ -267,7 +332,7 @@ def test_sigkill_leaves_the_overwritten_checkpoint_complete_and_bit_exact(killed
 
 
 def test_sigkill_mid_write_partial_files_went_with_the_staging_tree_the_survivor_dropped(killed_saves):
-    run = killed_saves["mid_write"]     # the survivor is rank 0, which aborts the staging tree
+    run = killed_saves["mid_write"]  # the survivor is rank 0, which aborts the staging tree
     assert _leftovers(run.root) == []
 
 
@@ -275,7 +340,7 @@ def test_sigkill_just_before_commit_leaves_a_hidden_staging_tree_without_commit_
     run = killed_saves["before_commit"]
     (staging,) = [p for p in run.root.iterdir() if is_leftover(p)]
     assert _commit_files(staging) == [".distckpt_manifest.json", ".metadata"]
-    assert verify_files(staging, read_manifest(staging)) == []   # every byte is there; only the marker is not
+    assert verify_files(staging, read_manifest(staging)) == []  # every byte is there; only the marker is not
     assert not check_is_distributed_checkpoint(staging)
 
 

@@ -57,8 +57,10 @@ def _big(rank, with_data=True, tp=TP):
     sd = {}
     for i in range(8):
         full = layouts.full_tensor(f"big{i}", (64, 256))
-        local = full[rows * tp_rank:rows * (tp_rank + 1)].clone() if with_data else torch.zeros(rows, 256)
-        sd[f"big{i}"] = ShardedTensor.from_rank_offsets(f"big{i}", local, (0, tp_rank, tp), replica_id=dp_rank)
+        local = full[rows * tp_rank : rows * (tp_rank + 1)].clone() if with_data else torch.zeros(rows, 256)
+        sd[f"big{i}"] = ShardedTensor.from_rank_offsets(
+            f"big{i}", local, (0, tp_rank, tp), replica_id=dp_rank
+        )
     return sd
 
 
@@ -172,7 +174,11 @@ def test_save_wrapper_takes_backend_version_and_capabilities_from_the_inner_stra
     wrapper = FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy())
     assert (wrapper.backend, wrapper.version, wrapper.can_handle_sharded_objects) == ("torch_dist", 1, True)
     sync_only = FullyParallelSaveStrategyWrapper(_SyncOnlyStrategy())
-    assert (sync_only.backend, sync_only.version, sync_only.can_handle_sharded_objects) == ("sync_only", 3, False)
+    assert (sync_only.backend, sync_only.version, sync_only.can_handle_sharded_objects) == (
+        "sync_only",
+        3,
+        False,
+    )
     with pytest.raises(CheckpointingException, match="cannot save asynchronously"):
         sync_only.async_save({}, tmp_path)
 
@@ -194,7 +200,10 @@ def _async_save_through_the_queue(ckpt):
 
 
 def test_async_fully_parallel_save_through_the_queue_spreads_the_writing(tmp_path):
-    assert run_ranks(WORLD, _async_save_through_the_queue, str(tmp_path), timeout=TIMEOUT) == [([0], True)] * WORLD
+    assert (
+        run_ranks(WORLD, _async_save_through_the_queue, str(tmp_path), timeout=TIMEOUT)
+        == [([0], True)] * WORLD
+    )
     written = _bytes_per_rank(tmp_path)
     assert min(written) > 0 and max(written) / min(written) < 1.25, written
 
@@ -263,8 +272,9 @@ def _check(out, pieces, base, rank):
 def _load_fully_parallel(ckpt, algo, use_dp_group):
     rank, world = ddist.get_rank(), ddist.get_world_size()
     counting = CountingLoadStrategy()
-    wrapper = FullyParallelLoadStrategyWrapper(counting, _dp_group() if use_dp_group else None,
-                                               exchange_algo=algo)
+    wrapper = FullyParallelLoadStrategyWrapper(
+        counting, _dp_group() if use_dp_group else None, exchange_algo=algo
+    )
     sd, pieces, base = _request(rank, world)
     out = distckpt.load(sd, ckpt, sharded_strategy=wrapper)
     return _check(out, pieces, base, rank), counting.bytes_requested, counting.objects_requested
@@ -272,8 +282,16 @@ def _load_fully_parallel(ckpt, algo, use_dp_group):
 
 def _requested_global_bytes():
     """One copy of every tensor the model asks for: tp_dp's keys plus the big ones."""
-    sizes = {"col": 8 * 6 * 4, "row": 6 * 8 * 4, "emb": 16 * 4 * 2, "half": 4 * 8 * 2, "bias": 6 * 4,
-             "count": 5 * 8, "mask": 9, "steps": 4}
+    sizes = {
+        "col": 8 * 6 * 4,
+        "row": 6 * 8 * 4,
+        "emb": 16 * 4 * 2,
+        "half": 4 * 8 * 2,
+        "bias": 6 * 4,
+        "count": 5 * 8,
+        "mask": 9,
+        "steps": 4,
+    }
     return sum(sizes.values()) + 8 * 64 * 256 * 4
 
 
@@ -325,8 +343,14 @@ def _load_with_failure(ckpt, algo):
 @pytest.mark.parametrize("algo", ["broadcast", "gather_rounds"])
 def test_a_read_failure_on_one_rank_raises_on_every_rank(algo, tmp_path):
     run_ranks(WORLD, _save_plain, str(tmp_path), timeout=TIMEOUT)
-    expect_all_ranks_raise(WORLD, _load_with_failure, str(tmp_path), algo,
-                           match=r"failed on rank\(s\) 1: RuntimeError: injected read failure", timeout=TIMEOUT)
+    expect_all_ranks_raise(
+        WORLD,
+        _load_with_failure,
+        str(tmp_path),
+        algo,
+        match=r"failed on rank\(s\) 1: RuntimeError: injected read failure",
+        timeout=TIMEOUT,
+    )
 
 
 def _load_fp8_subclass(ckpt, algo):
@@ -334,12 +358,15 @@ def _load_fp8_subclass(ckpt, algo):
 
     rank = ddist.get_rank()
     values = layouts.full_tensor("fp8sub", (4, 6))
-    distckpt.save({"w": ShardedTensor.from_rank_offsets("w", ScaledFp8Tensor.quantize(values, 0.5),
-                                                        replica_id=rank)}, ckpt)
+    distckpt.save(
+        {"w": ShardedTensor.from_rank_offsets("w", ScaledFp8Tensor.quantize(values, 0.5), replica_id=rank)},
+        ckpt,
+    )
     target = ScaledFp8Tensor(torch.zeros(4, 6, dtype=torch.uint8), scale=0.5)
     wrapper = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(), exchange_algo=algo)
-    out = distckpt.load({"w": ShardedTensor.from_rank_offsets("w", target, replica_id=rank)}, ckpt,
-                        sharded_strategy=wrapper)
+    out = distckpt.load(
+        {"w": ShardedTensor.from_rank_offsets("w", target, replica_id=rank)}, ckpt, sharded_strategy=wrapper
+    )
     return out["w"] is target and torch.equal(target.payload, ScaledFp8Tensor.quantize(values, 0.5).payload)
 
 
@@ -366,14 +393,27 @@ def _round_trip_through_both_wrappers(ckpt, backend, algo, layout, save_params, 
 
 @pytest.mark.parametrize("algo", ["broadcast", "gather_rounds"])
 @pytest.mark.parametrize("backend", ["torch_dist", "zarr"])
-@pytest.mark.parametrize("layout,save_params,load_params", [
-    ("tp_dp", {"tp": 2}, {"tp": 2}),
-    ("flat_optimizer", {"tp": 2}, {"tp": 2, "flat": False}),   # flattened ranges -> DP replicas
-    ("stacked", {"pp": 2, "per_layer": True}, {"pp": 2, "per_layer": False}),
-], ids=["tp_dp", "flat_to_replicated", "stacked"])
+@pytest.mark.parametrize(
+    "layout,save_params,load_params",
+    [
+        ("tp_dp", {"tp": 2}, {"tp": 2}),
+        ("flat_optimizer", {"tp": 2}, {"tp": 2, "flat": False}),  # flattened ranges -> DP replicas
+        ("stacked", {"pp": 2, "per_layer": True}, {"pp": 2, "per_layer": False}),
+    ],
+    ids=["tp_dp", "flat_to_replicated", "stacked"],
+)
 def test_both_wrappers_round_trip_any_backend(backend, algo, layout, save_params, load_params, tmp_path):
-    results = run_ranks(WORLD, _round_trip_through_both_wrappers, str(tmp_path), backend, algo, layout,
-                        save_params, load_params, timeout=TIMEOUT)
+    results = run_ranks(
+        WORLD,
+        _round_trip_through_both_wrappers,
+        str(tmp_path),
+        backend,
+        algo,
+        layout,
+        save_params,
+        load_params,
+        timeout=TIMEOUT,
+    )
     assert results == [[]] * WORLD
 
 
@@ -387,7 +427,9 @@ def test_load_wrapper_delegates_queries_and_checks(tmp_path):
         wrapper.check_backend_compatibility("zarr")
     with pytest.raises(CheckpointingException, match="newer"):
         wrapper.check_version_compatibility(2)
-    out = distckpt.load({"a": ShardedTensor.from_rank_offsets("a", torch.zeros(4))}, tmp_path, sharded_strategy=wrapper)
+    out = distckpt.load(
+        {"a": ShardedTensor.from_rank_offsets("a", torch.zeros(4))}, tmp_path, sharded_strategy=wrapper
+    )
     assert torch.equal(out["a"], torch.arange(4.0))
     with pytest.raises(CheckpointingException, match="unknown exchange_algo"):
         FullyParallelLoadStrategyWrapper(inner, exchange_algo="telepathy")
@@ -427,8 +469,21 @@ def _run_cuda(world, backend, tmp_path, algo):
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_cuda_worker, args=(r, world, backend, str(tmp_path / f"store_{backend}_{algo}"),
-                                                    str(tmp_path / "ckpt"), algo, results)) for r in range(world)]
+    procs = [
+        ctx.Process(
+            target=_cuda_worker,
+            args=(
+                r,
+                world,
+                backend,
+                str(tmp_path / f"store_{backend}_{algo}"),
+                str(tmp_path / "ckpt"),
+                algo,
+                results,
+            ),
+        )
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     try:

@@ -37,16 +37,22 @@ def test_the_fuzzer_classifies_planted_failures():
     """A runner that cannot see a failure passes everything: plant one of each kind in the worker
     and check that each is reported as such (the control case is otherwise clean)."""
     cases = [hf.Case("torch_dist", "metadata.json", "none", 0)]
-    eps = ("load", "cli-verify", "check_is_distributed_checkpoint", "load_common_state_dict",
-           "load_tensors_metadata", "cli-inspect")
+    eps = (
+        "load",
+        "cli-verify",
+        "check_is_distributed_checkpoint",
+        "load_common_state_dict",
+        "load_tensors_metadata",
+        "cli-inspect",
+    )
     rows = hf.run_cases(0, cases=cases, eps=eps, plant="all", time_limit=2.0)
     got = {r["ep"]: r["outcome"] for r in rows}
     print(hf.summarize(rows))
     assert got == {
-        "load": "SILENT-WRONG",                    # compared against wrong expected values
-        "cli-verify": "SILENT-WRONG",              # said intact while a load returned wrong values
+        "load": "SILENT-WRONG",  # compared against wrong expected values
+        "cli-verify": "SILENT-WRONG",  # said intact while a load returned wrong values
         "check_is_distributed_checkpoint": "escaped",  # read a canary outside the checkpoint
-        "load_common_state_dict": "crash",         # a raw exception
-        "load_tensors_metadata": "oom",            # allocated past the address-space limit
-        "cli-inspect": "hang",                     # slept past the time limit (in a fresh worker)
+        "load_common_state_dict": "crash",  # a raw exception
+        "load_tensors_metadata": "oom",  # allocated past the address-space limit
+        "cli-inspect": "hang",  # slept past the time limit (in a fresh worker)
     }, got

@@ -27,8 +27,11 @@ TB = 1 << 40
 
 
 def _save(ckpt: Path, backend: str = "torch_dist") -> None:
-    distckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(64, dtype=torch.float32))},
-                  ckpt, sharded_strategy=(backend, 1))
+    distckpt.save(
+        {"w": ShardedTensor.from_rank_offsets("w", torch.arange(64, dtype=torch.float32))},
+        ckpt,
+        sharded_strategy=(backend, 1),
+    )
 
 
 def _load(ckpt: Path, verify: Optional[bool] = False):
@@ -52,7 +55,7 @@ def _set_record(md, **changes) -> None:
 def ckpt(tmp_path):
     path = tmp_path / "ckpt"
     _save(path)
-    (tmp_path / "secret.distcp").write_bytes(b"x" * 4096)   # what an escape would read
+    (tmp_path / "secret.distcp").write_bytes(b"x" * 4096)  # what an escape would read
     return path
 
 
@@ -60,7 +63,10 @@ def ckpt(tmp_path):
 def test_a_storage_record_naming_a_file_outside_is_refused_naming_metadata(ckpt, name):
     _rewrite_metadata(ckpt, lambda md: _set_record(md, relative_path=name))
     for verify in (False, True):
-        with pytest.raises(CheckpointingException, match=r"\.metadata: storage record of 'w': file name .* (outside|not a non-empty)"):
+        with pytest.raises(
+            CheckpointingException,
+            match=r"\.metadata: storage record of 'w': file name .* (outside|not a non-empty)",
+        ):
             _load(ckpt, verify)
     with pytest.raises(CheckpointingException, match="outside the checkpoint|not a non-empty"):
         distckpt.load_plain_tensors(ckpt)
@@ -71,17 +77,23 @@ def test_a_data_file_that_is_a_symlink_out_of_the_checkpoint_is_refused(ckpt):
     (ckpt.parent / "outside.distcp").write_bytes((ckpt / name).read_bytes())
     os.remove(ckpt / name)
     os.symlink(ckpt.parent / "outside.distcp", ckpt / name)
-    with pytest.raises(CheckpointingException, match=rf"{name}: named by .*\.metadata, resolves to .*outside\.distcp, outside the checkpoint"):
+    with pytest.raises(
+        CheckpointingException,
+        match=rf"{name}: named by .*\.metadata, resolves to .*outside\.distcp, outside the checkpoint",
+    ):
         _load(ckpt)
 
 
-@pytest.mark.parametrize("changes, match", [
-    # With a manifest, the default cross-check refuses the record before the size check would.
-    ({"length": 1 << 50}, r"says the writer wrote \d+ bytes|lists no range there|file is truncated"),
-    ({"offset": 1 << 50}, r"says the writer wrote \d+ bytes|lists no range there|file is truncated"),
-    ({"offset": -1}, r"offset -1 is not an integer"),
-    ({"length": 2.5}, r"length 2\.5 is not an integer"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        # With a manifest, the default cross-check refuses the record before the size check would.
+        ({"length": 1 << 50}, r"says the writer wrote \d+ bytes|lists no range there|file is truncated"),
+        ({"offset": 1 << 50}, r"says the writer wrote \d+ bytes|lists no range there|file is truncated"),
+        ({"offset": -1}, r"offset -1 is not an integer"),
+        ({"length": 2.5}, r"length 2\.5 is not an integer"),
+    ],
+)
 def test_impossible_offsets_and_lengths_are_refused_before_any_read(ckpt, changes, match):
     _rewrite_metadata(ckpt, lambda md: _set_record(md, **changes))
     for verify in (False, True):
@@ -98,12 +110,18 @@ def test_a_claimed_shape_of_2_to_the_40_elements_is_refused_without_allocating(c
     _rewrite_metadata(ckpt, lambda md: _claim_global_shape(md, (TB,)))
     start = time.monotonic()
     # The manifest says what the writer declared; without one, the stored bytes bound the claim.
-    with pytest.raises(CheckpointingException, match=r"\.metadata: key 'w' is float32 of shape \[1099511627776\], "
-                                                     r".*manifest\.json says the writer wrote float32 of shape \[64\]"):
+    with pytest.raises(
+        CheckpointingException,
+        match=r"\.metadata: key 'w' is float32 of shape \[1099511627776\], "
+        r".*manifest\.json says the writer wrote float32 of shape \[64\]",
+    ):
         distckpt.load_plain_tensors(ckpt)
     os.remove(ckpt / ".distckpt_manifest.json")
-    with pytest.raises(CheckpointingException, match=r"\.metadata: key 'w': loading \[1099511627776\] needs "
-                                                     r"4398046511104 bytes, the checkpoint stores \d+"):
+    with pytest.raises(
+        CheckpointingException,
+        match=r"\.metadata: key 'w': loading \[1099511627776\] needs "
+        r"4398046511104 bytes, the checkpoint stores \d+",
+    ):
         distckpt.load_plain_tensors(ckpt)
     assert time.monotonic() - start < 5
 
@@ -112,8 +130,11 @@ def test_a_chunk_claiming_more_bytes_than_its_record_is_refused(ckpt):
     def edit(md):
         _claim_global_shape(md, (TB,))
         md.state_dict_metadata["w"].chunks[0].sizes = torch.Size((TB,))
+
     _rewrite_metadata(ckpt, edit)
-    with pytest.raises(CheckpointingException, match=r"key 'w': chunk at \[0\] of \[1099511627776\] elements needs"):
+    with pytest.raises(
+        CheckpointingException, match=r"key 'w': chunk at \[0\] of \[1099511627776\] elements needs"
+    ):
         _load(ckpt)
 
 
@@ -135,7 +156,10 @@ def test_a_manifest_listing_files_outside_is_refused_naming_it(ckpt):
     raw["files"]["../secret.distcp"] = 4096
     raw["ranges"]["../secret.distcp"] = [[0, 4096, 0, "x"]]
     path.write_text(json.dumps(raw))
-    with pytest.raises(CheckpointingException, match=r"\.distckpt_manifest\.json: listed file '\.\./secret\.distcp' points outside"):
+    with pytest.raises(
+        CheckpointingException,
+        match=r"\.distckpt_manifest\.json: listed file '\.\./secret\.distcp' points outside",
+    ):
         read_manifest(ckpt)
     with pytest.raises(CheckpointingException, match=r"listed file '\.\./secret\.distcp' points outside"):
         read_manifest_files(ckpt)
@@ -170,6 +194,7 @@ def _edit_json(path: Path, edit) -> None:
 def test_zarr_root_listing_a_key_outside_is_refused(zckpt):
     def edit(md):
         md["attributes"]["distckpt"]["keys"] = ["../../etc"]
+
     _edit_json(zckpt / "zarr.json", edit)
     with pytest.raises(CheckpointingException, match=r"zarr\.json: array key '\.\./\.\./etc' points outside"):
         distckpt.load_plain_tensors(zckpt)
@@ -182,20 +207,28 @@ def test_zarr_array_folder_that_is_a_symlink_out_is_refused(zckpt, tmp_path):
         _load(zckpt)
 
 
-@pytest.mark.parametrize("shape, chunks, match", [
-    # With the manifest (which says [64]) the claim is refused as a disagreement with it first.
-    ([TB], [TB], r"loading \[1099511627776\] needs 4398046511104 bytes, the array's chunk files hold|"
-                 r"w/zarr\.json says float32 of shape \[1099511627776\], the integrity manifest"),
-    ([64], [1 << 50], r"chunk shape 1125899906842624 is not an integer in"),
-    ([64], [1 << 40], r"a chunk of \[1099511627776\] \(4398046511104 bytes\) for an array of \[64\]"),
-    ([64], [0], r"chunk shape \[0\] does not fit"),
-    ([1 << 40, 1 << 40], [1, 1], r"shape \[1099511627776, 1099511627776\] claims"),
-    ([-1], [1], r"shape \[-1\] is not an integer|shape -1 is not"),
-])
+@pytest.mark.parametrize(
+    "shape, chunks, match",
+    [
+        # With the manifest (which says [64]) the claim is refused as a disagreement with it first.
+        (
+            [TB],
+            [TB],
+            r"loading \[1099511627776\] needs 4398046511104 bytes, the array's chunk files hold|"
+            r"w/zarr\.json says float32 of shape \[1099511627776\], the integrity manifest",
+        ),
+        ([64], [1 << 50], r"chunk shape 1125899906842624 is not an integer in"),
+        ([64], [1 << 40], r"a chunk of \[1099511627776\] \(4398046511104 bytes\) for an array of \[64\]"),
+        ([64], [0], r"chunk shape \[0\] does not fit"),
+        ([1 << 40, 1 << 40], [1, 1], r"shape \[1099511627776, 1099511627776\] claims"),
+        ([-1], [1], r"shape \[-1\] is not an integer|shape -1 is not"),
+    ],
+)
 def test_zarr_impossible_shapes_and_chunks_are_refused_quickly(zckpt, shape, chunks, match):
     def edit(md):
         md["shape"] = shape
         md["chunk_grid"]["configuration"]["chunk_shape"] = chunks
+
     _edit_json(zckpt / "w" / "zarr.json", edit)
     start = time.monotonic()
     with pytest.raises(CheckpointingException, match=match):
@@ -210,18 +243,28 @@ def _save_three(path: Path, backend: str = "torch_dist") -> None:
     """``w`` [6, 8] in two chunks, ``b`` [4, 5] and ``opt.f`` [4, 6] held flat in two ranges,
     all in one file (removing ``opt.`` rewrites the file around the kept keys)."""
     f = torch.arange(24, dtype=torch.float32)
-    distckpt.save({
-        "w0": ShardedTensor.from_rank_offsets("w", torch.ones(3, 8), (0, 0, 2)),
-        "w1": ShardedTensor.from_rank_offsets("w", torch.full((3, 8), 2.0), (0, 1, 2)),
-        "b": ShardedTensor.from_rank_offsets("b", torch.arange(20.0).reshape(4, 5)),
-        "f0": ShardedTensor.from_rank_offsets_flat("opt.f", f[:10].clone(), (4, 6), flattened_range=slice(0, 10)),
-        "f1": ShardedTensor.from_rank_offsets_flat("opt.f", f[10:].clone(), (4, 6), flattened_range=slice(10, 24)),
-    }, path, sharded_strategy=(backend, 1))
+    distckpt.save(
+        {
+            "w0": ShardedTensor.from_rank_offsets("w", torch.ones(3, 8), (0, 0, 2)),
+            "w1": ShardedTensor.from_rank_offsets("w", torch.full((3, 8), 2.0), (0, 1, 2)),
+            "b": ShardedTensor.from_rank_offsets("b", torch.arange(20.0).reshape(4, 5)),
+            "f0": ShardedTensor.from_rank_offsets_flat(
+                "opt.f", f[:10].clone(), (4, 6), flattened_range=slice(0, 10)
+            ),
+            "f1": ShardedTensor.from_rank_offsets_flat(
+                "opt.f", f[10:].clone(), (4, 6), flattened_range=slice(10, 24)
+            ),
+        },
+        path,
+        sharded_strategy=(backend, 1),
+    )
 
 
 def _tree(path: Path) -> dict:
-    return {p.relative_to(path).as_posix(): (p.read_bytes() if p.is_file() else "dir")
-            for p in sorted(path.rglob("*"))}
+    return {
+        p.relative_to(path).as_posix(): (p.read_bytes() if p.is_file() else "dir")
+        for p in sorted(path.rglob("*"))
+    }
 
 
 def _surgery_cli(*args) -> tuple:
@@ -230,7 +273,7 @@ def _surgery_cli(*args) -> tuple:
     from distckpt.cli import main as cli_main
 
     result = CliRunner().invoke(cli_main, [str(a) for a in args])
-    assert result.exit_code in (1, 2), (result.exit_code, result.output)   # 3 is "internal error"
+    assert result.exit_code in (1, 2), (result.exit_code, result.output)  # 3 is "internal error"
     assert "Traceback" not in result.output
     return result.exit_code, result.output
 
@@ -250,19 +293,23 @@ def three(tmp_path):
 @pytest.mark.parametrize("resealed", [False, True])
 def test_surgery_refuses_metadata_the_manifest_contradicts_and_changes_nothing(three, resealed):
     md = read_metadata(three)
-    _rename_key(md, "w", "v")    # a damaged .metadata: w's records now claim another key
+    _rename_key(md, "w", "v")  # a damaged .metadata: w's records now claim another key
     (three / ".metadata").write_bytes(pickle.dumps(md))
     if resealed:
-        reseal_manifest(three)   # the whole-file CRC agrees; the manifest's range keys still say 'w'
+        reseal_manifest(three)  # the whole-file CRC agrees; the manifest's range keys still say 'w'
     before = _tree(three)
     # Not resealed: the CRC mismatch, with the claims that differ; resealed: the cross-check.
     match = r"\.metadata: key 'v'.*\.distckpt_manifest\.json says the writer wrote \d+ bytes of key 'w'"
     with pytest.raises(CheckpointingException, match=match):
         distckpt.remove_sharded_tensors(three, "opt.")
-    for args in (["rm-prefix", three, "opt."], ["rename", three, "--map", "v=w2"], ["rename", three, "--map", "b=c"]):
+    for args in (
+        ["rm-prefix", three, "opt."],
+        ["rename", three, "--map", "v=w2"],
+        ["rename", three, "--map", "b=c"],
+    ):
         code, out = _surgery_cli(*args)
         assert ".metadata" in out and ".distckpt_manifest.json" in out, out
-    assert _tree(three) == before   # nothing rewritten, nothing deleted
+    assert _tree(three) == before  # nothing rewritten, nothing deleted
 
 
 def test_surgery_refuses_a_chunk_box_the_claims_check_refuses(three):
@@ -270,11 +317,16 @@ def test_surgery_refuses_a_chunk_box_the_claims_check_refuses(three):
         meta = md.state_dict_metadata["b"]
         meta.chunks[0] = replace(meta.chunks[0], offsets=torch.Size((3, 0)))
         _rename_key(md, "b", "b")
-        md.storage_data = {(replace(i, offset=torch.Size((3, 0))) if i.fqn == "b" else i): s
-                           for i, s in md.storage_data.items()}
+        md.storage_data = {
+            (replace(i, offset=torch.Size((3, 0))) if i.fqn == "b" else i): s
+            for i, s in md.storage_data.items()
+        }
+
     _rewrite_metadata(three, edit)
     before = _tree(three)
-    with pytest.raises(CheckpointingException, match=r"\.metadata: key 'b': chunk at \[3, 0\] of size \[4, 5\] lies outside"):
+    with pytest.raises(
+        CheckpointingException, match=r"\.metadata: key 'b': chunk at \[3, 0\] of size \[4, 5\] lies outside"
+    ):
         distckpt.remove_sharded_tensors(three, "opt.")
     assert _tree(three) == before
 
@@ -294,7 +346,8 @@ def test_a_key_of_only_dots_is_refused_naming_metadata(three):
 def test_a_reformulated_grid_finer_than_its_tensor_is_refused_not_divided_by(three):
     def edit(md):
         meta = md.state_dict_metadata["opt.f"]
-        meta.size = torch.Size((TB,) + tuple(meta.size)[1:])   # [2^40, 1, 24] for a [4, 6] tensor
+        meta.size = torch.Size((TB,) + tuple(meta.size)[1:])  # [2^40, 1, 24] for a [4, 6] tensor
+
     _rewrite_metadata(three, edit)
     match = r"\.metadata: key 'opt\.f': stored shape \[1099511627776, 1, 24\] is not an N-D reformulation"
     with pytest.raises(CheckpointingException, match=match):
@@ -304,7 +357,7 @@ def test_a_reformulated_grid_finer_than_its_tensor_is_refused_not_divided_by(thr
 
 
 def test_removal_refuses_a_missing_data_file_or_a_sidecar_that_is_a_folder(three, tmp_path):
-    data = three / "__0_1.distcp"    # w's second chunk and both ranges of opt.f
+    data = three / "__0_1.distcp"  # w's second chunk and both ranges of opt.f
     os.remove(data)
     before = _tree(three)
     with pytest.raises(CheckpointingException, match=rf"{data.name}: data file is missing \(holds kept keys"):
@@ -332,9 +385,11 @@ def _edit_sidecar_directory(path: Path, edit) -> None:
 
     raw = (path / ".distckpt_index").read_bytes()
     magic, n, _ = struct.unpack_from("<8sQI", raw)
-    directory = json.loads(raw[20:20 + n])
+    directory = json.loads(raw[20 : 20 + n])
     head = edit(directory)
-    (path / ".distckpt_index").write_bytes(struct.pack("<8sQI", magic, len(head), crc32c(head)) + head + raw[20 + n:])
+    (path / ".distckpt_index").write_bytes(
+        struct.pack("<8sQI", magic, len(head), crc32c(head)) + head + raw[20 + n :]
+    )
     reseal_manifest(path)
 
 
@@ -342,18 +397,22 @@ def test_a_sidecar_entry_of_the_wrong_type_is_refused_naming_the_sidecar(three):
     def edit(d):
         d["keys"]["opt.f"]["bbox"][1][0] = {"x": 1}
         return json.dumps(d).encode()
+
     _edit_sidecar_directory(three, edit)
     match = r"\.distckpt_index: malformed sidecar index: key 'opt\.f': bbox"
     with pytest.raises(CheckpointingException, match=match):
         distckpt.load_plain_tensors(three)
     report = verify_checkpoint(three)
-    assert any(".distckpt_index: malformed sidecar index: key 'opt.f': bbox" in p for p in report.problems), report.problems
+    assert any(".distckpt_index: malformed sidecar index: key 'opt.f': bbox" in p for p in report.problems), (
+        report.problems
+    )
 
 
 def test_verify_reads_the_sidecar_and_reports_a_directory_nested_too_deep(three):
     def edit(d):
         text = json.dumps(d)
         return text.replace('"bbox": [', '"bbox": [' + "[" * 100_000 + "]" * 100_000 + ", ", 1).encode()
+
     _edit_sidecar_directory(three, edit)
     report = verify_checkpoint(three)
     assert any(".distckpt_index: malformed sidecar index" in p for p in report.problems), report.problems
@@ -365,9 +424,10 @@ def test_verify_checks_the_sidecar_records_against_metadata(three):
     report = verify_checkpoint(three)
     assert report.ok and any(".distckpt_index against .metadata" in c for c in report.checked), report.checked
 
-    def edit(d):   # b declared with another shape: a load through the sidecar would trust it
+    def edit(d):  # b declared with another shape: a load through the sidecar would trust it
         d["keys"]["b"]["size"] = [5, 4]
         return json.dumps(d).encode()
+
     _edit_sidecar_directory(three, edit)
     report = verify_checkpoint(three)
     assert any(".distckpt_index: key 'b' is declared as" in p for p in report.problems), report.problems
@@ -376,13 +436,17 @@ def test_verify_checks_the_sidecar_records_against_metadata(three):
 def test_tensor_metadata_of_a_damaged_metadata_is_refused_when_a_manifest_exists(three):
     raw = (three / ".metadata").read_bytes()
     # One byte: opt.f's original shape [4, 6] becomes [4, 7], a claim consistent with the rest.
-    at = raw.index(b"K\x04K\x06", raw.index(b"nd_reformulated_orig_global_shape"))   # BININT1 4, BININT1 6
-    (three / ".metadata").write_bytes(raw[:at + 3] + b"\x07" + raw[at + 4:])
-    with pytest.raises(CheckpointingException, match=r"\.metadata: contents do not match the integrity manifest"):
+    at = raw.index(b"K\x04K\x06", raw.index(b"nd_reformulated_orig_global_shape"))  # BININT1 4, BININT1 6
+    (three / ".metadata").write_bytes(raw[: at + 3] + b"\x07" + raw[at + 4 :])
+    with pytest.raises(
+        CheckpointingException, match=r"\.metadata: contents do not match the integrity manifest"
+    ):
         distckpt.load_tensors_metadata(three)
-    with pytest.raises(CheckpointingException, match=r"\.metadata: contents do not match the integrity manifest"):
+    with pytest.raises(
+        CheckpointingException, match=r"\.metadata: contents do not match the integrity manifest"
+    ):
         distckpt.load_sharded_metadata(three)
-    os.remove(three / ".distckpt_manifest.json")     # no manifest: the claims are all there is
+    os.remove(three / ".distckpt_manifest.json")  # no manifest: the claims are all there is
     assert distckpt.load_tensors_metadata(three)["opt.f"].global_shape == (4, 7)
 
 
@@ -398,8 +462,11 @@ def test_zarr_metadata_swapped_between_arrays_is_refused_naming_it(tmp_path):
     with pytest.raises(CheckpointingException, match=r"zarr\.json says float32 of shape \[(4, 6|6, 8)\]"):
         distckpt.load_tensors_metadata(path)
     os.remove(path / ".distckpt_manifest.json")
-    with pytest.raises(CheckpointingException, match=r"'w': global shape \[6, 8\] was requested but the checkpoint "
-                                                     r"stores \[4, 6\] \(in .*w/zarr\.json"):
+    with pytest.raises(
+        CheckpointingException,
+        match=r"'w': global shape \[6, 8\] was requested but the checkpoint "
+        r"stores \[4, 6\] \(in .*w/zarr\.json",
+    ):
         distckpt.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(6, 8))}, path)
 
 
@@ -424,6 +491,7 @@ def _metadata_lie(path: Path, edit, sidecar: bool) -> None:
         manifest = read_manifest(path)
         manifest.drop(".distckpt_index")
         from distckpt.manifest import write_manifest
+
         write_manifest(path, manifest)
     reseal_manifest(path)
 
@@ -443,24 +511,45 @@ def _drop_key(md, key):
 
 
 @pytest.mark.parametrize("sidecar", [False, True])
-@pytest.mark.parametrize("edit, match", [
-    (lambda md: _set_dtype(md, "b", torch.float64), r"key 'b' is float64 of shape \[4, 5\], .*\.distckpt_manifest\.json "
-                                                    r"says the writer wrote float32 of shape \[4, 5\]"),
-    (lambda md: _set_size(md, "w", (6, 9)), r"key 'w' is float32 of shape \[6, 9\], .*\.distckpt_manifest\.json says "
-                                            r"the writer wrote float32 of shape \[6, 8\]"),
-    (lambda md: _rename_key(md, "b", "../precious.txt"), r"declares tensor key '\.\./precious\.txt', which "
-                                                         r".*\.distckpt_manifest\.json says the writer never wrote"),
-    (lambda md: _drop_key(md, "b"), r"does not declare tensor key\(s\) \['b'\] that "
-                                    r".*\.distckpt_manifest\.json says the writer wrote"),
-    # Same elements, other original shape: no coverage check can tell, the manifest can.
-    (lambda md: md.mcore_data["opt.f"].update(nd_reformulated_orig_global_shape=(6, 4)),
-     r"key 'opt\.f' is float32 of shape \[1, 1, 24\] \(flattened, of original shape \[6, 4\]\), "
-     r".*\.distckpt_manifest\.json says the writer wrote float32 of shape \[1, 1, 24\] \(flattened, of original "
-     r"shape \[4, 6\]\)"),
-])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (
+            lambda md: _set_dtype(md, "b", torch.float64),
+            r"key 'b' is float64 of shape \[4, 5\], .*\.distckpt_manifest\.json "
+            r"says the writer wrote float32 of shape \[4, 5\]",
+        ),
+        (
+            lambda md: _set_size(md, "w", (6, 9)),
+            r"key 'w' is float32 of shape \[6, 9\], .*\.distckpt_manifest\.json says "
+            r"the writer wrote float32 of shape \[6, 8\]",
+        ),
+        (
+            lambda md: _rename_key(md, "b", "../precious.txt"),
+            r"declares tensor key '\.\./precious\.txt', which "
+            r".*\.distckpt_manifest\.json says the writer never wrote",
+        ),
+        (
+            lambda md: _drop_key(md, "b"),
+            r"does not declare tensor key\(s\) \['b'\] that "
+            r".*\.distckpt_manifest\.json says the writer wrote",
+        ),
+        # Same elements, other original shape: no coverage check can tell, the manifest can.
+        (
+            lambda md: md.mcore_data["opt.f"].update(nd_reformulated_orig_global_shape=(6, 4)),
+            r"key 'opt\.f' is float32 of shape \[1, 1, 24\] \(flattened, of original shape \[6, 4\]\), "
+            r".*\.distckpt_manifest\.json says the writer wrote float32 of shape \[1, 1, 24\] \(flattened, of original "
+            r"shape \[4, 6\]\)",
+        ),
+    ],
+)
 def test_default_queries_refuse_key_declarations_the_manifest_contradicts(three, edit, match, sidecar):
     _metadata_lie(three, edit, sidecar)
-    for query in (distckpt.load_plain_tensors, distckpt.load_tensors_metadata, distckpt.load_sharded_metadata):
+    for query in (
+        distckpt.load_plain_tensors,
+        distckpt.load_tensors_metadata,
+        distckpt.load_sharded_metadata,
+    ):
         with pytest.raises(CheckpointingException, match=r"\.metadata: " + match):
             query(three)
 
@@ -470,9 +559,14 @@ def test_a_default_load_through_metadata_checks_the_keys_it_reads_against_the_ma
 
     _metadata_lie(three, lambda md: _set_dtype(md, "b", torch.float16), sidecar=False)
     strategy = TorchDistLoadShardedStrategy()
-    with pytest.raises(CheckpointingException, match=r"\.metadata: key 'b' is float16 of shape \[4, 5\], "
-                                                     r".*\.distckpt_manifest\.json says the writer wrote float32"):
-        strategy.load({"b": ShardedTensor.from_rank_offsets("b", torch.zeros(4, 5, dtype=torch.float16))}, three)
+    with pytest.raises(
+        CheckpointingException,
+        match=r"\.metadata: key 'b' is float16 of shape \[4, 5\], "
+        r".*\.distckpt_manifest\.json says the writer wrote float32",
+    ):
+        strategy.load(
+            {"b": ShardedTensor.from_rank_offsets("b", torch.zeros(4, 5, dtype=torch.float16))}, three
+        )
     # Keys it does not read are not its business (nor a cost): w loads.
     got = strategy.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(6, 8))}, three)["w"]
     assert not strategy.last_load_used_index and torch.equal(got[3:], torch.full((3, 8), 2.0))
@@ -483,17 +577,26 @@ def test_an_item_whose_header_says_another_dtype_than_the_metadata_is_refused(th
     # No manifest to ask: the item's own header contradicts the claim.
     _metadata_lie(three, lambda md: _set_dtype(md, "b", torch.float16), sidecar)
     os.remove(three / ".distckpt_manifest.json")
-    with pytest.raises(CheckpointingException, match=r"key 'b' in .*\.distcp at offset \d+ \(rank 0\): the item holds "
-                                                     r"float32 values, .*(\.metadata|\.distckpt_index) says the key is float16"):
+    with pytest.raises(
+        CheckpointingException,
+        match=r"key 'b' in .*\.distcp at offset \d+ \(rank 0\): the item holds "
+        r"float32 values, .*(\.metadata|\.distckpt_index) says the key is float16",
+    ):
         distckpt.load_plain_tensors(three)
 
 
 def _save_with_object(path: Path) -> None:
     from distckpt import ShardedObject
 
-    distckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0)),
-                   "rng": ShardedObject("rng", {"seed": 7}, (1,), (0,)), "iteration": 3},
-                  path, sharded_strategy=("torch_dist", 1))
+    distckpt.save(
+        {
+            "w": ShardedTensor.from_rank_offsets("w", torch.arange(4.0)),
+            "rng": ShardedObject("rng", {"seed": 7}, (1,), (0,)),
+            "iteration": 3,
+        },
+        path,
+        sharded_strategy=("torch_dist", 1),
+    )
 
 
 @pytest.mark.parametrize("resealed", [False, True])
@@ -502,16 +605,20 @@ def test_an_object_key_renamed_in_metadata_is_not_returned_as_a_common_value(tmp
     _save_with_object(path)
     (tmp_path / "precious.txt").write_bytes(b"canary")
     md = read_metadata(path)
-    _rename_key(md, "rng/shard_0_1", "../precious.txt")   # no longer an object key: a DCP value
+    _rename_key(md, "rng/shard_0_1", "../precious.txt")  # no longer an object key: a DCP value
     raw = pickle.dumps(md)
     (path / ".metadata").write_bytes(raw)
     if resealed:
         from distckpt.strategies.index import index_from_metadata
 
-        (path / ".distckpt_index").write_bytes(index_from_metadata(md, read_manifest(path).range_index(), len(raw)))
+        (path / ".distckpt_index").write_bytes(
+            index_from_metadata(md, read_manifest(path).range_index(), len(raw))
+        )
         reseal_manifest(path)
-    match = (r"value '\.\./precious\.txt' in .*__0_0\.distcp \(rank 0\): \.metadata records \d+ bytes of key "
-             r"'\.\./precious\.txt' .*\.distckpt_manifest\.json says the writer wrote \d+ bytes of key 'rng/shard_0_1'")
+    match = (
+        r"value '\.\./precious\.txt' in .*__0_0\.distcp \(rank 0\): \.metadata records \d+ bytes of key "
+        r"'\.\./precious\.txt' .*\.distckpt_manifest\.json says the writer wrote \d+ bytes of key 'rng/shard_0_1'"
+    )
     with pytest.raises(CheckpointingException, match=match):
         distckpt.load_common_state_dict(path)
     assert (tmp_path / "precious.txt").read_bytes() == b"canary"
@@ -521,8 +628,10 @@ def _move_chunk(md, key, old, new):
     """Chunk ``old`` of ``key`` claimed at offset ``new`` (its box and its storage record)."""
     meta = md.state_dict_metadata[key]
     meta.chunks = [replace(c, offsets=torch.Size(new)) if tuple(c.offsets) == old else c for c in meta.chunks]
-    md.storage_data = {(replace(i, offset=torch.Size(new)) if i.fqn == key and tuple(i.offset) == old else i): s
-                       for i, s in md.storage_data.items()}
+    md.storage_data = {
+        (replace(i, offset=torch.Size(new)) if i.fqn == key and tuple(i.offset) == old else i): s
+        for i, s in md.storage_data.items()
+    }
 
 
 def _resize_chunk(md, key, size):
@@ -532,12 +641,24 @@ def _resize_chunk(md, key, size):
 
 @pytest.mark.parametrize("manifest", [True, False])
 @pytest.mark.parametrize("sidecar", [False, True])
-@pytest.mark.parametrize("size, request_offsets, problem", [
-    ((3, 4), (0, 0, 2), r"region at \[0, 0\] of size \[3, 8\] exactly once: chunks cover 12 of 24 elements"),
-    ((4, 8), (), r"region at \[0, 0\] of size \[6, 8\] exactly once: chunks at \[0, 0\] and \[3, 0\] overlap"),
-])
-def test_chunks_that_do_not_cover_a_requested_piece_exactly_once_are_refused(three, sidecar, manifest, size,
-                                                                             request_offsets, problem):
+@pytest.mark.parametrize(
+    "size, request_offsets, problem",
+    [
+        (
+            (3, 4),
+            (0, 0, 2),
+            r"region at \[0, 0\] of size \[3, 8\] exactly once: chunks cover 12 of 24 elements",
+        ),
+        (
+            (4, 8),
+            (),
+            r"region at \[0, 0\] of size \[6, 8\] exactly once: chunks at \[0, 0\] and \[3, 0\] overlap",
+        ),
+    ],
+)
+def test_chunks_that_do_not_cover_a_requested_piece_exactly_once_are_refused(
+    three, sidecar, manifest, size, request_offsets, problem
+):
     from distckpt.strategies.torch import TorchDistLoadShardedStrategy
 
     # w's first chunk (rows 0-2) claimed as [3, 4] (a gap) or [4, 8] (row 3 held twice).
@@ -545,12 +666,21 @@ def test_chunks_that_do_not_cover_a_requested_piece_exactly_once_are_refused(thr
     if not manifest:
         os.remove(three / ".distckpt_manifest.json")
     source = r"\.distckpt_index" if sidecar else r"\.metadata"
-    strategy = TorchDistLoadShardedStrategy()   # one rank's piece: distckpt.load checks requests cover all
+    strategy = TorchDistLoadShardedStrategy()  # one rank's piece: distckpt.load checks requests cover all
     rows = 3 if request_offsets else 6
-    with pytest.raises(CheckpointingException, match=source + r": key 'w': the stored chunks do not hold the "
-                                                              r"requested " + problem):
-        strategy.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(rows, 8), *filter(None, [request_offsets]))},
-                      three)
+    with pytest.raises(
+        CheckpointingException,
+        match=source + r": key 'w': the stored chunks do not hold the "
+        r"requested " + problem,
+    ):
+        strategy.load(
+            {
+                "w": ShardedTensor.from_rank_offsets(
+                    "w", torch.zeros(rows, 8), *filter(None, [request_offsets])
+                )
+            },
+            three,
+        )
     assert strategy.last_load_used_index == sidecar
 
 
@@ -559,10 +689,14 @@ def test_a_chunk_claimed_smaller_leaves_its_region_refused_not_uninitialized(thr
     def edit(md):
         meta = md.state_dict_metadata["b"]
         meta.chunks = [replace(meta.chunks[0], sizes=torch.Size((2, 5)))]
+
     _metadata_lie(three, edit, sidecar)
     source = r"\.distckpt_index" if sidecar else r"\.metadata"
-    with pytest.raises(CheckpointingException, match=source + r": key 'b': the stored chunks do not hold the requested "
-                                                      r"region at \[0, 0\] of size \[4, 5\] exactly once: chunks cover 10 of 20"):
+    with pytest.raises(
+        CheckpointingException,
+        match=source + r": key 'b': the stored chunks do not hold the requested "
+        r"region at \[0, 0\] of size \[4, 5\] exactly once: chunks cover 10 of 20",
+    ):
         distckpt.load({"b": ShardedTensor.from_rank_offsets("b", torch.zeros(4, 5))}, three)
     with pytest.raises(CheckpointingException, match=source + r": key 'b': .* chunks cover 10 of 20"):
         distckpt.load_plain_tensors(three)
@@ -572,10 +706,13 @@ def test_a_chunk_claimed_smaller_leaves_its_region_refused_not_uninitialized(thr
 def test_overlapping_flattened_ranges_are_refused_though_their_lengths_add_up(three, sidecar):
     # opt.f's second range [10, 24) claimed at [5, 19): 10 + 14 elements for 24, [5, 10) twice, [19, 24) never.
     _metadata_lie(three, lambda md: _move_chunk(md, "opt.f", (0, 0, 10), (0, 0, 5)), sidecar)
-    os.remove(three / ".distckpt_manifest.json")   # (with it, the record's chunk would not match either)
+    os.remove(three / ".distckpt_manifest.json")  # (with it, the record's chunk would not match either)
     source = r"\.distckpt_index" if sidecar else r"\.metadata"
-    with pytest.raises(CheckpointingException, match=source + r": key 'opt\.f': stored flattened ranges of chunk \[0, 0\] "
-                                                      r"overlap at elements \[5, 10\)"):
+    with pytest.raises(
+        CheckpointingException,
+        match=source + r": key 'opt\.f': stored flattened ranges of chunk \[0, 0\] "
+        r"overlap at elements \[5, 10\)",
+    ):
         distckpt.load_plain_tensors(three)
 
 
@@ -612,15 +749,21 @@ def test_a_zarr_key_dropped_from_the_root_listing_is_refused_not_left_out(tmp_pa
 def test_a_zarr_array_described_big_endian_or_transposed_is_refused_when_distckpt_wrote_it(zckpt):
     # The chunk bytes and their CRC32Cs are untouched: only the decoding zarr.json describes
     # changed, which would load every value byte-swapped (or transposed) without this check.
-    for codecs in ([{"name": "bytes", "configuration": {"endian": "big"}}],
-                   [{"name": "transpose", "configuration": {"order": [0]}}, {"name": "bytes"}]):
+    for codecs in (
+        [{"name": "bytes", "configuration": {"endian": "big"}}],
+        [{"name": "transpose", "configuration": {"order": [0]}}, {"name": "bytes"}],
+    ):
+
         def edit(md, codecs=codecs):
             md["codecs"] = codecs
+
         original = (zckpt / "w" / "zarr.json").read_bytes()
         _edit_json(zckpt / "w" / "zarr.json", edit)
         reseal_manifest(zckpt)
         for load in (lambda: _load(zckpt, verify=None), lambda: distckpt.load_plain_tensors(zckpt)):
-            with pytest.raises(CheckpointingException, match=r"w/zarr\.json describes its elements in another layout"):
+            with pytest.raises(
+                CheckpointingException, match=r"w/zarr\.json describes its elements in another layout"
+            ):
                 load()
         (zckpt / "w" / "zarr.json").write_bytes(original)
         reseal_manifest(zckpt)
@@ -631,9 +774,11 @@ def test_a_manifest_checksum_beyond_32_bits_is_refused_naming_the_manifest(ckpt)
     path = ckpt / ".distckpt_manifest.json"
     md = json.loads(path.read_text())
     name = next(n for n in md["ranges"] if n.endswith(".distcp"))
-    md["ranges"][name][0][2] = 10 ** 40
+    md["ranges"][name][0][2] = 10**40
     path.write_text(json.dumps(md))
-    with pytest.raises(CheckpointingException, match=r"distckpt_manifest\.json: CRC32C of a range .* is not an integer"):
+    with pytest.raises(
+        CheckpointingException, match=r"distckpt_manifest\.json: CRC32C of a range .* is not an integer"
+    ):
         read_manifest(ckpt)
     with pytest.raises(CheckpointingException, match=r"distckpt_manifest\.json"):
         distckpt.remove_sharded_tensors(ckpt, "nothing.")
@@ -646,6 +791,7 @@ def test_the_tools_refuse_metadata_objects_missing_a_field_naming_metadata(ckpt,
             del next(iter(md.storage_data.values())).length
         else:
             del next(iter(md.state_dict_metadata.values())).properties
+
     _rewrite_metadata(ckpt, edit)
     for args in (("inspect", ckpt), ("diff", ckpt, ckpt), ("show", ckpt, "w")):
         _, output = _surgery_cli(*args)
@@ -655,6 +801,7 @@ def test_the_tools_refuse_metadata_objects_missing_a_field_naming_metadata(ckpt,
 def test_a_zarr_rename_refuses_array_metadata_it_cannot_carry_over(zckpt):
     def edit(md):
         md["attributes"] = []
+
     _edit_json(zckpt / "w" / "zarr.json", edit)
     reseal_manifest(zckpt)
     before = _tree(zckpt)

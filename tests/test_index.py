@@ -63,7 +63,10 @@ def test_load_reads_only_the_requested_keys_records_and_not_metadata(many):
     # The directory names every key; records of 1 of 200 keys are a small part of the rest.
     reader = IndexReader.open(many)
     directory = reader.data_start
-    assert 0 < strategy.index_node_bytes_read < (total - directory) / 20, (strategy.index_node_bytes_read, total)
+    assert 0 < strategy.index_node_bytes_read < (total - directory) / 20, (
+        strategy.index_node_bytes_read,
+        total,
+    )
     assert strategy.index_bytes_read < total
 
 
@@ -88,7 +91,7 @@ def test_a_reader_kept_for_the_next_load_is_not_used_once_the_checkpoint_was_rep
     strategy = TorchDistLoadShardedStrategy()
     assert strategy.load_common_items(tmp_path) == {}
     moved = {f"k{i}": ShardedTensor.from_rank_offsets(f"k{i}", torch.full((16,), -1.0 - i)) for i in range(3)}
-    distckpt.save(moved, tmp_path)   # another layout of the files: k1's record is elsewhere now
+    distckpt.save(moved, tmp_path)  # another layout of the files: k1's record is elsewhere now
     out = strategy.load({"k1": ShardedTensor.from_rank_offsets("k1", torch.empty(16))}, tmp_path)
     assert torch.equal(out["k1"], torch.full((16,), -2.0))
 
@@ -96,10 +99,10 @@ def test_a_reader_kept_for_the_next_load_is_not_used_once_the_checkpoint_was_rep
 def test_close_sidecar_ranges_are_read_together_and_cut_apart(tmp_path, monkeypatch):
     from distckpt.strategies import index as ix
 
-    data = bytes(range(256)) * 64                       # 16 KiB
+    data = bytes(range(256)) * 64  # 16 KiB
     (tmp_path / INDEX_FNAME).write_bytes(data)
     monkeypatch.setattr(ix, "_GAP", 100)
-    starts, lengths = [5000, 10, 150, 60, 9000], [20, 40, 7, 30, 0]   # unsorted; 10, 60 and 150 close
+    starts, lengths = [5000, 10, 150, 60, 9000], [20, 40, 7, 30, 0]  # unsorted; 10, 60 and 150 close
     reads = []
     real_open = open
 
@@ -116,8 +119,8 @@ def test_close_sidecar_ranges_are_read_together_and_cut_apart(tmp_path, monkeypa
 
     monkeypatch.setattr("builtins.open", counting_open)
     views, fetched = ix._read_ranges(tmp_path, starts, lengths, "where")
-    assert [bytes(v) for v in views] == [data[a:a + n] for a, n in zip(starts, lengths)]
-    assert reads == [147, 20, 0]                        # [10, 157) in one read, then 5000 and 9000
+    assert [bytes(v) for v in views] == [data[a : a + n] for a, n in zip(starts, lengths)]
+    assert reads == [147, 20, 0]  # [10, 157) in one read, then 5000 and 9000
     assert fetched == sum(reads)
 
 
@@ -149,7 +152,9 @@ def test_query_returns_exactly_the_chunks_that_meet_any_box(tmp_path, boxes):
         keys[f"k{k}"] = {"dtype": torch.float32, "size": size, "orig_shape": None}
         for i in range(rows):
             for j in range(cols):
-                records.append((f"k{k}", (4 * i, 6 * j), (4, 6), f"__{k}_{i}.distcp", 64 * j, 96, i * 100 + j))
+                records.append(
+                    (f"k{k}", (4 * i, 6 * j), (4, 6), f"__{k}_{i}.distcp", 64 * j, 96, i * 100 + j)
+                )
     (tmp_path / ".metadata").write_bytes(b"x" * 10)
     (tmp_path / INDEX_FNAME).write_bytes(build_index(keys, records, 10))
     query = {}
@@ -164,7 +169,9 @@ def test_query_returns_exactly_the_chunks_that_meet_any_box(tmp_path, boxes):
         return all(o < bo + bs and o + s > bo for o, s, bo, bs in zip(off, size, *box))
 
     for fqn, bxs in query.items():
-        expected = sorted((r[1], r[2]) for r in records if r[0] == fqn and any(meets(r[1], r[2], b) for b in bxs))
+        expected = sorted(
+            (r[1], r[2]) for r in records if r[0] == fqn and any(meets(r[1], r[2], b) for b in bxs)
+        )
         assert sorted((tuple(r[0]), tuple(r[1])) for r in found[fqn]) == expected, fqn
         assert all(r[5] == int(r[0][0]) // 4 * 100 + int(r[0][1]) // 6 for r in found[fqn])
 
@@ -183,8 +190,10 @@ def test_query_of_other_axis_counts_and_numpy_coordinates_matches_brute_force(tm
     records = [("k", off, chunk, "__0_0.distcp", 64 * i, 64, i) for i, off in enumerate(starts)]
     (tmp_path / ".metadata").write_bytes(b"x" * 10)
     (tmp_path / INDEX_FNAME).write_bytes(build_index(keys, records, 10))
-    boxes = [(tuple(np.int64(0) for _ in size), tuple(np.int64(1) for _ in size)),
-             (tuple(np.int64(s - 1) for s in size), tuple(np.int64(1) for _ in size))]
+    boxes = [
+        (tuple(np.int64(0) for _ in size), tuple(np.int64(1) for _ in size)),
+        (tuple(np.int64(s - 1) for s in size), tuple(np.int64(1) for _ in size)),
+    ]
     found = IndexReader.open(tmp_path).query({"k": boxes})["k"]
 
     def meets(off, box):
@@ -196,13 +205,28 @@ def test_query_of_other_axis_counts_and_numpy_coordinates_matches_brute_force(tm
     assert all(isinstance(r[0], tuple) and isinstance(r[1], tuple) for r in found)
 
 
-@pytest.mark.parametrize("record, match", [
-    (("w", (4,), (4,), "../outside.distcp", 0, 100, 0), r"key 'w': file name '\.\./outside\.distcp' points outside"),
-    (("w", (4,), (4,), "__0_0.distcp", -1, 100, 0), r"key 'w': offset -1 is not an integer"),
-    (("w", (4,), (4,), "__0_0.distcp", 0, 1 << 60, 0), r"key 'w': length 1152921504606846976 is not an integer"),
-    (("w", (4,), (1 << 50,), "__0_0.distcp", 0, 100, 0), r"key 'w': chunk size 1125899906842624 is not an integer"),
-    (("w", (4,), (4,), "__0_0.distcp", 0, 8, 0), r"key 'w': chunk at \[4\] of \[4\] elements needs 16 bytes"),
-])
+@pytest.mark.parametrize(
+    "record, match",
+    [
+        (
+            ("w", (4,), (4,), "../outside.distcp", 0, 100, 0),
+            r"key 'w': file name '\.\./outside\.distcp' points outside",
+        ),
+        (("w", (4,), (4,), "__0_0.distcp", -1, 100, 0), r"key 'w': offset -1 is not an integer"),
+        (
+            ("w", (4,), (4,), "__0_0.distcp", 0, 1 << 60, 0),
+            r"key 'w': length 1152921504606846976 is not an integer",
+        ),
+        (
+            ("w", (4,), (1 << 50,), "__0_0.distcp", 0, 100, 0),
+            r"key 'w': chunk size 1125899906842624 is not an integer",
+        ),
+        (
+            ("w", (4,), (4,), "__0_0.distcp", 0, 8, 0),
+            r"key 'w': chunk at \[4\] of \[4\] elements needs 16 bytes",
+        ),
+    ],
+)
 def test_a_sidecar_record_with_a_hostile_claim_is_refused_naming_the_key(tmp_path, record, match):
     """A sidecar that passes its CRC32Cs (built, not corrupted) but claims a file outside the
     checkpoint, an impossible offset, length or shape: refused before any read, also when an
@@ -273,7 +297,7 @@ def test_sidecar_loads_match_metadata_loads_across_layouts(tmp_path, tp):
 
 
 def test_remove_sharded_tensors_rebuilds_the_sidecar(many):
-    distckpt.remove_sharded_tensors(many, "k1")   # k1, k10..k19, k100..k199
+    distckpt.remove_sharded_tensors(many, "k1")  # k1, k10..k19, k100..k199
     reader = IndexReader.open(many)
     assert reader is not None and "k1" not in reader.keys and "k2" in reader.keys
     out, strategy = _load_some(many, {"k2"})
@@ -301,9 +325,11 @@ def test_sidecar_on_s3_is_read_with_ranged_reads(many, s3_url):
 def test_sidecar_directory_is_json_with_the_documented_fields(many):
     raw = (many / INDEX_FNAME).read_bytes()
     magic, n, _ = struct.unpack_from("<8sQI", raw)
-    directory = json.loads(raw[20:20 + n])
+    directory = json.loads(raw[20 : 20 + n])
     assert magic == b"DCKIDX01" and directory["format"] == "distckpt-index"
-    assert directory["keys"]["k0"]["dtype"] == "float32" and directory["keys"]["obj/shard_0_1"]["bytes"] is True
+    assert (
+        directory["keys"]["k0"]["dtype"] == "float32" and directory["keys"]["obj/shard_0_1"]["bytes"] is True
+    )
 
 
 def test_megatron_fixtures_have_no_sidecar_so_their_loads_take_the_fallback(tmp_path):
@@ -314,7 +340,10 @@ def test_megatron_fixtures_have_no_sidecar_so_their_loads_take_the_fallback(tmp_
     assert ckpts and not any((p / INDEX_FNAME).exists() for p in ckpts)
     shutil.copytree(ckpts[0], tmp_path / "ckpt")
     meta = distckpt.load_tensors_metadata(tmp_path / "ckpt")
-    sd = {k: ShardedTensor.from_rank_offsets(k, torch.empty(v.global_shape, dtype=v.dtype)) for k, v in meta.items()}
+    sd = {
+        k: ShardedTensor.from_rank_offsets(k, torch.empty(v.global_shape, dtype=v.dtype))
+        for k, v in meta.items()
+    }
     strategy = TorchDistLoadShardedStrategy()
     out = distckpt.load(sd, tmp_path / "ckpt", sharded_strategy=strategy)
     assert not strategy.last_load_used_index and set(out) >= set(meta)
@@ -326,9 +355,9 @@ def _random_rows(rng, n, ndim, nfiles):
     rows = np.zeros((n, 2 * ndim + 4), dtype=np.int64)
     if ndim:
         rows[:, :ndim] = rng.integers(0, 1000, (n, ndim))
-        rows[:, ndim:2 * ndim] = rng.integers(1, 50, (n, ndim))
+        rows[:, ndim : 2 * ndim] = rng.integers(1, 50, (n, ndim))
     rows[:, 2 * ndim] = rng.integers(0, nfiles, n)
-    rows[:, 2 * ndim + 1:2 * ndim + 3] = rng.integers(0, 1 << 40, (n, 2))
+    rows[:, 2 * ndim + 1 : 2 * ndim + 3] = rng.integers(0, 1 << 40, (n, 2))
     rows[:, -1] = rng.integers(0, 1 << 32, n)
     return rows
 
@@ -346,7 +375,11 @@ def test_a_sidecar_template_patched_with_new_crcs_is_the_sidecar_built_anew(fano
     names = [f"__{r}_0.distcp" for r in range(9)] + ['odd "name".distcp']
     keys, rows = {}, {}
     for i, (n, ndim) in enumerate([(1, 2), (5, 1), (16, 3), (17, 2), (200, 2), (1000, 1), (3, 0), (0, 2)]):
-        keys[f"t{i}"] = {"dtype": torch.bfloat16, "size": (4096,) * ndim, "orig_shape": (7,) if i == 2 else None}
+        keys[f"t{i}"] = {
+            "dtype": torch.bfloat16,
+            "size": (4096,) * ndim,
+            "orig_shape": (7,) if i == 2 else None,
+        }
         rows[f"t{i}"] = _random_rows(rng, n, ndim, len(names))
     for i in range(3):
         keys[f"obj{i}"] = {"bytes": True}
@@ -360,7 +393,7 @@ def test_a_sidecar_template_patched_with_new_crcs_is_the_sidecar_built_anew(fano
         crcs = {fqn: r[:, -1] for fqn, r in rows.items() if len(r)}
         patched = template.patch(crcs, 1234 + round_)
         assert patched == build_index_from_rows(keys, rows, names, 1234 + round_, fanout, leaf), round_
-    assert template.patch({**crcs, "t4": crcs["t4"][:-1]}, 1) is None        # a record fewer
+    assert template.patch({**crcs, "t4": crcs["t4"][:-1]}, 1) is None  # a record fewer
     assert template.patch({fqn: v for fqn, v in crcs.items() if fqn != "obj1"}, 1) is None
 
 
@@ -385,14 +418,18 @@ def _save_constant_structure(base, saves):
 def _load_generation(ckpt, generation):
     rank, world = ddist.get_rank(), ddist.get_world_size()
     reader = TorchDistLoadShardedStrategy()
-    out = distckpt.load(faults.generation_state(rank, world, generation, with_data=False), ckpt,
-                        sharded_strategy=reader, verify=True)
+    out = distckpt.load(
+        faults.generation_state(rank, world, generation, with_data=False),
+        ckpt,
+        sharded_strategy=reader,
+        verify=True,
+    )
     return reader.index_bytes_read > 0, faults.generation_mismatches(out, rank, world, generation)
 
 
 def test_saves_of_an_unchanged_structure_patch_the_last_sidecar(tmp_path):
     templates = run_ranks(2, _save_constant_structure, str(tmp_path), 3)
-    assert len(set(templates[0])) == 1 and templates[0][0] != id(None)     # built once, then patched
+    assert len(set(templates[0])) == 1 and templates[0][0] != id(None)  # built once, then patched
     for i in range(3):
         ckpt = tmp_path / f"ckpt{i}"
         assert verify_files(ckpt, read_manifest(ckpt)) == [], i
@@ -411,7 +448,7 @@ def test_coalesce_merges_close_ranges_up_to_a_span():
     assert coalesce(ranges, gap=5, max_span=20)[0] == [(0, 20), (100, 20)]
 
 
-@pytest.mark.parametrize("claim", [b'"float99"', b'123456789'])
+@pytest.mark.parametrize("claim", [b'"float99"', b"123456789"])
 def test_a_sidecar_naming_an_unknown_dtype_is_an_error_naming_the_key(many, claim):
     """The directory's CRC32C is recomputed, as a crafted sidecar would: the load still refuses
     the key's dtype (an unknown name, or not a name at all) with an error naming key and file."""
@@ -419,12 +456,12 @@ def test_a_sidecar_naming_an_unknown_dtype_is_an_error_naming_the_key(many, clai
 
     raw = bytearray((many / INDEX_FNAME).read_bytes())
     magic, n, _ = struct.unpack_from("<8sQI", raw)
-    directory = bytes(raw[20:20 + n])
+    directory = bytes(raw[20 : 20 + n])
     spot = directory.index(b'"k5":{')
     at = directory.index(b'"float32"', spot)
-    directory = directory[:at] + claim + directory[at + len(b'"float32"'):]
+    directory = directory[:at] + claim + directory[at + len(b'"float32"') :]
     assert len(directory) == n
-    raw[20:20 + n] = directory
+    raw[20 : 20 + n] = directory
     struct.pack_into("<8sQI", raw, 0, magic, n, crc32c(directory))
     (many / INDEX_FNAME).write_bytes(bytes(raw))
     with pytest.raises(CheckpointingException, match=r"\.distckpt_index.*key 'k5'"):

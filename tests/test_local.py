@@ -41,8 +41,10 @@ def _generation(piece: layouts.Piece, generation: int) -> torch.Tensor:
 
 def _split_rows(key, data, replica_id, flattened_range):
     half = data.shape[0] // 2
-    return {name: ShardedTensor.from_rank_offsets(f"{key}.{name}", part, replica_id=replica_id)
-            for name, part in (("a", data[:half]), ("b", data[half:]))}
+    return {
+        name: ShardedTensor.from_rank_offsets(f"{key}.{name}", part, replica_id=replica_id)
+        for name, part in (("a", data[:half]), ("b", data[half:]))
+    }
 
 
 def _merge_rows(loaded):
@@ -59,8 +61,9 @@ def state(rank: int, world: int, generation: int, with_data: bool = True) -> dic
             sh.data = _generation(piece, generation)
         sd[f"opt.{piece.name}"] = sh
     fused = torch.arange(12, dtype=torch.float32).reshape(4, 3) + 100 * generation + rank
-    sd["fused"] = ShardedTensorFactory(f"fused{rank}", fused if with_data else torch.zeros(4, 3),
-                                       _split_rows, _merge_rows)
+    sd["fused"] = ShardedTensorFactory(
+        f"fused{rank}", fused if with_data else torch.zeros(4, 3), _split_rows, _merge_rows
+    )
     sd["scratch"] = LocalNonpersistentObject({"not": "saved", "rank": rank})
     return sd
 
@@ -70,7 +73,9 @@ def mismatches(loaded: dict, rank: int, world: int, generation: int) -> list:
     for piece in layouts.flat_optimizer(rank, world, tp=2):
         if not layouts.bitwise_equal(loaded[f"opt.{piece.name}"], _generation(piece, generation)):
             wrong.append(f"opt.{piece.name}")
-    if not torch.equal(loaded["fused"], torch.arange(12, dtype=torch.float32).reshape(4, 3) + 100 * generation + rank):
+    if not torch.equal(
+        loaded["fused"], torch.arange(12, dtype=torch.float32).reshape(4, 3) + 100 * generation + rank
+    ):
         wrong.append("fused")
     if loaded["scratch"] != {"not": "saved", "rank": rank}:
         wrong.append("scratch")
@@ -83,19 +88,28 @@ def mismatches(loaded: dict, rank: int, world: int, generation: int) -> list:
 def _manager(root: str, **kwargs) -> LocalCheckpointManager:
     rank = ddist.get_rank()
     kwargs.setdefault("chunk_bytes", 1000)  # several chunks per piece: the chunked path is exercised
-    return LocalCheckpointManager(Path(root) / f"node{rank // NODE}", node_size=NODE, replication_factor=2, **kwargs)
+    return LocalCheckpointManager(
+        Path(root) / f"node{rank // NODE}", node_size=NODE, replication_factor=2, **kwargs
+    )
 
 
-def _save(root: str, generations, is_async: bool = False, background: bool = False, failing: int = -1) -> None:
+def _save(
+    root: str, generations, is_async: bool = False, background: bool = False, failing: int = -1
+) -> None:
     """Save ``generations`` in turn; ``background``: async saves replicate in the worker thread
     over a group of their own; ``failing``: that rank's piece writes raise ENOSPC."""
     rank, world = ddist.get_rank(), ddist.get_world_size()
-    manager = _manager(root, replication_group=torch.distributed.new_group(backend="gloo") if background else None)
+    manager = _manager(
+        root, replication_group=torch.distributed.new_group(backend="gloo") if background else None
+    )
     queue = AsyncCallsQueue() if is_async else None
+
     def no_space(piece, path):
         raise OSError(28, f"No space left on device (injected on rank {rank})")
 
-    with faults.patched(local_manager, "write_piece", no_space if rank == failing else local_manager.write_piece):
+    with faults.patched(
+        local_manager, "write_piece", no_space if rank == failing else local_manager.write_piece
+    ):
         for g in generations:
             request = manager.save(state(rank, world, g), g, is_async=is_async)
             if queue is not None:
@@ -170,9 +184,11 @@ def _stream(root: str):
 
     base = Path(root)
     data = bytes(range(256)) * 20
-    sends = [Outgoing(1, base / "good", len(data), crc32c(data)),
-             Outgoing(1, base / "good", len(data), crc32c(data) ^ 1),
-             Outgoing(1, base / "missing", 5000, 0)]
+    sends = [
+        Outgoing(1, base / "good", len(data), crc32c(data)),
+        Outgoing(1, base / "good", len(data), crc32c(data) ^ 1),
+        Outgoing(1, base / "missing", 5000, 0),
+    ]
     out = []
     if ddist.get_rank() == 0:
         (base / "good").write_bytes(data)
@@ -204,7 +220,16 @@ def _node(tmp_path: Path, n: int) -> Path:
 def test_clique_plan_spreads_copies_over_nodes():
     plan = CliqueReplication(factor=2, jump=2)
     plan.check(8, node_size=2)
-    assert [plan.clique_of(r) for r in range(8)] == [(0, 2), (1, 3), (0, 2), (1, 3), (4, 6), (5, 7), (4, 6), (5, 7)]
+    assert [plan.clique_of(r) for r in range(8)] == [
+        (0, 2),
+        (1, 3),
+        (0, 2),
+        (1, 3),
+        (4, 6),
+        (5, 7),
+        (4, 6),
+        (5, 7),
+    ]
     assert plan.peers(2) == [(0, 0)]
     three = CliqueReplication(factor=3, jump=2)
     assert three.clique_of(3) == (1, 3, 5)
@@ -236,8 +261,9 @@ def test_saves_keep_only_the_last_iteration_with_a_replica_of_every_peer(tmp_pat
         assert sorted(p.name for p in iteration_dir(node, 2).iterdir()) == sorted(expected)
         for o, h in zip(replicas, own):  # a replica is the owner's file, byte for byte
             other = _node(tmp_path, 1 - n)
-            assert (iteration_dir(node, 2) / piece_name(o, h)).read_bytes() == \
-                (iteration_dir(other, 2) / piece_name(o, o)).read_bytes()
+            assert (iteration_dir(node, 2) / piece_name(o, h)).read_bytes() == (
+                iteration_dir(other, 2) / piece_name(o, o)
+            ).read_bytes()
 
 
 def test_restores_bit_exactly_from_own_copies_in_place(tmp_path):
@@ -259,8 +285,17 @@ def test_async_saves_replicating_in_the_background_restore(tmp_path):
 
 def test_a_failed_background_write_fails_every_rank_and_keeps_the_previous_iteration(tmp_path):
     run_ranks(WORLD, _save, str(tmp_path), [1], timeout=TIMEOUT)
-    expect_all_ranks_raise(WORLD, _save, str(tmp_path), [2], True, True, 1,
-                           match=r"rank\(s\) 1: OSError: \[Errno 28\] No space left on device", timeout=TIMEOUT)
+    expect_all_ranks_raise(
+        WORLD,
+        _save,
+        str(tmp_path),
+        [2],
+        True,
+        True,
+        1,
+        match=r"rank\(s\) 1: OSError: \[Errno 28\] No space left on device",
+        timeout=TIMEOUT,
+    )
     assert run_ranks(WORLD, _restore, str(tmp_path), timeout=TIMEOUT) == [(1, "local", [], True)] * WORLD
 
 
@@ -268,11 +303,17 @@ def test_replaced_node_recovers_bit_exactly_from_peers_and_is_healed(tmp_path):
     run_ranks(WORLD, _save, str(tmp_path), [1], timeout=TIMEOUT)
     shutil.rmtree(_node(tmp_path, 1))
     results = run_ranks(WORLD, _restore, str(tmp_path), timeout=TIMEOUT)
-    assert results == [(1, "local", [], True), (1, "local", [], True),
-                       (1, "rank 0", [], True), (1, "rank 1", [], True)]
+    assert results == [
+        (1, "local", [], True),
+        (1, "local", [], True),
+        (1, "rank 0", [], True),
+        (1, "rank 1", [], True),
+    ]
     healed = iteration_dir(_node(tmp_path, 1), 1)
     for r in (2, 3):
-        assert (healed / piece_name(r, r)).read_bytes() == (iteration_dir(_node(tmp_path, 0), 1) / piece_name(r, r - 2)).read_bytes()
+        assert (healed / piece_name(r, r)).read_bytes() == (
+            iteration_dir(_node(tmp_path, 0), 1) / piece_name(r, r - 2)
+        ).read_bytes()
     # Healed copies are committed: the next recovery needs no peer.
     assert [r[1] for r in run_ranks(WORLD, _restore, str(tmp_path), timeout=TIMEOUT)] == ["local"] * WORLD
 
@@ -284,7 +325,12 @@ def test_corrupt_own_copy_is_detected_by_crc32c_and_replaced_by_a_peers(tmp_path
     flip_byte(own, own.stat().st_size // 2)
     assert own.read_bytes() != replica.read_bytes()
     results = run_ranks(WORLD, _restore, str(tmp_path), timeout=TIMEOUT)
-    assert [r[:3] for r in results] == [(1, "local", []), (1, "rank 3", []), (1, "local", []), (1, "local", [])]
+    assert [r[:3] for r in results] == [
+        (1, "local", []),
+        (1, "rank 3", []),
+        (1, "local", []),
+        (1, "local", []),
+    ]
     assert own.read_bytes() == replica.read_bytes()
 
 
@@ -305,33 +351,46 @@ def test_corruption_report_names_the_file_and_the_crc32c(tmp_path):
 
 def test_every_copy_corrupt_gives_every_rank_the_same_clear_error(tmp_path):
     run_ranks(WORLD, _save, str(tmp_path), [1], timeout=TIMEOUT)
-    for path in (iteration_dir(_node(tmp_path, 0), 1) / piece_name(0, 0),
-                 iteration_dir(_node(tmp_path, 1), 1) / piece_name(0, 2)):
+    for path in (
+        iteration_dir(_node(tmp_path, 0), 1) / piece_name(0, 0),
+        iteration_dir(_node(tmp_path, 1), 1) / piece_name(0, 2),
+    ):
         flip_byte(path, 100)
-    failure = expect_all_ranks_raise(WORLD, _load_without_find, str(tmp_path),
-                                     match=r"NoLocalCheckpointError: iteration 1: no intact copy of the piece of "
-                                           r"rank\(s\) \[0\]", timeout=TIMEOUT)
+    failure = expect_all_ranks_raise(
+        WORLD,
+        _load_without_find,
+        str(tmp_path),
+        match=r"NoLocalCheckpointError: iteration 1: no intact copy of the piece of "
+        r"rank\(s\) \[0\]",
+        timeout=TIMEOUT,
+    )
     assert len({text.strip().splitlines()[-1] for text in failure.errors.values()}) == 1
 
 
 def test_no_checkpoint_at_all_is_the_same_answer_everywhere(tmp_path):
     assert run_ranks(WORLD, _restore, str(tmp_path), timeout=TIMEOUT) == [(None, None, [], False)] * WORLD
-    expect_all_ranks_raise(WORLD, _load_without_find, str(tmp_path),
-                           match="NoLocalCheckpointError: no iteration restored from the local checkpoints of all 4 "
-                                 "ranks .* fall back to the persistent checkpoint", timeout=TIMEOUT)
+    expect_all_ranks_raise(
+        WORLD,
+        _load_without_find,
+        str(tmp_path),
+        match="NoLocalCheckpointError: no iteration restored from the local checkpoints of all 4 "
+        "ranks .* fall back to the persistent checkpoint",
+        timeout=TIMEOUT,
+    )
 
 
 def test_losing_both_copies_of_a_piece_leaves_nothing_restorable(tmp_path):
     run_ranks(WORLD, _save, str(tmp_path), [1], timeout=TIMEOUT)
     shutil.rmtree(_node(tmp_path, 0))
-    os.remove(iteration_dir(_node(tmp_path, 1), 1) / piece_name(0, 2))   # rank 0's last copy
+    os.remove(iteration_dir(_node(tmp_path, 1), 1) / piece_name(0, 2))  # rank 0's last copy
     assert run_ranks(WORLD, _restore, str(tmp_path), timeout=TIMEOUT) == [(None, None, [], False)] * WORLD
 
 
 def test_a_request_that_differs_from_the_saved_layout_fails_on_every_rank(tmp_path):
     run_ranks(WORLD, _save, str(tmp_path), [1], timeout=TIMEOUT)
-    expect_all_ranks_raise(WORLD, _load_with_extra_key, str(tmp_path), match="holds no tensor 'unknown'",
-                           timeout=TIMEOUT)
+    expect_all_ranks_raise(
+        WORLD, _load_with_extra_key, str(tmp_path), match="holds no tensor 'unknown'", timeout=TIMEOUT
+    )
 
 
 def test_sigkill_while_writing_a_piece_leaves_the_previous_iteration_restorable(tmp_path):
@@ -363,9 +422,10 @@ def test_training_restarts_from_the_newer_tier_bitwise_after_losing_a_node(tmp_p
 
     layout, cfg, total = "TP2xPP1xDP2", TrainConfig(distributed_optimizer=True), 4
     plan = CheckpointPlan(str(tmp_path / "local"), 1, str(tmp_path / "persistent"), 2, node_size=NODE)
-    reference = last_stage_losses(run_ranks(WORLD, run_with_recovery, layout, total, cfg, CheckpointPlan(),
-                                            timeout=TIMEOUT))
-    run_ranks(WORLD, run_with_recovery, layout, total, cfg, plan, 3, timeout=TIMEOUT)   # "crash" at 3
+    reference = last_stage_losses(
+        run_ranks(WORLD, run_with_recovery, layout, total, cfg, CheckpointPlan(), timeout=TIMEOUT)
+    )
+    run_ranks(WORLD, run_with_recovery, layout, total, cfg, plan, 3, timeout=TIMEOUT)  # "crash" at 3
     shutil.rmtree(tmp_path / "local" / "node1")
     results = run_ranks(WORLD, run_with_recovery, layout, total, cfg, plan, timeout=TIMEOUT)
     assert {(r.first_iteration, r.resumed_from) for r in results} == {(3, "local")}

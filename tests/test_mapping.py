@@ -661,19 +661,27 @@ def test_the_one_pass_check_agrees_with_the_full_checks_on_every_case(monkeypatc
     cases = 0
     for ndim in (1, 2):
         for _ in range(400):
-            sh = ShardedTensor.from_rank_offsets("k", torch.zeros((2,) * ndim), *[(i, 0, 1) for i in range(ndim)])
+            sh = ShardedTensor.from_rank_offsets(
+                "k", torch.zeros((2,) * ndim), *[(i, 0, 1) for i in range(ndim)]
+            )
             sh.data = None
             sh.local_shape = tuple(rng.choice(values) for _ in range(ndim))
             sh.global_shape = tuple(rng.choice(values) for _ in range(ndim))
             sh.global_offset = tuple(rng.choice(values) for _ in range(ndim + rng.choice([0, 0, 0, 1])))
-            sh.axis_fragmentations = rng.choice([None, tuple(rng.choice(values) for _ in range(ndim)), (1,) * (ndim + 1)])
+            sh.axis_fragmentations = rng.choice(
+                [None, tuple(rng.choice(values) for _ in range(ndim)), (1,) * (ndim + 1)]
+            )
             with_shortcut = _outcome(sh)
             with monkeypatch.context() as m:
                 m.setattr(ShardedTensor, "_plain_chunk_in_bounds", lambda self: False)
-                assert _outcome(sh) == with_shortcut, (sh.local_shape, sh.global_shape, sh.global_offset,
-                                                       sh.axis_fragmentations)
+                assert _outcome(sh) == with_shortcut, (
+                    sh.local_shape,
+                    sh.global_shape,
+                    sh.global_offset,
+                    sh.axis_fragmentations,
+                )
             cases += with_shortcut == "ok"
-    assert cases > 20          # the valid cases were exercised too, not only errors
+    assert cases > 20  # the valid cases were exercised too, not only errors
     # A list or a torch.Size where a tuple is expected goes the full way and is normalised.
     sh = ShardedTensor.from_rank_offsets("k", torch.zeros(4), (0, 0, 1))
     sh.global_shape = torch.Size([4])

@@ -38,14 +38,18 @@ mlk.install()
 
 def _weight(rank: int) -> torch.Tensor:
     """Rank ``rank``'s half (rows) of a 4x6 global weight."""
-    return torch.arange(24, dtype=torch.float32).reshape(4, 6)[2 * rank:2 * rank + 2].clone()
+    return torch.arange(24, dtype=torch.float32).reshape(4, 6)[2 * rank : 2 * rank + 2].clone()
 
 
 def _split_columns(key, data, replica_id, flattened_range):
     """A factory's build: store the tensor as two column blocks, in Megatron's classes."""
     rank = ddist.get_rank()
-    return {"left": mlk.ShardedTensor.split(f"{key}.left", data[:, :3].contiguous(), 0, rank, WORLD, replica_id),
-            "right": mlk.ShardedTensor.split(f"{key}.right", data[:, 3:].contiguous(), 0, rank, WORLD, replica_id)}
+    return {
+        "left": mlk.ShardedTensor.split(f"{key}.left", data[:, :3].contiguous(), 0, rank, WORLD, replica_id),
+        "right": mlk.ShardedTensor.split(
+            f"{key}.right", data[:, 3:].contiguous(), 0, rank, WORLD, replica_id
+        ),
+    }
 
 
 def _join_columns(loaded):
@@ -60,8 +64,10 @@ def _state(ns, rank: int, fill: bool) -> dict:
     else:
         weight = ShardedTensor.from_rank_offsets("layer.weight", w, (0, rank, WORLD))
     return {
-        "model": {"weight": weight,
-                  "fused": ns.ShardedTensorFactory("layer.fused", 10 * w, _split_columns, _join_columns)},
+        "model": {
+            "weight": weight,
+            "fused": ns.ShardedTensorFactory("layer.fused", 10 * w, _split_columns, _join_columns),
+        },
         "rng": [ns.ShardedObject("rng", {"rank": rank} if fill else None, (WORLD,), (rank,))],
         "local": ns.LocalNonpersistentObject(f"kept on rank {rank}"),
         "iteration": 7,
@@ -98,12 +104,16 @@ def _equal(a, b) -> bool:
 
 def test_megatron_leaves_save_and_load_like_distckpts_own(tmp_path):
     results = run_ranks(WORLD, _save_and_load_both_ways, str(tmp_path), timeout=TIMEOUT)
-    assert results == [dict.fromkeys(("in_place", "fused", "rng", "local", "iteration", "same"), True)] * WORLD
+    assert (
+        results == [dict.fromkeys(("in_place", "fused", "rng", "local", "iteration", "same"), True)] * WORLD
+    )
     ours, theirs = (distckpt.load_plain_tensors(tmp_path / n) for n in ("distckpt", "megatron"))
     assert sorted(theirs) == ["layer.fused.left", "layer.fused.right", "layer.weight"]
     assert all(torch.equal(ours[k], theirs[k]) for k in ours) and ours.keys() == theirs.keys()
-    assert distckpt.load_sharded_metadata(tmp_path / "megatron").keys() == \
-        distckpt.load_sharded_metadata(tmp_path / "distckpt").keys()
+    assert (
+        distckpt.load_sharded_metadata(tmp_path / "megatron").keys()
+        == distckpt.load_sharded_metadata(tmp_path / "distckpt").keys()
+    )
     assert distckpt.load_common_state_dict(tmp_path / "megatron") == {"iteration": 7}
 
 
@@ -117,8 +127,10 @@ def _strict_load_with_an_unknown_key(root):
 
 
 def test_strict_modes_see_megatron_keys(tmp_path):
-    assert run_ranks(WORLD, _strict_load_with_an_unknown_key, str(tmp_path), timeout=TIMEOUT) == \
-        [([], ["not.saved"])] * WORLD
+    assert (
+        run_ranks(WORLD, _strict_load_with_an_unknown_key, str(tmp_path), timeout=TIMEOUT)
+        == [([], ["not.saved"])] * WORLD
+    )
 
 
 def _async_fully_parallel(root):
@@ -128,18 +140,27 @@ def _async_fully_parallel(root):
     state["shared"] = mlk.ShardedTensor.split("shared", torch.ones(3), 0, 0, 1, replica_id=rank)
     wrapper = FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy())
     queue = AsyncCallsQueue()
-    queue.schedule_async_request(distckpt.save(state, root, sharded_strategy=wrapper, async_sharded_save=True))
+    queue.schedule_async_request(
+        distckpt.save(state, root, sharded_strategy=wrapper, async_sharded_save=True)
+    )
     finalized = queue.maybe_finalize_async_calls(blocking=True)
     queue.close()
     request = _state(mlk, rank, fill=False)
     request["shared"] = mlk.ShardedTensor.split("shared", torch.zeros(3), 0, 0, 1, replica_id=rank)
-    loaded = distckpt.load(request, root, sharded_strategy=FullyParallelLoadStrategyWrapper(
-        TorchDistLoadShardedStrategy()))
-    return finalized, torch.equal(loaded["model"]["weight"], _weight(rank)), torch.equal(loaded["shared"], torch.ones(3))
+    loaded = distckpt.load(
+        request, root, sharded_strategy=FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy())
+    )
+    return (
+        finalized,
+        torch.equal(loaded["model"]["weight"], _weight(rank)),
+        torch.equal(loaded["shared"], torch.ones(3)),
+    )
 
 
 def test_async_and_fully_parallel_save_and_load_take_megatron_leaves(tmp_path):
-    assert run_ranks(WORLD, _async_fully_parallel, str(tmp_path), timeout=TIMEOUT) == [([0], True, True)] * WORLD
+    assert (
+        run_ranks(WORLD, _async_fully_parallel, str(tmp_path), timeout=TIMEOUT) == [([0], True, True)] * WORLD
+    )
 
 
 # --------------------------------------------------------------------------- common-state guard
@@ -164,14 +185,26 @@ def _save_with_common(root, what):
     distckpt.save(state, root)
 
 
-@pytest.mark.parametrize("what, match", [
-    ("megatron_in_tuple", r"common state key \['extra'\]\['pair'\]\[1\] is a Megatron-Core ShardedTensor; it would be "
-                           r"pickled whole"),
-    ("other_library", r"common state key \['opt'\]\[0\] is an instance of .*OtherLibShardedTensor with key, "
-                      r"replica_id and global shape/offset fields"),
-    ("large_tensor", r"common state key \['buffer'\] is a torch tensor of 1200000 bytes .* above the "
-                     r"1048576-byte limit"),
-])
+@pytest.mark.parametrize(
+    "what, match",
+    [
+        (
+            "megatron_in_tuple",
+            r"common state key \['extra'\]\['pair'\]\[1\] is a Megatron-Core ShardedTensor; it would be "
+            r"pickled whole",
+        ),
+        (
+            "other_library",
+            r"common state key \['opt'\]\[0\] is an instance of .*OtherLibShardedTensor with key, "
+            r"replica_id and global shape/offset fields",
+        ),
+        (
+            "large_tensor",
+            r"common state key \['buffer'\] is a torch tensor of 1200000 bytes .* above the "
+            r"1048576-byte limit",
+        ),
+    ],
+)
 def test_a_sharded_or_large_value_in_the_common_state_fails_on_every_rank(tmp_path, what, match):
     expect_all_ranks_raise(WORLD, _save_with_common, str(tmp_path), what, match=match, timeout=TIMEOUT)
     assert not distckpt.check_is_distributed_checkpoint(tmp_path)
@@ -204,12 +237,15 @@ class _Config:
         self.inner = inner
 
 
-@pytest.mark.parametrize("value, found", [
-    ({"a": [1, 2.0, "x", None, torch.zeros(3)], "b": _Config({"c": (1, 2)})}, None),
-    ({"a": {"b": ((ShardedObject("o", 1, (1,), (0,)),),)}}, "a distckpt ShardedObject"),
-    ({"a": _Config(_Config([mlk.ShardedObject("o", 1, (1,), (0,))]))}, "a Megatron-Core ShardedObject"),
-    ({"a": mlk.LocalNonpersistentObject(1)}, "a Megatron-Core LocalNonpersistentObject"),
-])
+@pytest.mark.parametrize(
+    "value, found",
+    [
+        ({"a": [1, 2.0, "x", None, torch.zeros(3)], "b": _Config({"c": (1, 2)})}, None),
+        ({"a": {"b": ((ShardedObject("o", 1, (1,), (0,)),),)}}, "a distckpt ShardedObject"),
+        ({"a": _Config(_Config([mlk.ShardedObject("o", 1, (1,), (0,))]))}, "a Megatron-Core ShardedObject"),
+        ({"a": mlk.LocalNonpersistentObject(1)}, "a Megatron-Core LocalNonpersistentObject"),
+    ],
+)
 def test_the_guard_looks_inside_containers_and_plain_objects(value, found):
     if found is None:
         check_common_state(value)
@@ -236,12 +272,28 @@ def test_lookalike_detection_by_name_and_fields():
 
 def test_conversion_shares_the_tensor_and_keeps_every_field():
     data = torch.zeros(2, 3)
-    theirs = mlk.ShardedTensor("k", data, torch.float32, (2, 3), (1, 4, 3), (0, 2, 0), (1, 2, 1),
-                               replica_id=(0, 1), prepend_axis_num=1, allow_shape_mismatch=True)
+    theirs = mlk.ShardedTensor(
+        "k",
+        data,
+        torch.float32,
+        (2, 3),
+        (1, 4, 3),
+        (0, 2, 0),
+        (1, 2, 1),
+        replica_id=(0, 1),
+        prepend_axis_num=1,
+        allow_shape_mismatch=True,
+    )
     ours = from_foreign(theirs)
     assert type(ours) is ShardedTensor and ours.data is data
-    assert (ours.global_shape, ours.global_offset, ours.axis_fragmentations, ours.replica_id,
-            ours.prepend_axis_num, ours.allow_shape_mismatch) == ((1, 4, 3), (0, 2, 0), (1, 2, 1), (0, 1), 1, True)
+    assert (
+        ours.global_shape,
+        ours.global_offset,
+        ours.axis_fragmentations,
+        ours.replica_id,
+        ours.prepend_axis_num,
+        ours.allow_shape_mismatch,
+    ) == ((1, 4, 3), (0, 2, 0), (1, 2, 1), (0, 1), 1, True)
 
 
 def test_a_factory_built_from_megatron_objects_builds_distckpt_objects():
@@ -263,7 +315,9 @@ def test_optimizer_helpers_take_megatron_model_state():
     model_sd = {"w": mlk.ShardedTensor.split("w", param, 0, 1, 2)}
     id_map = get_param_id_to_sharded_param_map(model_sd, [param])
     assert type(id_map[0]) is ShardedTensor and id_map[0].data is param
-    moment = make_sharded_optimizer_tensor(mlk.ShardedTensor.split("w", param, 0, 1, 2), torch.zeros(2, 6), "opt")
+    moment = make_sharded_optimizer_tensor(
+        mlk.ShardedTensor.split("w", param, 0, 1, 2), torch.zeros(2, 6), "opt"
+    )
     assert (type(moment), moment.key, moment.global_offset) == (ShardedTensor, "opt.w", (2, 0))
     optim_sd = {"state": {0: {"exp_avg": torch.zeros(2, 6)}}, "param_groups": [{"params": [0]}]}
     optim_state_to_sharding_state(optim_sd, {0: mlk.ShardedTensor.split("w", param, 0, 1, 2)})
@@ -276,8 +330,11 @@ def test_a_megatron_class_without_a_field_distckpt_needs_is_a_clear_error():
             self.key, self.data, self.global_shape, self.replica_id = "rng", None, (1,), 0
 
     ShardedObject.__module__ = mlk.MEGATRON_MAPPING
-    with pytest.raises(CheckpointingException, match=r"Leaf 'rng': Megatron-Core ShardedObject without "
-                                                     r"field\(s\) \['global_offset'\]"):
+    with pytest.raises(
+        CheckpointingException,
+        match=r"Leaf 'rng': Megatron-Core ShardedObject without "
+        r"field\(s\) \['global_offset'\]",
+    ):
         normalize_sharded_state_dict({"x": [ShardedObject()]})
 
 
@@ -286,6 +343,9 @@ def test_an_unknown_sharded_class_under_megatrons_path_is_refused_in_the_common_
         pass
 
     ShardedTensorV2.__module__ = mlk.MEGATRON_MAPPING
-    with pytest.raises(CheckpointingException, match=r"key \['x'\] is an instance of .*ShardedTensorV2, a sharded "
-                                                     r"class distckpt does not know"):
+    with pytest.raises(
+        CheckpointingException,
+        match=r"key \['x'\] is an instance of .*ShardedTensorV2, a sharded "
+        r"class distckpt does not know",
+    ):
         check_common_state({"x": ShardedTensorV2()})

@@ -38,8 +38,9 @@ def _gpt(tp: int, seed: int):
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     torch.manual_seed(seed)
-    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
-                               use_cpu_initialization=True)
+    config = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True
+    )
     return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16)
 
 
@@ -72,8 +73,11 @@ def _round_trip(ckpt: str) -> dict:
         leaves = list(nested_values(sharded))
         kinds = sorted({f"{type(x).__module__}.{type(x).__name__}" for x in leaves})
         # Where each TP=2 piece sits in the global tensor, as Megatron declares it.
-        pieces = [(x.key, tuple(x.global_offset), x.prepend_axis_num, x.data.clone())
-                  for x in leaves if type(x).__name__ == "ShardedTensor"]
+        pieces = [
+            (x.key, tuple(x.global_offset), x.prepend_axis_num, x.data.clone())
+            for x in leaves
+            if type(x).__name__ == "ShardedTensor"
+        ]
         distckpt.save(sharded, ckpt)
 
         # TP=2 -> TP=2 with distckpt: the returned dict is what model.load_state_dict takes.
@@ -93,8 +97,11 @@ def _round_trip(ckpt: str) -> dict:
         tp1_equal = _same(_tensors(ours), _tensors(theirs))
 
         # Every TP=2 piece of both ranks sits where Megatron said, inside the TP=1 tensors.
-        full = {(x.key, tuple(x.global_offset[:x.prepend_axis_num])): x.data
-                for x in nested_values(ours.sharded_state_dict()) if type(x).__name__ == "ShardedTensor"}
+        full = {
+            (x.key, tuple(x.global_offset[: x.prepend_axis_num])): x.data
+            for x in nested_values(ours.sharded_state_dict())
+            if type(x).__name__ == "ShardedTensor"
+        }
         pieces_ok = True
         for rank_pieces in ddist.all_gather_object(pieces):
             for key, offset, prepend, data in rank_pieces:
@@ -119,8 +126,10 @@ def _round_trip(ckpt: str) -> dict:
 def test_megatron_gpt_model_round_trips_through_distckpt_at_tp2_and_tp1(tmp_path):
     results = run_ranks(WORLD, _round_trip, str(tmp_path / "ckpt"), timeout=240)
     for r in results:
-        assert r["kinds"] == [".".join(("megatron", "core", "dist_checkpointing", "mapping", "ShardedObject")),
-                              ".".join(("megatron", "core", "dist_checkpointing", "mapping", "ShardedTensor"))]
+        assert r["kinds"] == [
+            ".".join(("megatron", "core", "dist_checkpointing", "mapping", "ShardedObject")),
+            ".".join(("megatron", "core", "dist_checkpointing", "mapping", "ShardedTensor")),
+        ]
         # 2 embeddings + 12 stacked per-layer tensors + final layernorm (2) + output layer.
         assert (r["tensor_keys"], r["plain_keys"]) == (17, 17)
         # ... plus the 4 extra-state ShardedObjects of each of the 2 layers.

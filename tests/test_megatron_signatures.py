@@ -28,8 +28,9 @@ def _sd(data: torch.Tensor, rank: int = 0, world: int = 1) -> dict:
 def test_019_save_arguments_with_async_and_integrity(tmp_path):
     for engine in ("nvrx", "mcore"):
         ckpt = tmp_path / engine
-        request = distckpt.save(_sd(FULL.clone()), ckpt, async_sharded_save=True, async_strategy=engine,
-                                verify_integrity=True)
+        request = distckpt.save(
+            _sd(FULL.clone()), ckpt, async_sharded_save=True, async_strategy=engine, verify_integrity=True
+        )
         queue = AsyncCallsQueue()
         queue.schedule_async_request(request)
         queue.maybe_finalize_async_calls(blocking=True)
@@ -55,9 +56,17 @@ def test_019_verify_integrity_on_load_catches_a_flipped_byte(tmp_path):
 
 
 def test_016_forms_still_work(tmp_path):
-    distckpt.save(_sd(FULL.clone()), tmp_path, get_default_save_sharded_strategy("torch_dist", 1), None, True, False)
-    out = distckpt.load(_sd(torch.zeros(4, 8)), tmp_path, get_default_load_sharded_strategy(tmp_path), None, True,
-                        "assume_ok_unexpected")
+    distckpt.save(
+        _sd(FULL.clone()), tmp_path, get_default_save_sharded_strategy("torch_dist", 1), None, True, False
+    )
+    out = distckpt.load(
+        _sd(torch.zeros(4, 8)),
+        tmp_path,
+        get_default_load_sharded_strategy(tmp_path),
+        None,
+        True,
+        "assume_ok_unexpected",
+    )
     assert torch.equal(out["w"], FULL)
 
 
@@ -77,7 +86,7 @@ def _load_on_a_group_of_one(root: str):
     import torch.distributed as tdist
 
     rank = dist.get_rank()
-    distckpt.save(_sd(FULL[2 * rank:2 * rank + 2].clone(), rank, 2), root)
+    distckpt.save(_sd(FULL[2 * rank : 2 * rank + 2].clone(), rank, 2), root)
     solo = tdist.new_group([0])  # every rank takes part in creating it
     if rank == 0:
         # Would hang (until the gloo timeout) if any collective ran on the world group.
@@ -87,8 +96,9 @@ def _load_on_a_group_of_one(root: str):
         result = (torch.equal(out["w"], FULL), out["step"], took)
         bad = None
         try:  # a failure inside the group is raised there, on its only member
-            distckpt.load({"x": distckpt.ShardedTensor.from_rank_offsets("x", torch.zeros(2))}, root,
-                          process_group=solo)
+            distckpt.load(
+                {"x": distckpt.ShardedTensor.from_rank_offsets("x", torch.zeros(2))}, root, process_group=solo
+            )
         except distckpt.CheckpointingException as e:
             bad = str(e)
         tdist.barrier()

@@ -25,7 +25,9 @@ def _save_layout(url, layout, params, **kwargs):
 def _load_layout(url, layout, params, **kwargs):
     sd, pieces = layouts.build(layout, ddist.get_rank(), ddist.get_world_size(), False, **params)
     loaded = distckpt.load(sd, url, **kwargs)
-    wrong = [name for name, piece in pieces.items() if not layouts.bitwise_equal(loaded[name], piece.expected())]
+    wrong = [
+        name for name, piece in pieces.items() if not layouts.bitwise_equal(loaded[name], piece.expected())
+    ]
     return len(pieces), wrong, loaded["common"]
 
 
@@ -61,7 +63,9 @@ def test_memory_url_round_trips_in_one_process():
 def test_a_save_that_fails_before_its_commit_is_not_a_checkpoint_on_s3(s3_url, stage):
     from tests.faults import Fault, save_with_fault
 
-    expect_all_ranks_raise(2, save_with_fault, s3_url, 1, Fault(stage, (1,)), match="injected|InjectedFault|EIO")
+    expect_all_ranks_raise(
+        2, save_with_fault, s3_url, 1, Fault(stage, (1,)), match="injected|InjectedFault|EIO"
+    )
     assert not check_is_distributed_checkpoint(s3_url)
     assert "metadata.json" not in open_store(s3_url).list()
     with pytest.raises(CheckpointingException, match="not a distributed checkpoint"):
@@ -72,7 +76,9 @@ def test_a_committed_checkpoint_on_an_object_store_is_not_overwritten_silently(o
     from tests.faults import load_with_fault, save_with_fault
 
     run_ranks(2, save_with_fault, object_url, 1, None)
-    expect_all_ranks_raise(2, save_with_fault, object_url, 2, None, match="already holds a committed checkpoint")
+    expect_all_ranks_raise(
+        2, save_with_fault, object_url, 2, None, match="already holds a committed checkpoint"
+    )
     assert run_ranks(2, load_with_fault, object_url, 1) == [[], []]  # generation 1 untouched
 
 
@@ -126,7 +132,11 @@ def test_a_flipped_byte_on_s3_is_caught_by_the_item_checksum(s3_url):
 
 def _save_big(url, numel, part_size):
     t = torch.arange(numel, dtype=torch.float32) + ddist.get_rank()
-    sd = {"big": distckpt.ShardedTensor.from_rank_offsets("big", t, (0, ddist.get_rank(), ddist.get_world_size()))}
+    sd = {
+        "big": distckpt.ShardedTensor.from_rank_offsets(
+            "big", t, (0, ddist.get_rank(), ddist.get_world_size())
+        )
+    }
     distckpt.save(sd, url, storage_options={"part_size": part_size, "max_concurrency": 2})
 
 
@@ -199,8 +209,9 @@ def _async_fully_parallel_save_then_load(url):
     rank, world = ddist.get_rank(), ddist.get_world_size()
     sd, _ = layouts.build("tp_dp", rank, world, True, tp=2)
     queue = AsyncCallsQueue()
-    request = distckpt.save(sd, url, FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy()),
-                            async_sharded_save=True)
+    request = distckpt.save(
+        sd, url, FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy()), async_sharded_save=True
+    )
     queue.schedule_async_request(request)
     committed_early = check_is_distributed_checkpoint(url)
     finalized = queue.maybe_finalize_async_calls(blocking=True)
@@ -247,7 +258,9 @@ def test_a_save_killed_before_its_commit_is_not_a_checkpoint_on_an_object_store(
     import time
 
     marker = tmp_path / "marker"
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, object_url, str(marker), window], env=dict(os.environ))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_SAVE, object_url, str(marker), window], env=dict(os.environ)
+    )
     try:
         deadline = time.monotonic() + 90
         while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -283,7 +296,9 @@ def test_zarr_python_reads_a_zarr_checkpoint_straight_from_s3(s3_url):
     from obstore.store import from_url
 
     w = torch.arange(24, dtype=torch.float32).reshape(4, 6)
-    distckpt.save({"w": distckpt.ShardedTensor.from_rank_offsets("layer/w", w)}, s3_url, sharded_strategy=("zarr", 1))
+    distckpt.save(
+        {"w": distckpt.ShardedTensor.from_rank_offsets("layer/w", w)}, s3_url, sharded_strategy=("zarr", 1)
+    )
     group = zarr.open_group(zarr.storage.ObjectStore(from_url(s3_url), read_only=True), mode="r")
     assert np.array_equal(group["layer/w"][:], w.numpy())
 
@@ -311,8 +326,16 @@ def test_storage_options_take_client_settings_flat_and_values_of_any_type(s3_url
     endpoint = os.environ["AWS_ENDPOINT_URL"]
     monkeypatch.delenv("AWS_ALLOW_HTTP")
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://unreachable.invalid")
-    store = open_store(s3_url, {"endpoint": endpoint, "allow_http": True, "virtual_hosted_style_request": False,
-                                "max_concurrency": 2, "timeout": "30s"})
+    store = open_store(
+        s3_url,
+        {
+            "endpoint": endpoint,
+            "allow_http": True,
+            "virtual_hosted_style_request": False,
+            "max_concurrency": 2,
+            "timeout": "30s",
+        },
+    )
     store.put("x", b"abc")
     assert bytes(store.get("x")) == b"abc" and store.max_concurrency == 2
     with pytest.raises(CheckpointingException, match="max_concurrency=0 must be an integer >= 1"):

@@ -36,7 +36,9 @@ class TwoLayers(torch.nn.Module):
 
     def sharded_state_dict(self):
         return {
-            "weight": ShardedTensor.from_rank_offsets("layer.weight", self.weight, (0, self.tp_rank, self.tp)),
+            "weight": ShardedTensor.from_rank_offsets(
+                "layer.weight", self.weight, (0, self.tp_rank, self.tp)
+            ),
             "bias": ShardedTensor.from_rank_offsets("layer.bias", self.bias),
         }
 
@@ -45,7 +47,7 @@ def _trained_adam(model: torch.nn.Module, steps: int = 2) -> torch.optim.Adam:
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     for _ in range(steps):
         opt.zero_grad()
-        (model.weight.sum() * 2 + (model.bias ** 2).sum()).backward()
+        (model.weight.sum() * 2 + (model.bias**2).sum()).backward()
         opt.step()
     return opt
 
@@ -90,14 +92,19 @@ def test_factories_count_as_sharded_params():
 
 def test_optimizer_tensor_is_sharded_like_its_param_under_a_prefixed_key():
     param = torch.zeros(2, 3, dtype=torch.bfloat16)
-    sh = ShardedTensor.from_rank_offsets("w", param, (0, 0, 4), (1, 1, 2), (2, 1, 2),
-                                         replica_id=(0, 1, 3), prepend_axis_num=1)
+    sh = ShardedTensor.from_rank_offsets(
+        "w", param, (0, 0, 4), (1, 1, 2), (2, 1, 2), replica_id=(0, 1, 3), prepend_axis_num=1
+    )
     state = torch.ones(2, 3)  # fp32 state of a bf16 param
     out = make_sharded_optimizer_tensor(sh, state, "optimizer.state.exp_avg")
     assert out.key == "optimizer.state.exp_avg.w"
     assert out.data is state and out.dtype == torch.float32
     assert (out.global_shape, out.global_offset, out.replica_id, out.prepend_axis_num) == (
-        sh.global_shape, sh.global_offset, sh.replica_id, sh.prepend_axis_num)
+        sh.global_shape,
+        sh.global_offset,
+        sh.replica_id,
+        sh.prepend_axis_num,
+    )
     assert sh.key == "w" and sh.data is param  # the model's leaf is left alone
 
 
@@ -115,8 +122,10 @@ def test_optimizer_tensor_of_a_flat_param_must_match_the_flat_range():
 
 
 def _halves(key, data, replica_id, flattened_range):
-    return {"a": ShardedTensor.from_rank_offsets(f"{key}.a", data[:1], replica_id=replica_id),
-            "b": ShardedTensor.from_rank_offsets(f"{key}.b", data[1:], replica_id=replica_id)}
+    return {
+        "a": ShardedTensor.from_rank_offsets(f"{key}.a", data[:1], replica_id=replica_id),
+        "b": ShardedTensor.from_rank_offsets(f"{key}.b", data[1:], replica_id=replica_id),
+    }
 
 
 def test_optimizer_state_of_a_factory_param_is_split_by_the_same_factory():
@@ -127,7 +136,8 @@ def test_optimizer_state_of_a_factory_param_is_split_by_the_same_factory():
     built = out.build()
     assert {k: (v.key, v.data.tolist()) for k, v in built.items()} == {
         "a": ("optimizer.state.exp_avg.fc1.a", [[0.0, 1.0, 2.0]]),
-        "b": ("optimizer.state.exp_avg.fc1.b", [[3.0, 4.0, 5.0]])}
+        "b": ("optimizer.state.exp_avg.fc1.b", [[3.0, 4.0, 5.0]]),
+    }
 
 
 # --------------------------------------------------------------------------- flat slices
@@ -135,13 +145,22 @@ def test_optimizer_state_of_a_factory_param_is_split_by_the_same_factory():
 
 def test_flat_optimizer_slice_lies_on_its_params_grid():
     param = torch.zeros(2, 3)
-    sh = ShardedTensor.from_rank_offsets("w", param, (0, 1, 4), (1, 1, 2), replica_id=(0, 0, 5),
-                                         prepend_axis_num=1)
-    out = make_sharded_optimizer_tensor_flat(sh, torch.ones(4), slice(2, 6), "optimizer.state.exp_avg",
-                                             replica_id=(0, 0, 0))
-    want = ShardedTensor.from_rank_offsets_flat("optimizer.state.exp_avg.w", torch.ones(4), (2, 3),
-                                                (0, 1, 4), (1, 1, 2), flattened_range=slice(2, 6),
-                                                replica_id=(0, 0, 0), prepend_axis_num=1)
+    sh = ShardedTensor.from_rank_offsets(
+        "w", param, (0, 1, 4), (1, 1, 2), replica_id=(0, 0, 5), prepend_axis_num=1
+    )
+    out = make_sharded_optimizer_tensor_flat(
+        sh, torch.ones(4), slice(2, 6), "optimizer.state.exp_avg", replica_id=(0, 0, 0)
+    )
+    want = ShardedTensor.from_rank_offsets_flat(
+        "optimizer.state.exp_avg.w",
+        torch.ones(4),
+        (2, 3),
+        (0, 1, 4),
+        (1, 1, 2),
+        flattened_range=slice(2, 6),
+        replica_id=(0, 0, 0),
+        prepend_axis_num=1,
+    )
     assert out.without_data() == want.without_data()
 
 
@@ -169,10 +188,14 @@ def test_flat_slices_of_two_dp_ranks_load_as_one_regular_tensor(tmp_path):
     sh = ShardedTensor.from_rank_offsets("w", param)
     state = torch.arange(6.0)
     # One process holds both DP ranks' slices: [0, 4) and [4, 6) of the flattened state.
-    sd = {f"dp{r}": make_sharded_optimizer_tensor_flat(sh, state[a:b].clone(), slice(a, b), "optimizer.state.m")
-          for r, (a, b) in enumerate([(0, 4), (4, 6)])}
+    sd = {
+        f"dp{r}": make_sharded_optimizer_tensor_flat(sh, state[a:b].clone(), slice(a, b), "optimizer.state.m")
+        for r, (a, b) in enumerate([(0, 4), (4, 6)])
+    }
     distckpt.save(sd, tmp_path)
-    out = distckpt.load({"m": make_sharded_optimizer_tensor(sh, torch.zeros(2, 3), "optimizer.state.m")}, tmp_path)
+    out = distckpt.load(
+        {"m": make_sharded_optimizer_tensor(sh, torch.zeros(2, 3), "optimizer.state.m")}, tmp_path
+    )
     assert torch.equal(out["m"], state.view(2, 3))
 
 
@@ -183,11 +206,21 @@ def test_state_dict_becomes_sharded_state_keyed_by_param_key():
     model = TwoLayers()
     opt = _trained_adam(model)
     sd = opt.state_dict()
-    optim_state_to_sharding_state(sd, get_param_id_to_sharded_param_map(model.sharded_state_dict(), _params(opt)),
-                                  exclude_keys=("step",))
+    optim_state_to_sharding_state(
+        sd,
+        get_param_id_to_sharded_param_map(model.sharded_state_dict(), _params(opt)),
+        exclude_keys=("step",),
+    )
     assert {i: {n: v.key for n, v in s.items()} for i, s in sd["state"].items()} == {
-        0: {"exp_avg": "optimizer.state.exp_avg.layer.weight", "exp_avg_sq": "optimizer.state.exp_avg_sq.layer.weight"},
-        1: {"exp_avg": "optimizer.state.exp_avg.layer.bias", "exp_avg_sq": "optimizer.state.exp_avg_sq.layer.bias"}}
+        0: {
+            "exp_avg": "optimizer.state.exp_avg.layer.weight",
+            "exp_avg_sq": "optimizer.state.exp_avg_sq.layer.weight",
+        },
+        1: {
+            "exp_avg": "optimizer.state.exp_avg.layer.bias",
+            "exp_avg_sq": "optimizer.state.exp_avg_sq.layer.bias",
+        },
+    }
     assert sd["state"][0]["exp_avg"].data is opt.state[model.weight]["exp_avg"]
     assert sd["state"][0]["exp_avg"].global_offset == (2, 0)
 
@@ -196,8 +229,11 @@ def test_param_groups_stay_common_except_their_process_local_params():
     model = TwoLayers()
     opt = _trained_adam(model)
     sd = opt.state_dict()
-    optim_state_to_sharding_state(sd, get_param_id_to_sharded_param_map(model.sharded_state_dict(), _params(opt)),
-                                  exclude_keys=("step",))
+    optim_state_to_sharding_state(
+        sd,
+        get_param_id_to_sharded_param_map(model.sharded_state_dict(), _params(opt)),
+        exclude_keys=("step",),
+    )
     (group,) = sd["param_groups"]
     assert isinstance(group["params"], LocalNonpersistentObject) and group["params"].unwrap() == [0, 1]
     assert group["lr"] == 0.1
@@ -224,8 +260,11 @@ def _sharded_optimizer(model: torch.nn.Module, opt: torch.optim.Optimizer):
     """The pattern for torch.optim.Adam: shard exp_avg(_sq), keep the (common) step count apart."""
     sd = opt.state_dict()
     (step,) = {float(s["step"]) for s in sd["state"].values()}
-    optim_state_to_sharding_state(sd, get_param_id_to_sharded_param_map(model.sharded_state_dict(), _params(opt)),
-                                  exclude_keys=("step",))
+    optim_state_to_sharding_state(
+        sd,
+        get_param_id_to_sharded_param_map(model.sharded_state_dict(), _params(opt)),
+        exclude_keys=("step",),
+    )
     sd["step"] = step
     return sd
 
@@ -254,8 +293,11 @@ def test_the_optimizer_itself_is_left_untouched():
     model = TwoLayers()
     opt = _trained_adam(model)
     sd = opt.state_dict()  # torch shares the per-param state dicts with the optimizer
-    optim_state_to_sharding_state(sd, get_param_id_to_sharded_param_map(model.sharded_state_dict(), _params(opt)),
-                                  exclude_keys=("step",))
+    optim_state_to_sharding_state(
+        sd,
+        get_param_id_to_sharded_param_map(model.sharded_state_dict(), _params(opt)),
+        exclude_keys=("step",),
+    )
     for p in model.parameters():
         assert set(opt.state[p]) == {"step", "exp_avg", "exp_avg_sq"}
         assert all(type(v) is torch.Tensor for v in opt.state[p].values())

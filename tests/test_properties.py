@@ -30,7 +30,7 @@ from tests.harness import expect_all_ranks_raise, run_ranks
 BACKENDS = ("torch_dist", "zarr")
 DTYPES = (torch.float32, torch.bfloat16, torch.int64)
 KINDS = ("regular", "uneven", "flat")
-Layout = List[List[layouts.Piece]]   # index = rank
+Layout = List[List[layouts.Piece]]  # index = rank
 
 PROPERTY_SETTINGS = settings(derandomize=True, deadline=None, database=None, print_blob=False)
 
@@ -54,7 +54,7 @@ def _regular_cuts(draw, n: int) -> List[Tuple[int, int]]:
 
 
 def _uneven_cuts(draw, n: int) -> List[Tuple[int, int]]:
-    cuts = sorted(draw(st.lists(st.integers(0, n), max_size=3)))   # repeats give empty cells
+    cuts = sorted(draw(st.lists(st.integers(0, n), max_size=3)))  # repeats give empty cells
     bounds = [0] + cuts + [n]
     return [(a, b - a) for a, b in zip(bounds, bounds[1:])]
 
@@ -111,7 +111,12 @@ def _nonempty(piece: layouts.Piece) -> bool:
 def broken_layouts(draw) -> Tuple[Layout, str]:
     """A valid layout with one main replica duplicated (overlap) or demoted (gap)."""
     layout = draw(layout_for(draw(tensor_specs())))
-    mains = [(r, i) for r, pieces in enumerate(layout) for i, p in enumerate(pieces) if p.replica == 0 and _nonempty(p)]
+    mains = [
+        (r, i)
+        for r, pieces in enumerate(layout)
+        for i, p in enumerate(pieces)
+        if p.replica == 0 and _nonempty(p)
+    ]
     rank, index = draw(st.sampled_from(mains))
     piece = layout[rank][index]
     problem = draw(st.sampled_from(["overlap", "gap"]))

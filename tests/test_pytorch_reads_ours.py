@@ -26,14 +26,22 @@ WORLD = 2
 
 
 def _pieces(rank: int):
-    pieces = (layouts.tp_dp(rank, WORLD, tp=2) + layouts.uneven(rank, WORLD) + layouts.multi(rank, WORLD)
-              + layouts.stacked(rank, WORLD, pp=2, per_layer=True) + layouts.grid(rank, WORLD, 1, 2)
-              + layouts.fp8(rank, WORLD) + layouts.flat_optimizer(rank, WORLD, tp=1, empty=True))
+    pieces = (
+        layouts.tp_dp(rank, WORLD, tp=2)
+        + layouts.uneven(rank, WORLD)
+        + layouts.multi(rank, WORLD)
+        + layouts.stacked(rank, WORLD, pp=2, per_layer=True)
+        + layouts.grid(rank, WORLD, 1, 2)
+        + layouts.fp8(rank, WORLD)
+        + layouts.flat_optimizer(rank, WORLD, tp=1, empty=True)
+    )
     # An empty regular piece: rank 1 holds 0 of the 5 elements of "gap".
     pieces.append(layouts.Piece("gap", "gap", (5,), (5 * rank,), (5 - 5 * rank,)))
     # The same optimizer keys with TP=2 (a 2x1 grid of flattened chunks), under other keys.
-    pieces += [dataclasses.replace(p, key=f"tp2.{p.key}", name=f"tp2.{p.name}")
-               for p in layouts.flat_optimizer(rank, WORLD, tp=2)]
+    pieces += [
+        dataclasses.replace(p, key=f"tp2.{p.key}", name=f"tp2.{p.name}")
+        for p in layouts.flat_optimizer(rank, WORLD, tp=2)
+    ]
     return pieces
 
 
@@ -87,8 +95,9 @@ def _same_object(loaded, expected) -> bool:
     if not (isinstance(loaded, list) and len(loaded) == 1):
         return False
     a, b = loaded[0], expected
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if torch.is_tensor(b[k]) else a[k] == b[k]
-                                        for k in b)
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k], b[k]) if torch.is_tensor(b[k]) else a[k] == b[k] for k in b
+    )
 
 
 def test_dcp_load_without_a_process_group_reads_every_key(ours):

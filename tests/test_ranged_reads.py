@@ -31,8 +31,12 @@ def _full(key: str) -> torch.Tensor:
 def _save_rows(url):
     """Two ranks, each saving one half (by rows) of ``w`` and ``v`` plus a small bias."""
     r, world = ddist.get_rank(), ddist.get_world_size()
-    sd = {k: distckpt.ShardedTensor.from_rank_offsets(k, _full(k)[r * ROWS:(r + 1) * ROWS].clone(), (0, r, world))
-          for k in ("w", "v")}
+    sd = {
+        k: distckpt.ShardedTensor.from_rank_offsets(
+            k, _full(k)[r * ROWS : (r + 1) * ROWS].clone(), (0, r, world)
+        )
+        for k in ("w", "v")
+    }
     sd["b"] = distckpt.ShardedTensor.from_rank_offsets("b", torch.arange(16.0), replica_id=r)
     distckpt.save(sd, url, sharded_strategy=TorchDistSaveShardedStrategy(thread_count=1))
 
@@ -45,7 +49,7 @@ def _load_interleaved(url):
     for k in ("w", "v"):
         for p in (r, r + 2):
             sd[f"{k}{p}"] = distckpt.ShardedTensor.from_rank_offsets(k, torch.zeros(rows, COLS), (0, p, 4))
-            want[f"{k}{p}"] = _full(k)[p * rows:(p + 1) * rows]
+            want[f"{k}{p}"] = _full(k)[p * rows : (p + 1) * rows]
     strategy = TorchDistLoadShardedStrategy()
     loaded = distckpt.load(sd, url, sharded_strategy=strategy)
     wrong = [name for name, t in want.items() if not torch.equal(loaded[name], t)]
@@ -101,9 +105,13 @@ def test_a_flipped_byte_in_a_block_a_ranged_read_needs_is_caught(s3_url):
     at = entry.item_offset + entry.payload_offset + 3 * table.block + 5
     data[at] ^= 0x01
     store.put("__1_0.distcp", bytes(data))
-    expect_all_ranks_raise(2, _load_interleaved, s3_url,
-                           match=r"key '[wv]' in s3://.*__1_0\.distcp at offset \d+ \(rank 0\): CRC32C "
-                                 r"mismatch in block 3")
+    expect_all_ranks_raise(
+        2,
+        _load_interleaved,
+        s3_url,
+        match=r"key '[wv]' in s3://.*__1_0\.distcp at offset \d+ \(rank 0\): CRC32C "
+        r"mismatch in block 3",
+    )
 
 
 @pytest.mark.parametrize("damage", ["removed", "corrupted", "stale"])
@@ -153,8 +161,10 @@ def test_removing_keys_on_s3_carries_the_block_tables_of_rewritten_files(s3_url)
     assert set(tables) <= set(manifest.files)
     for name in tables:
         t = blockcrc.decode(store.get(name), name)
-        ranges = {r.offset: r for r in manifest.ranges[name[:-len(blockcrc.SUFFIX)]]}
-        assert [ranges[e.item_offset].crc32c for e in t.entries.values()] == [e.item_crc for e in t.entries.values()]
+        ranges = {r.offset: r for r in manifest.ranges[name[: -len(blockcrc.SUFFIX)]]}
+        assert [ranges[e.item_offset].crc32c for e in t.entries.values()] == [
+            e.item_crc for e in t.entries.values()
+        ]
 
 
 def test_removing_keys_locally_keeps_tables_consistent(tmp_path):
@@ -212,10 +222,10 @@ def test_the_writer_records_block_crcs_that_add_up_to_the_item_crc(tmp_path):
     distckpt.save({"t": distckpt.ShardedTensor.from_rank_offsets("t", t)}, tmp_path)
     table = blockcrc.decode((tmp_path / "__0_0.distcp.crc").read_bytes(), "t")
     (e,) = table.entries.values()
-    raw = (tmp_path / "__0_0.distcp").read_bytes()[e.item_offset:e.item_offset + e.item_length]
-    payload = raw[e.payload_offset:e.payload_offset + e.payload_length]
+    raw = (tmp_path / "__0_0.distcp").read_bytes()[e.item_offset : e.item_offset + e.item_length]
+    payload = raw[e.payload_offset : e.payload_offset + e.payload_length]
     assert payload == t.numpy().tobytes() and e.dtype == torch.float32
-    assert e.blocks == [_reference(payload[i:i + table.block]) for i in range(0, len(payload), table.block)]
+    assert e.blocks == [_reference(payload[i : i + table.block]) for i in range(0, len(payload), table.block)]
     assert e.item_crc == _reference(raw) == e.combined(table.block)
     ranges = read_manifest(tmp_path).ranges["__0_0.distcp"]
     assert [r.crc32c for r in ranges if r.offset == e.item_offset] == [e.item_crc]
@@ -273,9 +283,9 @@ def test_verify_checks_block_tables_against_the_items_they_describe(tmp_path, da
         t = blockcrc.decode((ckpt / name).read_bytes(), name)
         for e in t.entries.values():
             if damage == "stale":
-                e.item_crc ^= 1     # another save's item at the same offset
+                e.item_crc ^= 1  # another save's item at the same offset
             else:
-                e.blocks[3] ^= 1    # block CRCs that no longer add up to the item's
+                e.blocks[3] ^= 1  # block CRCs that no longer add up to the item's
         raw = blockcrc.encode(list(t.entries.values()), t.block)
         (ckpt / name).write_bytes(raw)
         manifest = read_manifest(ckpt)
@@ -287,8 +297,10 @@ def test_verify_checks_block_tables_against_the_items_they_describe(tmp_path, da
         assert report.ok, report.problems
         assert any("2 block CRC tables (4 items)" in c for c in report.checked), report.checked
     elif damage == "stale":
-        assert len(report.problems) == 2 and all(name in p and "stale" in p and "key " in p
-                                                 for p in report.problems), report.problems
+        assert len(report.problems) == 2 and all(
+            name in p and "stale" in p and "key " in p for p in report.problems
+        ), report.problems
     else:
-        assert len(report.problems) == 2 and all(name in p and "do not add up" in p
-                                                 for p in report.problems), report.problems
+        assert len(report.problems) == 2 and all(
+            name in p and "do not add up" in p for p in report.problems
+        ), report.problems

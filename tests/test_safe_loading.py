@@ -65,8 +65,12 @@ def allowlist():
 
 
 def _state(with_data: bool) -> dict:
-    sd = {"w": ShardedTensor.from_rank_offsets("w", torch.arange(12.0).reshape(3, 4) if with_data else torch.zeros(3, 4)),
-          "rng": ShardedObject("rng", {"seed": 3} if with_data else None, (1,), (0,))}
+    sd = {
+        "w": ShardedTensor.from_rank_offsets(
+            "w", torch.arange(12.0).reshape(3, 4) if with_data else torch.zeros(3, 4)
+        ),
+        "rng": ShardedObject("rng", {"seed": 3} if with_data else None, (1,), (0,)),
+    }
     if with_data:
         sd["iteration"] = 5
     return sd
@@ -97,7 +101,9 @@ def _replace_item(ckpt: Path, key: str, payload: bytes) -> None:
         f.write(payload)
     md.storage_data[index] = type(info)(info.relative_path, offset, len(payload))
     (ckpt / ".metadata").write_bytes(pickle.dumps(md))
-    faults.reseal_manifest(ckpt, [(info.relative_path, RangeChecksum(offset, len(payload), crc32c(payload), key))])
+    faults.reseal_manifest(
+        ckpt, [(info.relative_path, RangeChecksum(offset, len(payload), crc32c(payload), key))]
+    )
 
 
 def _refused(ckpt: Path, file: str, verify: bool, pattern: str = "refusing to unpickle") -> None:
@@ -133,7 +139,11 @@ def test_code_in_dcp_metadata_is_refused_and_never_runs(tmp_path, marker, verify
     (ckpt / ".metadata").write_bytes(pickle.dumps(md))
     faults.reseal_manifest(ckpt)
     _refused(ckpt, str(ckpt / ".metadata"), verify, r"posix\.system is not allowed in checkpoint metadata")
-    for query in (distckpt.load_tensors_metadata, distckpt.load_sharded_metadata, distckpt.load_plain_tensors):
+    for query in (
+        distckpt.load_tensors_metadata,
+        distckpt.load_sharded_metadata,
+        distckpt.load_plain_tensors,
+    ):
         with pytest.raises(CheckpointingException, match=r"\.metadata: unreadable checkpoint metadata"):
             query(ckpt)
 
@@ -182,7 +192,9 @@ def test_cli_commands_refuse_code_in_a_checkpoint_without_running_it(tmp_path, m
 
 def test_custom_class_in_common_state_is_refused_by_default_naming_file_and_class(tmp_path):
     ckpt = _save(tmp_path / "ckpt", args=TrainingArgs(0.1, "cosine"))
-    with pytest.raises(CheckpointingException, match=r"common\.pt: refusing to unpickle .*TrainingArgs.*trusted=True"):
+    with pytest.raises(
+        CheckpointingException, match=r"common\.pt: refusing to unpickle .*TrainingArgs.*trusted=True"
+    ):
         distckpt.load(_state(False), ckpt)
 
 
@@ -219,7 +231,7 @@ def test_custom_class_in_dcp_metadata_needs_trust(tmp_path, allowlist):
     md.mcore_data = {"w": {"note": TrainingArgs(0.3, "const")}}
     (ckpt / ".metadata").write_bytes(pickle.dumps(md))
     faults.reseal_manifest(ckpt)
-    distckpt.add_safe_globals([TrainingArgs])   # admits classes in common state and objects only
+    distckpt.add_safe_globals([TrainingArgs])  # admits classes in common state and objects only
     with pytest.raises(CheckpointingException, match=r"TrainingArgs is not allowed in checkpoint metadata"):
         distckpt.load(_state(False), ckpt)
     loaded = distckpt.load(_state(False), ckpt, trusted=True, verify=True)

@@ -22,7 +22,7 @@ from tests.harness import run_ranks
 
 
 def _set_rounds(setting: str) -> None:
-    os.environ[ddist.STORE_ROUNDS_ENV] = setting     # the pool restores the environment after the task
+    os.environ[ddist.STORE_ROUNDS_ENV] = setting  # the pool restores the environment after the task
 
 
 def _rounds_in_use(setting: str):
@@ -60,9 +60,9 @@ def test_the_store_and_the_collectives_give_the_same_results_and_errors(tmp_path
     through_group = run_ranks(4, _save_load_and_fail, "0", str(tmp_path / "group"))
     assert [r[2:4] for r in through_store] == [([3, 0], [0, 10, 20, 30])] * 4
     for rank, (a, b) in enumerate(zip(through_store, through_group)):
-        assert a[0] == b[0] == [] and a[4] == b[4] == []            # exact, and the failed save changed nothing
+        assert a[0] == b[0] == [] and a[4] == b[4] == []  # exact, and the failed save changed nothing
         assert a[2:4] == b[2:4]
-        assert a[1] == b[1].replace("group", "store"), (rank, a[1], b[1])   # the same words, path aside
+        assert a[1] == b[1].replace("group", "store"), (rank, a[1], b[1])  # the same words, path aside
         assert "failed on 2 rank(s)" in a[1] and "injected prepare fault on rank 3" in a[1], a[1]
 
 
@@ -84,7 +84,7 @@ def _slow_decision(timeout: float, setting: str):
     finally:
         distckpt.set_collective_timeout(None)
     elapsed = round(time.monotonic() - start, 2)
-    ddist.reset_failures()              # what the next save or load does first
+    ddist.reset_failures()  # what the next save or load does first
     after = ddist.gather_and_decide("next stage", None, rank, sum)
     return outcome, elapsed, after
 
@@ -92,7 +92,7 @@ def _slow_decision(timeout: float, setting: str):
 def test_a_rank_0_that_decides_too_slowly_is_named_everywhere_and_the_group_goes_on():
     results = run_ranks(4, _slow_decision, 1.5, "1")
     outcomes = {str(outcome) for outcome, _, _ in results}
-    assert len(outcomes) == 1, results                  # rank 0 raises the others' verdict when it is done
+    assert len(outcomes) == 1, results  # rank 0 raises the others' verdict when it is done
     message, missing = results[1][0]
     assert missing == [0] and message.startswith("slow stage: rank(s) 0 did not arrive within 1.5 s"), message
     for rank in (1, 2, 3):
@@ -138,11 +138,15 @@ def _large(size: int, setting: str):
     mine = bytes([rank]) * size
     decided = ddist.gather_and_decide("large outcome", None, mine, lambda ps: b"".join(ps))
     everyone = ddist.all_gather_or_raise("large payloads", None, mine)
-    return len(decided), decided[::size] == bytes(range(4)), [p[:1] * len(p) == p and len(p) for p in everyone]
+    return (
+        len(decided),
+        decided[::size] == bytes(range(4)),
+        [p[:1] * len(p) == p and len(p) for p in everyone],
+    )
 
 
 def test_an_outcome_larger_than_the_store_takes_follows_as_a_broadcast():
-    size = ddist._OUTCOME_LIMIT // 2                  # four of them: twice what the store carries
+    size = ddist._OUTCOME_LIMIT // 2  # four of them: twice what the store carries
     for length, ordered, payloads in run_ranks(4, _large, size, "1"):
         assert length == 4 * size and ordered
         assert payloads == [size] * 4
@@ -159,7 +163,7 @@ def _verdict_of_an_earlier_failure(failing: int):
     try:
         if rank == failing:
             ddist._post_verdict(None, "earlier stage: a collective failed on rank 2")
-            ddist._check_ins[gid] += 1                # keeps the pool's stage numbers in step
+            ddist._check_ins[gid] += 1  # keeps the pool's stage numbers in step
             return "stayed away"
         ddist.gather_and_decide("next stage", None, rank, sum)
         return "decided"

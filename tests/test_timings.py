@@ -16,15 +16,25 @@ from distckpt.strategies.async_utils import AsyncCallsQueue
 from tests.harness import run_ranks
 
 SAVE_PHASES = ["local checks", "global validation", "common state", "planning", "writing", "commit"]
-LOAD_PHASES = ["common state", "local checks", "global validation", "index", "planning", "reading", "merge",
-               "closing check"]
+LOAD_PHASES = [
+    "common state",
+    "local checks",
+    "global validation",
+    "index",
+    "planning",
+    "reading",
+    "merge",
+    "closing check",
+]
 
 
 def _state(rank: int, world: int, fill: float = 1.0) -> dict:
     return {
         "step": 3,
-        **{f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", torch.full((64, 8), fill + i), (0, rank, world))
-           for i in range(4)},
+        **{
+            f"w{i}": ShardedTensor.from_rank_offsets(f"w{i}", torch.full((64, 8), fill + i), (0, rank, world))
+            for i in range(4)
+        },
     }
 
 
@@ -38,8 +48,10 @@ def save_and_load_late_rank(ckpt: str, late_rank: int, delay: float) -> dict:
     """Every rank saves and loads; ``late_rank`` enters each call ``delay`` seconds late."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     out = {}
-    for op, call in (("save", lambda: distckpt.save(_state(rank, world), ckpt)),
-                     ("load", lambda: distckpt.load(_state(rank, world, 0.0), ckpt))):
+    for op, call in (
+        ("save", lambda: distckpt.save(_state(rank, world), ckpt)),
+        ("load", lambda: distckpt.load(_state(rank, world, 0.0), ckpt)),
+    ):
         torch.distributed.barrier()
         if rank == late_rank:
             time.sleep(delay)
@@ -74,8 +86,10 @@ def test_a_failed_save_is_recorded_as_failed_up_to_where_it_stopped(tmp_path, ca
     distckpt.save(good, tmp_path / "ok")
     assert not distckpt.last_timings("save").failed
     # Two pieces claim the same block: global validation fails; nothing is written.
-    bad = {"a": ShardedTensor.from_rank_offsets("w", torch.ones(8)),
-           "b": ShardedTensor.from_rank_offsets("w", torch.ones(8))}
+    bad = {
+        "a": ShardedTensor.from_rank_offsets("w", torch.ones(8)),
+        "b": ShardedTensor.from_rank_offsets("w", torch.ones(8)),
+    }
     with caplog.at_level(logging.DEBUG, logger="distckpt.timings"):
         with pytest.raises(CheckpointingException):
             distckpt.save(bad, tmp_path / "bad")
@@ -83,8 +97,10 @@ def test_a_failed_save_is_recorded_as_failed_up_to_where_it_stopped(tmp_path, ca
     assert t.failed
     assert list(t.phases) == ["local checks", "global validation"], t
     assert sum(t.phases.values()) == pytest.approx(t.total_s, abs=1e-9)
-    assert any(r.name == "distckpt.timings" and "save" in r.getMessage() and "(failed)" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        r.name == "distckpt.timings" and "save" in r.getMessage() and "(failed)" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def test_an_async_save_records_its_blocking_part_apart_from_a_plain_save(tmp_path):
@@ -97,7 +113,15 @@ def test_an_async_save_records_its_blocking_part_apart_from_a_plain_save(tmp_pat
     queue.close()
     blocking = distckpt.last_timings("async save")
     assert distckpt.last_timings("save") is plain
-    assert list(blocking.phases) == ["local checks", "global validation", "common state", "planning", "staging"]
+    assert list(blocking.phases) == [
+        "local checks",
+        "global validation",
+        "common state",
+        "planning",
+        "staging",
+    ]
     assert str(blocking).startswith("async save ") and "staging" in str(blocking)
-    out = distckpt.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(1024))}, Path(tmp_path / "async"))
+    out = distckpt.load(
+        {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(1024))}, Path(tmp_path / "async")
+    )
     assert torch.equal(out["w"], torch.arange(1024.0))

@@ -56,8 +56,12 @@ def _save_model_and_optimizer(ckpt: str, backend: str) -> None:
         sd[f"optimizer.{name}"] = sh
     sd["rng"] = layouts.rank_object(rank, world)
     sd.update(COMMON)
-    distckpt.save(sd, ckpt, sharded_strategy=(backend, 2 if backend == "zarr" else 1),
-                  content_metadata={"format": "tools-test"})
+    distckpt.save(
+        sd,
+        ckpt,
+        sharded_strategy=(backend, 2 if backend == "zarr" else 1),
+        content_metadata={"format": "tools-test"},
+    )
 
 
 def expected_tensors() -> dict:
@@ -120,7 +124,9 @@ class Recorder:
 def test_inspect_lists_every_key_with_its_global_shape_and_dtype(saved):
     info = inspect_source(saved)
     expected = expected_tensors()
-    assert {t.key: (t.shape, t.dtype) for t in info.tensors} == {k: (tuple(v.shape), v.dtype) for k, v in expected.items()}
+    assert {t.key: (t.shape, t.dtype) for t in info.tensors} == {
+        k: (tuple(v.shape), v.dtype) for k, v in expected.items()
+    }
     assert info.format == "torch_dist" and info.format_version == 1
     assert sorted(o.key for o in info.objects) == [f"rng_state/shard_0.{i}_1.{WORLD}" for i in range(WORLD)]
 
@@ -174,14 +180,17 @@ def test_key_tree_merges_single_child_chains_and_collapses_below_depth():
     assert sum(r.count for r in decoder_rows if r.depth == 1) == 6
 
 
-@pytest.mark.parametrize("text,offset,size,result", [
-    ("0:4,:", (0, 0), (4, 6), (4, 6)),
-    ("-1", (7, 0), (1, 6), (6,)),
-    ("...,2", (0, 2), (8, 1), (8,)),
-    ("1:7:3,::2", (1, 0), (6, 6), (2, 3)),
-    ("", (0, 0), (8, 6), (8, 6)),
-    ("5:2", (5, 0), (0, 6), (0, 6)),
-])
+@pytest.mark.parametrize(
+    "text,offset,size,result",
+    [
+        ("0:4,:", (0, 0), (4, 6), (4, 6)),
+        ("-1", (7, 0), (1, 6), (6,)),
+        ("...,2", (0, 2), (8, 1), (8,)),
+        ("1:7:3,::2", (1, 0), (6, 6), (2, 3)),
+        ("", (0, 0), (8, 6), (8, 6)),
+        ("5:2", (5, 0), (0, 6), (0, 6)),
+    ],
+)
 def test_parse_slice_gives_the_box_to_read_and_what_to_index_after(text, offset, size, result):
     off, sz, post = parse_slice(text, (8, 6))
     assert (off, sz) == (offset, size)
@@ -197,8 +206,13 @@ def test_parse_slice_rejects_malformed_or_out_of_range_indices(text):
 def test_read_tensor_slice_equals_the_slice_of_the_whole_tensor(saved):
     expected = expected_tensors()
     with CheckpointSource(saved) as src:
-        for key, text in [("col", "2:7,1:5"), ("row", "-1"), ("optimizer.exp_avg", "1:6,::2"),
-                          ("optimizer.exp_avg_bf16", "3"), ("steps", "")]:
+        for key, text in [
+            ("col", "2:7,1:5"),
+            ("row", "-1"),
+            ("optimizer.exp_avg", "1:6,::2"),
+            ("optimizer.exp_avg_bf16", "3"),
+            ("steps", ""),
+        ]:
             off, size, post = parse_slice(text, expected[key].shape)
             want = expected[key][tuple(slice(o, o + n) for o, n in zip(off, size))][post]
             assert layouts.bitwise_equal(read_tensor(src, key, text), want.contiguous()), key
@@ -308,12 +322,15 @@ def test_verify_zarr_checkpoint_against_its_manifest(saved_zarr, tmp_path):
     assert any("CRC32C mismatch" in p for p in verify.verify_checkpoint(ckpt).problems)
 
 
-@pytest.mark.parametrize("boxes,problem", [
-    ([((0, 0), (4, 6)), ((4, 0), (4, 6))], None),
-    ([((0, 0), (4, 6))], "cover 24 of 48"),
-    ([((0, 0), (5, 6)), ((4, 0), (4, 6))], "overlap"),
-    ([((0, 0), (4, 6)), ((4, 0), (5, 6))], "outside"),
-])
+@pytest.mark.parametrize(
+    "boxes,problem",
+    [
+        ([((0, 0), (4, 6)), ((4, 0), (4, 6))], None),
+        ([((0, 0), (4, 6))], "cover 24 of 48"),
+        ([((0, 0), (5, 6)), ((4, 0), (4, 6))], "overlap"),
+        ([((0, 0), (4, 6)), ((4, 0), (5, 6))], "outside"),
+    ],
+)
 def test_coverage_problem_finds_gaps_overlaps_and_strays(boxes, problem):
     found = verify.coverage_problem((8, 6), boxes)
     assert found is None if problem is None else problem in found
@@ -342,10 +359,14 @@ def test_diff_finds_a_planted_value_difference_and_its_size(tmp_path):
 
 
 def test_diff_reports_keys_shapes_dtypes_common_state_and_objects(tmp_path):
-    a = small_checkpoint(tmp_path / "a", {"w": torch.ones(4), "x": torch.ones(2, 2), "only_a": torch.ones(1)},
-                         {"iteration": 1})
-    b = small_checkpoint(tmp_path / "b", {"w": torch.ones(4, dtype=torch.float64), "x": torch.ones(4),
-                                          "only_b": torch.ones(1)}, {"iteration": 2})
+    a = small_checkpoint(
+        tmp_path / "a", {"w": torch.ones(4), "x": torch.ones(2, 2), "only_a": torch.ones(1)}, {"iteration": 1}
+    )
+    b = small_checkpoint(
+        tmp_path / "b",
+        {"w": torch.ones(4, dtype=torch.float64), "x": torch.ones(4), "only_b": torch.ones(1)},
+        {"iteration": 2},
+    )
     report = diff_tool.diff_sources(a, b)
     assert report.only_a == ["only_a"] and report.only_b == ["only_b"]
     assert {(t.key, t.kind) for t in report.tensors} == {("w", "dtype"), ("x", "shape")}
@@ -366,12 +387,15 @@ def _save_with_other_objects(ckpt):
     distckpt.save({"rng": obj}, ckpt)
 
 
-@pytest.mark.parametrize("a,b,atol,rtol,expect", [
-    ([1.0, float("nan")], [1.0, float("nan")], 0, 0, (0.0, 0)),
-    ([1.0, float("inf")], [1.0, float("inf")], 0, 0, (0.0, 0)),
-    ([1.0, 2.0], [1.0, float("nan")], 0, 0, (float("inf"), 1)),
-    ([1.0, 2.0], [1.1, 2.0], 0, 0.2, (pytest.approx(0.1), 0)),
-])
+@pytest.mark.parametrize(
+    "a,b,atol,rtol,expect",
+    [
+        ([1.0, float("nan")], [1.0, float("nan")], 0, 0, (0.0, 0)),
+        ([1.0, float("inf")], [1.0, float("inf")], 0, 0, (0.0, 0)),
+        ([1.0, 2.0], [1.0, float("nan")], 0, 0, (float("inf"), 1)),
+        ([1.0, 2.0], [1.1, 2.0], 0, 0.2, (pytest.approx(0.1), 0)),
+    ],
+)
 def test_compare_tensors_treats_nan_as_equal_and_applies_tolerances(a, b, atol, rtol, expect):
     max_abs, _, bad = diff_tool.compare_tensors(torch.tensor(a), torch.tensor(b), atol, rtol)
     assert (max_abs, bad) == expect
@@ -423,8 +447,12 @@ def test_safetensors_shards_stay_within_max_shard_size_unless_one_tensor_is_larg
         w.write_tensor(f"t{i}", torch.ones(n))
     w.finish()
     index = json.loads((tmp_path / "out" / export.INDEX_FNAME).read_text())["weight_map"]
-    assert index == {"t0": "model-00001-of-00003.safetensors", "t1": "model-00001-of-00003.safetensors",
-                     "t2": "model-00002-of-00003.safetensors", "t3": "model-00003-of-00003.safetensors"}
+    assert index == {
+        "t0": "model-00001-of-00003.safetensors",
+        "t1": "model-00001-of-00003.safetensors",
+        "t2": "model-00002-of-00003.safetensors",
+        "t3": "model-00003-of-00003.safetensors",
+    }
 
 
 def test_safetensors_output_fitting_one_shard_is_a_single_model_safetensors(tmp_path):
@@ -437,9 +465,16 @@ def test_safetensors_output_fitting_one_shard_is_a_single_model_safetensors(tmp_
 
 @pytest.mark.parametrize("mmap", [False, True])
 def test_torch_file_writer_writes_what_torch_load_reads_weights_only(tmp_path, mmap):
-    tensors = {"f32": torch.randn(3, 4), "bf16": torch.randn(5).bfloat16(), "fp8": torch.ones(4).to(torch.float8_e4m3fn),
-               "u16": torch.arange(6).to(torch.uint16), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 3),
-               "view": torch.randn(6, 6)[:, 2], "bool": torch.tensor([True, False])}
+    tensors = {
+        "f32": torch.randn(3, 4),
+        "bf16": torch.randn(5).bfloat16(),
+        "fp8": torch.ones(4).to(torch.float8_e4m3fn),
+        "u16": torch.arange(6).to(torch.uint16),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 3),
+        "view": torch.randn(6, 6)[:, 2],
+        "bool": torch.tensor([True, False]),
+    }
     w = export.TorchFileWriter(tmp_path / "m.pt")
     w.begin({}, {})
     for k, v in tensors.items():
@@ -451,8 +486,11 @@ def test_torch_file_writer_writes_what_torch_load_reads_weights_only(tmp_path, m
 
 
 def test_writers_abort_without_leaving_files_and_refuse_an_existing_output(tmp_path):
-    for w in (export.SafetensorsWriter(tmp_path / "st"), export.SafetensorsWriter(tmp_path / "one.safetensors"),
-              export.TorchFileWriter(tmp_path / "m.pt")):
+    for w in (
+        export.SafetensorsWriter(tmp_path / "st"),
+        export.SafetensorsWriter(tmp_path / "one.safetensors"),
+        export.TorchFileWriter(tmp_path / "m.pt"),
+    ):
         w.begin({}, {})
         w.write_tensor("a", torch.ones(3))
         w.abort()
@@ -494,8 +532,10 @@ def _load_model_under_tp_dp(ckpt):
 
 
 def test_torch_file_import_keeps_nested_paths_as_keys_and_the_rest_as_common_state(tmp_path):
-    torch.save({"model": {"w": torch.ones(2), "layers": [torch.zeros(3)]}, "iteration": 5,
-                "args": {"lr": 0.1}}, tmp_path / "m.pt")
+    torch.save(
+        {"model": {"w": torch.ones(2), "layers": [torch.zeros(3)]}, "iteration": 5, "args": {"lr": 0.1}},
+        tmp_path / "m.pt",
+    )
     export.convert(tmp_path / "m.pt", tmp_path / "ckpt", "torch_dist")
     assert sorted(distckpt.load_plain_tensors(tmp_path / "ckpt")) == ["model.layers.0", "model.w"]
     assert distckpt.load_common_state_dict(tmp_path / "ckpt") == {"iteration": 5, "args": {"lr": 0.1}}
@@ -509,7 +549,9 @@ def test_torch_file_source_refuses_untrusted_pickles_unless_trusted(tmp_path):
 
 
 def test_conversion_filters_keys_with_regular_expressions(saved, tmp_path):
-    export.convert(saved, tmp_path / "out.safetensors", "safetensors", keys="^(col|row|optimizer)", exclude="bf16")
+    export.convert(
+        saved, tmp_path / "out.safetensors", "safetensors", keys="^(col|row|optimizer)", exclude="bf16"
+    )
     from safetensors.torch import load_file
 
     assert sorted(load_file(tmp_path / "out.safetensors")) == ["col", "optimizer.exp_avg", "row"]
@@ -520,14 +562,23 @@ def test_conversion_filters_keys_with_regular_expressions(saved, tmp_path):
 
 def test_rename_torch_dist_in_place_touches_only_the_index_and_loads(ckpt):
     data_before = {p.name: (p.stat().st_ino, p.stat().st_size) for p in ckpt.glob("*.distcp")}
-    plan = surgery.rename_keys(ckpt, [("col", "model.col")], [(r"^optimizer\.", "opt.")], )
-    assert plan.tensors == {"col": "model.col", "optimizer.exp_avg": "opt.exp_avg",
-                            "optimizer.exp_avg_bf16": "opt.exp_avg_bf16"}
+    plan = surgery.rename_keys(
+        ckpt,
+        [("col", "model.col")],
+        [(r"^optimizer\.", "opt.")],
+    )
+    assert plan.tensors == {
+        "col": "model.col",
+        "optimizer.exp_avg": "opt.exp_avg",
+        "optimizer.exp_avg_bf16": "opt.exp_avg_bf16",
+    }
     assert {p.name: (p.stat().st_ino, p.stat().st_size) for p in ckpt.glob("*.distcp")} == data_before
     tensors = distckpt.load_plain_tensors(ckpt)
     expected = expected_tensors()
     assert layouts.bitwise_equal(tensors["model.col"], expected["col"])
-    assert layouts.bitwise_equal(tensors["opt.exp_avg"], expected["optimizer.exp_avg"])  # flattened: mcore_data
+    assert layouts.bitwise_equal(
+        tensors["opt.exp_avg"], expected["optimizer.exp_avg"]
+    )  # flattened: mcore_data
     assert "col" not in tensors
     report = verify.verify_checkpoint(ckpt)
     assert report.ok, report.problems
@@ -599,14 +650,17 @@ def test_rename_megatron_zarr_fixture_copy(tmp_path):
     assert torch.equal(tensors["w/col"], fixture_tensors("tp2_zarr")["weight_col"])
 
 
-@pytest.mark.parametrize("mapping,regexes,match", [
-    ([("colx", "a")], [], "no key 'colx'.*did you mean 'col'"),
-    ([("col", "row")], [], "would both be named 'row'"),
-    ([], [("^.*$", "same")], "would both be named"),
-    ([], [("nomatch", "x")], "changes no key"),
-    ([], [("(", "x")], "invalid pattern"),
-    ([("col", "")], [], "empty name"),
-])
+@pytest.mark.parametrize(
+    "mapping,regexes,match",
+    [
+        ([("colx", "a")], [], "no key 'colx'.*did you mean 'col'"),
+        ([("col", "row")], [], "would both be named 'row'"),
+        ([], [("^.*$", "same")], "would both be named"),
+        ([], [("nomatch", "x")], "changes no key"),
+        ([], [("(", "x")], "invalid pattern"),
+        ([("col", "")], [], "empty name"),
+    ],
+)
 def test_rename_refuses_bad_requests_and_changes_nothing(ckpt, mapping, regexes, match):
     before = (ckpt / ".metadata").read_bytes()
     with pytest.raises(CheckpointingException, match=match):
@@ -653,15 +707,22 @@ def test_verify_reports_a_manifest_that_lost_the_checksums_of_a_file(ckpt):
     raw["ranges"]["common.pu"] = raw["ranges"].pop("common.pt")
     path.write_text(json.dumps(raw))
     problems = verify.verify_checkpoint(ckpt).problems
-    assert any("manifest is inconsistent" in p and "unlisted files ['common.pu']" in p
-               and "without checksums ['common.pt']" in p for p in problems)
+    assert any(
+        "manifest is inconsistent" in p
+        and "unlisted files ['common.pu']" in p
+        and "without checksums ['common.pt']" in p
+        for p in problems
+    )
 
 
 def test_verify_reports_a_backend_this_distckpt_cannot_load(ckpt):
     config = json.loads((ckpt / "metadata.json").read_text())
     (ckpt / "metadata.json").write_text(json.dumps({**config, "sharded_backend": "nope"}))
     problems = verify.verify_checkpoint(ckpt).problems
-    assert any(p.startswith("metadata.json: no load_sharded strategy registered for backend 'nope'") for p in problems)
+    assert any(
+        p.startswith("metadata.json: no load_sharded strategy registered for backend 'nope'")
+        for p in problems
+    )
     with pytest.raises(CheckpointingException, match="metadata.json: no load_sharded strategy"):
         inspect_source(ckpt)
 
@@ -691,7 +752,9 @@ def test_rename_interrupted_between_manifest_and_index_is_finished_by_running_it
         surgery.rename_keys(ckpt, [("col", "c")])
     # The old .metadata with a manifest describing the new names: a default load (which checks
     # each record read against the manifest) and verify both say so, naming both files.
-    with pytest.raises(CheckpointingException, match=r"(?=.*\.metadata)(?=.*\.distckpt_manifest\.json)(?=.*'col')"):
+    with pytest.raises(
+        CheckpointingException, match=r"(?=.*\.metadata)(?=.*\.distckpt_manifest\.json)(?=.*'col')"
+    ):
         distckpt.load_plain_tensors(ckpt)
     assert not verify.verify_checkpoint(ckpt).ok
     monkeypatch.setattr(surgery, "atomic_write_bytes", real)

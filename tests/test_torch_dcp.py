@@ -33,7 +33,9 @@ def _sharded(rank: int, world: int, fill: bool) -> dict:
 
     sd = {
         # TP-style Shard(1): a DTensor placement on a 1-D mesh of the world.
-        "col": distckpt.ShardedTensor.from_rank_offsets("col", data(W[:, 4 * rank:4 * rank + 4]), (1, rank, world)),
+        "col": distckpt.ShardedTensor.from_rank_offsets(
+            "col", data(W[:, 4 * rank : 4 * rank + 4]), (1, rank, world)
+        ),
         # Replicated on every rank: Replicate().
         "rep": distckpt.ShardedTensor.from_rank_offsets("rep", data(W[0]), replica_id=rank),
     }
@@ -58,8 +60,16 @@ def _convert_and_dcp_save(root: str):
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     state = to_torch_state_dict(_sharded(rank, world, True), mesh)
-    kinds = {k: ("DTensor" if isinstance(v, DTensor) else "ShardedTensor" if isinstance(v, TorchShardedTensor)
-                 else type(v).__name__) for k, v in state.items()}
+    kinds = {
+        k: (
+            "DTensor"
+            if isinstance(v, DTensor)
+            else "ShardedTensor"
+            if isinstance(v, TorchShardedTensor)
+            else type(v).__name__
+        )
+        for k, v in state.items()
+    }
     dcp.save(state, checkpoint_id=root)
     # And PyTorch's load into the converted state dict of a fresh model fills its tensors.
     fresh = _sharded(rank, world, False)
@@ -117,8 +127,11 @@ def test_dcp_engine_with_the_fsspec_storage_plugin(tmp_path):
         assert bitwise_equal(out[p.name], p.expected()), p.name
     assert out["obj"]["name"] == "obj0" and torch.equal(out["obj"]["state"], torch.arange(3))
     # The fast reader reads the DCP engine's files too (the format is torch_dist).
-    fast = distckpt.load({p.name: p.sharded(False) for p in layouts.tp_dp(0, 1, tp=1)}, tmp_path / "ckpt",
-                         strict="assume_ok_unexpected")
+    fast = distckpt.load(
+        {p.name: p.sharded(False) for p in layouts.tp_dp(0, 1, tp=1)},
+        tmp_path / "ckpt",
+        strict="assume_ok_unexpected",
+    )
     assert all(bitwise_equal(fast[p.name], p.expected()) for p in layouts.tp_dp(0, 1, tp=1))
 
 
@@ -129,4 +142,6 @@ def test_strategies_are_registered_and_default_stays_the_fast_writer():
     assert type(get_default_save_sharded_strategy()) is TorchDistSaveShardedStrategy
     s = get_default_strategy(StrategyAction.SAVE_SHARDED, "torch_dcp", 1)
     assert isinstance(s, TorchDCPSaveShardedStrategy) and s.backend == "torch_dist"
-    assert isinstance(get_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dcp", 1), TorchDCPLoadShardedStrategy)
+    assert isinstance(
+        get_default_strategy(StrategyAction.LOAD_SHARDED, "torch_dcp", 1), TorchDCPLoadShardedStrategy
+    )

@@ -70,15 +70,18 @@ def _save_twice(base, structures):
     strategy = TorchDistSaveShardedStrategy(cached_metadata=True)
     reused = []
     for i, layout in enumerate(structures):
-        sd, _ = layouts.build(layout, ddist.get_rank(), ddist.get_world_size(), True, **({"tp": 2} if layout == "tp_dp" else {}))
+        sd, _ = layouts.build(
+            layout, ddist.get_rank(), ddist.get_world_size(), True, **({"tp": 2} if layout == "tp_dp" else {})
+        )
         distckpt.save(sd, f"{base}/ckpt{i}", sharded_strategy=strategy)
         reused.append(strategy.last_save_reused_metadata)
     return reused
 
 
 def _check_layout(ckpt, layout):
-    sd, pieces = layouts.build(layout, ddist.get_rank(), ddist.get_world_size(), False,
-                               **({"tp": 2} if layout == "tp_dp" else {}))
+    sd, pieces = layouts.build(
+        layout, ddist.get_rank(), ddist.get_world_size(), False, **({"tp": 2} if layout == "tp_dp" else {})
+    )
     out = distckpt.load(sd, ckpt, strict="raise_all")
     return all(layouts.bitwise_equal(out[n], p.expected()) for n, p in pieces.items())
 
@@ -88,7 +91,10 @@ def test_cached_metadata_is_reused_only_for_an_unchanged_structure(tmp_path):
     assert reused == [[False, True, False, True]] * 4
     for i, layout in enumerate(["tp_dp", "tp_dp", "uneven", "uneven"]):
         assert run_ranks(4, _check_layout, str(tmp_path / f"ckpt{i}"), layout) == [True] * 4
-    ids = {pickle.loads((tmp_path / f"ckpt{i}" / ".metadata").read_bytes()).storage_meta.save_id for i in range(2)}
+    ids = {
+        pickle.loads((tmp_path / f"ckpt{i}" / ".metadata").read_bytes()).storage_meta.save_id
+        for i in range(2)
+    }
     assert len(ids) == 2
     # The reused .metadata (saves 1 and 3) is the one pickled anew for saves 0 and 2 but for
     # storage_meta, whose ids are the new save's (its manifest names the same save id).
@@ -103,8 +109,13 @@ def test_cached_metadata_is_reused_only_for_an_unchanged_structure(tmp_path):
 
 
 def _bumped(layout, bump, with_data=True):
-    sd, pieces = layouts.build(layout, ddist.get_rank(), ddist.get_world_size(), with_data,
-                               **({"tp": 2} if layout == "tp_dp" else {}))
+    sd, pieces = layouts.build(
+        layout,
+        ddist.get_rank(),
+        ddist.get_world_size(),
+        with_data,
+        **({"tp": 2} if layout == "tp_dp" else {}),
+    )
     if with_data:
         for sh in sd.values():
             if sh.data.is_floating_point():
@@ -132,7 +143,9 @@ def _check_bumped(ckpt, layout, bump):
     sd, pieces = _bumped(layout, bump, with_data=False)
     out = distckpt.load(sd, ckpt, strict="raise_all", verify=True)
     expected = {n: p.expected() for n, p in pieces.items()}
-    return all(layouts.bitwise_equal(out[n], e + bump if e.is_floating_point() else e) for n, e in expected.items())
+    return all(
+        layouts.bitwise_equal(out[n], e + bump if e.is_floating_point() else e) for n, e in expected.items()
+    )
 
 
 def test_rank0_reuses_the_last_saves_metadata_only_for_the_same_records(tmp_path):
@@ -144,7 +157,7 @@ def test_rank0_reuses_the_last_saves_metadata_only_for_the_same_records(tmp_path
     for i, step in enumerate(series):
         if step is not None:
             assert run_ranks(4, _check_bumped, str(tmp_path / f"ckpt{i}"), *step) == [True] * 4
-    again, fresh = tmp_path / "ckpt1", tmp_path / "ckpt4"   # same records, same values, same name length
+    again, fresh = tmp_path / "ckpt1", tmp_path / "ckpt4"  # same records, same values, same name length
     assert (again / ".distckpt_index").read_bytes() == (fresh / ".distckpt_index").read_bytes()
     a, b = (pickle.loads((d / ".metadata").read_bytes()) for d in (fresh, again))
     assert b.state_dict_metadata == a.state_dict_metadata and b.storage_data == a.storage_data
@@ -177,8 +190,9 @@ def test_respell_replaces_the_pickled_ids_in_the_head_or_declines():
 
     from distckpt.strategies.metadata_pickle import respell
 
-    head = pickle.dumps({"meta": StorageMeta(checkpoint_id="/ckpt/a", save_id="id-1"), "keys": ["x", "/ckpt/a/b"]},
-                        protocol=2)[:-1]
+    head = pickle.dumps(
+        {"meta": StorageMeta(checkpoint_id="/ckpt/a", save_id="id-1"), "keys": ["x", "/ckpt/a/b"]}, protocol=2
+    )[:-1]
     tail = pickle.dumps("/ckpt/a", protocol=2)[2:]  # a tail that pickles the same text again
     data = bytearray(head + b"0" + tail)  # (the dict popped, the string left as the result)
     new_head = respell(data, len(head), [("/ckpt/a", "/a/much/longer/path"), ("id-1", "id-2")])
@@ -224,11 +238,19 @@ def test_metadata_file_holds_only_classes_megatron_can_unpickle(tmp_path):
             return super().find_class(module, name)
 
     Recorder(io.BytesIO(raw)).load()
-    assert modules <= {"torch", "torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                       "torch.serialization", "collections", "builtins"}, modules
+    assert modules <= {
+        "torch",
+        "torch.distributed.checkpoint.metadata",
+        "torch.distributed.checkpoint.filesystem",
+        "torch.serialization",
+        "collections",
+        "builtins",
+    }, modules
     md = pickle.loads(raw)
-    assert md.mcore_data == {"exp_avg": {"nd_reformulated_orig_global_shape": (8, 6)},
-                             "exp_avg_bf16": {"nd_reformulated_orig_global_shape": (4, 10)}}
+    assert md.mcore_data == {
+        "exp_avg": {"nd_reformulated_orig_global_shape": (8, 6)},
+        "exp_avg_bf16": {"nd_reformulated_orig_global_shape": (4, 10)},
+    }
     assert tuple(md.state_dict_metadata["exp_avg"].size) == (1, 1, 48)
 
 
@@ -242,6 +264,8 @@ def test_crafted_metadata_pickle_is_refused_and_nothing_runs(tmp_path):
     (tmp_path / ".metadata").write_bytes(pickle.dumps(_Boom()))
     if os.path.exists("/tmp/distckpt_pwned"):
         os.remove("/tmp/distckpt_pwned")
-    with pytest.raises(distckpt.CheckpointingException, match=r"posix.system is not allowed|os.system is not allowed"):
+    with pytest.raises(
+        distckpt.CheckpointingException, match=r"posix.system is not allowed|os.system is not allowed"
+    ):
         distckpt.load({"a": ShardedTensor.from_rank_offsets("a", torch.zeros(3))}, tmp_path)
     assert not os.path.exists("/tmp/distckpt_pwned")

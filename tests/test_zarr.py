@@ -43,8 +43,10 @@ def _recorded(method: str):
     original = getattr(zs.RawIO, method)
 
     def spy(self, jobs, *args):
-        paths.extend(re.sub(r"/\.([^/]+)\.distckpt-staging-[0-9a-f]+/", r"/\1/", str(j.meta.chunk_path(j.index)))
-                     for j in jobs)
+        paths.extend(
+            re.sub(r"/\.([^/]+)\.distckpt-staging-[0-9a-f]+/", r"/\1/", str(j.meta.chunk_path(j.index)))
+            for j in jobs
+        )
         return original(self, jobs, *args)
 
     setattr(zs.RawIO, method, spy)
@@ -68,7 +70,9 @@ def _bits(t):
     if t.dtype == torch.bool:
         return t.to(torch.uint8)
     size = t.element_size()
-    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}[size])
+    return t.contiguous().view(
+        {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}[size]
+    )
 
 
 def _save_layout(ckpt, layout, params, strategy_kwargs=None):
@@ -84,8 +88,11 @@ def _load_layout(ckpt, layout, params, strategy_kwargs=None):
     strategy = zs.ZarrLoadShardedStrategy(**(strategy_kwargs or {}))
     with _recorded("read") as read:
         loaded = distckpt.load(sd, ckpt, sharded_strategy=strategy)
-    wrong = [name for name, piece in pieces.items()
-             if loaded[name].dtype != piece.expected().dtype or not torch.equal(loaded[name], piece.expected())]
+    wrong = [
+        name
+        for name, piece in pieces.items()
+        if loaded[name].dtype != piece.expected().dtype or not torch.equal(loaded[name], piece.expected())
+    ]
     return len(pieces), wrong, sorted(set(read))
 
 
@@ -96,32 +103,46 @@ def test_format_version_1_request_writes_the_version_2_layout(tmp_path):
     sd, _ = layouts.build("tp_dp", 0, 1, True, tp=1)
     distckpt.save(sd, tmp_path, sharded_strategy=("zarr", 1))
     assert json.loads((tmp_path / "metadata.json").read_text()) == {
-        "sharded_backend": "zarr", "sharded_backend_version": 2, "common_backend": "torch", "common_backend_version": 1}
+        "sharded_backend": "zarr",
+        "sharded_backend_version": 2,
+        "common_backend": "torch",
+        "common_backend_version": 1,
+    }
     root = json.loads((tmp_path / "zarr.json").read_text())
     assert root["node_type"] == "group"
-    assert root["attributes"]["distckpt"]["keys"] == sorted(["col", "row", "emb", "half", "bias", "count", "mask", "steps"])
+    assert root["attributes"]["distckpt"]["keys"] == sorted(
+        ["col", "row", "emb", "half", "bias", "count", "mask", "steps"]
+    )
     col = _zarr_json(tmp_path, "col")
-    assert (col["zarr_format"], col["data_type"], col["codecs"]) == (3, "float32", [{"name": "bytes", "configuration": {"endian": "little"}}])
+    assert (col["zarr_format"], col["data_type"], col["codecs"]) == (
+        3,
+        "float32",
+        [{"name": "bytes", "configuration": {"endian": "little"}}],
+    )
 
 
 def test_chunk_grid_is_the_shard_grid_and_each_rank_writes_its_own_chunks(tmp_path):
     written = run_ranks(4, _save_layout, str(tmp_path), "grid", {"rows": 2, "cols": 2})
     assert _zarr_json(tmp_path, "grid")["chunk_grid"]["configuration"]["chunk_shape"] == [4, 6]
-    assert [sorted(w) for w in written] == [[str(tmp_path / "grid" / "c" / f"{r}" / f"{c}")] for r in (0, 1) for c in (0, 1)]
+    assert [sorted(w) for w in written] == [
+        [str(tmp_path / "grid" / "c" / f"{r}" / f"{c}")] for r in (0, 1) for c in (0, 1)
+    ]
 
 
 def _save_uneven_rows(ckpt, cuts):
     rank = ddist.get_rank()
     full = layouts.full_tensor("u", (cuts[-1], 3))
     lo, hi = cuts[rank], cuts[rank + 1]
-    sh = ShardedTensor("u", full[lo:hi].clone(), torch.float32, (hi - lo, 3), tuple(full.shape), (lo, 0), None, 0)
+    sh = ShardedTensor(
+        "u", full[lo:hi].clone(), torch.float32, (hi - lo, 3), tuple(full.shape), (lo, 0), None, 0
+    )
     with _recorded("write") as written:
         distckpt.save({"u": sh}, ckpt, sharded_strategy=("zarr", 2))
     return written
 
 
 def test_uneven_cuts_give_a_gcd_chunk_grid_with_one_writer_per_chunk(tmp_path):
-    cuts = [0, 6, 12, 20, 25]            # interior cuts 6, 12, 20 -> chunks of 2 rows, the last one padded
+    cuts = [0, 6, 12, 20, 25]  # interior cuts 6, 12, 20 -> chunks of 2 rows, the last one padded
     written = run_ranks(4, _save_uneven_rows, str(tmp_path), cuts)
     assert _zarr_json(tmp_path, "u")["chunk_grid"]["configuration"]["chunk_shape"] == [2, 3]
     files = [f for w in written for f in w]
@@ -133,7 +154,7 @@ def test_uneven_cuts_give_a_gcd_chunk_grid_with_one_writer_per_chunk(tmp_path):
 
 def _save_with_empty_piece(ckpt):
     rank = ddist.get_rank()
-    lo, hi = [(0, 4), (4, 4)][rank]      # rank 1 holds an empty piece
+    lo, hi = [(0, 4), (4, 4)][rank]  # rank 1 holds an empty piece
     full = layouts.full_tensor("e", (4, 2))
     sh = ShardedTensor("e", full[lo:hi].clone(), torch.float32, (hi - lo, 2), (4, 2), (lo, 0), None, 0)
     distckpt.save({"e": sh}, ckpt, sharded_strategy=("zarr", 1))
@@ -146,8 +167,11 @@ def test_empty_pieces_write_nothing_and_do_not_split_the_grid(tmp_path):
 
 
 def test_empty_tensors_have_an_array_and_no_chunks(tmp_path):
-    distckpt.save({"e": ShardedTensor.from_rank_offsets("e", torch.zeros(0, 3, dtype=torch.bfloat16))}, tmp_path,
-                  sharded_strategy=("zarr", 2))
+    distckpt.save(
+        {"e": ShardedTensor.from_rank_offsets("e", torch.zeros(0, 3, dtype=torch.bfloat16))},
+        tmp_path,
+        sharded_strategy=("zarr", 2),
+    )
     assert _zarr_json(tmp_path, "e")["shape"] == [0, 3] and _chunk_files(tmp_path, "e") == []
     out = distckpt.load_plain_tensors(tmp_path)["e"]
     assert out.shape == (0, 3) and out.dtype == torch.bfloat16
@@ -157,20 +181,34 @@ def test_empty_tensors_have_an_array_and_no_chunks(tmp_path):
 
 
 @pytest.mark.parametrize("min_flat_chunk_bytes", [0, zs.DEFAULT_MIN_FLAT_CHUNK_BYTES])
-@pytest.mark.parametrize("load", [("flat_optimizer", 2, {"tp": 1}), ("flat_optimizer", 4, {"tp": 4}),
-                                  ("flat_optimizer", 1, {"tp": 1})], ids=["dp2", "tp4", "whole-flat"])
-def test_flattened_ranges_round_trip_resharded_with_one_writer_per_chunk(min_flat_chunk_bytes, load, tmp_path):
-    written = run_ranks(4, _save_layout, str(tmp_path), "flat_optimizer", {"tp": 2},
-                        {"min_flat_chunk_bytes": min_flat_chunk_bytes})
+@pytest.mark.parametrize(
+    "load",
+    [("flat_optimizer", 2, {"tp": 1}), ("flat_optimizer", 4, {"tp": 4}), ("flat_optimizer", 1, {"tp": 1})],
+    ids=["dp2", "tp4", "whole-flat"],
+)
+def test_flattened_ranges_round_trip_resharded_with_one_writer_per_chunk(
+    min_flat_chunk_bytes, load, tmp_path
+):
+    written = run_ranks(
+        4,
+        _save_layout,
+        str(tmp_path),
+        "flat_optimizer",
+        {"tp": 2},
+        {"min_flat_chunk_bytes": min_flat_chunk_bytes},
+    )
     files = [f for w in written for f in w]
     on_disk = _chunk_files(tmp_path, "exp_avg") + _chunk_files(tmp_path, "exp_avg_bf16")
     assert len(files) == len(set(files)) and sorted(files) == sorted(on_disk)
     layout, world, params = load
     results = run_ranks(world, _load_layout, str(tmp_path), layout, params)
     assert [wrong for _, wrong, _ in results] == [[]] * world
-    assert torch.equal(zs.ZarrLoadShardedStrategy().load(
-        {"x": ShardedTensor.from_rank_offsets("exp_avg", torch.zeros(8, 6))}, tmp_path)["x"],
-        layouts.full_tensor("exp_avg", (8, 6)))
+    assert torch.equal(
+        zs.ZarrLoadShardedStrategy().load(
+            {"x": ShardedTensor.from_rank_offsets("exp_avg", torch.zeros(8, 6))}, tmp_path
+        )["x"],
+        layouts.full_tensor("exp_avg", (8, 6)),
+    )
 
 
 def _async_save_flat_then_mutate(ckpt):
@@ -253,14 +291,23 @@ def test_partial_chunk_reads_fetch_only_the_needed_bytes_without_checksums(tmp_p
     monkeypatch.setattr(os, "preadv", counting)
     monkeypatch.setattr(mmap, "mmap", mapping)
     for sl, expected_read, expected_map in [
-            ((slice(8, 16), slice(0, 64)), 8 * 64 * 4, []),                       # one contiguous run
-            ((slice(0, 64), slice(0, 8)), 0, [((63 * 64 + 8) * 4, 0)]),          # narrow columns
-            ((slice(4, 64), slice(24, 40)), 0, [((59 * 64 + 16) * 4 + (4 * 64 + 24) * 4, 0)])]:  # a block
+        ((slice(8, 16), slice(0, 64)), 8 * 64 * 4, []),  # one contiguous run
+        ((slice(0, 64), slice(0, 8)), 0, [((63 * 64 + 8) * 4, 0)]),  # narrow columns
+        ((slice(4, 64), slice(24, 40)), 0, [((59 * 64 + 16) * 4 + (4 * 64 + 24) * 4, 0)]),
+    ]:  # a block
         read_bytes.clear()
         mapped.clear()
         piece = full[sl]
-        req = ShardedTensor("w", torch.zeros_like(piece), torch.float32, tuple(piece.shape), (64, 64),
-                            (sl[0].start, sl[1].start), None, 0)
+        req = ShardedTensor(
+            "w",
+            torch.zeros_like(piece),
+            torch.float32,
+            tuple(piece.shape),
+            (64, 64),
+            (sl[0].start, sl[1].start),
+            None,
+            0,
+        )
         out = zs.ZarrLoadShardedStrategy(checksums=False).load({"w": req}, tmp_path)["w"]
         assert torch.equal(out, piece)
         assert sum(read_bytes) == expected_read
@@ -270,8 +317,21 @@ def test_partial_chunk_reads_fetch_only_the_needed_bytes_without_checksums(tmp_p
 # --------------------------------------------------------------------------- data types
 
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
-          torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64]
+DTYPES = [
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+]
 
 
 def _random_bits(key, shape, dtype):
@@ -286,7 +346,7 @@ def _random_bits(key, shape, dtype):
 def _save_dtype(ckpt, dtype, engine):
     rank = ddist.get_rank()
     full = _random_bits(str(dtype), (6, 5), dtype)
-    local = full[rank * 3:(rank + 1) * 3].clone()
+    local = full[rank * 3 : (rank + 1) * 3].clone()
     sh = ShardedTensor.from_rank_offsets("t", local, (0, rank, 2))
     scalar = ShardedTensor.from_rank_offsets("s", full[0, 0].clone(), replica_id=rank)
     distckpt.save({"t": sh, "s": scalar}, ckpt, sharded_strategy=zs.ZarrSaveShardedStrategy(io_engine=engine))
@@ -298,8 +358,12 @@ def test_every_dtype_round_trips_bit_exactly(dtype, engine, tmp_path):
     run_ranks(2, _save_dtype, str(tmp_path), dtype, engine)
     full = _random_bits(str(dtype), (6, 5), dtype)
     out = zs.ZarrLoadShardedStrategy(io_engine=engine).load(
-        {"t": ShardedTensor.from_rank_offsets("t", torch.zeros(6, 5, dtype=dtype)),
-         "s": ShardedTensor.from_rank_offsets("s", torch.zeros((), dtype=dtype))}, tmp_path)
+        {
+            "t": ShardedTensor.from_rank_offsets("t", torch.zeros(6, 5, dtype=dtype)),
+            "s": ShardedTensor.from_rank_offsets("s", torch.zeros((), dtype=dtype)),
+        },
+        tmp_path,
+    )
     assert out["t"].dtype == dtype and torch.equal(_bits(out["t"]), _bits(full))
     assert torch.equal(_bits(out["s"]), _bits(full[0, 0]))
     assert distckpt.load_tensors_metadata(tmp_path)["t"].dtype == dtype
@@ -332,7 +396,11 @@ def test_zarr_python_alone_reads_the_global_tensors(tmp_path):
     for key, piece in expected.items():
         arr = zarr.open_array(str(tmp_path / key), mode="r")[...]
         want = layouts.full_tensor(key, piece.global_shape, piece.dtype)
-        got = torch.from_numpy(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)).view(piece.dtype).reshape(arr.shape)
+        got = (
+            torch.from_numpy(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+            .view(piece.dtype)
+            .reshape(arr.shape)
+        )
         assert torch.equal(_bits(got), _bits(want)), key
 
 
@@ -340,7 +408,9 @@ def test_tensorstore_alone_reads_the_global_tensors(tmp_path):
     import tensorstore as ts
 
     run_ranks(4, _save_layout, str(tmp_path), "grid", {"rows": 2, "cols": 2})
-    store = ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "grid")}}).result()
+    store = ts.open(
+        {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "grid")}}
+    ).result()
     assert torch.equal(torch.from_numpy(store.read().result()), layouts.full_tensor("grid", (8, 12)))
 
 
@@ -348,20 +418,29 @@ def test_nested_keys_become_zarr_groups(tmp_path):
     import zarr
 
     full = torch.arange(6.0)
-    distckpt.save({"w": ShardedTensor.from_rank_offsets("decoder/layer0/w", full)}, tmp_path,
-                  sharded_strategy=("zarr", 2))
-    assert torch.equal(torch.from_numpy(zarr.open_group(str(tmp_path), mode="r")["decoder"]["layer0"]["w"][...]), full)
+    distckpt.save(
+        {"w": ShardedTensor.from_rank_offsets("decoder/layer0/w", full)},
+        tmp_path,
+        sharded_strategy=("zarr", 2),
+    )
+    assert torch.equal(
+        torch.from_numpy(zarr.open_group(str(tmp_path), mode="r")["decoder"]["layer0"]["w"][...]), full
+    )
     assert set(distckpt.load_tensors_metadata(tmp_path)) == {"decoder/layer0/w"}
 
 
 def _save_clashing_keys(ckpt):
-    sd = {"a": ShardedTensor.from_rank_offsets("a", torch.zeros(2), replica_id=ddist.get_rank()),
-          "ab": ShardedTensor.from_rank_offsets("a/b", torch.zeros(2), replica_id=ddist.get_rank())}
+    sd = {
+        "a": ShardedTensor.from_rank_offsets("a", torch.zeros(2), replica_id=ddist.get_rank()),
+        "ab": ShardedTensor.from_rank_offsets("a/b", torch.zeros(2), replica_id=ddist.get_rank()),
+    }
     distckpt.save(sd, ckpt, sharded_strategy=("zarr", 2))
 
 
 def test_keys_whose_folders_would_nest_fail_on_every_rank(tmp_path):
-    expect_all_ranks_raise(2, _save_clashing_keys, str(tmp_path), match=r"'a' and 'a/b' cannot both be stored")
+    expect_all_ranks_raise(
+        2, _save_clashing_keys, str(tmp_path), match=r"'a' and 'a/b' cannot both be stored"
+    )
     assert not check_is_distributed_checkpoint(tmp_path)
 
 
@@ -372,27 +451,36 @@ def test_compressed_checkpoint_round_trips_and_reads_with_zarr_python(tmp_path):
     import zarr
 
     written = run_ranks(2, _save_layout, str(tmp_path), "tp_dp", {"tp": 2}, {"compression": "zstd"})
-    assert written == [[], []]      # all chunks went through tensorstore
+    assert written == [[], []]  # all chunks went through tensorstore
     assert _zarr_json(tmp_path, "col")["codecs"][1]["name"] == "zstd"
     results = run_ranks(4, _load_layout, str(tmp_path), "tp_dp", {"tp": 4})
     assert [wrong for _, wrong, _ in results] == [[]] * 4
-    assert torch.equal(torch.from_numpy(zarr.open_array(str(tmp_path / "row"), mode="r")[...]),
-                       layouts.full_tensor("row", (6, 8)))
+    assert torch.equal(
+        torch.from_numpy(zarr.open_array(str(tmp_path / "row"), mode="r")[...]),
+        layouts.full_tensor("row", (6, 8)),
+    )
 
 
 def test_tensorstore_engine_round_trips_resharded(tmp_path):
-    run_ranks(4, _save_layout, str(tmp_path), "stacked", {"pp": 2, "per_layer": True}, {"io_engine": "tensorstore"})
-    results = run_ranks(2, _load_layout, str(tmp_path), "stacked", {"pp": 2, "per_layer": False},
-                        {"io_engine": "tensorstore"})
+    run_ranks(
+        4, _save_layout, str(tmp_path), "stacked", {"pp": 2, "per_layer": True}, {"io_engine": "tensorstore"}
+    )
+    results = run_ranks(
+        2, _load_layout, str(tmp_path), "stacked", {"pp": 2, "per_layer": False}, {"io_engine": "tensorstore"}
+    )
     assert [wrong for _, wrong, _ in results] == [[]] * 2
 
 
 def test_raw_engine_refuses_compressed_arrays(tmp_path):
-    distckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(3))}, tmp_path,
-                  sharded_strategy=zs.ZarrSaveShardedStrategy(compression="gzip"))
+    distckpt.save(
+        {"w": ShardedTensor.from_rank_offsets("w", torch.ones(3))},
+        tmp_path,
+        sharded_strategy=zs.ZarrSaveShardedStrategy(compression="gzip"),
+    )
     with pytest.raises(CheckpointingException, match=r"'w'.*io_engine='raw' cannot read"):
         zs.ZarrLoadShardedStrategy(io_engine="raw").load(
-            {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3))}, tmp_path)
+            {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(3))}, tmp_path
+        )
 
 
 # --------------------------------------------------------------------------- legacy Megatron-Core zarr
@@ -418,8 +506,9 @@ def _load_legacy(ckpt, split_axis):
         local = t.narrow(axis, off, length).clone()
         goff = [0] * t.dim()
         goff[axis] = off
-        sd[key] = ShardedTensor(key, torch.zeros_like(local), t.dtype, tuple(local.shape), tuple(t.shape),
-                                tuple(goff), None, 0)
+        sd[key] = ShardedTensor(
+            key, torch.zeros_like(local), t.dtype, tuple(local.shape), tuple(t.shape), tuple(goff), None, 0
+        )
         want[key] = local
     for uk in expected["objects"]:
         sd[uk] = ShardedObject.empty_from_unique_key(uk, replica_id=rank)
@@ -430,8 +519,11 @@ def _load_legacy(ckpt, split_axis):
     return wrong, common == expected["common"]
 
 
-@pytest.mark.parametrize("world,split_axis", [(1, None), (4, -1), (4, 0), (2, -1)],
-                         ids=["whole-w1", "axes-swapped-w4", "rows-w4", "axes-swapped-w2"])
+@pytest.mark.parametrize(
+    "world,split_axis",
+    [(1, None), (4, -1), (4, 0), (2, -1)],
+    ids=["whole-w1", "axes-swapped-w4", "rows-w4", "axes-swapped-w2"],
+)
 def test_legacy_megatron_zarr_checkpoint_loads_bit_exactly(world, split_axis):
     assert json.loads((LEGACY / "ckpt" / "metadata.json").read_text())["sharded_backend_version"] == 1
     assert run_ranks(world, _load_legacy, str(LEGACY / "ckpt"), split_axis) == [([], True)] * world
@@ -445,7 +537,8 @@ def test_legacy_metadata_queries_and_lock_folders(tmp_path):
     expected = _legacy_expected()
     meta = distckpt.load_tensors_metadata(ckpt)
     assert {k: (tuple(v.global_shape), v.dtype) for k, v in meta.items()} == {
-        k: (tuple(v.shape), v.dtype) for k, v in expected["tensors"].items()}
+        k: (tuple(v.shape), v.dtype) for k, v in expected["tensors"].items()
+    }
     plain = distckpt.load_plain_tensors(ckpt)
     assert all(torch.equal(plain[k], v) for k, v in expected["tensors"].items())
     assert set(distckpt.load_sharded_metadata(ckpt)) == set(expected["tensors"]) | set(expected["objects"])
@@ -459,12 +552,15 @@ def _load_grid_whole(ckpt):
     distckpt.load(sd, ckpt)
 
 
-@pytest.mark.parametrize("damage,match", [
-    ("delete_chunk", r"key 'grid': chunk file .*grid/c/1/0 \(rank \d\) is missing"),
-    ("truncate_chunk", r"key 'grid': chunk file .*grid/c/1/0 \(rank \d\) holds 10 bytes, expected 96"),
-    ("corrupt_metadata", r"grid/zarr.json: unreadable Zarr metadata of key 'grid'"),
-    ("delete_array", r"ShardedTensor 'grid' is not in checkpoint"),
-])
+@pytest.mark.parametrize(
+    "damage,match",
+    [
+        ("delete_chunk", r"key 'grid': chunk file .*grid/c/1/0 \(rank \d\) is missing"),
+        ("truncate_chunk", r"key 'grid': chunk file .*grid/c/1/0 \(rank \d\) holds 10 bytes, expected 96"),
+        ("corrupt_metadata", r"grid/zarr.json: unreadable Zarr metadata of key 'grid'"),
+        ("delete_array", r"ShardedTensor 'grid' is not in checkpoint"),
+    ],
+)
 def test_damaged_checkpoint_fails_on_every_rank_naming_key_and_file(damage, match, tmp_path):
     run_ranks(4, _save_layout, str(tmp_path), "grid", {"rows": 2, "cols": 2})
     chunk = tmp_path / "grid" / "c" / "1" / "0"
@@ -484,7 +580,9 @@ def test_truncated_chunk_read_through_tensorstore_is_a_clear_error(tmp_path):
     chunk = tmp_path / "grid" / "c" / "1" / "0"
     chunk.write_bytes(chunk.read_bytes()[:5])
     # By default the chunk's CRC32C catches it; without checks, tensorstore's own error is worded.
-    with pytest.raises(CheckpointingException, match=r"key 'grid': chunk file .*grid/c/1/0 .*CRC32C mismatch"):
+    with pytest.raises(
+        CheckpointingException, match=r"key 'grid': chunk file .*grid/c/1/0 .*CRC32C mismatch"
+    ):
         distckpt.load_plain_tensors(tmp_path)
     with pytest.raises(CheckpointingException, match=r"key 'grid': reading chunk \[1, 0\] of .*grid failed"):
         distckpt.load_plain_tensors(tmp_path, sharded_strategy=zs.ZarrLoadShardedStrategy(checksums=False))
@@ -551,9 +649,17 @@ def test_manifest_covers_every_file_and_verify_catches_a_flipped_byte(engine, tm
         return {"g": ShardedTensor.from_rank_offsets("grid", torch.zeros(8, 12))}
 
     strategy = zs.ZarrLoadShardedStrategy(io_engine=engine)
-    assert not torch.equal(distckpt.load(request(), tmp_path, sharded_strategy=strategy, verify=False)["g"],
-                           layouts.full_tensor("grid", (8, 12)))  # only the explicit opt-out loads it
+    assert not torch.equal(
+        distckpt.load(request(), tmp_path, sharded_strategy=strategy, verify=False)["g"],
+        layouts.full_tensor("grid", (8, 12)),
+    )  # only the explicit opt-out loads it
     for verify in (None, True):
-        with pytest.raises(CheckpointingException, match=r"grid/c/1/0 \(rank 0\): CRC32C mismatch against the manifest"):
-            distckpt.load(request(), tmp_path, sharded_strategy=zs.ZarrLoadShardedStrategy(io_engine=engine),
-                          verify=verify)
+        with pytest.raises(
+            CheckpointingException, match=r"grid/c/1/0 \(rank 0\): CRC32C mismatch against the manifest"
+        ):
+            distckpt.load(
+                request(),
+                tmp_path,
+                sharded_strategy=zs.ZarrLoadShardedStrategy(io_engine=engine),
+                verify=verify,
+            )

@@ -65,8 +65,15 @@ def model_dims(size_gib: float):
     return hidden, layers
 
 
-def build_state(rank: int, world: int, hidden: int, layers: int, pieces_per_rank: int = 1,
-                with_data: bool = True, full: bool = False):
+def build_state(
+    rank: int,
+    world: int,
+    hidden: int,
+    layers: int,
+    pieces_per_rank: int = 1,
+    with_data: bool = True,
+    full: bool = False,
+):
     """The sharded state dict of one rank.
 
     ``pieces_per_rank`` > 1: a TP split of ``world * pieces_per_rank`` pieces, rank r taking
@@ -89,24 +96,32 @@ def build_state(rank: int, world: int, hidden: int, layers: int, pieces_per_rank
 
     for layer in range(layers):
         prefix = f"decoder.layers.{layer}"
-        for name, shape, axis in [("self_attention.linear_qkv.weight", (3 * h, h), 0),
-                                  ("self_attention.linear_proj.weight", (h, h), 1),
-                                  ("mlp.linear_fc1.weight", (4 * h, h), 0),
-                                  ("mlp.linear_fc2.weight", (h, 4 * h), 1)]:
+        for name, shape, axis in [
+            ("self_attention.linear_qkv.weight", (3 * h, h), 0),
+            ("self_attention.linear_proj.weight", (h, h), 1),
+            ("mlp.linear_fc1.weight", (4 * h, h), 0),
+            ("mlp.linear_fc2.weight", (h, 4 * h), 1),
+        ]:
             key = f"{prefix}.{name}"
             local = list(shape)
             local[axis] //= parts
             for p in mine:
                 tag = f"{key}#{p}"
-                sd[tag] = ShardedTensor.from_rank_offsets(key, make(tuple(local), torch.bfloat16),
-                                                          (axis, p, parts), replica_id=replica)
+                sd[tag] = ShardedTensor.from_rank_offsets(
+                    key, make(tuple(local), torch.bfloat16), (axis, p, parts), replica_id=replica
+                )
                 chunk = (local[0], local[1])
                 numel = chunk[0] * chunk[1]
                 for state in ("exp_avg", "exp_avg_sq"):
                     okey = f"optimizer.state.{state}.{key}"
                     sd[f"{okey}#{p}"] = ShardedTensor.from_rank_offsets_flat(
-                        okey, make((numel,), torch.float32), chunk, (axis, p, parts),
-                        flattened_range=slice(0, numel), replica_id=replica)
+                        okey,
+                        make((numel,), torch.float32),
+                        chunk,
+                        (axis, p, parts),
+                        flattened_range=slice(0, numel),
+                        replica_id=replica,
+                    )
         for ln in ("input_layernorm.weight", "pre_mlp_layernorm.weight"):
             key = f"{prefix}.{ln}"
             sd[key] = ShardedTensor.from_rank_offsets(key, make((h,), torch.float32), replica_id=rank)
@@ -116,8 +131,11 @@ def build_state(rank: int, world: int, hidden: int, layers: int, pieces_per_rank
 def local_bytes(sd, main_only: bool = False) -> int:
     from distckpt.mapping import is_main_replica
 
-    return sum(sh.data.numel() * sh.data.element_size() for sh in sd.values()
-               if not main_only or is_main_replica(sh.replica_id))
+    return sum(
+        sh.data.numel() * sh.data.element_size()
+        for sh in sd.values()
+        if not main_only or is_main_replica(sh.replica_id)
+    )
 
 
 def empty_like_request(sd):
@@ -139,8 +157,10 @@ def _time_save_and_loads(backend, sd, reshard, location, threads, record, result
     record(f"{backend} save", _barrier_time(distckpt.save, sd, location, sharded_strategy=strategy)[0])
     record(f"{backend} load", _barrier_time(distckpt.load, empty_like_request(sd), location)[0])
     counting = TorchDistLoadShardedStrategy() if backend == "torch_dist" else None
-    record(f"{backend} load resharded",
-           _barrier_time(distckpt.load, empty_like_request(reshard), location, sharded_strategy=counting)[0])
+    record(
+        f"{backend} load resharded",
+        _barrier_time(distckpt.load, empty_like_request(reshard), location, sharded_strategy=counting)[0],
+    )
     if counting is not None:
         results["resharded load: bytes read / bytes requested"] = counting.bytes_read / local_bytes(reshard)
         results["resharded load: GET requests"] = counting.requests
@@ -188,7 +208,7 @@ def _raw_write(path: Path, tensors) -> None:
         for t in tensors:
             view = memoryview(t.reshape(-1).view(torch.uint8).numpy())
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -250,8 +270,14 @@ def _rank_main_object_store(rank, world, port, args, queue):
     mine = local_bytes(sd, main_only=True)
     tensors = [sh.data for sh in sd.values() if sh.replica_id == 0]
     total = sum(tdist_all_reduce_sum(tdist, mine))
-    results = {"bytes_total": total, "bytes_per_rank_max": max(all_gather(tdist, mine)),
-               "hidden": hidden, "layers": layers, "tensors": len(sd), "ranks": world}
+    results = {
+        "bytes_total": total,
+        "bytes_per_rank_max": max(all_gather(tdist, mine)),
+        "hidden": hidden,
+        "layers": layers,
+        "tensors": len(sd),
+        "ranks": world,
+    }
     times = {}
     reshard = build_state(rank, world, hidden, layers, pieces_per_rank=2, with_data=False)
     root = open_store(args.dir)
@@ -259,14 +285,16 @@ def _rank_main_object_store(rank, world, port, args, queue):
 
     def raw_put():
         views = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in tensors]
-        obstore.put(raw_store, raw_name, iter(views), chunk_size=root.part_size, max_concurrency=root.max_concurrency)
+        obstore.put(
+            raw_store, raw_name, iter(views), chunk_size=root.part_size, max_concurrency=root.max_concurrency
+        )
 
     def raw_get(bufs):
         data = obstore.get(raw_store, raw_name).bytes()
         view, offset = memoryview(data), 0
         for b in bufs:
             n = b.numel() * b.element_size()
-            b.reshape(-1).view(torch.uint8).numpy()[:] = view[offset:offset + n]
+            b.reshape(-1).view(torch.uint8).numpy()[:] = view[offset : offset + n]
             offset += n
 
     def record(name, seconds):
@@ -309,8 +337,13 @@ def _start_moto(url: str):
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    os.environ.update(AWS_ENDPOINT_URL=f"http://{host}:{port}", AWS_ACCESS_KEY_ID="bench",
-                      AWS_SECRET_ACCESS_KEY="bench", AWS_REGION="us-east-1", AWS_ALLOW_HTTP="true")
+    os.environ.update(
+        AWS_ENDPOINT_URL=f"http://{host}:{port}",
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_REGION="us-east-1",
+        AWS_ALLOW_HTTP="true",
+    )
     bucket = url.split("://", 1)[1].split("/", 1)[0]
     urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/{bucket}", method="PUT"), timeout=10)
     return server
@@ -336,8 +369,14 @@ def _rank_main(rank, world, port, args, queue):
     mine = local_bytes(sd, main_only=True)
     tensors = [sh.data for sh in sd.values() if sh.replica_id == 0]
     total = sum(tdist_all_reduce_sum(tdist, mine))
-    results = {"bytes_total": total, "bytes_per_rank_max": max(all_gather(tdist, mine)),
-               "hidden": hidden, "layers": layers, "tensors": len(sd), "ranks": world}
+    results = {
+        "bytes_total": total,
+        "bytes_per_rank_max": max(all_gather(tdist, mine)),
+        "hidden": hidden,
+        "layers": layers,
+        "tensors": len(sd),
+        "ranks": world,
+    }
     times = {}
 
     def record(name, seconds):
@@ -387,8 +426,10 @@ def _rank_main(rank, world, port, args, queue):
                 req = None
                 req = empty_like_request(full_req)
                 fp = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy())
-                record("torch_dist load TP1xDP (fully parallel)",
-                       _barrier_time(distckpt.load, req, ckpt, sharded_strategy=fp)[0])
+                record(
+                    "torch_dist load TP1xDP (fully parallel)",
+                    _barrier_time(distckpt.load, req, ckpt, sharded_strategy=fp)[0],
+                )
                 req = None
             if rank == 0:
                 _drop(ckpt)
@@ -417,7 +458,9 @@ def _rank_main(rank, world, port, args, queue):
         plain = {f"r{rank}.{i}": t for i, t in enumerate(tensors)}
         record("torch DCP save", _barrier_time(dcp.save, plain, storage_writer=dcp.FileSystemWriter(ckpt))[0])
         target = {k: torch.zeros_like(v) for k, v in plain.items()}
-        record("torch DCP load", _barrier_time(dcp.load, target, storage_reader=dcp.FileSystemReader(ckpt))[0])
+        record(
+            "torch DCP load", _barrier_time(dcp.load, target, storage_reader=dcp.FileSystemReader(ckpt))[0]
+        )
         target = None
         if rank == 0:
             _drop(ckpt)
@@ -451,13 +494,22 @@ def _rss_pass(rank, root, sd, reshard, full_req, threads, tdist):
 
     def async_save():
         queue_ = AsyncCallsQueue()
-        queue_.schedule_async_request(distckpt.save(sd, ckpt, sharded_strategy=TorchDistSaveShardedStrategy(
-            thread_count=threads), async_sharded_save=True))
+        queue_.schedule_async_request(
+            distckpt.save(
+                sd,
+                ckpt,
+                sharded_strategy=TorchDistSaveShardedStrategy(thread_count=threads),
+                async_sharded_save=True,
+            )
+        )
         queue_.close()
 
     if rank == 0:
         _drop(ckpt)
-    measure("save", lambda: distckpt.save(sd, ckpt, sharded_strategy=TorchDistSaveShardedStrategy(thread_count=threads)))
+    measure(
+        "save",
+        lambda: distckpt.save(sd, ckpt, sharded_strategy=TorchDistSaveShardedStrategy(thread_count=threads)),
+    )
     tdist.barrier()
     if rank == 0:
         _drop(ckpt)
@@ -465,9 +517,14 @@ def _rss_pass(rank, root, sd, reshard, full_req, threads, tdist):
     measure("async save", async_save)
     measure("load", lambda: distckpt.load(empty_like_request(sd), ckpt))
     measure("load resharded", lambda: distckpt.load(empty_like_request(reshard), ckpt))
-    measure("load TP1xDP fully parallel", lambda: distckpt.load(
-        empty_like_request(full_req), ckpt,
-        sharded_strategy=FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy())))
+    measure(
+        "load TP1xDP fully parallel",
+        lambda: distckpt.load(
+            empty_like_request(full_req),
+            ckpt,
+            sharded_strategy=FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy()),
+        ),
+    )
     tdist.barrier()
     if rank == 0:
         _drop(ckpt)
@@ -487,26 +544,42 @@ def all_gather(tdist, value):
 # --------------------------------------------------------------------------- report
 
 LIMITS = {
-    "raw write": None, "raw read": None, "memcpy": None,
-    "torch_dist save": "raw write", "zarr save": "raw write", "torch DCP save": "raw write",
-    "torch_dist load": "raw read", "zarr load": "raw read", "torch DCP load": "raw read",
-    "torch_dist load resharded": "raw read", "zarr load resharded": "raw read",
-    "async save (blocking)": "memcpy", "async save (total)": "raw write",
-    "torch_dist load TP1xDP (plain)": None, "torch_dist load TP1xDP (fully parallel)": None,
-    "raw obstore.put": None, "raw obstore.get": None,
+    "raw write": None,
+    "raw read": None,
+    "memcpy": None,
+    "torch_dist save": "raw write",
+    "zarr save": "raw write",
+    "torch DCP save": "raw write",
+    "torch_dist load": "raw read",
+    "zarr load": "raw read",
+    "torch DCP load": "raw read",
+    "torch_dist load resharded": "raw read",
+    "zarr load resharded": "raw read",
+    "async save (blocking)": "memcpy",
+    "async save (total)": "raw write",
+    "torch_dist load TP1xDP (plain)": None,
+    "torch_dist load TP1xDP (fully parallel)": None,
+    "raw obstore.put": None,
+    "raw obstore.get": None,
 }
 # On an object store the limits are the raw obstore calls.
-OBJECT_STORE_LIMITS = {f"{b} {what}": "raw obstore.put" if what == "save" else "raw obstore.get"
-                       for b in ("torch_dist", "zarr") for what in ("save", "load", "load resharded")}
+OBJECT_STORE_LIMITS = {
+    f"{b} {what}": "raw obstore.put" if what == "save" else "raw obstore.get"
+    for b in ("torch_dist", "zarr")
+    for what in ("save", "load", "load resharded")
+}
 
 
 def report(results, out_dir: Path) -> str:
     sec = results["seconds"]
     gib = results["bytes_total"] / 2**30
-    lines = [f"state: {gib:.2f} GiB in {results['tensors']} tensors per rank, {results['ranks']} ranks "
-             f"(hidden {results['hidden']}, {results['layers']} layers)", "",
-             f"| {'measurement':42s} | {'seconds':>8s} | {'GiB/s':>7s} | ratio to limit |",
-             f"|{'-' * 44}|{'-' * 10}|{'-' * 9}|{'-' * 16}|"]
+    lines = [
+        f"state: {gib:.2f} GiB in {results['tensors']} tensors per rank, {results['ranks']} ranks "
+        f"(hidden {results['hidden']}, {results['layers']} layers)",
+        "",
+        f"| {'measurement':42s} | {'seconds':>8s} | {'GiB/s':>7s} | ratio to limit |",
+        f"|{'-' * 44}|{'-' * 10}|{'-' * 9}|{'-' * 16}|",
+    ]
     ratios = {}
     object_store = "raw obstore.put" in sec
     for name, seconds in sec.items():
@@ -532,20 +605,28 @@ def report(results, out_dir: Path) -> str:
         lines.append(f"| {name:42s} | {seconds:8.3f} | {rate:7.2f} | {text:14s} |")
     if "torch_dist load resharded" in sec and "torch_dist load" in sec:
         lines.append("")
-        lines.append(f"resharded / same-layout load time: {sec['torch_dist load resharded'] / sec['torch_dist load']:.2f}")
+        lines.append(
+            f"resharded / same-layout load time: {sec['torch_dist load resharded'] / sec['torch_dist load']:.2f}"
+        )
     if "async save (blocking)" in sec and "memcpy" in sec:
         lines.append(f"async blocking / memcpy time: {sec['async save (blocking)'] / sec['memcpy']:.2f}")
     amplification = results.get("resharded load: bytes read / bytes requested")
     gets = results.get("resharded load: GET requests")
     if amplification is not None:
-        lines.append(f"resharded load read {amplification:.2f} bytes from storage per byte requested (rank 0)"
-                     + (f", in {gets} GET requests" if gets else ""))
+        lines.append(
+            f"resharded load read {amplification:.2f} bytes from storage per byte requested (rank 0)"
+            + (f", in {gets} GET requests" if gets else "")
+        )
     rss = results.get("save peak RSS above baseline (x local bytes)")
     if rss is not None:
-        lines.append(f"peak RSS during save, above the RSS before the state existed: {rss:.2f}x the rank's local bytes")
+        lines.append(
+            f"peak RSS during save, above the RSS before the state existed: {rss:.2f}x the rank's local bytes"
+        )
     for label, peaks in results.get("peak RSS MiB", {}).items():
-        lines.append(f"peak RSS above the start of each path, max over ranks ({label}): "
-                     + ", ".join(f"{k} {v:.0f} MiB" for k, v in peaks.items()))
+        lines.append(
+            f"peak RSS above the start of each path, max over ranks ({label}): "
+            + ", ".join(f"{k} {v:.0f} MiB" for k, v in peaks.items())
+        )
     text = "\n".join(lines)
     results["ratios"] = ratios
     (out_dir / "bench.json").write_text(json.dumps(results, indent=2, default=str))
@@ -565,11 +646,20 @@ def _chart(results, path: Path) -> None:
     sec = results["seconds"]
     names = [n for n in sec if not n.startswith("torch_dist load TP1xDP")]
     rates = [results["bytes_total"] / sec[n] / 2**30 for n in names]
-    colors = ["#888888" if n.startswith(("raw", "memcpy")) else "#1f77b4" if "distckpt" in n or n.startswith(("torch_dist", "zarr", "async")) else "#ff7f0e" for n in names]
+    colors = [
+        "#888888"
+        if n.startswith(("raw", "memcpy"))
+        else "#1f77b4"
+        if "distckpt" in n or n.startswith(("torch_dist", "zarr", "async"))
+        else "#ff7f0e"
+        for n in names
+    ]
     fig, ax = plt.subplots(figsize=(9, 0.4 * len(names) + 1.2))
     ax.barh(names[::-1], rates[::-1], color=colors[::-1])
     ax.set_xlabel("GiB/s (whole state, all ranks)")
-    ax.set_title(f"distckpt vs the storage limit: {results['bytes_total'] / 2**30:.1f} GiB, {results['ranks']} ranks")
+    ax.set_title(
+        f"distckpt vs the storage limit: {results['bytes_total'] / 2**30:.1f} GiB, {results['ranks']} ranks"
+    )
     for i, r in enumerate(rates[::-1]):
         ax.text(r, i, f" {r:.2f}", va="center", fontsize=8)
     fig.tight_layout()
@@ -586,44 +676,72 @@ def _sweep(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     Path(args.dir).mkdir(parents=True, exist_ok=True)
-    rows = spawn_ranks(bench_sweep.rank_main, args.ranks, args,
-                       lambda: shutil.rmtree(args.dir, ignore_errors=True))
+    rows = spawn_ranks(
+        bench_sweep.rank_main, args.ranks, args, lambda: shutil.rmtree(args.dir, ignore_errors=True)
+    )
     (out / "sweep.json").write_text(json.dumps(rows, indent=2))
     print(bench_sweep.table(rows))
     print()
     print(bench_sweep.fit(rows))
     print()
-    print("Where the time goes (medians per rank; the bytes' phase is writing for a save, reading for a load):")
+    print(
+        "Where the time goes (medians per rank; the bytes' phase is writing for a save, reading for a load):"
+    )
     print(bench_sweep.phase_table(rows))
     drew = bench_sweep.chart(rows, out / "sweep.png")
-    print(f"\nwrote {out / 'sweep.json'}" + (f" and {out / 'sweep.png'}" if drew else " (no matplotlib: no chart)"))
+    print(
+        f"\nwrote {out / 'sweep.json'}"
+        + (f" and {out / 'sweep.png'}" if drew else " (no matplotlib: no chart)")
+    )
     return 0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", default="/dev/shm/distckpt-bench", help="where checkpoints go (tmpfs or disk)")
+    parser.add_argument(
+        "--dir", default="/dev/shm/distckpt-bench", help="where checkpoints go (tmpfs or disk)"
+    )
     parser.add_argument("--size-gib", type=float, default=2.0)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1,
-                        help="unrecorded repetitions first (the first touch of fresh memory is slow)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="unrecorded repetitions first (the first touch of fresh memory is slow)",
+    )
     parser.add_argument("--backends", default="torch_dist,zarr")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch_dist save thread_count (files and writer threads per rank; default: "
-                             "the library's: 2 files, at most one writer thread per core of the rank)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch_dist save thread_count (files and writer threads per rank; default: "
+        "the library's: 2 files, at most one writer thread per core of the rank)",
+    )
     parser.add_argument("--out", default="bench_out")
-    parser.add_argument("--rss-budget", default=None,
-                        help="also measure peak RSS per path under this host memory budget "
-                             "(DISTCKPT_HOST_MEMORY_BUDGET syntax: bytes, 256MiB, or a fraction of RAM)")
-    parser.add_argument("--moto", action="store_true",
-                        help="with an s3:// --dir: start a local moto S3 server (and the bucket) first")
-    parser.add_argument("--sweep", action="store_true",
-                        help="instead of the full bench: torch_dist save/load/resharded load against raw I/O "
-                             "over --sizes-mib and --shapes, with a fixed + marginal cost fit per shape")
+    parser.add_argument(
+        "--rss-budget",
+        default=None,
+        help="also measure peak RSS per path under this host memory budget "
+        "(DISTCKPT_HOST_MEMORY_BUDGET syntax: bytes, 256MiB, or a fraction of RAM)",
+    )
+    parser.add_argument(
+        "--moto",
+        action="store_true",
+        help="with an s3:// --dir: start a local moto S3 server (and the bucket) first",
+    )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="instead of the full bench: torch_dist save/load/resharded load against raw I/O "
+        "over --sizes-mib and --shapes, with a fixed + marginal cost fit per shape",
+    )
     parser.add_argument("--sizes-mib", default="64,256,1024", help="sweep: sizes per rank")
-    parser.add_argument("--shapes", default=None,
-                        help="sweep: comma-separated h<hidden>-tp<degree>-opt<0|80> (default: a few)")
+    parser.add_argument(
+        "--shapes",
+        default=None,
+        help="sweep: comma-separated h<hidden>-tp<degree>-opt<0|80> (default: a few)",
+    )
     args = parser.parse_args()
     if args.sweep:
         return _sweep(args)

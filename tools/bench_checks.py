@@ -52,7 +52,9 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
         tdist.barrier()
         distckpt.save(state, location, sharded_strategy=(backend, 1))
         for case, pieces in (("same layout", 1), ("resharded", 2)):
-            request = bench.empty_like_request(bench.build_state(rank, world, hidden, layers, pieces_per_rank=pieces))
+            request = bench.empty_like_request(
+                bench.build_state(rank, world, hidden, layers, pieces_per_rank=pieces)
+            )
             times = {"raw read": [], "verify=False": [], "default": []}
             for rep in range(args.reps + 1):
                 order = ("verify=False", "default") if rep % 2 == 0 else ("default", "verify=False")
@@ -79,13 +81,17 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--backends", default="torch_dist,zarr")
     args = parser.parse_args()
-    results = bench.spawn_ranks(rank_main, args.ranks, args, lambda: shutil.rmtree(args.dir, ignore_errors=True))
+    results = bench.spawn_ranks(
+        rank_main, args.ranks, args, lambda: shutil.rmtree(args.dir, ignore_errors=True)
+    )
     print(f"{args.ranks} ranks, {args.size_gib:g} GiB in total, medians of {args.reps} (ms)\n")
     print("| load | raw read | verify=False | default | default's speed ÷ raw read's | checks' overhead |")
     print("|---|---:|---:|---:|---:|---:|")
     for name, m in results.items():
-        print(f"| {name} | {m['raw read'] * 1e3:.1f} | {m['verify=False'] * 1e3:.1f} | {m['default'] * 1e3:.1f} "
-              f"| {m['raw read'] / m['default']:.2f}x | {100 * (m['default'] / m['verify=False'] - 1):+.1f}% |")
+        print(
+            f"| {name} | {m['raw read'] * 1e3:.1f} | {m['verify=False'] * 1e3:.1f} | {m['default'] * 1e3:.1f} "
+            f"| {m['raw read'] / m['default']:.2f}x | {100 * (m['default'] / m['verify=False'] - 1):+.1f}% |"
+        )
     return 0
 
 

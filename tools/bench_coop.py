@@ -127,8 +127,9 @@ def _rank_main(rank, world, port, args, clock, lock, queue):
     distckpt.save(sd, local)
     locations = [("tmpfs", lambda: local)]
     for mib in args.bandwidth_mib:
-        locations.append((f"throttled {mib:g} MiB/s",
-                          lambda mib=mib: ThrottledStore(local, mib * 2**20, clock, lock)))
+        locations.append(
+            (f"throttled {mib:g} MiB/s", lambda mib=mib: ThrottledStore(local, mib * 2**20, clock, lock))
+        )
     if args.moto:
         url = f"{args.s3_url.rstrip('/')}/coop"
         distckpt.save(sd, url)
@@ -160,9 +161,16 @@ def _rank_main(rank, world, port, args, clock, lock, queue):
     tdist.barrier()
     if rank == 0:
         shutil.rmtree(local, ignore_errors=True)
-        queue.put({"seconds": {k: statistics.median(v) for k, v in times.items()}, "all_seconds": times,
-                   "served per model byte": served, "model bytes": model_bytes, "ranks": world,
-                   "locations": [n for n, _ in locations]})
+        queue.put(
+            {
+                "seconds": {k: statistics.median(v) for k, v in times.items()},
+                "all_seconds": times,
+                "served per model byte": served,
+                "model bytes": model_bytes,
+                "ranks": world,
+                "locations": [n for n, _ in locations],
+            }
+        )
     tdist.barrier()
     tdist.destroy_process_group()
 
@@ -170,17 +178,23 @@ def _rank_main(rank, world, port, args, clock, lock, queue):
 def report(res) -> str:
     sec, served = res["seconds"], res["served per model byte"]
     gib = res["model bytes"] / 2**30
-    lines = [f"{res['ranks']} ranks, each loading the whole model ({gib:.3f} GiB) saved TP-split; medians",
-             "",
-             "| storage | plain load s | cooperative load s | storage bytes per model byte (plain / coop) "
-             "| cooperative speed-up |",
-             "|---|---:|---:|---|---:|"]
+    lines = [
+        f"{res['ranks']} ranks, each loading the whole model ({gib:.3f} GiB) saved TP-split; medians",
+        "",
+        "| storage | plain load s | cooperative load s | storage bytes per model byte (plain / coop) "
+        "| cooperative speed-up |",
+        "|---|---:|---:|---|---:|",
+    ]
     for name in res["locations"]:
         p, c = sec[f"{name}: plain"], sec[f"{name}: cooperative"]
-        lines.append(f"| {name} | {p:.3f} | {c:.3f} | {served[f'{name}: plain']:.2f} / "
-                     f"{served[f'{name}: cooperative']:.2f} | {p / c:.2f}x |")
-    lines.append(f"\nraw os.read of the model on each rank (tmpfs, same run): "
-                 f"{sec['raw os.read of the model, each rank']:.3f} s")
+        lines.append(
+            f"| {name} | {p:.3f} | {c:.3f} | {served[f'{name}: plain']:.2f} / "
+            f"{served[f'{name}: cooperative']:.2f} | {p / c:.2f}x |"
+        )
+    lines.append(
+        f"\nraw os.read of the model on each rank (tmpfs, same run): "
+        f"{sec['raw os.read of the model, each rank']:.3f} s"
+    )
     return "\n".join(lines)
 
 
@@ -191,8 +205,11 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--bandwidth-mib", default="200,1000",
-                        help="aggregate read bandwidths of the throttled store, MiB/s (comma-separated)")
+    parser.add_argument(
+        "--bandwidth-mib",
+        default="200,1000",
+        help="aggregate read bandwidths of the throttled store, MiB/s (comma-separated)",
+    )
     parser.add_argument("--moto", action="store_true", help="also load from a local moto S3 server")
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args()

@@ -66,12 +66,12 @@ def read_files(paths: List[Path], dests: List[torch.Tensor]) -> int:
                 iov, want = [], 0
                 while want < size - offset and len(iov) < 1024:
                     if at < len(views):
-                        piece = views[at][used:used + (size - offset - want)]
+                        piece = views[at][used : used + (size - offset - want)]
                         used += len(piece)
                         if used == len(views[at]):
                             at, used = at + 1, 0
                     else:
-                        piece = scratch[:size - offset - want]
+                        piece = scratch[: size - offset - want]
                     iov.append(piece)
                     want += len(piece)
                 n = os.preadv(fd, iov, offset)
@@ -104,11 +104,11 @@ def write_files(paths: List[Path], tensors: List[torch.Tensor], checksum: bool, 
             crc = 0
             for view in views_of_file:
                 for start in range(0, len(view), block):
-                    piece = view[start:start + block]
+                    piece = view[start : start + block]
                     if checksum:
                         crc = crc32c(piece, crc)
                     while piece:
-                        piece = piece[os.write(fd, piece):]
+                        piece = piece[os.write(fd, piece) :]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -138,7 +138,13 @@ def save_lines(rank: int, world: int, args) -> List[str]:
         count = len(list(ckpt.glob(f"__{rank}_*.distcp")))  # the files this rank's save writes
         raw = root / f"raw_{rank}.bin"
         plain = [root / f"plain_{rank}_{i}.bin" for i in range(count)]
-        times = {"raw write": [], "files write": [], "files write + CRC32C": [], "save": [], "save writing": []}
+        times = {
+            "raw write": [],
+            "files write": [],
+            "files write + CRC32C": [],
+            "save": [],
+            "save writing": [],
+        }
         for rep in range(-1, args.reps):
             r = _barrier_time(_raw_write, raw, mine)[0]
             raw.unlink()
@@ -153,16 +159,23 @@ def save_lines(rank: int, world: int, args) -> List[str]:
             tdist.barrier()
             sv = _barrier_time(distckpt.save, sd, ckpt)[0]
             if rep >= 0:
-                for k, v in (("raw write", r), ("files write", f), ("files write + CRC32C", fc), ("save", sv),
-                             ("save writing", distckpt.last_timings("save").phases["writing"])):
+                for k, v in (
+                    ("raw write", r),
+                    ("files write", f),
+                    ("files write + CRC32C", fc),
+                    ("save", sv),
+                    ("save writing", distckpt.last_timings("save").phases["writing"]),
+                ):
                     times[k].append(v)
         med = {k: statistics.median(v) for k, v in times.items()}
         nbytes = sum(t.numel() * t.element_size() for t in mine)
         floor = med["files write + CRC32C"]
-        lines.append(f"| {shape_text} | {size:g} | {rank} | {len(mine)} | {count} | {nbytes / 2**20:.0f} | "
-                     f"{med['raw write'] * 1e3:.1f} | {med['files write'] * 1e3:.1f} | {floor * 1e3:.1f} | "
-                     f"{med['save'] * 1e3:.1f} | {med['save writing'] * 1e3:.1f} | "
-                     f"{floor / med['raw write']:.2f} | {med['save writing'] / floor:.2f} |")
+        lines.append(
+            f"| {shape_text} | {size:g} | {rank} | {len(mine)} | {count} | {nbytes / 2**20:.0f} | "
+            f"{med['raw write'] * 1e3:.1f} | {med['files write'] * 1e3:.1f} | {floor * 1e3:.1f} | "
+            f"{med['save'] * 1e3:.1f} | {med['save writing'] * 1e3:.1f} | "
+            f"{floor / med['raw write']:.2f} | {med['save writing'] / floor:.2f} |"
+        )
         sd = mine = None
         tdist.barrier()
         if rank == 0:
@@ -219,10 +232,12 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
         med = {k: statistics.median(v) for k, v in times.items()}
         nbytes = sum(t.numel() * t.element_size() for t in wanted)
         main = sum(1 for sh in sd.values() if is_main_replica(sh.replica_id))
-        lines.append(f"| {shape_text} | {size:g} | {rank} | {len(wanted)} ({main} main) | {nbytes / 2**20:.0f} | "
-                     f"{med['raw read'] * 1e3:.1f} | {med['files read'] * 1e3:.1f} | {med['load'] * 1e3:.1f} | "
-                     f"{med['load reading'] * 1e3:.1f} | {med['files read'] / med['raw read']:.2f} | "
-                     f"{med['load reading'] / med['files read']:.2f} |")
+        lines.append(
+            f"| {shape_text} | {size:g} | {rank} | {len(wanted)} ({main} main) | {nbytes / 2**20:.0f} | "
+            f"{med['raw read'] * 1e3:.1f} | {med['files read'] * 1e3:.1f} | {med['load'] * 1e3:.1f} | "
+            f"{med['load reading'] * 1e3:.1f} | {med['files read'] / med['raw read']:.2f} | "
+            f"{med['load reading'] / med['files read']:.2f} |"
+        )
         sd = wanted = bufs = req = dests = None
         tdist.barrier()
         if rank == 0:
@@ -232,7 +247,7 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
 
     def by_cell(part):  # rank 0's line of each cell, then rank 1's
         n = len(gathered[0][part])
-        return [line for i in range(n) for rank_lines in gathered for line in rank_lines[part][i:i + 1]]
+        return [line for i in range(n) for rank_lines in gathered for line in rank_lines[part][i : i + 1]]
 
     if rank == 0:
         queue.put((by_cell(0), by_cell(1)))
@@ -257,16 +272,20 @@ def main() -> int:
     saves, lines = spawn_ranks(rank_main, 2, args, lambda: shutil.rmtree(args.dir, ignore_errors=True))
     print(f"2 gloo ranks, {args.dir}, medians of {args.reps} after one warm round")
     if saves:
-        print("\n| shape | MiB/rank | rank | tensors written | files | MiB written | raw write ms | files write ms | "
-              "files write + CRC32C ms | save ms | save writing ms | files + CRC32C ÷ raw write | "
-              "save writing ÷ files + CRC32C |")
+        print(
+            "\n| shape | MiB/rank | rank | tensors written | files | MiB written | raw write ms | files write ms | "
+            "files write + CRC32C ms | save ms | save writing ms | files + CRC32C ÷ raw write | "
+            "save writing ÷ files + CRC32C |"
+        )
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for line in saves:
             print(line)
     if lines:
         print("\nEvery read is warm.")
-        print("| shape | MiB/rank | rank | tensors | MiB read | raw read ms | files read ms | load ms | "
-              "load reading ms | files read ÷ raw read | load reading ÷ files read |")
+        print(
+            "| shape | MiB/rank | rank | tensors | MiB read | raw read ms | files read ms | load ms | "
+            "load reading ms | files read ÷ raw read | load reading ÷ files read |"
+        )
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for line in lines:
             print(line)

@@ -91,8 +91,10 @@ def _read_files(pool, files, groups, host):
 
 
 def _request(sd, device: str):
-    return {k: replace(sh, data=torch.zeros(sh.data.shape, dtype=sh.data.dtype, device=device))
-            for k, sh in sd.items()}
+    return {
+        k: replace(sh, data=torch.zeros(sh.data.shape, dtype=sh.data.dtype, device=device))
+        for k, sh in sd.items()
+    }
 
 
 def measure(size_gib: float, args) -> dict:
@@ -124,16 +126,26 @@ def measure(size_gib: float, args) -> dict:
 
     def loader(**kw):
         return TorchDistLoadShardedStrategy(thread_count=args.threads, **kw)
+
     first_blocking = None
     for rep in range(-1, args.reps):
+
         def rec(name, seconds, keep=rep >= 0):
             if keep:
                 record(name, seconds)
 
-        rec("D2H pinned", _sync_time(lambda: [p.copy_(t, non_blocking=True) for p, t in zip(pinned, tensors)])[0])
-        rec("H2D pinned", _sync_time(lambda: [t.copy_(p, non_blocking=True) for p, t in zip(pinned, tensors)])[0])
+        rec(
+            "D2H pinned",
+            _sync_time(lambda: [p.copy_(t, non_blocking=True) for p, t in zip(pinned, tensors)])[0],
+        )
+        rec(
+            "H2D pinned",
+            _sync_time(lambda: [t.copy_(p, non_blocking=True) for p, t in zip(pinned, tensors)])[0],
+        )
         # Raw read: the same bytes in ``threads`` files (as a save writes them), read in parallel.
-        groups = _split(list(range(len(tensors))), args.threads, lambda i: tensors[i].numel() * tensors[i].element_size())
+        groups = _split(
+            list(range(len(tensors))), args.threads, lambda i: tensors[i].numel() * tensors[i].element_size()
+        )
         host = [torch.zeros(t.shape, dtype=t.dtype) for t in tensors]
         files = [root / f"raw_{g}.bin" for g in range(len(groups))]
         for path, group in zip(files, groups):
@@ -146,8 +158,10 @@ def measure(size_gib: float, args) -> dict:
 
         # The save's own order (copies started first, planning while they run), then the
         # copies only once planned (as before prestaging), into the same reused pinned pool.
-        for label, strategy in (("async save blocking", save_strategy), ("async save blocking, copies after planning",
-                                                                         late_strategy)):
+        for label, strategy in (
+            ("async save blocking", save_strategy),
+            ("async save blocking, copies after planning", late_strategy),
+        ):
             ckpt = root / f"ckpt_{rep + 1}"
             shutil.rmtree(ckpt, ignore_errors=True)
             _sync()
@@ -185,20 +199,29 @@ def measure(size_gib: float, args) -> dict:
     # What torch's pinned allocator (pin_memory=True, blocks rounded up to powers of two) would hold.
     rounded = sum(1 << max(0, (t.numel() * t.element_size() - 1).bit_length()) for t in tensors)
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"size_gib": nbytes / 2**30, "tensors": len(sd), "hidden": hidden, "layers": layers,
-            "threads": args.threads, "first async save blocking (allocates the pinned pool)": first_blocking,
-            "staging pool GiB": staged / 2**30, "power-of-two pinned blocks GiB": rounded / 2**30,
-            "seconds": med, "all": times,
-            "ratios": {
-                "async blocking / D2H": med["async save blocking"] / med["D2H pinned"],
-                "async blocking, copies after planning / D2H":
-                    med["async save blocking, copies after planning"] / med["D2H pinned"],
-                "load to GPU / H2D": med["load to GPU"] / med["H2D pinned"],
-                "load to GPU / raw read": med["load to GPU"] / med["raw read"],
-                "(load to GPU - load to CPU) / H2D": (med["load to GPU"] - med["load to CPU"]) / med["H2D pinned"],
-                "load to GPU pageable / load to GPU": med["load to GPU, pageable copies"] / med["load to GPU"],
-                "load to GPU resharded / load to GPU": med["load to GPU resharded"] / med["load to GPU"],
-            }}
+    return {
+        "size_gib": nbytes / 2**30,
+        "tensors": len(sd),
+        "hidden": hidden,
+        "layers": layers,
+        "threads": args.threads,
+        "first async save blocking (allocates the pinned pool)": first_blocking,
+        "staging pool GiB": staged / 2**30,
+        "power-of-two pinned blocks GiB": rounded / 2**30,
+        "seconds": med,
+        "all": times,
+        "ratios": {
+            "async blocking / D2H": med["async save blocking"] / med["D2H pinned"],
+            "async blocking, copies after planning / D2H": med["async save blocking, copies after planning"]
+            / med["D2H pinned"],
+            "load to GPU / H2D": med["load to GPU"] / med["H2D pinned"],
+            "load to GPU / raw read": med["load to GPU"] / med["raw read"],
+            "(load to GPU - load to CPU) / H2D": (med["load to GPU"] - med["load to CPU"])
+            / med["H2D pinned"],
+            "load to GPU pageable / load to GPU": med["load to GPU, pageable copies"] / med["load to GPU"],
+            "load to GPU resharded / load to GPU": med["load to GPU resharded"] / med["load to GPU"],
+        },
+    }
 
 
 def report(results: list) -> str:
@@ -206,15 +229,21 @@ def report(results: list) -> str:
     lines = [f"device: {name}  torch {torch.__version__}"]
     for r in results:
         gib = r["size_gib"]
-        lines.append(f"\n{gib:.2f} GiB in {r['tensors']} tensors (hidden {r['hidden']}, {r['layers']} layers), "
-                     f"{r['threads']} threads")
+        lines.append(
+            f"\n{gib:.2f} GiB in {r['tensors']} tensors (hidden {r['hidden']}, {r['layers']} layers), "
+            f"{r['threads']} threads"
+        )
         lines.append(f"  {'path':44s} {'seconds':>9s} {'GiB/s':>8s}")
         for name, s in r["seconds"].items():
             lines.append(f"  {name:44s} {s:9.4f} {gib / s:8.2f}")
-        lines.append(f"  {'first async save blocking':44s} {r['first async save blocking (allocates the pinned pool)']:9.4f}"
-                     "  (allocates the pinned pool)")
-        lines.append(f"  staging pool {r['staging pool GiB']:.3f} GiB for {gib:.3f} GiB staged (power-of-two pinned "
-                     f"blocks would be {r['power-of-two pinned blocks GiB']:.3f} GiB)")
+        lines.append(
+            f"  {'first async save blocking':44s} {r['first async save blocking (allocates the pinned pool)']:9.4f}"
+            "  (allocates the pinned pool)"
+        )
+        lines.append(
+            f"  staging pool {r['staging pool GiB']:.3f} GiB for {gib:.3f} GiB staged (power-of-two pinned "
+            f"blocks would be {r['power-of-two pinned blocks GiB']:.3f} GiB)"
+        )
         for name, v in r["ratios"].items():
             lines.append(f"  {name:46s} {v:6.2f}")
     return "\n".join(lines)
@@ -227,8 +256,12 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="files per save and reader threads per load")
     parser.add_argument("--out", default="bench_out")
-    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
-                        help="cpu: run every path on host tensors (a smoke test of the tool itself)")
+    parser.add_argument(
+        "--device",
+        default="cuda",
+        choices=["cuda", "cpu"],
+        help="cpu: run every path on host tensors (a smoke test of the tool itself)",
+    )
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device

@@ -50,13 +50,19 @@ def build_state(rank: int, world: int, mib: int, with_data: bool = True) -> dict
     layers = max(1, round(mib * 2**20 / (rows * per_layer)))
     sd = {}
     for layer in range(layers):
-        for name, dtype in (("weight", torch.bfloat16), ("exp_avg", torch.float32), ("exp_avg_sq", torch.float32)):
+        for name, dtype in (
+            ("weight", torch.bfloat16),
+            ("exp_avg", torch.float32),
+            ("exp_avg_sq", torch.float32),
+        ):
             shape = (rows, cols)
-            data = (torch.randn(shape, generator=g).to(dtype) if with_data else torch.zeros(shape, dtype=dtype))
+            data = torch.randn(shape, generator=g).to(dtype) if with_data else torch.zeros(shape, dtype=dtype)
             sd[f"layer{layer}.{name}"] = ShardedTensor.from_rank_offsets(
-                f"layer{layer}.{name}", data, (0, rank, world))
-    sd["rng"] = ShardedObject("rng", {"state": torch.arange(16) + rank} if with_data else None,
-                              (world,), (rank,))
+                f"layer{layer}.{name}", data, (0, rank, world)
+            )
+    sd["rng"] = ShardedObject(
+        "rng", {"state": torch.arange(16) + rank} if with_data else None, (world,), (rank,)
+    )
     sd["iteration"] = 100
     return sd
 
@@ -80,10 +86,16 @@ def _timed(fn, *args, **kwargs):
 
 
 def _same(loaded: dict, reference: dict) -> bool:
-    return all(torch.equal(loaded[k].view(torch.uint8) if loaded[k].dtype == torch.bfloat16 else loaded[k],
-                           reference[k].data.view(torch.uint8) if reference[k].data.dtype == torch.bfloat16
-                           else reference[k].data)
-               for k in reference if k.startswith("layer"))
+    return all(
+        torch.equal(
+            loaded[k].view(torch.uint8) if loaded[k].dtype == torch.bfloat16 else loaded[k],
+            reference[k].data.view(torch.uint8)
+            if reference[k].data.dtype == torch.bfloat16
+            else reference[k].data,
+        )
+        for k in reference
+        if k.startswith("layer")
+    )
 
 
 def rank_main(args: argparse.Namespace) -> list:
@@ -116,8 +128,9 @@ def _measure(args: argparse.Namespace, root: Path, mib: int) -> dict:
     os.remove(raw)
 
     def manager(directory: Path, factor: int) -> LocalCheckpointManager:
-        return LocalCheckpointManager(directory / f"node{rank // args.node_size}", node_size=args.node_size,
-                                      replication_factor=factor)
+        return LocalCheckpointManager(
+            directory / f"node{rank // args.node_size}", node_size=args.node_size, replication_factor=factor
+        )
 
     f1, fn = manager(root / "f1", 1), manager(root / "local", args.factor)
     out["local_save_f1"], _ = _timed(f1.save, sd, 1)
@@ -144,7 +157,9 @@ def _measure(args: argparse.Namespace, root: Path, mib: int) -> dict:
     out["recover_peers_ok"] = _same(loaded, reference)
     out["recover_persistent"], loaded = _timed(distckpt.load, request, root / "persistent")
     out["recover_persistent_ok"] = _same(loaded, reference)
-    out["recover_persistent_verified"], loaded = _timed(distckpt.load, request, root / "persistent", verify=True)
+    out["recover_persistent_verified"], loaded = _timed(
+        distckpt.load, request, root / "persistent", verify=True
+    )
     out["recover_persistent_ok"] = out["recover_persistent_ok"] and _same(loaded, reference)
     dist.barrier()
     if rank == 0:
@@ -187,19 +202,27 @@ def main(argv=None) -> int:
         ("recover from persistent (distckpt.load)", r["recover_persistent"], r["raw_read"]),
         ("  same, verify=True (CRC32C, as local)", r["recover_persistent_verified"], r["raw_read"]),
     ]
-    print(f"{args.ranks} gloo ranks, {args.node_size} per node, {gib * 1024:.0f} MiB per rank, "
-          f"replication factor {f}, storage {args.dir}; median of {args.reps} passes after {args.warmup} warm-up")
+    print(
+        f"{args.ranks} gloo ranks, {args.node_size} per node, {gib * 1024:.0f} MiB per rank, "
+        f"replication factor {f}, storage {args.dir}; median of {args.reps} passes after {args.warmup} warm-up"
+    )
     print(f"{'':42} {'seconds':>8} {'GiB/s/rank':>10} {'x raw':>7}")
     for name, seconds, limit in rows:
         ratio = f"{seconds / limit:7.2f}" if limit else f"{'':>7}"
         print(f"{name:42} {seconds:8.3f} {gib / seconds:10.2f} {ratio}")
-    print(f"local save (factor {f}) / persistent save:     {r[f'local_save_f{f}'] / r['persistent_save']:.2f}")
+    print(
+        f"local save (factor {f}) / persistent save:     {r[f'local_save_f{f}'] / r['persistent_save']:.2f}"
+    )
     print(f"local save (factor 1) / persistent save:       {r['local_save_f1'] / r['persistent_save']:.2f}")
     print(f"recover local / recover persistent:           {r['recover_local'] / r['recover_persistent']:.2f}")
-    print(f"recover local / recover persistent verified:  {r['recover_local'] / r['recover_persistent_verified']:.2f}")
+    print(
+        f"recover local / recover persistent verified:  {r['recover_local'] / r['recover_persistent_verified']:.2f}"
+    )
     print(f"recover from peers / recover persistent:      {r['recover_peers'] / r['recover_persistent']:.2f}")
     every = [p for rank_passes in results for p in rank_passes]
-    checks = [all(p["recover_local_ok"] and p["recover_peers_ok"] and p["recover_persistent_ok"] for p in every)]
+    checks = [
+        all(p["recover_local_ok"] and p["recover_peers_ok"] and p["recover_persistent_ok"] for p in every)
+    ]
     sources = [rank_passes[-1]["recover_peers_source"] for rank_passes in results]
     print(f"bit-exact: {checks[0]}; sources with node 1 lost: {sources}")
     if args.json:

@@ -39,8 +39,13 @@ SIZE_TOLERANCE = 0.3
 def parse_shape(text: str) -> Dict[str, int]:
     """``h<hidden>-tp<degree>-opt<percent>``: opt80 = two fp32 flattened states per bf16 weight
     (80% of the bytes), opt0 = weights only."""
-    parts = dict((p[:1] if p[0] == "h" else p[:2] if p.startswith("tp") else p[:3],
-                  int(p[1:] if p[0] == "h" else p[2:] if p.startswith("tp") else p[3:])) for p in text.split("-"))
+    parts = dict(
+        (
+            p[:1] if p[0] == "h" else p[:2] if p.startswith("tp") else p[:3],
+            int(p[1:] if p[0] == "h" else p[2:] if p.startswith("tp") else p[3:]),
+        )
+        for p in text.split("-")
+    )
     if set(parts) != {"h", "tp", "opt"} or parts["opt"] not in (0, 80):
         raise ValueError(f"shape {text!r}: expected h<hidden>-tp<degree>-opt<0|80>")
     return parts
@@ -58,8 +63,16 @@ def layer_mib(shape: Dict[str, int]) -> float:
     return 12 * shape["h"] ** 2 * (10 if shape["opt"] else 2) / shape["tp"] / 2**20
 
 
-def sweep_state(rank: int, world: int, hidden: int, layers: int, tp: int, opt: int,
-                pieces: int = 1, with_data: bool = True) -> dict:
+def sweep_state(
+    rank: int,
+    world: int,
+    hidden: int,
+    layers: int,
+    tp: int,
+    opt: int,
+    pieces: int = 1,
+    with_data: bool = True,
+) -> dict:
     """TP over ``tp`` parts (times ``pieces`` for a resharded request), DP over world // tp."""
     from distckpt import ShardedTensor
 
@@ -76,14 +89,19 @@ def sweep_state(rank: int, world: int, hidden: int, layers: int, tp: int, opt: i
 
     h = hidden
     for layer in range(layers):
-        for name, shape, axis in [("qkv", (3 * h, h), 0), ("proj", (h, h), 1), ("fc1", (4 * h, h), 0),
-                                  ("fc2", (h, 4 * h), 1)]:
+        for name, shape, axis in [
+            ("qkv", (3 * h, h), 0),
+            ("proj", (h, h), 1),
+            ("fc1", (4 * h, h), 0),
+            ("fc2", (h, 4 * h), 1),
+        ]:
             key = f"layers.{layer}.{name}"
             local = list(shape)
             local[axis] //= parts
             for p in mine:
                 sd[f"{key}#{p}"] = ShardedTensor.from_rank_offsets(
-                    key, make(tuple(local), torch.bfloat16), (axis, p, parts), replica_id=dp_rank)
+                    key, make(tuple(local), torch.bfloat16), (axis, p, parts), replica_id=dp_rank
+                )
                 if not opt:
                     continue
                 numel = local[0] * local[1]
@@ -94,8 +112,13 @@ def sweep_state(rank: int, world: int, hidden: int, layers: int, tp: int, opt: i
                 for state in ("exp_avg", "exp_avg_sq"):
                     okey = f"optimizer.{state}.{key}"
                     sd[f"{okey}#{p}"] = ShardedTensor.from_rank_offsets_flat(
-                        okey, make((hi - lo,), torch.float32), tuple(local), (axis, p, parts),
-                        flattened_range=slice(lo, hi), replica_id=0 if pieces == 1 else dp_rank)
+                        okey,
+                        make((hi - lo,), torch.float32),
+                        tuple(local),
+                        (axis, p, parts),
+                        flattened_range=slice(lo, hi),
+                        replica_id=0 if pieces == 1 else dp_rank,
+                    )
     return sd
 
 
@@ -147,7 +170,11 @@ def rank_main(rank, world, port, args, queue):
                 phases.clear()
             raw, ckpt = root / f"raw_{rank}.bin", root / "ckpt"
             # Raw file and checkpoint take turns at going first (see the module docstring).
-            order = ("raw write", "save", "raw read", "load") if rep % 2 == 0 else ("save", "raw write", "load", "raw read")
+            order = (
+                ("raw write", "save", "raw read", "load")
+                if rep % 2 == 0
+                else ("save", "raw write", "load", "raw read")
+            )
             for step in order:
                 if step == "raw write":
                     times.setdefault(step, []).append(_barrier_time(_raw_write, raw, tensors)[0])
@@ -155,22 +182,27 @@ def rank_main(rank, world, port, args, queue):
                         _raw_write(raw, wanted)
                 elif step == "save":
                     strategy = TorchDistSaveShardedStrategy(thread_count=args.threads)
-                    times.setdefault(step, []).append(_barrier_time(distckpt.save, sd, ckpt, sharded_strategy=strategy)[0])
+                    times.setdefault(step, []).append(
+                        _barrier_time(distckpt.save, sd, ckpt, sharded_strategy=strategy)[0]
+                    )
                     note(step)
                 elif step == "raw read":
                     bufs = [torch.zeros_like(t) for t in wanted]
                     times.setdefault(step, []).append(_barrier_time(_raw_read, raw, bufs)[0])
                     bufs = None
                 else:
-                    req = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"], with_data=False)
+                    req = sweep_state(
+                        rank, world, shape["h"], layers, shape["tp"], shape["opt"], with_data=False
+                    )
                     times.setdefault("load", []).append(_barrier_time(distckpt.load, req, ckpt)[0])
                     note("load")
                     # Freed before the next request is built: at 2 GiB per rank, two requests
                     # alive at once (4 GiB per rank beside the state and the checkpoint) left the
                     # VM short of memory, and the kernel's reclaim then slowed every phase.
                     req = None
-                    req = sweep_state(rank, world, shape["h"], layers, shape["tp"], shape["opt"], pieces=2,
-                                      with_data=False)
+                    req = sweep_state(
+                        rank, world, shape["h"], layers, shape["tp"], shape["opt"], pieces=2, with_data=False
+                    )
                     times.setdefault("load resharded", []).append(_barrier_time(distckpt.load, req, ckpt)[0])
                     note("load resharded")
                     req = None
@@ -184,12 +216,20 @@ def rank_main(rank, world, port, args, queue):
         read = [None] * world
         tdist.all_gather_object(read, sum(t.numel() * t.element_size() for t in wanted))
         by_rank = [None] * world
-        tdist.all_gather_object(by_rank, {op: {k: statistics.median(v) for k, v in ph.items()}
-                                          for op, ph in phases.items()})
-        rows.append({"shape": shape_text, "size_mib": size, "layers": layers, "gib_per_rank": max(out) / 2**30,
-                     "gib_read_per_rank": max(read) / 2**30,
-                     "seconds": {k: statistics.median(v) for k, v in times.items()},
-                     "phases": by_rank})
+        tdist.all_gather_object(
+            by_rank, {op: {k: statistics.median(v) for k, v in ph.items()} for op, ph in phases.items()}
+        )
+        rows.append(
+            {
+                "shape": shape_text,
+                "size_mib": size,
+                "layers": layers,
+                "gib_per_rank": max(out) / 2**30,
+                "gib_read_per_rank": max(read) / 2**30,
+                "seconds": {k: statistics.median(v) for k, v in times.items()},
+                "phases": by_rank,
+            }
+        )
         sd = tensors = wanted = None
     if rank == 0:
         queue.put(rows)
@@ -202,14 +242,21 @@ LIMIT = {"save": "raw write", "load": "raw read", "load resharded": "raw read"}
 
 def fit(rows: List[dict]) -> str:
     """Per shape and operation: fixed cost (s) and marginal cost (s/GiB) from a least-squares line."""
-    lines = ["| shape | op | fixed s | marginal s/GiB | marginal ÷ raw I/O's marginal |",
-             "|---|---|---:|---:|---:|"]
+    lines = [
+        "| shape | op | fixed s | marginal s/GiB | marginal ÷ raw I/O's marginal |",
+        "|---|---|---:|---:|---:|",
+    ]
     for shape in dict.fromkeys(r["shape"] for r in rows):
         mine = [r for r in rows if r["shape"] == shape]
         fits = {}
         for op in ("raw write", "raw read", "save", "load", "load resharded"):
             written = op in ("raw write", "save")
-            x = np.array([r["gib_per_rank"] if written else r.get("gib_read_per_rank", r["gib_per_rank"]) for r in mine])
+            x = np.array(
+                [
+                    r["gib_per_rank"] if written else r.get("gib_read_per_rank", r["gib_per_rank"])
+                    for r in mine
+                ]
+            )
             y = np.array([r["seconds"][op] for r in mine])
             slope, icpt = np.polyfit(x, y, 1) if len(set(x.tolist())) > 1 else (y[0] / x[0], 0.0)
             fits[op] = (icpt, slope)
@@ -227,20 +274,27 @@ def ratios(row: dict) -> Dict[str, float]:
     """The issue's three ratios: save and load as a fraction of raw speed (higher is better),
     resharded load time over same-layout load time (lower is better)."""
     s = row["seconds"]
-    return {"save": s["raw write"] / s["save"], "load": s["raw read"] / s["load"],
-            "resharded": s["load resharded"] / s["load"]}
+    return {
+        "save": s["raw write"] / s["save"],
+        "load": s["raw read"] / s["load"],
+        "resharded": s["load resharded"] / s["load"],
+    }
 
 
 def table(rows: List[dict]) -> str:
-    lines = ["| shape | MiB/rank | layers | raw write s | raw read s | save s | load s | resharded s "
-             "| save ÷ raw speed (≥ 0.85) | load ÷ raw speed (≥ 0.9) | resharded ÷ load time (≤ 1.2) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| shape | MiB/rank | layers | raw write s | raw read s | save s | load s | resharded s "
+        "| save ÷ raw speed (≥ 0.85) | load ÷ raw speed (≥ 0.9) | resharded ÷ load time (≤ 1.2) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
         s, q = r["seconds"], ratios(r)
         mark = {k: "" if (q[k] >= g if k != "resharded" else q[k] <= g) else " ✗" for k, g in GOALS.items()}
-        lines.append(f"| {r['shape']} | {r['size_mib']:g} | {r['layers']} | {s['raw write']:.3f} | {s['raw read']:.3f} | "
-                     f"{s['save']:.3f} | {s['load']:.3f} | {s['load resharded']:.3f} | {q['save']:.2f}{mark['save']} | "
-                     f"{q['load']:.2f}{mark['load']} | {q['resharded']:.2f}{mark['resharded']} |")
+        lines.append(
+            f"| {r['shape']} | {r['size_mib']:g} | {r['layers']} | {s['raw write']:.3f} | {s['raw read']:.3f} | "
+            f"{s['save']:.3f} | {s['load']:.3f} | {s['load resharded']:.3f} | {q['save']:.2f}{mark['save']} | "
+            f"{q['load']:.2f}{mark['load']} | {q['resharded']:.2f}{mark['resharded']} |"
+        )
     return "\n".join(lines)
 
 
@@ -254,14 +308,16 @@ def split(phases: Dict[str, float], op: str) -> tuple:
     if mid not in phases:
         return (sum(phases.values()), 0.0, 0.0)
     i = names.index(mid)
-    return (sum(phases[n] for n in names[:i]), phases[mid], sum(phases[n] for n in names[i + 1:]))
+    return (sum(phases[n] for n in names[:i]), phases[mid], sum(phases[n] for n in names[i + 1 :]))
 
 
 def phase_table(rows: List[dict], min_mib: float = 0) -> str:
     """Per cell and operation: each rank's median ms before the first byte, in the bytes' phase
     (and its ratio to raw I/O of the same bytes on that rank's run) and after the last."""
-    lines = ["| shape | MiB/rank | op | before ms (rank 0 / 1) | bytes' phase ms | bytes' phase ÷ raw I/O | after ms |",
-             "|---|---:|---|---:|---:|---:|---:|"]
+    lines = [
+        "| shape | MiB/rank | op | before ms (rank 0 / 1) | bytes' phase ms | bytes' phase ÷ raw I/O | after ms |",
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
     for r in rows:
         if r["size_mib"] < min_mib or not r.get("phases"):
             continue
@@ -270,7 +326,9 @@ def phase_table(rows: List[dict], min_mib: float = 0) -> str:
             raw = r["seconds"][LIMIT[op]]
             col = [" / ".join(f"{x[i] * 1e3:.1f}" for x in per_rank) for i in range(3)]
             ratio = " / ".join(f"{x[1] / raw:.2f}" for x in per_rank)
-            lines.append(f"| {r['shape']} | {r['size_mib']:g} | {op} | {col[0]} | {col[1]} | {ratio} | {col[2]} |")
+            lines.append(
+                f"| {r['shape']} | {r['size_mib']:g} | {op} | {col[0]} | {col[1]} | {ratio} | {col[2]} |"
+            )
     return "\n".join(lines)
 
 
@@ -284,11 +342,16 @@ def chart(rows: List[dict], path: Path) -> bool:
     except ImportError:
         return False
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
-    for ax, (op, limit) in zip(axes, [("save", "raw write"), ("load", "raw read"), ("load resharded", "raw read")]):
+    for ax, (op, limit) in zip(
+        axes, [("save", "raw write"), ("load", "raw read"), ("load resharded", "raw read")]
+    ):
         for shape in dict.fromkeys(r["shape"] for r in rows):
             mine = [r for r in rows if r["shape"] == shape]
-            x = [r["gib_per_rank"] if op == "save" else r.get("gib_read_per_rank", r["gib_per_rank"]) for r in mine]
-            line, = ax.plot(x, [r["seconds"][op] for r in mine], marker="o", label=shape)
+            x = [
+                r["gib_per_rank"] if op == "save" else r.get("gib_read_per_rank", r["gib_per_rank"])
+                for r in mine
+            ]
+            (line,) = ax.plot(x, [r["seconds"][op] for r in mine], marker="o", label=shape)
             ax.plot(x, [r["seconds"][limit] for r in mine], ls=":", color=line.get_color())
         ax.set_title(f"{op} (dotted: {limit})")
         ax.set_xlabel("GiB per rank")
@@ -298,4 +361,3 @@ def chart(rows: List[dict], path: Path) -> bool:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return True
-

@@ -116,8 +116,12 @@ def main() -> int:
     parser.add_argument("--dir", default="/dev/shm/distckpt-fixed-cost")
     parser.add_argument("--profile", choices=["save", "load"], default=None)
     parser.add_argument("--top", type=int, default=25)
-    parser.add_argument("--sort", choices=["tottime", "cumulative"], default="tottime",
-                        help="order of the profile: own time or time including callees")
+    parser.add_argument(
+        "--sort",
+        choices=["tottime", "cumulative"],
+        default="tottime",
+        help="order of the profile: own time or time including callees",
+    )
     parser.add_argument("--phases", action="store_true", help="print each rank's median per phase")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")

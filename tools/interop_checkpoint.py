@@ -49,8 +49,12 @@ def _rank(rank, world, tp, port, out):
 
     tdist.init_process_group("gloo", rank=rank, world_size=world)
     tp_rank, dp_rank = rank % tp, rank // tp
-    split_axis = {"decoder.linear_qkv.weight": 0, "decoder.linear_proj.weight": 1,
-                  "embedding.word_embeddings.weight": 0, "decoder.fc.weight": 1}
+    split_axis = {
+        "decoder.linear_qkv.weight": 0,
+        "decoder.linear_proj.weight": 1,
+        "embedding.word_embeddings.weight": 0,
+        "decoder.fc.weight": 1,
+    }
 
     def state(step: int) -> dict:
         sd = {}
@@ -70,7 +74,9 @@ def _rank(rank, world, tp, port, out):
     distckpt.save(state(1), out / "ckpt", sharded_strategy=strategy)
     if rank == 0:
         shutil.rmtree(out / "earlier")
-        print(f"the second save took rank 0's last .metadata and sidecar: {strategy.last_save_reused_metadata}")
+        print(
+            f"the second save took rank 0's last .metadata and sidecar: {strategy.last_save_reused_metadata}"
+        )
     tdist.destroy_process_group()
 
 

@@ -135,12 +135,20 @@ def rank_shards(rank: int, world: int):
             for state in OPT_STATES:
                 okey = f"optimizer.state.{state}.{key}"
                 opt_main = tp_replica == 0
-                metas.append((okey, False, "torch.float32", gshape, tuple(offset), full_local,
-                              (start, stop), opt_main))
+                metas.append(
+                    (okey, False, "torch.float32", gshape, tuple(offset), full_local, (start, stop), opt_main)
+                )
                 if opt_main and stop > start:
                     grid_index = (layer,) + tuple(o // max(1, s) for o, s in zip(offset[1:], local))
-                    items.append(_WriteItem(okey, grid_index + (start,), (1,) * len(gshape) + (stop - start,),
-                                            None, 4 * (stop - start)))
+                    items.append(
+                        _WriteItem(
+                            okey,
+                            grid_index + (start,),
+                            (1,) * len(gshape) + (stop - start,),
+                            None,
+                            4 * (stop - start),
+                        )
+                    )
     return metas, items
 
 
@@ -149,7 +157,9 @@ def records_of(rank: int, items, buckets: int = 2):
     for b, bucket in enumerate(_buckets(items, buckets)):
         pos = 0
         for it in bucket:
-            out.append(_Record(it.fqn, it.chunk_offset, it.chunk_size, f"__{rank}_{b}.distcp", pos, it.nbytes + 1000))
+            out.append(
+                _Record(it.fqn, it.chunk_offset, it.chunk_size, f"__{rank}_{b}.distcp", pos, it.nbytes + 1000)
+            )
             pos += it.nbytes + 1000
     return out
 
@@ -209,17 +219,17 @@ def measure(world: int, tmp: Path, profile: bool = False, objects: bool = False)
         if profiler:
             profiler.enable()
         t0 = time.perf_counter()
-        tables = [pickle.loads(p) for p in payloads]     # rank 0's side of the validation gather
+        tables = [pickle.loads(p) for p in payloads]  # rank 0's side of the validation gather
         t_gather = time.perf_counter() - t0
         t0 = time.perf_counter()
         validate_global_integrity(tables)
         t_validate = time.perf_counter() - t0
         del tables
         t0 = time.perf_counter()
-        _buckets(planned, 2)   # each rank plans its own files: rank 0's share
+        _buckets(planned, 2)  # each rank plans its own files: rank 0's share
         t_plan = time.perf_counter() - t0
         t0 = time.perf_counter()
-        gathered = [pickle.loads(p) for p in records]    # rank 0's side of the commit gather
+        gathered = [pickle.loads(p) for p in records]  # rank 0's side of the commit gather
         t_gather += time.perf_counter() - t0
         t0 = time.perf_counter()
         merged = GatheredRecords.of([p[1] for p in gathered])
@@ -236,7 +246,9 @@ def measure(world: int, tmp: Path, profile: bool = False, objects: bool = False)
         _, template = sidecar_index(merged, len(md_bytes), template=True)
         t_template = time.perf_counter() - t0
         rng = np.random.default_rng(0)
-        next_save = GatheredRecords.of([p[1].with_crcs(rng.integers(0, 2**32, len(p[1].rows))) for p in gathered])
+        next_save = GatheredRecords.of(
+            [p[1].with_crcs(rng.integers(0, 2**32, len(p[1].rows))) for p in gathered]
+        )
         t0 = time.perf_counter()
         patched = patched_sidecar_index(template, next_save, len(md_bytes))
         t_patched = time.perf_counter() - t0
@@ -252,7 +264,7 @@ def measure(world: int, tmp: Path, profile: bool = False, objects: bool = False)
             raise RuntimeError("the simulated .metadata could not be reused")
         del cached
     t_objects = None
-    if objects:   # the same .metadata the way it was built before: DCP's objects, then pickle (not in RSS)
+    if objects:  # the same .metadata the way it was built before: DCP's objects, then pickle (not in RSS)
         with gc_paused():
             t0 = time.perf_counter()
             pickle.dumps(build_metadata(merged, "sim"))
@@ -279,17 +291,34 @@ def measure(world: int, tmp: Path, profile: bool = False, objects: bool = False)
             read_bytes.append(reader.bytes_read)
             found.append(sum(len(v) for v in hits.values()))
     pp, dp = layout(world)
-    return {"ranks": world, "layout": f"TP{TP}xPP{pp}xDP{dp}", "shards": shards,
-            "written_items": written, "gather_s": t_gather, "validate_s": t_validate, "plan_s": t_plan,
-            "metadata_s": t_meta, "metadata_reused_s": t_reused, "total_s": t_validate + t_plan + t_meta, "rss_growth_mib": (peak.peak - rss0) / 2**20,
-            "chunks_in_metadata": chunks, "objects_and_pickle_s": t_objects, "index_build_s": t_index,
-            "index_template_s": t_template, "index_patched_s": t_patched,
-            "metadata_mib": len(md_bytes) / 2**20, "index_mib": len(index) / 2**20, "unpickle_s": t_unpickle,
-            "share_shards": len(all_metas[0]), "load_records": sum(found) / len(found),
-            "load_index_kib": sum(read_bytes) / len(read_bytes) / 2**10, "load_index_s": sum(read_s) / len(read_s),
-            "load_tables_mib": tables_bytes / 2**20,
-            # the slot all-gather (world slots) and the verdict's broadcast (one slot)
-            "load_other_rank_kib": (world + 1) * _slot_bytes(world) / 2**10}
+    return {
+        "ranks": world,
+        "layout": f"TP{TP}xPP{pp}xDP{dp}",
+        "shards": shards,
+        "written_items": written,
+        "gather_s": t_gather,
+        "validate_s": t_validate,
+        "plan_s": t_plan,
+        "metadata_s": t_meta,
+        "metadata_reused_s": t_reused,
+        "total_s": t_validate + t_plan + t_meta,
+        "rss_growth_mib": (peak.peak - rss0) / 2**20,
+        "chunks_in_metadata": chunks,
+        "objects_and_pickle_s": t_objects,
+        "index_build_s": t_index,
+        "index_template_s": t_template,
+        "index_patched_s": t_patched,
+        "metadata_mib": len(md_bytes) / 2**20,
+        "index_mib": len(index) / 2**20,
+        "unpickle_s": t_unpickle,
+        "share_shards": len(all_metas[0]),
+        "load_records": sum(found) / len(found),
+        "load_index_kib": sum(read_bytes) / len(read_bytes) / 2**10,
+        "load_index_s": sum(read_s) / len(read_s),
+        "load_tables_mib": tables_bytes / 2**20,
+        # the slot all-gather (world slots) and the verdict's broadcast (one slot)
+        "load_other_rank_kib": (world + 1) * _slot_bytes(world) / 2**10,
+    }
 
 
 def main() -> int:
@@ -298,41 +327,62 @@ def main() -> int:
     parser.add_argument("--min-ranks", type=int, default=64)
     parser.add_argument("--out", default="bench_out")
     parser.add_argument("--tmp", default=None, help="where the simulated .metadata and sidecar are written")
-    parser.add_argument("--objects", action="store_true",
-                        help="also time building DCP's Metadata objects and pickling them (the old way)")
-    parser.add_argument("--profile", action="store_true",
-                        help="cProfile gather + validation + planning + metadata at the largest world size")
+    parser.add_argument(
+        "--objects",
+        action="store_true",
+        help="also time building DCP's Metadata objects and pickling them (the old way)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="cProfile gather + validation + planning + metadata at the largest world size",
+    )
     args = parser.parse_args()
-    worlds = [w for w in (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384) if args.min_ranks <= w <= args.max_ranks]
+    worlds = [
+        w for w in (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384) if args.min_ranks <= w <= args.max_ranks
+    ]
     rows = []
-    print(f"| {'ranks':>5} | {'layout':>15} | {'shards':>9} | {'items':>9} | {'gather s':>8} | {'validate s':>10} | "
-          f"{'plan s':>7} | {'metadata s':>10} | {'total s':>7} | {'us/shard':>8} | {'RSS +MiB':>8} | {'reused s':>8} |")
+    print(
+        f"| {'ranks':>5} | {'layout':>15} | {'shards':>9} | {'items':>9} | {'gather s':>8} | {'validate s':>10} | "
+        f"{'plan s':>7} | {'metadata s':>10} | {'total s':>7} | {'us/shard':>8} | {'RSS +MiB':>8} | {'reused s':>8} |"
+    )
     print("|" + "|".join("-" * (n + 2) for n in (5, 15, 9, 9, 8, 10, 7, 10, 7, 8, 8, 8)) + "|")
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         for world in worlds:
             r = measure(world, Path(tmp), profile=args.profile and world == worlds[-1], objects=args.objects)
             rows.append(r)
-            print(f"| {r['ranks']:5d} | {r['layout']:>15} | {r['shards']:9d} | {r['written_items']:9d} | "
-                  f"{r['gather_s']:8.2f} | {r['validate_s']:10.2f} | "
-                  f"{r['plan_s']:7.2f} | {r['metadata_s']:10.2f} | {r['total_s']:7.2f} | "
-                  f"{1e6 * r['total_s'] / r['shards']:8.2f} | {r['rss_growth_mib']:8.0f} | "
-                  f"{r['metadata_reused_s']:8.3f} |", flush=True)
+            print(
+                f"| {r['ranks']:5d} | {r['layout']:>15} | {r['shards']:9d} | {r['written_items']:9d} | "
+                f"{r['gather_s']:8.2f} | {r['validate_s']:10.2f} | "
+                f"{r['plan_s']:7.2f} | {r['metadata_s']:10.2f} | {r['total_s']:7.2f} | "
+                f"{1e6 * r['total_s'] / r['shards']:8.2f} | {r['rss_growth_mib']:8.0f} | "
+                f"{r['metadata_reused_s']:8.3f} |",
+                flush=True,
+            )
     first, last = rows[0], rows[-1]
     growth = (last["total_s"] / first["total_s"]) / (last["shards"] / first["shards"])
-    print(f"\n{first['ranks']} -> {last['ranks']} ranks: shards x{last['shards'] / first['shards']:.0f}, "
-          f"time x{last['total_s'] / first['total_s']:.1f} (time growth / shard growth = {growth:.2f}; 1.0 is linear)")
-    print("\nWhat one loading rank reads to find its share (same layout; mean of ranks 0, world/2, world-1):\n")
-    print(f"| {'ranks':>5} | {'.metadata MiB':>13} | {'objects s':>9} | {'unpickle s':>10} | {'index MiB':>9} | "
-          f"{'build s':>7} | {'template s':>10} | {'patched s':>9} | {'share shards':>12} | {'records read':>12} | {'index KiB read':>14} | {'query s':>7} | "
-          f"{'tables MiB':>10} | {'other rank KiB':>14} |")
+    print(
+        f"\n{first['ranks']} -> {last['ranks']} ranks: shards x{last['shards'] / first['shards']:.0f}, "
+        f"time x{last['total_s'] / first['total_s']:.1f} (time growth / shard growth = {growth:.2f}; 1.0 is linear)"
+    )
+    print(
+        "\nWhat one loading rank reads to find its share (same layout; mean of ranks 0, world/2, world-1):\n"
+    )
+    print(
+        f"| {'ranks':>5} | {'.metadata MiB':>13} | {'objects s':>9} | {'unpickle s':>10} | {'index MiB':>9} | "
+        f"{'build s':>7} | {'template s':>10} | {'patched s':>9} | {'share shards':>12} | {'records read':>12} | {'index KiB read':>14} | {'query s':>7} | "
+        f"{'tables MiB':>10} | {'other rank KiB':>14} |"
+    )
     print("|" + "|".join("-" * (n + 2) for n in (5, 13, 9, 10, 9, 7, 10, 9, 12, 12, 14, 7, 10, 14)) + "|")
     for r in rows:
         objects = "-" if r["objects_and_pickle_s"] is None else f"{r['objects_and_pickle_s']:.2f}"
-        print(f"| {r['ranks']:5d} | {r['metadata_mib']:13.1f} | {objects:>9} | {r['unpickle_s']:10.2f} | "
-              f"{r['index_mib']:9.1f} | {r['index_build_s']:7.2f} | {r['index_template_s']:10.2f} | "
-              f"{r['index_patched_s']:9.2f} | {r['share_shards']:12d} | "
-              f"{r['load_records']:12.0f} | {r['load_index_kib']:14.0f} | {r['load_index_s']:7.3f} | "
-              f"{r['load_tables_mib']:10.1f} | {r['load_other_rank_kib']:14.0f} |")
+        print(
+            f"| {r['ranks']:5d} | {r['metadata_mib']:13.1f} | {objects:>9} | {r['unpickle_s']:10.2f} | "
+            f"{r['index_mib']:9.1f} | {r['index_build_s']:7.2f} | {r['index_template_s']:10.2f} | "
+            f"{r['index_patched_s']:9.2f} | {r['share_shards']:12d} | "
+            f"{r['load_records']:12.0f} | {r['load_index_kib']:14.0f} | {r['load_index_s']:7.3f} | "
+            f"{r['load_tables_mib']:10.1f} | {r['load_other_rank_kib']:14.0f} |"
+        )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "scale.json").write_text(json.dumps(rows, indent=2))

@@ -68,9 +68,16 @@ class _RichProgress:
         )
 
         console = _stderr()
-        self.bar = Progress(TextColumn("{task.description:>12}"), BarColumn(), DownloadColumn(),
-                            TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=True,
-                            disable=not console.is_terminal)
+        self.bar = Progress(
+            TextColumn("{task.description:>12}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=console,
+            transient=True,
+            disable=not console.is_terminal,
+        )
         self.task = None
 
     def __enter__(self) -> _RichProgress:
@@ -119,7 +126,11 @@ class _Group(click.Group):
         except (click.exceptions.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
         except (CheckpointingException, OSError) as e:
-            _error(str(e) if isinstance(e, CheckpointingException) else f"{e.strerror or e}: {e.filename or ''}".rstrip(": "))
+            _error(
+                str(e)
+                if isinstance(e, CheckpointingException)
+                else f"{e.strerror or e}: {e.filename or ''}".rstrip(": ")
+            )
             ctx.exit(EXIT_USAGE)
         except KeyboardInterrupt:
             _error("interrupted")
@@ -151,9 +162,12 @@ def main() -> None:
     """
 
 
-_trust = click.option("--trust", is_flag=True,
-                      help="Unpickle metadata, common state and objects without the safety allowlist "
-                           "(only for checkpoints whose origin you trust).")
+_trust = click.option(
+    "--trust",
+    is_flag=True,
+    help="Unpickle metadata, common state and objects without the safety allowlist "
+    "(only for checkpoints whose origin you trust).",
+)
 _as_json = click.option("--json", "as_json", is_flag=True, help="Print a JSON document instead of tables.")
 
 
@@ -174,14 +188,20 @@ _path = _Location()
 
 
 def _storage_option(*names: str, dest: str, what: str):
-    return click.option(*names, dest, multiple=True, metavar="KEY=VALUE",
-                        help=f"Option of the object store {what}; repeatable. Keys: endpoint, region, "
-                             f"credentials, allow_http, part_size, ... (docs/storage.md); they override the "
-                             f"environment.")
+    return click.option(
+        *names,
+        dest,
+        multiple=True,
+        metavar="KEY=VALUE",
+        help=f"Option of the object store {what}; repeatable. Keys: endpoint, region, "
+        f"credentials, allow_http, part_size, ... (docs/storage.md); they override the "
+        f"environment.",
+    )
 
 
-_storage_options = _storage_option("-o", "--storage-option", dest="storage_options",
-                                   what="at the location (URLs only)")
+_storage_options = _storage_option(
+    "-o", "--storage-option", dest="storage_options", what="at the location (URLs only)"
+)
 
 
 def _parse_storage_options(pairs, flag: str) -> dict:
@@ -204,8 +224,9 @@ def _open_locations(flag: str, pairs, *locations):
     options = _parse_storage_options(pairs, flag)
     remote = [loc is not None and storage.is_remote(loc) for loc in locations]
     if options and not any(remote):
-        raise click.BadParameter("storage options apply to object-store URLs (s3://, gs://, az://, ...) only",
-                                 param_hint=flag)
+        raise click.BadParameter(
+            "storage options apply to object-store URLs (s3://, gs://, az://, ...) only", param_hint=flag
+        )
     opened = [storage.open_store(loc, options) if r else loc for loc, r in zip(locations, remote)]
     return opened[0] if len(opened) == 1 else opened
 
@@ -217,13 +238,24 @@ def _open_locations(flag: str, pairs, *locations):
 @click.argument("ckpt", type=_path)
 @_as_json
 @click.option("--flat", is_flag=True, help="List full keys instead of a tree.")
-@click.option("--depth", type=click.IntRange(min=0), default=None,
-              help="Collapse the key tree below this depth into one row per subtree.")
+@click.option(
+    "--depth",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Collapse the key tree below this depth into one row per subtree.",
+)
 @click.option("--keys", "pattern", metavar="REGEX", help="Only keys matching this regular expression.")
 @_trust
 @_storage_options
-def inspect(ckpt: Path, as_json: bool, flat: bool, depth: Optional[int], pattern: Optional[str], trust: bool,
-            storage_options) -> None:
+def inspect(
+    ckpt: Path,
+    as_json: bool,
+    flat: bool,
+    depth: Optional[int],
+    pattern: Optional[str],
+    trust: bool,
+    storage_options,
+) -> None:
     """Describe CKPT from its metadata: format, keys with shape, dtype, chunks and bytes, objects,
     common state, content metadata. Reads no tensor data.
 
@@ -275,13 +307,17 @@ def _print_info(info, flat: bool, depth: Optional[int]) -> None:
         facts.append(f"common: {info.extra['common_backend']}")
     out.print("  " + "   ".join(facts))
     disk = info.extra.get("disk_bytes")
-    out.print(f"  {_count(len(info.tensors), 'tensor')} ({_size(info.nbytes)} of values), "
-              f"{_count(len(info.objects), 'object')}, {_count(info.extra.get('files', 0), 'file')}, "
-              f"{_size(disk)} on disk")
+    out.print(
+        f"  {_count(len(info.tensors), 'tensor')} ({_size(info.nbytes)} of values), "
+        f"{_count(len(info.objects), 'object')}, {_count(info.extra.get('files', 0), 'file')}, "
+        f"{_size(disk)} on disk"
+    )
     manifest = info.extra.get("manifest")
     if manifest:
-        out.print(f"  integrity manifest: {manifest['files']} files, {manifest['checksummed_ranges']} "
-                  f"checksummed ranges (save id {manifest['save_id']})")
+        out.print(
+            f"  integrity manifest: {manifest['files']} files, {manifest['checksummed_ranges']} "
+            f"checksummed ranges (save id {manifest['save_id']})"
+        )
     elif info.format in ("torch_dist", "zarr"):
         out.print("  integrity manifest: [yellow]none[/] (verify checks structure and sizes only)")
     if info.extra.get("metadata"):
@@ -301,7 +337,9 @@ def _print_info(info, flat: bool, depth: Optional[int]) -> None:
         if flat:
             rows = [(t.key, t, 1, t.nbytes, t.disk_bytes) for t in info.tensors]
         else:
-            rows = [(r.label, r.meta, r.count, r.nbytes, r.disk_bytes) for r in key_tree_rows(info.tensors, depth)]
+            rows = [
+                (r.label, r.meta, r.count, r.nbytes, r.disk_bytes) for r in key_tree_rows(info.tensors, depth)
+            ]
         for label, meta, count, nbytes, disk_bytes in rows:
             if meta is not None:
                 cells = [escape(label), str(list(meta.shape))]
@@ -309,7 +347,11 @@ def _print_info(info, flat: bool, depth: Optional[int]) -> None:
                     cells.append(str(list(meta.stored_shape)) if meta.stored_shape is not None else "")
                 cells += [dtype_name(meta.dtype), "" if meta.chunks is None else str(meta.chunks)]
             else:
-                cells = [f"[bold]{escape(label)}[/]", f"[dim]{count} tensors[/]"] + ([""] if flattened else []) + ["", ""]
+                cells = (
+                    [f"[bold]{escape(label)}[/]", f"[dim]{count} tensors[/]"]
+                    + ([""] if flattened else [])
+                    + ["", ""]
+                )
             table.add_row(*cells, _size(nbytes), _size(disk_bytes))
         out.print()
         out.print(table)
@@ -341,15 +383,25 @@ def _print_info(info, flat: bool, depth: Optional[int]) -> None:
 @main.command()
 @click.argument("ckpt", type=_path)
 @click.argument("key")
-@click.option("--slice", "slice_text", metavar="INDEX",
-              help="Numpy-style index, e.g. '0:4,:' or '-1' or '...,0:8:2'; only these elements are read.")
+@click.option(
+    "--slice",
+    "slice_text",
+    metavar="INDEX",
+    help="Numpy-style index, e.g. '0:4,:' or '-1' or '...,0:8:2'; only these elements are read.",
+)
 @click.option("--full", is_flag=True, help="Print every element (default: torch's summary of big tensors).")
-@click.option("--precision", type=click.IntRange(min=0, max=20), default=4, show_default=True,
-              help="Digits after the decimal point.")
+@click.option(
+    "--precision",
+    type=click.IntRange(min=0, max=20),
+    default=4,
+    show_default=True,
+    help="Digits after the decimal point.",
+)
 @_trust
 @_storage_options
-def show(ckpt: Path, key: str, slice_text: Optional[str], full: bool, precision: int, trust: bool,
-         storage_options) -> None:
+def show(
+    ckpt: Path, key: str, slice_text: Optional[str], full: bool, precision: int, trust: bool, storage_options
+) -> None:
     """Print tensor KEY of CKPT (or a slice of it), or ShardedObject KEY, without loading the rest.
 
     Only the stored chunks that overlap the requested slice are read.
@@ -420,9 +472,12 @@ _PROBLEMS_SHOWN = 100
 @main.command()
 @click.argument("ckpt", type=_path)
 @click.option("--no-checksums", is_flag=True, help="Check the manifest's file sizes only, not CRC32C (fast).")
-@click.option("--deep", is_flag=True,
-              help="Also read every tensor, object and the common state back (checks content where there is "
-                   "no manifest, e.g. Megatron checkpoints).")
+@click.option(
+    "--deep",
+    is_flag=True,
+    help="Also read every tensor, object and the common state back (checks content where there is "
+    "no manifest, e.g. Megatron checkpoints).",
+)
 @_as_json
 @_trust
 @_storage_options
@@ -446,7 +501,9 @@ def verify(ckpt: Path, no_checksums: bool, deep: bool, as_json: bool, trust: boo
 
     ckpt = _open_locations("--storage-option", storage_options, ckpt)
     with _RichProgress() as progress:
-        report = verify_checkpoint(ckpt, checksums=not no_checksums, deep=deep, trusted=trust, progress=progress)
+        report = verify_checkpoint(
+            ckpt, checksums=not no_checksums, deep=deep, trusted=trust, progress=progress
+        )
     if as_json:
         _json_out(report.to_json())
     else:
@@ -463,8 +520,14 @@ def verify(ckpt: Path, no_checksums: bool, deep: bool, as_json: bool, trust: boo
         if len(report.problems) > _PROBLEMS_SHOWN:
             more = len(report.problems) - _PROBLEMS_SHOWN
             out.print(f"  [red]PROBLEM[/]  ... and {more} more (--json lists them all)")
-        done = [f"{_size(n)} {what}" for n, what in ((report.bytes_checksummed, "checksummed"),
-                                                     (report.bytes_read, "of tensors read back")) if n]
+        done = [
+            f"{_size(n)} {what}"
+            for n, what in (
+                (report.bytes_checksummed, "checksummed"),
+                (report.bytes_read, "of tensors read back"),
+            )
+            if n
+        ]
         if report.ok:
             out.print("[bold green]OK[/]" + (f" ({', '.join(done)})" if done else ""))
         else:
@@ -479,19 +542,45 @@ def verify(ckpt: Path, no_checksums: bool, deep: bool, as_json: bool, trust: boo
 @main.command()
 @click.argument("a", type=_path)
 @click.argument("b", type=_path)
-@click.option("--atol", type=click.FloatRange(min=0), default=0.0, show_default=True, help="Absolute tolerance.")
-@click.option("--rtol", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="Relative tolerance: elements differ when |a-b| > atol + rtol*|b|.")
-@click.option("--keys", metavar="REGEX", help="Compare only keys matching this regular expression (skips common state).")
+@click.option(
+    "--atol", type=click.FloatRange(min=0), default=0.0, show_default=True, help="Absolute tolerance."
+)
+@click.option(
+    "--rtol",
+    type=click.FloatRange(min=0),
+    default=0.0,
+    show_default=True,
+    help="Relative tolerance: elements differ when |a-b| > atol + rtol*|b|.",
+)
+@click.option(
+    "--keys", metavar="REGEX", help="Compare only keys matching this regular expression (skips common state)."
+)
 @click.option("--exclude", metavar="REGEX", help="Skip keys matching this regular expression.")
-@click.option("--no-values", is_flag=True, help="Compare keys, shapes and dtypes only (reads no tensor data).")
+@click.option(
+    "--no-values", is_flag=True, help="Compare keys, shapes and dtypes only (reads no tensor data)."
+)
 @_as_json
 @_trust
-@_storage_option("-o", "--storage-option", dest="storage_options",
-                 what="at A and B (URLs only; B takes --b-storage-option instead when given)")
+@_storage_option(
+    "-o",
+    "--storage-option",
+    dest="storage_options",
+    what="at A and B (URLs only; B takes --b-storage-option instead when given)",
+)
 @_storage_option("--b-storage-option", dest="b_storage_options", what="at B (URL only), instead of -o")
-def diff(a: Path, b: Path, atol: float, rtol: float, keys: Optional[str], exclude: Optional[str],
-         no_values: bool, as_json: bool, trust: bool, storage_options, b_storage_options) -> None:
+def diff(
+    a: Path,
+    b: Path,
+    atol: float,
+    rtol: float,
+    keys: Optional[str],
+    exclude: Optional[str],
+    no_values: bool,
+    as_json: bool,
+    trust: bool,
+    storage_options,
+    b_storage_options,
+) -> None:
     """Compare A and B key by key; exit 1 if they differ.
 
     Reports keys only in one side, shape and dtype differences, value differences (max |a-b|,
@@ -517,8 +606,17 @@ def diff(a: Path, b: Path, atol: float, rtol: float, keys: Optional[str], exclud
     else:
         a, b = _open_locations("--storage-option", storage_options, a, b)
     with _RichProgress() as progress:
-        report = diff_sources(a, b, atol=atol, rtol=rtol, keys=keys, exclude=exclude, values=not no_values,
-                              trusted=trust, progress=progress)
+        report = diff_sources(
+            a,
+            b,
+            atol=atol,
+            rtol=rtol,
+            keys=keys,
+            exclude=exclude,
+            values=not no_values,
+            trusted=trust,
+            progress=progress,
+        )
     if as_json:
         _json_out(report.to_json())
     else:
@@ -526,7 +624,9 @@ def diff(a: Path, b: Path, atol: float, rtol: float, keys: Optional[str], exclud
         out.print(f"[bold]A[/] {escape(report.a)}\n[bold]B[/] {escape(report.b)}")
         keys = report.only_a + report.only_b + [t.key for t in report.tensors] + report.objects_different
         table = Table(box=None, pad_edge=False)
-        table.add_column("key", overflow="fold", min_width=min(max(map(len, keys), default=3), out.width // 2))
+        table.add_column(
+            "key", overflow="fold", min_width=min(max(map(len, keys), default=3), out.width // 2)
+        )
         table.add_column("difference", no_wrap=True)
         table.add_column("max |a-b|", justify="right", no_wrap=True)
         table.add_column("max rel", justify="right", no_wrap=True)
@@ -538,9 +638,18 @@ def diff(a: Path, b: Path, atol: float, rtol: float, keys: Optional[str], exclud
         for t in report.tensors:
             detail = t.detail
             if t.kind == "dtype" and t.numel is not None:
-                detail += f"; {t.mismatched} of {t.numel} values differ" if t.mismatched else "; all values within tolerance"
-            table.add_row(escape(t.key), f"[red]{t.kind}[/]", "" if t.max_abs is None else f"{t.max_abs:.4g}",
-                          "" if t.max_rel is None else f"{t.max_rel:.4g}", escape(detail))
+                detail += (
+                    f"; {t.mismatched} of {t.numel} values differ"
+                    if t.mismatched
+                    else "; all values within tolerance"
+                )
+            table.add_row(
+                escape(t.key),
+                f"[red]{t.kind}[/]",
+                "" if t.max_abs is None else f"{t.max_abs:.4g}",
+                "" if t.max_rel is None else f"{t.max_rel:.4g}",
+                escape(detail),
+            )
         for k in report.objects_only_a:
             table.add_row(escape(k), "[yellow]object only in A[/]", "", "", "")
         for k in report.objects_only_b:
@@ -556,8 +665,10 @@ def diff(a: Path, b: Path, atol: float, rtol: float, keys: Optional[str], exclud
         differing = len(report.only_a) + len(report.only_b) + len(report.tensors)
         verdict = "[bold green]identical[/]" if report.identical else "[bold red]different[/]"
         tol = f" (atol {atol:g}, rtol {rtol:g})" if atol or rtol else ""
-        out.print(f"{_count(report.compared, 'tensor')} compared{tol}, {_count(differing, 'tensor difference')}: "
-                  f"{verdict}")
+        out.print(
+            f"{_count(report.compared, 'tensor')} compared{tol}, {_count(differing, 'tensor difference')}: "
+            f"{verdict}"
+        )
     if not report.identical:
         sys.exit(EXIT_PROBLEMS)
 
@@ -568,25 +679,57 @@ def diff(a: Path, b: Path, atol: float, rtol: float, keys: Optional[str], exclud
 @main.command()
 @click.argument("src", type=_path)
 @click.argument("dst", type=_path)
-@click.option("--to", "to_format", required=True, type=click.Choice(["torch_dist", "zarr", "torch", "safetensors"]),
-              help="Output format.")
+@click.option(
+    "--to",
+    "to_format",
+    required=True,
+    type=click.Choice(["torch_dist", "zarr", "torch", "safetensors"]),
+    help="Output format.",
+)
 @click.option("--keys", metavar="REGEX", help="Keep only keys matching this regular expression.")
 @click.option("--exclude", metavar="REGEX", help="Drop keys matching this regular expression.")
 @click.option("--dtype", metavar="DTYPE", help="Cast floating-point tensors (bf16, fp16, fp32, ...).")
-@click.option("--model-only", is_flag=True,
-              help="Drop optimizer state: keys starting with 'optimizer.' and the common 'optimizer' entry.")
-@click.option("--max-shard-size", metavar="SIZE", help="safetensors folder output: bytes per shard (default 5GB).")
-@click.option("--read-budget", metavar="SIZE", default=None,
-              help="Read small tensors together up to this many bytes; memory stays near max(this, largest "
-                   "tensor). Default: the host memory budget (DISTCKPT_HOST_MEMORY_BUDGET).")
+@click.option(
+    "--model-only",
+    is_flag=True,
+    help="Drop optimizer state: keys starting with 'optimizer.' and the common 'optimizer' entry.",
+)
+@click.option(
+    "--max-shard-size", metavar="SIZE", help="safetensors folder output: bytes per shard (default 5GB)."
+)
+@click.option(
+    "--read-budget",
+    metavar="SIZE",
+    default=None,
+    help="Read small tensors together up to this many bytes; memory stays near max(this, largest "
+    "tensor). Default: the host memory budget (DISTCKPT_HOST_MEMORY_BUDGET).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
 @_trust
-@_storage_option("-o", "--storage-option", dest="storage_options",
-                 what="at SRC and DST (URLs only; DST takes --target-storage-option instead when given)")
-@_storage_option("-O", "--target-storage-option", dest="target_storage_options", what="at DST (URL only), instead of -o")
-def convert(src: Path, dst: Path, to_format: str, keys: Optional[str], exclude: Optional[str], dtype: Optional[str],
-            model_only: bool, max_shard_size: Optional[str], read_budget: str, overwrite: bool, trust: bool,
-            storage_options, target_storage_options) -> None:
+@_storage_option(
+    "-o",
+    "--storage-option",
+    dest="storage_options",
+    what="at SRC and DST (URLs only; DST takes --target-storage-option instead when given)",
+)
+@_storage_option(
+    "-O", "--target-storage-option", dest="target_storage_options", what="at DST (URL only), instead of -o"
+)
+def convert(
+    src: Path,
+    dst: Path,
+    to_format: str,
+    keys: Optional[str],
+    exclude: Optional[str],
+    dtype: Optional[str],
+    model_only: bool,
+    max_shard_size: Optional[str],
+    read_budget: str,
+    overwrite: bool,
+    trust: bool,
+    storage_options,
+    target_storage_options,
+) -> None:
     """Convert SRC into a new DST, streaming tensor by tensor (memory stays near the largest tensor).
 
     \b
@@ -625,17 +768,34 @@ def convert(src: Path, dst: Path, to_format: str, keys: Optional[str], exclude: 
         raise click.BadParameter("applies to --to safetensors only", param_hint="--max-shard-size")
     budget = export.parse_size(read_budget) if read_budget else None
     with _RichProgress() as progress:
-        summary = export.convert(src, dst, to_format, keys=keys, exclude=exclude, dtype=cast, model_only=model_only,
-                                 max_shard_size=shard, trusted=trust, overwrite=overwrite, read_budget=budget,
-                                 progress=progress)
+        summary = export.convert(
+            src,
+            dst,
+            to_format,
+            keys=keys,
+            exclude=exclude,
+            dtype=cast,
+            model_only=model_only,
+            max_shard_size=shard,
+            trusted=trust,
+            overwrite=overwrite,
+            read_budget=budget,
+            progress=progress,
+        )
     out = _stdout()
-    out.print(f"wrote [bold]{escape(str(dst))}[/] ({to_format}): {_count(summary['tensors'], 'tensor')}, "
-              f"{_size(summary['nbytes'])}")
-    dropped = [_count(summary[k], what) for k, what in (("dropped_common_entries", "common state entry"),
-                                                        ("dropped_objects", "object")) if summary.get(k)]
+    out.print(
+        f"wrote [bold]{escape(str(dst))}[/] ({to_format}): {_count(summary['tensors'], 'tensor')}, "
+        f"{_size(summary['nbytes'])}"
+    )
+    dropped = [
+        _count(summary[k], what)
+        for k, what in (("dropped_common_entries", "common state entry"), ("dropped_objects", "object"))
+        if summary.get(k)
+    ]
     if dropped:
-        _stderr().print(f"[yellow]note:[/] {to_format} output holds tensors only; left out "
-                        f"{' and '.join(dropped)}")
+        _stderr().print(
+            f"[yellow]note:[/] {to_format} output holds tensors only; left out {' and '.join(dropped)}"
+        )
 
 
 # --------------------------------------------------------------------------- surgery
@@ -664,21 +824,30 @@ def rm_prefix(ckpt: Path, prefix: str, out: Optional[Path], storage_options) -> 
     ckpt = _open_locations("--storage-option", storage_options, ckpt)
     with _RichProgress() as progress:
         removed = remove_prefix(ckpt, prefix, out, progress=progress)
-    _stdout().print(f"removed {_count(len(removed), 'key')} starting with {escape(repr(prefix))} "
-                    f"from {escape(str(out or ckpt))}")
+    _stdout().print(
+        f"removed {_count(len(removed), 'key')} starting with {escape(repr(prefix))} "
+        f"from {escape(str(out or ckpt))}"
+    )
 
 
 @main.command()
 @click.argument("ckpt", type=_path)
 @click.option("--map", "maps", multiple=True, metavar="OLD=NEW", help="Rename key OLD to NEW (repeatable).")
-@click.option("--regex", "regexes", multiple=True, metavar="PATTERN=REPL",
-              help="re.sub(PATTERN, REPL, key) on every key (repeatable; applied in order, after --map; "
-                   "split at the last '=').")
+@click.option(
+    "--regex",
+    "regexes",
+    multiple=True,
+    metavar="PATTERN=REPL",
+    help="re.sub(PATTERN, REPL, key) on every key (repeatable; applied in order, after --map; "
+    "split at the last '=').",
+)
 @click.option("--out", type=_path, help="Write the result as a new checkpoint here; CKPT stays untouched.")
 @click.option("--dry-run", is_flag=True, help="Show what would be renamed; change nothing.")
 @_trust
 @_storage_options
-def rename(ckpt: Path, maps, regexes, out: Optional[Path], dry_run: bool, trust: bool, storage_options) -> None:
+def rename(
+    ckpt: Path, maps, regexes, out: Optional[Path], dry_run: bool, trust: bool, storage_options
+) -> None:
     """Rename tensor (and ShardedObject) keys of CKPT; no tensor bytes are rewritten.
 
     torch_dist: only .metadata and the manifest change. zarr: array folders move. In place, the

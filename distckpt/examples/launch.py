@@ -40,8 +40,13 @@ def free_port() -> int:
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
     torch.set_num_threads(1)
     try:
-        tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                 world_size=world_size, timeout=timedelta(seconds=120))
+        tdist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=120),
+        )
         try:
             value = fn(*args)
         finally:
@@ -64,8 +69,10 @@ def launch(world_size: int, fn: Callable, *args: Any, timeout: float = 300) -> l
     saved = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by the children, read when they import torch
     try:
-        procs = [ctx.Process(target=_entry, args=(rank, world_size, port, fn, args, results), daemon=True)
-                 for rank in range(world_size)]
+        procs = [
+            ctx.Process(target=_entry, args=(rank, world_size, port, fn, args, results), daemon=True)
+            for rank in range(world_size)
+        ]
         for p in procs:
             p.start()
     finally:
@@ -101,8 +108,10 @@ def launch(world_size: int, fn: Callable, *args: Any, timeout: float = 300) -> l
                 p.join()
     missing = sorted(set(range(world_size)) - set(values) - set(errors))
     if errors or missing:
-        lines = [f"{len(errors)} of {world_size} ranks failed"
-                 + (f", ranks {missing} did not finish within {timeout:g} s" if missing else "")]
+        lines = [
+            f"{len(errors)} of {world_size} ranks failed"
+            + (f", ranks {missing} did not finish within {timeout:g} s" if missing else "")
+        ]
         for rank in sorted(errors):
             lines += [f"---------- rank {rank} ----------", errors[rank].rstrip()]
         raise LaunchError("\n".join(lines))

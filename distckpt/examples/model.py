@@ -66,9 +66,14 @@ class GPTConfig:
     def check_layout(self, tp: int, pp: int) -> None:
         """Raise ValueError if the model cannot be split ``tp`` x ``pp`` ways."""
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}")
-        for what, size in (("num_heads", self.num_heads), ("ffn_hidden_size", self.ffn_hidden_size),
-                           ("vocab_size", self.vocab_size)):
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}"
+            )
+        for what, size in (
+            ("num_heads", self.num_heads),
+            ("ffn_hidden_size", self.ffn_hidden_size),
+            ("vocab_size", self.vocab_size),
+        ):
             if size % tp:
                 raise ValueError(f"{what}={size} cannot be split over TP={tp}")
         if self.num_layers % pp:
@@ -92,25 +97,37 @@ def replica_id(ps: ParallelState, tp_replicated: bool) -> tuple[int, int, int]:
     return (0, ps.tp_rank if tp_replicated else 0, ps.dp_rank)
 
 
-def tp_sharded_tensor(param: torch.Tensor, key: str, axis: int, ps: ParallelState,
-                      prepend_offsets: Sequence[RankOffset] = ()) -> ShardedTensor:
+def tp_sharded_tensor(
+    param: torch.Tensor, key: str, axis: int, ps: ParallelState, prepend_offsets: Sequence[RankOffset] = ()
+) -> ShardedTensor:
     """A param split over TP ranks along local ``axis``."""
     p = len(prepend_offsets)
     return ShardedTensor.from_rank_offsets(
-        key, param, *prepend_offsets, (axis + p, ps.tp_rank, ps.tp),
-        replica_id=replica_id(ps, tp_replicated=False), prepend_axis_num=p)
+        key,
+        param,
+        *prepend_offsets,
+        (axis + p, ps.tp_rank, ps.tp),
+        replica_id=replica_id(ps, tp_replicated=False),
+        prepend_axis_num=p,
+    )
 
 
-def replicated_tensor(param: torch.Tensor, key: str, ps: ParallelState,
-                      prepend_offsets: Sequence[RankOffset] = ()) -> ShardedTensor:
+def replicated_tensor(
+    param: torch.Tensor, key: str, ps: ParallelState, prepend_offsets: Sequence[RankOffset] = ()
+) -> ShardedTensor:
     """A param every TP rank holds whole (e.g. a layer norm)."""
     return ShardedTensor.from_rank_offsets(
-        key, param, *prepend_offsets, replica_id=replica_id(ps, tp_replicated=True),
-        prepend_axis_num=len(prepend_offsets))
+        key,
+        param,
+        *prepend_offsets,
+        replica_id=replica_id(ps, tp_replicated=True),
+        prepend_axis_num=len(prepend_offsets),
+    )
 
 
-def swiglu_sharded_factory(param: torch.Tensor, key: str, ps: ParallelState,
-                           prepend_offsets: Sequence[RankOffset] = ()) -> ShardedTensorFactory:
+def swiglu_sharded_factory(
+    param: torch.Tensor, key: str, ps: ParallelState, prepend_offsets: Sequence[RankOffset] = ()
+) -> ShardedTensorFactory:
     """Save a TP rank's fused SwiGLU ``[w_r; v_r]`` as parts of the global ``[W; V]``.
 
     Locally the first half of axis 0 is this rank's slice of W and the second its slice of V.
@@ -128,12 +145,19 @@ def swiglu_sharded_factory(param: torch.Tensor, key: str, ps: ParallelState,
 
     def build(key: str, data: torch.Tensor, replica, flattened_range: slice | None) -> ShardedStateDict:
         if flattened_range is None:
-            w, v = data[: chunk_shape[0]], data[chunk_shape[0]:]
+            w, v = data[: chunk_shape[0]], data[chunk_shape[0] :]
             return {
-                "w": ShardedTensor.from_rank_offsets(key, w, *prepend_offsets, (p, tp_rank, 2 * tp),
-                                                     replica_id=replica, prepend_axis_num=p),
-                "v": ShardedTensor.from_rank_offsets(key, v, *prepend_offsets, (p, tp + tp_rank, 2 * tp),
-                                                     replica_id=replica, prepend_axis_num=p),
+                "w": ShardedTensor.from_rank_offsets(
+                    key, w, *prepend_offsets, (p, tp_rank, 2 * tp), replica_id=replica, prepend_axis_num=p
+                ),
+                "v": ShardedTensor.from_rank_offsets(
+                    key,
+                    v,
+                    *prepend_offsets,
+                    (p, tp + tp_rank, 2 * tp),
+                    replica_id=replica,
+                    prepend_axis_num=p,
+                ),
             }
         start, stop = flattened_range.start, flattened_range.stop
         parts = {}
@@ -141,8 +165,15 @@ def swiglu_sharded_factory(param: torch.Tensor, key: str, ps: ParallelState,
             a, b = max(start, lo), min(stop, hi)
             if a < b:
                 parts[name] = ShardedTensor.from_rank_offsets_flat(
-                    key, data[a - start:b - start], chunk_shape, *prepend_offsets, (p, index, 2 * tp),
-                    flattened_range=slice(a - lo, b - lo), replica_id=replica, prepend_axis_num=p)
+                    key,
+                    data[a - start : b - start],
+                    chunk_shape,
+                    *prepend_offsets,
+                    (p, index, 2 * tp),
+                    flattened_range=slice(a - lo, b - lo),
+                    replica_id=replica,
+                    prepend_axis_num=p,
+                )
         return parts
 
     def merge(loaded: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -161,12 +192,25 @@ class ColumnParallelLinear(nn.Module):
     ``gather_output=True``: all-gather the output slices (the LM head, before the loss).
     """
 
-    def __init__(self, cfg: GPTConfig, ps: ParallelState, name: str, in_features: int, out_features: int,
-                 bias: bool = True, swiglu: bool = False, gather_output: bool = False):
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        ps: ParallelState,
+        name: str,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        swiglu: bool = False,
+        gather_output: bool = False,
+    ):
         super().__init__()
         self.ps, self.swiglu, self.gather_output = ps, swiglu, gather_output
-        self.weight = nn.Parameter(self._local(cfg.init_tensor(f"{name}.weight", (out_features, in_features))))
-        self.bias = nn.Parameter(self._local(cfg.init_tensor(f"{name}.bias", (out_features,)))) if bias else None
+        self.weight = nn.Parameter(
+            self._local(cfg.init_tensor(f"{name}.weight", (out_features, in_features)))
+        )
+        self.bias = (
+            nn.Parameter(self._local(cfg.init_tensor(f"{name}.bias", (out_features,)))) if bias else None
+        )
 
     def _local(self, full: torch.Tensor) -> torch.Tensor:
         tp, r = self.ps.tp, self.ps.tp_rank
@@ -179,8 +223,9 @@ class ColumnParallelLinear(nn.Module):
         y = F.linear(copy_to_tp(x, self.ps), self.weight, self.bias)
         return gather_from_tp(y, self.ps) if self.gather_output else y
 
-    def sharded_state_dict(self, prefix: str, key: str,
-                           prepend_offsets: Sequence[RankOffset] = ()) -> ShardedStateDict:
+    def sharded_state_dict(
+        self, prefix: str, key: str, prepend_offsets: Sequence[RankOffset] = ()
+    ) -> ShardedStateDict:
         out = {}
         for name, param in self.named_parameters():
             if self.swiglu:
@@ -204,8 +249,9 @@ class RowParallelLinear(nn.Module):
         # The bias is added once, after the partial sums are reduced.
         return reduce_from_tp(F.linear(x, self.weight), self.ps) + self.bias
 
-    def sharded_state_dict(self, prefix: str, key: str,
-                           prepend_offsets: Sequence[RankOffset] = ()) -> ShardedStateDict:
+    def sharded_state_dict(
+        self, prefix: str, key: str, prepend_offsets: Sequence[RankOffset] = ()
+    ) -> ShardedStateDict:
         return {
             prefix + "weight": tp_sharded_tensor(self.weight, key + "weight", 1, self.ps, prepend_offsets),
             prefix + "bias": replicated_tensor(self.bias, key + "bias", self.ps, prepend_offsets),
@@ -219,10 +265,13 @@ class LayerNorm(nn.LayerNorm):
         super().__init__(hidden_size)
         self.ps = ps
 
-    def sharded_state_dict(self, prefix: str, key: str,
-                           prepend_offsets: Sequence[RankOffset] = ()) -> ShardedStateDict:
-        return {prefix + name: replicated_tensor(p, key + name, self.ps, prepend_offsets)
-                for name, p in self.named_parameters()}
+    def sharded_state_dict(
+        self, prefix: str, key: str, prepend_offsets: Sequence[RankOffset] = ()
+    ) -> ShardedStateDict:
+        return {
+            prefix + name: replicated_tensor(p, key + name, self.ps, prepend_offsets)
+            for name, p in self.named_parameters()
+        }
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -270,11 +319,15 @@ class SelfAttention(nn.Module):
         out = (probs @ v).transpose(1, 2).reshape(b, s, self.heads * self.head_dim)
         return self.linear_proj(out)
 
-    def sharded_state_dict(self, prefix: str, key: str,
-                           prepend_offsets: Sequence[RankOffset] = ()) -> ShardedStateDict:
+    def sharded_state_dict(
+        self, prefix: str, key: str, prepend_offsets: Sequence[RankOffset] = ()
+    ) -> ShardedStateDict:
         out = self.linear_qkv.sharded_state_dict(prefix + "linear_qkv.", key + "linear_qkv.", prepend_offsets)
-        out.update(self.linear_proj.sharded_state_dict(prefix + "linear_proj.", key + "linear_proj.",
-                                                       prepend_offsets))
+        out.update(
+            self.linear_proj.sharded_state_dict(
+                prefix + "linear_proj.", key + "linear_proj.", prepend_offsets
+            )
+        )
         return out
 
 
@@ -291,11 +344,13 @@ class SwiGLUMLP(nn.Module):
         w, v = self.linear_fc1(x).chunk(2, dim=-1)
         return self.linear_fc2(F.silu(w) * v)
 
-    def sharded_state_dict(self, prefix: str, key: str,
-                           prepend_offsets: Sequence[RankOffset] = ()) -> ShardedStateDict:
+    def sharded_state_dict(
+        self, prefix: str, key: str, prepend_offsets: Sequence[RankOffset] = ()
+    ) -> ShardedStateDict:
         out = self.linear_fc1.sharded_state_dict(prefix + "linear_fc1.", key + "linear_fc1.", prepend_offsets)
-        out.update(self.linear_fc2.sharded_state_dict(prefix + "linear_fc2.", key + "linear_fc2.",
-                                                      prepend_offsets))
+        out.update(
+            self.linear_fc2.sharded_state_dict(prefix + "linear_fc2.", key + "linear_fc2.", prepend_offsets)
+        )
         return out
 
 
@@ -347,8 +402,11 @@ class TransformerBlock(nn.Module):
             replace_prefix_for_sharding(sd, layer_prefix, f"{prefix}layers.")
             out.update(sd)
         if self.final_layernorm is not None:
-            out.update(self.final_layernorm.sharded_state_dict(f"{prefix}final_layernorm.",
-                                                               f"{prefix}final_layernorm."))
+            out.update(
+                self.final_layernorm.sharded_state_dict(
+                    f"{prefix}final_layernorm.", f"{prefix}final_layernorm."
+                )
+            )
         return out
 
 
@@ -360,15 +418,19 @@ class Embedding(nn.Module):
         self.ps = ps
         self.word_embeddings = VocabParallelEmbedding(cfg, ps, "embedding.word_embeddings")
         self.position_embeddings = nn.Parameter(
-            cfg.init_tensor("embedding.position_embeddings.weight", (cfg.seq_length, cfg.hidden_size)))
+            cfg.init_tensor("embedding.position_embeddings.weight", (cfg.seq_length, cfg.hidden_size))
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.word_embeddings(ids) + self.position_embeddings[: ids.shape[1]]
 
     def sharded_state_dict(self, prefix: str) -> ShardedStateDict:
-        out = self.word_embeddings.sharded_state_dict(f"{prefix}word_embeddings.", f"{prefix}word_embeddings.")
+        out = self.word_embeddings.sharded_state_dict(
+            f"{prefix}word_embeddings.", f"{prefix}word_embeddings."
+        )
         out[f"{prefix}position_embeddings"] = replicated_tensor(
-            self.position_embeddings, f"{prefix}position_embeddings.weight", self.ps)
+            self.position_embeddings, f"{prefix}position_embeddings.weight", self.ps
+        )
         return out
 
 
@@ -387,8 +449,9 @@ class GPTModel(nn.Module):
         self.decoder = TransformerBlock(cfg, ps)
         self.output_layer = None
         if ps.is_last_stage:
-            self.output_layer = ColumnParallelLinear(cfg, ps, "output_layer", cfg.hidden_size, cfg.vocab_size,
-                                                     bias=False, gather_output=True)
+            self.output_layer = ColumnParallelLinear(
+                cfg, ps, "output_layer", cfg.hidden_size, cfg.vocab_size, bias=False, gather_output=True
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.embedding is not None:
@@ -406,5 +469,7 @@ class GPTModel(nn.Module):
             out.update(self.embedding.sharded_state_dict(f"{prefix}embedding."))
         out.update(self.decoder.sharded_state_dict(f"{prefix}decoder."))
         if self.output_layer is not None:
-            out.update(self.output_layer.sharded_state_dict(f"{prefix}output_layer.", f"{prefix}output_layer."))
+            out.update(
+                self.output_layer.sharded_state_dict(f"{prefix}output_layer.", f"{prefix}output_layer.")
+            )
         return out

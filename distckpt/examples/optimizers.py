@@ -42,7 +42,7 @@ def _flat_grads(params: list[nn.Parameter], padded_numel: int) -> torch.Tensor:
     for p in params:
         n = p.numel()
         if p.grad is not None:
-            flat[offset:offset + n] = p.grad.reshape(-1)
+            flat[offset : offset + n] = p.grad.reshape(-1)
         offset += n
     return flat
 
@@ -67,9 +67,12 @@ class AdamKernel:
         """Create zero state for every tensor that has none (torch creates it at the first step)."""
         for p in self.params:
             if p not in self.state:
-                self.state[p] = {"step": torch.tensor(0.0),
-                                 **{name: torch.zeros_like(p, memory_format=torch.preserve_format)
-                                    for name in STATE_NAMES}}
+                self.state[p] = {
+                    "step": torch.tensor(0.0),
+                    **{
+                        name: torch.zeros_like(p, memory_format=torch.preserve_format) for name in STATE_NAMES
+                    },
+                }
 
     @torch.no_grad()
     def step(self) -> None:
@@ -92,8 +95,13 @@ class AdamKernel:
     def state_dict(self) -> StateDict:
         """``{"state": {position: {name: tensor}}, "param_groups": [...]}``; the tensors are shared."""
         positions = {id(p): i for i, p in enumerate(self.params)}
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [positions[id(p)] for p in g["params"]]}
-                  for g in self.param_groups]
+        groups = [
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [positions[id(p)] for p in g["params"]],
+            }
+            for g in self.param_groups
+        ]
         return {"state": {positions[id(p)]: st for p, st in self.state.items()}, "param_groups": groups}
 
     def load_state_dict(self, state_dict: StateDict) -> None:
@@ -104,8 +112,10 @@ class AdamKernel:
         for i, loaded in state_dict["state"].items():
             p = self.params[i]
             # As torch does: the step count keeps its dtype, moments take the parameter's.
-            self.state[p] = {name: t.detach().clone() if name == "step" else t.detach().to(p.dtype, copy=True)
-                             for name, t in loaded.items()}
+            self.state[p] = {
+                name: t.detach().clone() if name == "step" else t.detach().to(p.dtype, copy=True)
+                for name, t in loaded.items()
+            }
 
 
 def _step_count(optimizer: AdamKernel) -> int:
@@ -128,8 +138,14 @@ def _torch_state(state_dict: StateDict, id_map: dict[Any, int]) -> StateDict:
 class Adam:
     """Adam over the rank's parameters, after a DP all-reduce of the gradients."""
 
-    def __init__(self, model: nn.Module, ps: ParallelState, lr: float = 1e-2,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+    def __init__(
+        self,
+        model: nn.Module,
+        ps: ParallelState,
+        lr: float = 1e-2,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+    ):
         self.ps = ps
         self.params = list(model.parameters())
         self.numel = sum(p.numel() for p in self.params)
@@ -144,7 +160,7 @@ class Adam:
         flat = all_reduce(_flat_grads(self.params, self.numel), self.ps.dp_group)
         offset = 0
         for p in self.params:
-            p.grad = flat[offset:offset + p.numel()].view_as(p)
+            p.grad = flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
 
     def step(self) -> None:
@@ -179,8 +195,14 @@ class DistributedAdam:
     meets that range the rank keeps an fp32 main copy of its slice, on which Adam steps; the updated slices are then all-gathered into every DP rank's parameters.
     """
 
-    def __init__(self, model: nn.Module, ps: ParallelState, lr: float = 1e-2,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8):
+    def __init__(
+        self,
+        model: nn.Module,
+        ps: ParallelState,
+        lr: float = 1e-2,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+    ):
         self.ps = ps
         self.params = list(model.parameters())
         self.numel = sum(p.numel() for p in self.params)
@@ -198,8 +220,10 @@ class DistributedAdam:
                 self.main_params.append(nn.Parameter(p.detach().reshape(-1)[start:stop].clone()))
             offset += p.numel()
         if not self.main_params:
-            raise ValueError(f"DP rank {ps.dp_rank} of {ps.dp} owns no element of the {self.numel} parameters; "
-                             "use fewer data-parallel ranks for a model this small")
+            raise ValueError(
+                f"DP rank {ps.dp_rank} of {ps.dp} owns no element of the {self.numel} parameters; "
+                "use fewer data-parallel ranks for a model this small"
+            )
         self.optimizer = AdamKernel(self.main_params, lr, betas, eps)
 
     def zero_grad(self) -> None:
@@ -212,7 +236,7 @@ class DistributedAdam:
         flat = all_reduce(_flat_grads(self.params, self.shard_numel * self.ps.dp), self.ps.dp_group)
         offsets = self._param_offsets()
         for (i, start, stop), main in zip(self.ranges, self.main_params):
-            main.grad = flat[offsets[i] + start:offsets[i] + stop].clone()
+            main.grad = flat[offsets[i] + start : offsets[i] + stop].clone()
         self.optimizer.step()
         self._gather_params()
 
@@ -225,11 +249,13 @@ class DistributedAdam:
 
     def _gather_params(self) -> None:
         shard = torch.zeros(self.shard_numel)
-        torch.cat([m.detach() for m in self.main_params], out=shard[: sum(m.numel() for m in self.main_params)])
+        torch.cat(
+            [m.detach() for m in self.main_params], out=shard[: sum(m.numel() for m in self.main_params)]
+        )
         full = all_gather_cat(shard, self.ps.dp_group, self.ps.dp, dim=0)
         with torch.no_grad():
             for p, offset in zip(self.params, self._param_offsets()):
-                p.copy_(full[offset:offset + p.numel()].view_as(p))
+                p.copy_(full[offset : offset + p.numel()].view_as(p))
 
     def init_state(self) -> None:
         """Create zero state so that a checkpoint can be loaded into it."""
@@ -257,8 +283,12 @@ class DistributedAdam:
             replica = tuple(model_param.replica_id[:-1]) + (0,)
             state[i] = {
                 name: make_sharded_optimizer_tensor_flat(
-                    model_param, inner["state"][j][name], slice(start, stop),
-                    prefix=f"optimizer.state.{name}", replica_id=replica)
+                    model_param,
+                    inner["state"][j][name],
+                    slice(start, stop),
+                    prefix=f"optimizer.state.{name}",
+                    replica_id=replica,
+                )
                 for name in STATE_NAMES
             }
         # The inner optimizer's param_groups, with the process-local "params" made non-persistent.

@@ -65,13 +65,19 @@ class Layout:
         return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
 
     def tp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(t, p, d) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)]
+        return [
+            [self.rank_of(t, p, d) for t in range(self.tp)] for p in range(self.pp) for d in range(self.dp)
+        ]
 
     def dp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(t, p, d) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+        return [
+            [self.rank_of(t, p, d) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)
+        ]
 
     def pp_groups(self) -> list[list[int]]:
-        return [[self.rank_of(t, p, d) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+        return [
+            [self.rank_of(t, p, d) for p in range(self.pp)] for d in range(self.dp) for t in range(self.tp)
+        ]
 
 
 # Groups of a layout, created once per default process group: every rank must create every
@@ -123,8 +129,11 @@ class ParallelState:
             if world == 1:
                 _GROUPS[key] = (None, None, None)
             else:
-                _GROUPS[key] = (_my_group(layout.tp_groups(), rank), _my_group(layout.pp_groups(), rank),
-                                _my_group(layout.dp_groups(), rank))
+                _GROUPS[key] = (
+                    _my_group(layout.tp_groups(), rank),
+                    _my_group(layout.pp_groups(), rank),
+                    _my_group(layout.dp_groups(), rank),
+                )
         tp_group, pp_group, dp_group = _GROUPS[key]
         tp_rank, pp_rank, dp_rank = layout.coords(rank)
         return cls(layout, rank, tp_rank, pp_rank, dp_rank, tp_group, pp_group, dp_group)

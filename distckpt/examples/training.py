@@ -94,7 +94,9 @@ def build(layout: Layout, train_cfg: TrainConfig) -> tuple[ParallelState, GPTMod
     return ps, model, optimizer_cls(model, ps, lr=train_cfg.lr)
 
 
-def train_step(model: GPTModel, optimizer: Optimizer, ps: ParallelState, tokens: torch.Tensor) -> float | None:
+def train_step(
+    model: GPTModel, optimizer: Optimizer, ps: ParallelState, tokens: torch.Tensor
+) -> float | None:
     """One step on the global batch ``tokens``; returns the mean loss on last-stage ranks.
 
     Pipeline: every stage but the first receives its input activations from the previous stage
@@ -102,7 +104,7 @@ def train_step(model: GPTModel, optimizer: Optimizer, ps: ParallelState, tokens:
     """
     cfg = model.cfg
     rows = tokens.shape[0] // ps.dp
-    local = tokens[ps.dp_rank * rows:(ps.dp_rank + 1) * rows]
+    local = tokens[ps.dp_rank * rows : (ps.dp_rank + 1) * rows]
     inputs, labels = local[:, :-1], local[:, 1:]
     optimizer.zero_grad()
 
@@ -141,8 +143,13 @@ def checkpoint_sharded_state_dict(model: GPTModel, optimizer: Optimizer, iterati
     }
 
 
-def save_checkpoint(ckpt_dir: str | Path, model: GPTModel, optimizer: Optimizer, iteration: int,
-                    extra: ShardedStateDict | None = None) -> None:
+def save_checkpoint(
+    ckpt_dir: str | Path,
+    model: GPTModel,
+    optimizer: Optimizer,
+    iteration: int,
+    extra: ShardedStateDict | None = None,
+) -> None:
     """Save the training state (plus ``extra`` entries, e.g. RNG states); every rank calls it."""
     state = checkpoint_sharded_state_dict(model, optimizer, iteration)
     state.update(extra or {})
@@ -155,8 +162,9 @@ def _detached(leaf):
     return leaf
 
 
-def load_checkpoint(ckpt_dir: str | Path, model: GPTModel, optimizer: Optimizer,
-                    extra: ShardedStateDict | None = None) -> StateDict:
+def load_checkpoint(
+    ckpt_dir: str | Path, model: GPTModel, optimizer: Optimizer, extra: ShardedStateDict | None = None
+) -> StateDict:
     """Restore model and optimizer from a checkpoint saved under any layout; every rank calls it.
 
     Returns the loaded state dict: ``iteration``, the ``layout`` it was saved under, and the
@@ -165,14 +173,19 @@ def load_checkpoint(ckpt_dir: str | Path, model: GPTModel, optimizer: Optimizer,
     return _restore(lambda request: distckpt.load(request, ckpt_dir), model, optimizer, extra)
 
 
-def load_local_checkpoint(manager: LocalCheckpointManager, model: GPTModel, optimizer: Optimizer,
-                          iteration: int | None = None) -> StateDict:
+def load_local_checkpoint(
+    manager: LocalCheckpointManager, model: GPTModel, optimizer: Optimizer, iteration: int | None = None
+) -> StateDict:
     """Restore model and optimizer from the local tier (same layout as saved); every rank calls it."""
     return _restore(lambda request: manager.load(request, iteration), model, optimizer, None)
 
 
-def _restore(load: Callable[[ShardedStateDict], StateDict], model: GPTModel, optimizer: Optimizer,
-             extra: ShardedStateDict | None) -> StateDict:
+def _restore(
+    load: Callable[[ShardedStateDict], StateDict],
+    model: GPTModel,
+    optimizer: Optimizer,
+    extra: ShardedStateDict | None,
+) -> StateDict:
     optimizer.init_state()
     request = checkpoint_sharded_state_dict(model, optimizer, iteration=-1)
     request.update(extra or {})
@@ -187,9 +200,14 @@ def _restore(load: Callable[[ShardedStateDict], StateDict], model: GPTModel, opt
     return state
 
 
-def run(layout: Layout | str, steps: int, train_cfg: TrainConfig = TrainConfig(),
-        load_dir: str | None = None, save_dir: str | None = None,
-        save_at: int | None = None) -> RunResult:
+def run(
+    layout: Layout | str,
+    steps: int,
+    train_cfg: TrainConfig = TrainConfig(),
+    load_dir: str | None = None,
+    save_dir: str | None = None,
+    save_at: int | None = None,
+) -> RunResult:
     """Every rank: build at ``layout``, resume from ``load_dir`` if given, train ``steps`` steps.
 
     With ``save_dir``, the state is saved after ``save_at`` of those steps (default: after the
@@ -234,23 +252,30 @@ class CheckpointPlan:
     def manager(self, rank: int) -> LocalCheckpointManager | None:
         if self.local_root is None:
             return None
-        return LocalCheckpointManager(Path(self.local_root) / f"node{rank // self.node_size}",
-                                      node_size=self.node_size, replication_factor=self.replication_factor)
+        return LocalCheckpointManager(
+            Path(self.local_root) / f"node{rank // self.node_size}",
+            node_size=self.node_size,
+            replication_factor=self.replication_factor,
+        )
 
     def latest_persistent(self) -> int | None:
         """Newest committed persistent checkpoint (shared storage: the same on every rank)."""
         if self.persistent_dir is None or not Path(self.persistent_dir).is_dir():
             return None
-        found = [int(m.group(1)) for p in Path(self.persistent_dir).iterdir()
-                 if (m := re.fullmatch(r"iter_(\d{7})", p.name)) and distckpt.check_is_distributed_checkpoint(p)]
+        found = [
+            int(m.group(1))
+            for p in Path(self.persistent_dir).iterdir()
+            if (m := re.fullmatch(r"iter_(\d{7})", p.name)) and distckpt.check_is_distributed_checkpoint(p)
+        ]
         return max(found, default=None)
 
     def persistent_path(self, iteration: int) -> Path:
         return Path(self.persistent_dir) / f"iter_{iteration:07d}"
 
 
-def run_with_recovery(layout: Layout | str, until: int, train_cfg: TrainConfig, plan: CheckpointPlan,
-                      stop_at: int | None = None) -> RunResult:
+def run_with_recovery(
+    layout: Layout | str, until: int, train_cfg: TrainConfig, plan: CheckpointPlan, stop_at: int | None = None
+) -> RunResult:
     """Every rank: resume from the newer of the local tier and the persistent checkpoints (if
     any), then train up to iteration ``until`` saving as ``plan`` says; ``stop_at`` ends the
     run early, as a crash would. ``resumed_from`` is ``"local"``, ``"persistent"`` or None.
@@ -262,7 +287,10 @@ def run_with_recovery(layout: Layout | str, until: int, train_cfg: TrainConfig, 
     persistent = plan.latest_persistent()
     iteration, resumed_from = 0, None
     if local is not None and (persistent is None or local >= persistent):
-        iteration, resumed_from = load_local_checkpoint(manager, model, optimizer, local)["iteration"], "local"
+        iteration, resumed_from = (
+            load_local_checkpoint(manager, model, optimizer, local)["iteration"],
+            "local",
+        )
     elif persistent is not None:
         iteration = load_checkpoint(plan.persistent_path(persistent), model, optimizer)["iteration"]
         resumed_from = "persistent"
@@ -275,7 +303,11 @@ def run_with_recovery(layout: Layout | str, until: int, train_cfg: TrainConfig, 
         iteration += 1
         if manager is not None and plan.local_every and iteration % plan.local_every == 0:
             manager.save(checkpoint_sharded_state_dict(model, optimizer, iteration), iteration)
-        if plan.persistent_dir is not None and plan.persistent_every and iteration % plan.persistent_every == 0:
+        if (
+            plan.persistent_dir is not None
+            and plan.persistent_every
+            and iteration % plan.persistent_every == 0
+        ):
             save_checkpoint(plan.persistent_path(iteration), model, optimizer, iteration)
     return RunResult(ps.rank, first, losses if ps.is_last_stage else None, resumed_from)
 
@@ -288,4 +320,5 @@ def last_stage_losses(results: Sequence[RunResult]) -> list[float]:
 def losses_match(reference: Sequence[float], resumed: Sequence[float], rtol: float = LOSS_RTOL) -> bool:
     """Whether every resumed loss is within ``rtol`` (relative) of the reference loss."""
     return len(reference) == len(resumed) and all(
-        math.isclose(a, b, rel_tol=rtol, abs_tol=0.0) for a, b in zip(reference, resumed))
+        math.isclose(a, b, rel_tol=rtol, abs_tol=0.0) for a, b in zip(reference, resumed)
+    )

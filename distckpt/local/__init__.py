@@ -7,5 +7,10 @@ from distckpt.local.manager import LoadReport, LocalCheckpointManager, NoLocalCh
 from distckpt.local.piece import CorruptPieceError
 from distckpt.local.replication import CliqueReplication
 
-__all__ = ["CliqueReplication", "CorruptPieceError", "LoadReport", "LocalCheckpointManager",
-           "NoLocalCheckpointError"]
+__all__ = [
+    "CliqueReplication",
+    "CorruptPieceError",
+    "LoadReport",
+    "LocalCheckpointManager",
+    "NoLocalCheckpointError",
+]

@@ -154,10 +154,17 @@ class LocalCheckpointManager:
     Construction runs one broadcast (a run id that tells saves of different runs apart).
     """
 
-    def __init__(self, root_dir: PathLike, group: dist.ProcessGroup = None, replication_factor: int = 2,
-                 node_size: Optional[int] = None, replication_jump: Optional[int] = None,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, trusted: bool = False,
-                 replication_group: dist.ProcessGroup = None):
+    def __init__(
+        self,
+        root_dir: PathLike,
+        group: dist.ProcessGroup = None,
+        replication_factor: int = 2,
+        node_size: Optional[int] = None,
+        replication_jump: Optional[int] = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        trusted: bool = False,
+        replication_group: dist.ProcessGroup = None,
+    ):
         self.root = Path(root_dir)
         self.group = group
         self.rank = dist.get_rank(group)
@@ -181,7 +188,9 @@ class LocalCheckpointManager:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, sharded_state_dict: ShardedStateDict, iteration: int, is_async: bool = False) -> Optional[AsyncRequest]:
+    def save(
+        self, sharded_state_dict: ShardedStateDict, iteration: int, is_async: bool = False
+    ) -> Optional[AsyncRequest]:
         """Save this rank's state as ``iteration``; every rank calls it.
 
         Synchronous: returns once the iteration is committed on every rank (and the previous
@@ -202,10 +211,13 @@ class LocalCheckpointManager:
         try:
             if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
                 raise CheckpointingException(f"iteration must be a non-negative int, got {iteration!r}")
-            before = max([*self._in_flight, *([] if self.last_saved is None else [self.last_saved])], default=None)
+            before = max(
+                [*self._in_flight, *([] if self.last_saved is None else [self.last_saved])], default=None
+            )
             if before is not None and iteration <= before:
                 raise CheckpointingException(
-                    f"iteration {iteration} is not after the last one saved or being saved ({before})")
+                    f"iteration {iteration} is not after the last one saved or being saved ({before})"
+                )
             piece = stage_piece(sharded_state_dict, self._staging if is_async else None)
             directory.mkdir(parents=True, exist_ok=True)
             self._remove(directory / marker_name(self.rank))
@@ -252,8 +264,9 @@ class LocalCheckpointManager:
         finalize()
         return None
 
-    def _replicate(self, directory: Path, own: Path, own_meta: Optional[Tuple[int, int]],
-                   group: dist.ProcessGroup) -> List[Received]:
+    def _replicate(
+        self, directory: Path, own: Path, own_meta: Optional[Tuple[int, int]], group: dist.ProcessGroup
+    ) -> List[Received]:
         """Send the own piece to the clique (nothing, announced as such, if ``own_meta`` is None)
         and receive the other members' pieces. Every rank of ``group`` calls it."""
         rounds = self.replication.peers(self.rank)
@@ -262,15 +275,23 @@ class LocalCheckpointManager:
         recvs = [Incoming(frm, directory / piece_name(frm, self.rank)) for _, frm in rounds]
         return stream_files(sends, recvs, group, self.chunk_bytes)
 
-    def _commit(self, iteration: int, save_id: str, directory: Path, own: Path, own_meta: Tuple[int, int],
-                received: List[Received]) -> None:
+    def _commit(
+        self,
+        iteration: int,
+        save_id: str,
+        directory: Path,
+        own: Path,
+        own_meta: Tuple[int, int],
+        received: List[Received],
+    ) -> None:
         """Write this rank's marker once every replica arrived; agree; remove other iterations."""
         exc: Optional[BaseException] = None
         try:
             failed = [r.error for r in received if not r.ok]
             if failed:
-                raise CheckpointingException(f"replication of iteration {iteration} to rank {self.rank} failed: "
-                                             + "; ".join(failed))
+                raise CheckpointingException(
+                    f"replication of iteration {iteration} to rank {self.rank} failed: " + "; ".join(failed)
+                )
             files = {own.name: {"owner": self.rank, "size": own_meta[0], "crc32c": own_meta[1]}}
             for r in received:
                 files[r.path.name] = {"owner": r.peer, "size": r.size, "crc32c": r.crc}
@@ -285,9 +306,21 @@ class LocalCheckpointManager:
         self._remove_other_iterations(iteration)
 
     def _write_marker(self, directory: Path, iteration: int, save_id: str, files: Dict[str, dict]) -> None:
-        atomic_write_bytes(directory / marker_name(self.rank), json.dumps({
-            "format": MARKER_FORMAT, "version": MARKER_VERSION, "save_id": save_id, "iteration": iteration,
-            "world": self.world, "holder": self.rank, "files": files}, sort_keys=True).encode())
+        atomic_write_bytes(
+            directory / marker_name(self.rank),
+            json.dumps(
+                {
+                    "format": MARKER_FORMAT,
+                    "version": MARKER_VERSION,
+                    "save_id": save_id,
+                    "iteration": iteration,
+                    "world": self.world,
+                    "holder": self.rank,
+                    "files": files,
+                },
+                sort_keys=True,
+            ).encode(),
+        )
 
     def _remove_other_iterations(self, keep: int) -> None:
         """Remove this rank's files of every iteration but ``keep`` and those still being saved
@@ -352,8 +385,12 @@ class LocalCheckpointManager:
                     if marker.get("format") != MARKER_FORMAT or int(marker["version"]) > MARKER_VERSION:
                         raise ValueError("not a local checkpoint marker")
                     if int(marker["world"]) != self.world or int(marker["iteration"]) != it:
-                        logger.info("%s: saved by %s ranks at iteration %s; skipped", entry.path,
-                                    marker["world"], marker["iteration"])
+                        logger.info(
+                            "%s: saved by %s ranks at iteration %s; skipped",
+                            entry.path,
+                            marker["world"],
+                            marker["iteration"],
+                        )
                         continue
                     holder, save_id = int(marker["holder"]), str(marker["save_id"])
                     for name, f in marker["files"].items():
@@ -367,7 +404,14 @@ class LocalCheckpointManager:
                         except FileNotFoundError:
                             continue
                         out.append((it, save_id, c))
-                except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointingException) as e:
+                except (
+                    OSError,
+                    ValueError,
+                    KeyError,
+                    TypeError,
+                    AttributeError,
+                    CheckpointingException,
+                ) as e:
                     logger.warning("%s: unreadable commit marker (%s); ignored", entry.path, e)
         return out
 
@@ -385,7 +429,9 @@ class LocalCheckpointManager:
                 state, or no intact copy of some rank's piece is left.
         """
         start = time.perf_counter()
-        found = self._found if self._found is not None and iteration in (None, self._found.iteration) else None
+        found = (
+            self._found if self._found is not None and iteration in (None, self._found.iteration) else None
+        )
         if found is None:
             found = self._discover(iteration)
         self._found = None
@@ -393,7 +439,8 @@ class LocalCheckpointManager:
             what = "no iteration" if iteration is None else f"iteration {iteration} cannot be"
             raise NoLocalCheckpointError(
                 f"{what} restored from the local checkpoints of all {self.world} ranks (root of rank "
-                f"{self.rank}: {self.root}); fall back to the persistent checkpoint")
+                f"{self.rank}: {self.root}); fall back to the persistent checkpoint"
+            )
         directory = iteration_dir(self.root, found.iteration)
         report = LoadReport(found.iteration, "local")
         state: Any = None
@@ -401,8 +448,10 @@ class LocalCheckpointManager:
         split: Optional[SplitState] = None
         try:
             split = split_state_dict(sharded_state_dict)
-            mine = sorted((c for c in found.copies[self.rank] if c.reporter == self.rank),
-                          key=lambda c: c.holder != self.rank)
+            mine = sorted(
+                (c for c in found.copies[self.rank] if c.reporter == self.rank),
+                key=lambda c: c.holder != self.rank,
+            )
             for c in mine:
                 try:
                     state = read_piece(directory / c.name, split, c.size, c.crc, self.trusted)
@@ -419,8 +468,11 @@ class LocalCheckpointManager:
             if not needy:
                 break
             plan = self._plan(found, needy, tried)
-            sends = [Outgoing(owner, directory / c.name, c.size, c.crc)
-                     for owner, c in sorted(plan.items()) if c.reporter == self.rank]
+            sends = [
+                Outgoing(owner, directory / c.name, c.size, c.crc)
+                for owner, c in sorted(plan.items())
+                if c.reporter == self.rank
+            ]
             recvs = []
             if self.rank in plan:
                 report.source = f"rank {plan[self.rank].reporter}"
@@ -465,7 +517,8 @@ class LocalCheckpointManager:
         if lost:
             raise NoLocalCheckpointError(
                 f"iteration {found.iteration}: no intact copy of the piece of rank(s) {lost} is left "
-                f"(every copy was missing or failed its CRC32C); fall back to the persistent checkpoint")
+                f"(every copy was missing or failed its CRC32C); fall back to the persistent checkpoint"
+            )
         return plan
 
     def _adopt(self, found: Found, directory: Path, size: int, crc: int) -> None:

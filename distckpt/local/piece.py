@@ -83,7 +83,11 @@ class CorruptPieceError(CheckpointingException):
 
 def tensor_id(sh: ShardedTensor) -> TensorId:
     fr = sh.flattened_range
-    return (sh.key, tuple(int(o) for o in sh.global_offset), None if fr is None else (int(fr.start), int(fr.stop)))
+    return (
+        sh.key,
+        tuple(int(o) for o in sh.global_offset),
+        None if fr is None else (int(fr.start), int(fr.stop)),
+    )
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -111,10 +115,12 @@ class SplitState:
 
 def split_state_dict(sharded_state_dict: ShardedStateDict) -> SplitState:
     factories, _ = extract_matching_values(
-        sharded_state_dict, lambda v: isinstance(v, ShardedTensorFactory), return_lists_as_dicts=True)
+        sharded_state_dict, lambda v: isinstance(v, ShardedTensorFactory), return_lists_as_dicts=True
+    )
     apply_factories(sharded_state_dict)
     nonpersistent, rest = extract_matching_values(
-        sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject))
+        sharded_state_dict, lambda v: isinstance(v, LocalNonpersistentObject)
+    )
     sharded, common = extract_matching_values(rest, lambda v: isinstance(v, ShardedBase))
     shards = list(nested_values(sharded))
     validate_local_integrity(shards)
@@ -135,7 +141,9 @@ class StagedPiece:
     staged: Optional[StagedBatch] = None  # pooled buffers to give back once written
 
 
-def stage_piece(sharded_state_dict: ShardedStateDict, staging: Optional[StagingBuffers] = None) -> StagedPiece:
+def stage_piece(
+    sharded_state_dict: ShardedStateDict, staging: Optional[StagingBuffers] = None
+) -> StagedPiece:
     """Take a rank's state apart and stage its bytes (the training thread calls this).
 
     With ``staging`` every tensor is copied into a pooled host buffer, so training may change
@@ -158,12 +166,16 @@ def stage_piece(sharded_state_dict: ShardedStateDict, staging: Optional[StagingB
             objects[sh.unique_key] = sh.data
             continue
         if not isinstance(sh, ShardedTensor):
-            raise CheckpointingException(f"{type(sh).__name__} {sh.key!r} cannot be saved locally (rank {rank})")
+            raise CheckpointingException(
+                f"{type(sh).__name__} {sh.key!r} cannot be saved locally (rank {rank})"
+            )
         if not isinstance(sh.data, torch.Tensor):
             raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data to save (rank {rank})")
         tid = tensor_id(sh)
         if tid in seen:
-            raise CheckpointingException(f"ShardedTensor {sh.key!r} at offset {tid[1]} appears twice on rank {rank}")
+            raise CheckpointingException(
+                f"ShardedTensor {sh.key!r} at offset {tid[1]} appears twice on rank {rank}"
+            )
         seen.add(tid)
         data = sh.data.detach()
         if staging is not None:
@@ -174,9 +186,17 @@ def stage_piece(sharded_state_dict: ShardedStateDict, staging: Optional[StagingB
         else:
             host = data
         nbytes = host.numel() * host.element_size()
-        records.append({"key": tid[0], "offset": list(tid[1]), "flat": None if tid[2] is None else list(tid[2]),
-                        "dtype": _dtype_name(host.dtype), "shape": list(host.shape), "at": position,
-                        "nbytes": nbytes})
+        records.append(
+            {
+                "key": tid[0],
+                "offset": list(tid[1]),
+                "flat": None if tid[2] is None else list(tid[2]),
+                "dtype": _dtype_name(host.dtype),
+                "shape": list(host.shape),
+                "at": position,
+                "nbytes": nbytes,
+            }
+        )
         tensors.append(host)
         position += nbytes
     batch = staging.seal() if staging is not None else None
@@ -184,8 +204,10 @@ def stage_piece(sharded_state_dict: ShardedStateDict, staging: Optional[StagingB
     torch.save({"common": split.common, "objects": objects}, buffer)
     blob = buffer.getvalue()
 
-    header = json.dumps({"version": VERSION, "tensors": records, "objects": {"at": position, "nbytes": len(blob)}},
-                        separators=(",", ":")).encode()
+    header = json.dumps(
+        {"version": VERSION, "tensors": records, "objects": {"at": position, "nbytes": len(blob)}},
+        separators=(",", ":"),
+    ).encode()
     prefix = _PREFIX.pack(MAGIC, len(header), crc32c(header))
     nbytes = len(prefix) + len(header) + position + len(blob) + _TRAILER.size
     return StagedPiece(prefix + header, tensors, blob, nbytes, batch)
@@ -242,8 +264,11 @@ def _read_header(fd: int, size: int, what: str) -> Tuple[dict, bytes]:
             raise ValueError(f"version {header['version']!r}")
         records = header["tensors"]
         for r in records:
-            r["id"] = (str(r["key"]), tuple(int(o) for o in r["offset"]),
-                       None if r["flat"] is None else (int(r["flat"][0]), int(r["flat"][1])))
+            r["id"] = (
+                str(r["key"]),
+                tuple(int(o) for o in r["offset"]),
+                None if r["flat"] is None else (int(r["flat"][0]), int(r["flat"][1])),
+            )
             r["at"], r["nbytes"] = int(r["at"]), int(r["nbytes"])
             r["dtype"], r["shape"] = _parse_dtype(r["dtype"], what), tuple(int(n) for n in r["shape"])
         int(header["objects"]["at"]), int(header["objects"]["nbytes"])
@@ -252,8 +277,7 @@ def _read_header(fd: int, size: int, what: str) -> Tuple[dict, bytes]:
     return header, bytes(prefix) + bytes(raw)
 
 
-def read_piece(path: Path, split: SplitState, size: int, crc: int,
-               trusted: bool = False) -> StateDict:
+def read_piece(path: Path, split: SplitState, size: int, crc: int, trusted: bool = False) -> StateDict:
     """Restore a rank's state (``split`` of its sharded state dict) from the piece at ``path``,
     whose size and CRC32C are known.
 
@@ -293,21 +317,24 @@ def read_piece(path: Path, split: SplitState, size: int, crc: int,
                 raise CheckpointingException(
                     f"{what}: holds no tensor {sh.key!r} at offset {tuple(sh.global_offset)}"
                     + (f" range {sh.flattened_range}" if sh.flattened_range is not None else "")
-                    + " (the local tier restores the layout it saved)")
+                    + " (the local tier restores the layout it saved)"
+                )
             dtype, shape = record["dtype"], record["shape"]
             if dtype != sh.dtype:
                 raise CheckpointingException(f"{what}: tensor {sh.key!r} is {dtype}, requested {sh.dtype}")
             if sh.data is not None and tuple(sh.data.shape) != shape:
                 raise CheckpointingException(
-                    f"{what}: tensor {sh.key!r} has shape {shape}, requested {tuple(sh.data.shape)}")
+                    f"{what}: tensor {sh.key!r} has shape {shape}, requested {tuple(sh.data.shape)}"
+                )
             wanted[id(record)] = (sh, record)
         base = position = len(head)
         values: Dict[int, Any] = {}
         scratch: Optional[torch.Tensor] = None
         for record in sorted(header["tensors"], key=lambda r: r["at"]):
             if base + record["at"] != position:
-                raise CorruptPieceError(f"{what}: tensor {record['key']!r} at offset {base + record['at']}, "
-                                        f"expected {position}")
+                raise CorruptPieceError(
+                    f"{what}: tensor {record['key']!r} at offset {base + record['at']}, expected {position}"
+                )
             if id(record) not in wanted:
                 scratch = scratch if scratch is not None else torch.empty(_SCRATCH, dtype=torch.uint8)
                 for start in range(0, record["nbytes"], _SCRATCH):
@@ -318,16 +345,22 @@ def read_piece(path: Path, split: SplitState, size: int, crc: int,
                 sh, _ = wanted[id(record)]
                 dtype, shape = record["dtype"], record["shape"]
                 dest = sh.data
-                direct = (dest is not None and type(dest) is torch.Tensor and dest.device.type == "cpu"
-                          and dest.is_contiguous())
+                direct = (
+                    dest is not None
+                    and type(dest) is torch.Tensor
+                    and dest.device.type == "cpu"
+                    and dest.is_contiguous()
+                )
                 target = dest if direct else torch.empty(shape, dtype=dtype)
                 view = byte_view(target)
                 if len(view) != record["nbytes"]:
-                    raise CorruptPieceError(f"{what}: tensor {record['key']!r} holds {record['nbytes']} "
-                                            f"bytes, its shape needs {len(view)}")
+                    raise CorruptPieceError(
+                        f"{what}: tensor {record['key']!r} holds {record['nbytes']} "
+                        f"bytes, its shape needs {len(view)}"
+                    )
                 for start in range(0, len(view), _BLOCK):
                     # Block by block: the checksum reads bytes the read just left in the cache.
-                    block = view[start:start + _BLOCK]
+                    block = view[start : start + _BLOCK]
                     pread_exact(fd, block, position + start, what)
                     running = crc32c(block, running)
                 if dest is not None and not direct:
@@ -337,8 +370,10 @@ def read_piece(path: Path, split: SplitState, size: int, crc: int,
             position += record["nbytes"]
         objects = header["objects"]
         if base + objects["at"] != position or position + objects["nbytes"] + _TRAILER.size != size:
-            raise CorruptPieceError(f"{what}: object bytes at [{base + objects['at']}, +{objects['nbytes']}) do not "
-                                    f"end the {size}-byte file")
+            raise CorruptPieceError(
+                f"{what}: object bytes at [{base + objects['at']}, +{objects['nbytes']}) do not "
+                f"end the {size}-byte file"
+            )
         blob = bytearray(objects["nbytes"])
         pread_exact(fd, memoryview(blob), position, what)
         running = crc32c(blob, running)
@@ -346,8 +381,10 @@ def read_piece(path: Path, split: SplitState, size: int, crc: int,
         pread_exact(fd, memoryview(trailer), size - _TRAILER.size, what)
         end, own_crc = _TRAILER.unpack(trailer)
         if end != END_MAGIC or own_crc != running:
-            raise CorruptPieceError(f"{what}: CRC32C mismatch (the file's trailer says {own_crc:#010x}, "
-                                    f"its bytes give {running:#010x})")
+            raise CorruptPieceError(
+                f"{what}: CRC32C mismatch (the file's trailer says {own_crc:#010x}, "
+                f"its bytes give {running:#010x})"
+            )
         running = crc32c(trailer, running)
     finally:
         os.close(fd)

@@ -52,17 +52,20 @@ class CliqueReplication:
         """
         if self.factor < 1 or self.jump < 1 or node_size < 1:
             raise CheckpointingException(
-                f"replication factor ({self.factor}), jump ({self.jump}) and node size ({node_size}) must be >= 1")
+                f"replication factor ({self.factor}), jump ({self.jump}) and node size ({node_size}) must be >= 1"
+            )
         if world % (self.factor * self.jump):
             raise CheckpointingException(
-                f"world size {world} is not divisible by replication factor {self.factor} x jump {self.jump}")
+                f"world size {world} is not divisible by replication factor {self.factor} x jump {self.jump}"
+            )
         for rank in range(world):
             clique = self.clique_of(rank)
             nodes = {r // node_size for r in clique}
             if len(nodes) != len(clique):
                 raise CheckpointingException(
                     f"replication clique {list(clique)} puts two copies on one node (node size {node_size}); "
-                    f"use a replication jump that is a multiple of the node size")
+                    f"use a replication jump that is a multiple of the node size"
+                )
 
     def clique_of(self, rank: int) -> Tuple[int, ...]:
         """The ranks that hold ``rank``'s piece (``rank`` itself included), in clique order."""
@@ -108,8 +111,12 @@ class Received:
     error: str = ""
 
 
-def stream_files(sends: Sequence[Outgoing], recvs: Sequence[Incoming], group: dist.ProcessGroup = None,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> List[Received]:
+def stream_files(
+    sends: Sequence[Outgoing],
+    recvs: Sequence[Incoming],
+    group: dist.ProcessGroup = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> List[Received]:
     """Send and receive whole files in chunks; every rank with a transfer calls it at once.
 
     Each pair of ranks may have at most one transfer in each direction. First every sender
@@ -133,12 +140,19 @@ def stream_files(sends: Sequence[Outgoing], recvs: Sequence[Incoming], group: di
             except (OSError, CheckpointingException) as e:
                 logger.warning("cannot read %s to send it to rank %d: %s", s.path, s.peer, e)
         fds_out.append(fd)
-    out_sizes = [s.size if s.path is not None and (fd is not None or s.size == 0) else -1
-                 for s, fd in zip(sends, fds_out)]
-    announce_out = [torch.tensor([size, s.crc], dtype=torch.int64, device=device) for s, size in zip(sends, out_sizes)]
+    out_sizes = [
+        s.size if s.path is not None and (fd is not None or s.size == 0) else -1
+        for s, fd in zip(sends, fds_out)
+    ]
+    announce_out = [
+        torch.tensor([size, s.crc], dtype=torch.int64, device=device) for s, size in zip(sends, out_sizes)
+    ]
     announce_in = [torch.zeros(2, dtype=torch.int64, device=device) for _ in recvs]
-    dist.send_recv([(t, s.peer) for t, s in zip(announce_out, sends)],
-                   [(t, r.peer) for t, r in zip(announce_in, recvs)], group)
+    dist.send_recv(
+        [(t, s.peer) for t, s in zip(announce_out, sends)],
+        [(t, r.peer) for t, r in zip(announce_in, recvs)],
+        group,
+    )
     out_sizes = [max(0, size) for size in out_sizes]
     incoming = [(int(t[0]), int(t[1])) for t in announce_in]
     results = [Received(r.peer, r.path, False) for r in recvs]
@@ -216,8 +230,10 @@ def stream_files(sends: Sequence[Outgoing], recvs: Sequence[Incoming], group: di
             if res.error:
                 continue
             if crcs_in[i] != crc:
-                res.error = (f"the copy of {r.path.name} from rank {r.peer} does not match its CRC32C "
-                             f"(announced {crc:#010x}, received {crcs_in[i]:#010x})")
+                res.error = (
+                    f"the copy of {r.path.name} from rank {r.peer} does not match its CRC32C "
+                    f"(announced {crc:#010x}, received {crcs_in[i]:#010x})"
+                )
                 continue
             os.replace(tmps[i], r.path)
             fsync_dir(r.path.parent)

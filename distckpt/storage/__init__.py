@@ -21,8 +21,21 @@ Location = Union[str, os.PathLike, Store]
 
 OBJECT_SCHEMES = {"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "azure", "memory"}
 
-__all__ = ["Location", "LocalStore", "Store", "Writer", "coalesce", "is_remote", "local_dir", "open_store",
-           "resolve", "read_bytes", "write_bytes", "join", "OBJECT_SCHEMES"]
+__all__ = [
+    "Location",
+    "LocalStore",
+    "Store",
+    "Writer",
+    "coalesce",
+    "is_remote",
+    "local_dir",
+    "open_store",
+    "resolve",
+    "read_bytes",
+    "write_bytes",
+    "join",
+    "OBJECT_SCHEMES",
+]
 
 
 def _scheme(text: str) -> str:
@@ -39,7 +52,9 @@ def resolve(location: Location, storage_options: Optional[Dict[str, Any]] = None
     if isinstance(location, os.PathLike):
         return Path(location)
     if not isinstance(location, str):
-        raise CheckpointingException(f"checkpoint location must be a path, URL or Store, got {type(location).__name__}")
+        raise CheckpointingException(
+            f"checkpoint location must be a path, URL or Store, got {type(location).__name__}"
+        )
     scheme = _scheme(location)
     if not scheme:
         return Path(location)
@@ -47,7 +62,8 @@ def resolve(location: Location, storage_options: Optional[Dict[str, Any]] = None
         return Path(unquote(urlparse(location).path))
     if scheme not in OBJECT_SCHEMES:
         raise CheckpointingException(
-            f"{location}: unsupported storage scheme {scheme!r} (supported: file, {', '.join(sorted(OBJECT_SCHEMES))})")
+            f"{location}: unsupported storage scheme {scheme!r} (supported: file, {', '.join(sorted(OBJECT_SCHEMES))})"
+        )
     if scheme == "gcs":
         location = "gs://" + location.split("://", 1)[1]
     from distckpt.storage.object import ObjectStore

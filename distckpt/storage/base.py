@@ -140,8 +140,9 @@ class Store(ABC):
         """Rank 0, last: write the commit marker. Afterwards the checkpoint is complete."""
 
 
-def coalesce(ranges: Sequence[Tuple[int, int]], gap: int,
-             max_span: Optional[int] = None) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int, int]]]:
+def coalesce(
+    ranges: Sequence[Tuple[int, int]], gap: int, max_span: Optional[int] = None
+) -> Tuple[List[Tuple[int, int]], List[Tuple[int, int, int]]]:
     """Merge byte ranges ``(offset, length)`` (sorted by offset) whose gap is at most ``gap``
     bytes into requests of at most ``max_span`` bytes (None: any); returns the requests and, per
     range, (request index, offset in it, length)."""
@@ -149,8 +150,12 @@ def coalesce(ranges: Sequence[Tuple[int, int]], gap: int,
     places = []
     for offset, length in ranges:
         last = requests[-1] if requests else None
-        if (last is not None and offset - last[1] <= gap and offset >= last[0]
-                and (max_span is None or max(last[1], offset + length) - last[0] <= max_span)):
+        if (
+            last is not None
+            and offset - last[1] <= gap
+            and offset >= last[0]
+            and (max_span is None or max(last[1], offset + length) - last[0] <= max_span)
+        ):
             last[1] = max(last[1], offset + length)
         else:
             requests.append([offset, offset + length])

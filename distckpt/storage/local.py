@@ -61,7 +61,7 @@ class LocalStore(Store):
 
     supports_rename = True
     supports_mmap = True
-    supports_conditional_put = True   # link(2) of a complete temp file fails if the name exists
+    supports_conditional_put = True  # link(2) of a complete temp file fails if the name exists
     supports_ranged_read = True
 
     def __init__(self, root):
@@ -115,7 +115,8 @@ class LocalStore(Store):
                 data = os.pread(fd, length, start)
                 if len(data) != length:
                     raise CheckpointingException(
-                        f"{path}: object is truncated (range [{start}, {start + length}) past its end)")
+                        f"{path}: object is truncated (range [{start}, {start + length}) past its end)"
+                    )
                 out.append(memoryview(data))
             return out
         finally:
@@ -145,7 +146,8 @@ class LocalStore(Store):
         self.root.mkdir(parents=True, exist_ok=True)
         if overwrite is False and (self.root / commit_names[0]).exists():
             raise CheckpointingException(
-                f"{self.root} already holds a committed checkpoint and overwrite=False")
+                f"{self.root} already holds a committed checkpoint and overwrite=False"
+            )
         removed = False
         for name in commit_names:
             try:

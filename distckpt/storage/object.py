@@ -50,11 +50,29 @@ DEFAULT_RETRY = {
 _OWN_OPTIONS = ("part_size", "max_concurrency", "coalesce", "client_options", "retry_config", "profile")
 # obstore's HTTP client settings (``ClientConfig``): accepted flat in storage_options and moved into
 # client_options, since a store's own config refuses them.
-CLIENT_OPTION_KEYS = frozenset({
-    "allow_http", "allow_invalid_certificates", "connect_timeout", "default_content_type", "http1_only",
-    "http2_keep_alive_interval", "http2_keep_alive_timeout", "http2_keep_alive_while_idle", "http2_only",
-    "pool_idle_timeout", "pool_max_idle_per_host", "proxy_url", "proxy_ca_certificate", "proxy_excludes",
-    "randomize_addresses", "read_timeout", "root_certificate", "timeout", "user_agent"})
+CLIENT_OPTION_KEYS = frozenset(
+    {
+        "allow_http",
+        "allow_invalid_certificates",
+        "connect_timeout",
+        "default_content_type",
+        "http1_only",
+        "http2_keep_alive_interval",
+        "http2_keep_alive_timeout",
+        "http2_keep_alive_while_idle",
+        "http2_only",
+        "pool_idle_timeout",
+        "pool_max_idle_per_host",
+        "proxy_url",
+        "proxy_ca_certificate",
+        "proxy_excludes",
+        "randomize_addresses",
+        "read_timeout",
+        "root_certificate",
+        "timeout",
+        "user_agent",
+    }
+)
 
 # memory:// stores live as long as the process: one per bucket name, shared by every open_store.
 _MEMORY: Dict[str, MemoryStore] = {}
@@ -69,8 +87,9 @@ def _short(e: BaseException) -> str:
 class _ObjectWriter(Writer):
     def __init__(self, store: ObjectStore, name: str):
         self.where = store.where(name)
-        self._file = obstore.open_writer(store._store, store._key(name), buffer_size=store.part_size,
-                                         max_concurrency=store.max_concurrency)
+        self._file = obstore.open_writer(
+            store._store, store._key(name), buffer_size=store.part_size, max_concurrency=store.max_concurrency
+        )
         self._done = False
 
     def write(self, data) -> int:
@@ -139,8 +158,13 @@ class ObjectStore(Store):
         if provider is not None:
             kwargs["credential_provider"] = provider
         try:
-            self._store = from_url(self._url, config=opts or None, client_options=client_options,
-                                   retry_config=retry_config, **kwargs)
+            self._store = from_url(
+                self._url,
+                config=opts or None,
+                client_options=client_options,
+                retry_config=retry_config,
+                **kwargs,
+            )
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # noqa: BLE001 - obstore can panic (a BaseException) on odd config
@@ -163,11 +187,12 @@ class ObjectStore(Store):
         return f"{self._prefix}/{name}" if self._prefix else name
 
     def child(self, name: str) -> ObjectStore:
-        return ObjectStore(f"{self._url}/{containment.check_name(name.strip('/'), self._url, 'folder name')}",
-                           self.options)
+        return ObjectStore(
+            f"{self._url}/{containment.check_name(name.strip('/'), self._url, 'folder name')}", self.options
+        )
 
     def _fail(self, name: str, what: str, e: BaseException):
-        if isinstance(e, CheckpointingException):   # a name the containment rule refused
+        if isinstance(e, CheckpointingException):  # a name the containment rule refused
             raise e
         if isinstance(e, (obe.NotFoundError, FileNotFoundError)):
             raise FileNotFoundError(self.where(name)) from None
@@ -175,8 +200,13 @@ class ObjectStore(Store):
 
     def put(self, name: str, data) -> None:
         try:
-            obstore.put(self._store, self._key(name), data, chunk_size=self.part_size,
-                        max_concurrency=self.max_concurrency)
+            obstore.put(
+                self._store,
+                self._key(name),
+                data,
+                chunk_size=self.part_size,
+                max_concurrency=self.max_concurrency,
+            )
         except Exception as e:  # noqa: BLE001
             self._fail(name, "put", e)
 
@@ -203,19 +233,26 @@ class ObjectStore(Store):
         if not wanted:
             return out
         try:
-            got = obstore.get_ranges(self._store, self._key(name), starts=[starts[i] for i in wanted],
-                                     lengths=[lengths[i] for i in wanted], coalesce=self.coalesce)
+            got = obstore.get_ranges(
+                self._store,
+                self._key(name),
+                starts=[starts[i] for i in wanted],
+                lengths=[lengths[i] for i in wanted],
+                coalesce=self.coalesce,
+            )
         except Exception as e:  # noqa: BLE001
             if "range" in str(e).lower() and not isinstance(e, obe.NotFoundError):
                 raise CheckpointingException(
-                    f"{self.where(name)}: object is truncated (a needed byte range lies past its end)") from None
+                    f"{self.where(name)}: object is truncated (a needed byte range lies past its end)"
+                ) from None
             self._fail(name, "ranged get", e)
         for i, b in zip(wanted, got):
             view = memoryview(b)
             if len(view) != lengths[i]:
                 raise CheckpointingException(
                     f"{self.where(name)}: object is truncated (got {len(view)} of {lengths[i]} bytes "
-                    f"at offset {starts[i]})")
+                    f"at offset {starts[i]})"
+                )
             out[i] = view
         return out
 
@@ -236,8 +273,11 @@ class ObjectStore(Store):
     def list(self, prefix: str = "") -> Dict[str, int]:
         # A listing prefix need not end at a ``/`` (``"optimizer."``); it is checked as a name
         # without its trailing ``/``.
-        base = (self._key(prefix.rstrip("/"), "listing prefix") + prefix[len(prefix.rstrip("/")):] if prefix
-                else (self._prefix + "/" if self._prefix else None))
+        base = (
+            self._key(prefix.rstrip("/"), "listing prefix") + prefix[len(prefix.rstrip("/")) :]
+            if prefix
+            else (self._prefix + "/" if self._prefix else None)
+        )
         try:
             metas = [m for batch in obstore.list(self._store, prefix=base) for m in batch]
         except Exception as e:  # noqa: BLE001
@@ -260,7 +300,8 @@ class ObjectStore(Store):
                 raise CheckpointingException(
                     f"{self.url} already holds a committed checkpoint ({marker} exists); object "
                     f"stores are never overwritten silently: save elsewhere, remove it, or pass "
-                    f"overwrite=True")
+                    f"overwrite=True"
+                )
         for name in commit_names:
             self.delete(name)
 
@@ -269,7 +310,8 @@ class ObjectStore(Store):
             raise CheckpointingException(
                 f"{self.where(name)} appeared while this save was running: another save committed "
                 f"to {self.url} concurrently; this save did not commit (its objects may have been "
-                f"mixed with the other save's: verify or remove that checkpoint)")
+                f"mixed with the other save's: verify or remove that checkpoint)"
+            )
 
 
 def _config_text(value: Any) -> Any:
@@ -304,5 +346,6 @@ def _aws_profile_provider(profile: Optional[str]):
     except ImportError:
         raise CheckpointingException(
             f"AWS profile {profile!r} requested but boto3 is not installed (pip install boto3), or "
-            f"set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY") from None
+            f"set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY"
+        ) from None
     return Boto3CredentialProvider(boto3.Session(profile_name=profile))

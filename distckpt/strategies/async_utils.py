@@ -83,7 +83,9 @@ class AsyncRequest:
     def add_finalize_fn(self, fn: Callable[[], None]) -> None:
         """Append a function to run at finalization, after those already there."""
         if self._frozen:
-            raise CheckpointingException("AsyncRequest is frozen (already scheduled); cannot add a finalize fn")
+            raise CheckpointingException(
+                "AsyncRequest is frozen (already scheduled); cannot add a finalize fn"
+            )
         self.finalize_fns.append(fn)
 
     def freeze(self) -> AsyncRequest:
@@ -127,7 +129,9 @@ def _raise_local(stage: str, exc: BaseException) -> None:
     if isinstance(exc, CheckpointingException):
         raise exc
     rank = dist.get_rank()
-    raise dist.RankErrors(stage, {rank: f"{type(exc).__name__}: {exc}"}, {rank: dist.describe_error(exc)}) from exc
+    raise dist.RankErrors(
+        stage, {rank: f"{type(exc).__name__}: {exc}"}, {rank: dist.describe_error(exc)}
+    ) from exc
 
 
 # --------------------------------------------------------------------------- workers
@@ -151,8 +155,9 @@ class _ThreadWorker:
     def submit(self, fn: Callable[[], Any]) -> Future:
         future: Future = Future()
         if not self.persistent:
-            threading.Thread(target=_run_job, args=(future, fn), name="distckpt-async-save",
-                             daemon=True).start()
+            threading.Thread(
+                target=_run_job, args=(future, fn), name="distckpt-async-save", daemon=True
+            ).start()
             return future
         with self._wakeup:
             if self._thread is None:
@@ -272,8 +277,9 @@ class AsyncCallsQueue:
             if not call.future.done():
                 break
             done += 1
-        failed_at = next((i for i, c in enumerate(list(self._calls)[:done]) if c.future.exception() is not None),
-                         done)
+        failed_at = next(
+            (i for i, c in enumerate(list(self._calls)[:done]) if c.future.exception() is not None), done
+        )
         if no_dist:
             ready, first_failure = done, failed_at
         else:
@@ -333,11 +339,15 @@ class AsyncCallsQueue:
         self._calls.clear()
         self._worker.shutdown(wait=False)
         if dropped:
-            logger.warning("AsyncCallsQueue aborted; calls %s were not finalized (nothing committed)", dropped)
+            logger.warning(
+                "AsyncCallsQueue aborted; calls %s were not finalized (nothing committed)", dropped
+            )
 
     def __del__(self) -> None:
         if getattr(self, "_calls", None) and not self._closed:
-            logger.warning("AsyncCallsQueue dropped with %d unfinalized calls; call close()", len(self._calls))
+            logger.warning(
+                "AsyncCallsQueue dropped with %d unfinalized calls; call close()", len(self._calls)
+            )
 
 
 def _wait_quietly(future: Future) -> None:
@@ -548,9 +558,9 @@ class StagingBuffers:
                 bufs = self._free[key]
                 extra = len(bufs) - keys.get(key, 0)
                 if extra > 0:
-                    for buf in bufs[len(bufs) - extra:]:
+                    for buf in bufs[len(bufs) - extra :]:
                         self._registrations.pop(buf.data_ptr(), None)  # unpinned before it is freed
-                    del bufs[len(bufs) - extra:]
+                    del bufs[len(bufs) - extra :]
                     self.allocated_bytes -= extra * key[0]
                 if not bufs:
                     del self._free[key]

@@ -38,10 +38,12 @@ _RegistryKey = Tuple[str, str, int]
 _default_strategies: Dict[_RegistryKey, Callable[[], object]] = {}
 
 
-def register_default_strategy(action: StrategyAction, backend: str, version: int,
-                              strategy: Union[object, Callable[[], object]]) -> None:
+def register_default_strategy(
+    action: StrategyAction, backend: str, version: int, strategy: Union[object, Callable[[], object]]
+) -> None:
     """Register a strategy (an instance, copied on each lookup, or a zero-argument factory)."""
     if isinstance(strategy, StrategyBase):
+
         def factory(proto=strategy):
             return copy.deepcopy(proto)
     else:
@@ -54,6 +56,7 @@ def _ensure_builtin_strategies() -> None:
     import distckpt.strategies.common  # noqa: F401
     import distckpt.strategies.torch  # noqa: F401
     import distckpt.strategies.torch_dcp  # noqa: F401
+
     try:
         import distckpt.strategies.zarr  # noqa: F401
     except ImportError:
@@ -73,7 +76,8 @@ def get_default_strategy(action: StrategyAction, backend: str, version: int):
         known = sorted(f"{b} v{v}" for a, b, v in _default_strategies if a == action.value)
         raise CheckpointingException(
             f"no {action.value} strategy registered for backend {backend!r} version {version}; "
-            f"registered: {', '.join(known) or 'none'}") from None
+            f"registered: {', '.join(known) or 'none'}"
+        ) from None
     return factory()
 
 
@@ -94,13 +98,15 @@ class LoadStrategyBase(StrategyBase):
     def check_backend_compatibility(self, loaded_backend: str) -> None:
         if loaded_backend != self.backend:
             raise CheckpointingException(
-                f"strategy for backend {self.backend!r} cannot load a {loaded_backend!r} checkpoint")
+                f"strategy for backend {self.backend!r} cannot load a {loaded_backend!r} checkpoint"
+            )
 
     def check_version_compatibility(self, loaded_version: int) -> None:
         if loaded_version > self.version:
             raise CheckpointingException(
                 f"checkpoint format version {loaded_version} of backend {self.backend!r} is newer "
-                f"than this strategy supports ({self.version})")
+                f"than this strategy supports ({self.version})"
+            )
 
 
 class SaveStrategyBase(StrategyBase):
@@ -113,8 +119,9 @@ class LoadCommonStrategy(LoadStrategyBase, ABC):
         """Load the common (non-sharded) state. Every rank reads it."""
 
     @abstractmethod
-    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict,
-                             checkpoint_dir: Path) -> StateDict:
+    def load_sharded_objects(
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Path
+    ) -> StateDict:
         """Load the requested ShardedObjects stored as files."""
 
     def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
@@ -148,8 +155,7 @@ class LoadShardedStrategy(LoadStrategyBase, ABC):
         return {}
 
     def remove_sharded_tensors(self, checkpoint_dir: Path, key_prefix: str) -> None:
-        raise CheckpointingException(
-            f"backend {self.backend!r} does not support removing sharded tensors")
+        raise CheckpointingException(f"backend {self.backend!r} does not support removing sharded tensors")
 
 
 class SaveCommonStrategy(SaveStrategyBase, ABC):
@@ -158,8 +164,9 @@ class SaveCommonStrategy(SaveStrategyBase, ABC):
         """Write the common state. Called on every rank; writes on rank 0 only."""
 
     @abstractmethod
-    def save_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict,
-                             checkpoint_dir: Path) -> None:
+    def save_sharded_objects(
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Path
+    ) -> None:
         """Write each main-replica ShardedObject of this rank as its own file."""
 
 

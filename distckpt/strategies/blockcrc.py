@@ -47,11 +47,23 @@ SUFFIX = ".crc"
 MAGIC = b"DCKBLKCR"
 VERSION = 1
 
-_HEADER = struct.Struct("<8sIII")          # magic, version, block size, entry count
-_ENTRY = struct.Struct("<QQIQQIIB3xI")     # item offset, length, crc; payload offset, length;
-                                           # head crc, tail crc, dtype code, block count
-_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+_HEADER = struct.Struct("<8sIII")  # magic, version, block size, entry count
+_ENTRY = struct.Struct("<QQIQQIIB3xI")  # item offset, length, crc; payload offset, length;
+# head crc, tail crc, dtype code, block count
+_DTYPES = (
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
 _DTYPE_CODE = {d: i for i, d in enumerate(_DTYPES)}
 
 
@@ -138,7 +150,7 @@ def extend(crc: int, data, crcs: List[int], block: int = BLOCK_SIZE) -> int:
     view = memoryview(data).cast("B")
     t0, t1, t2, t3 = shift_tables(block)
     for s in range(0, len(view), block):
-        piece = view[s:s + block]
+        piece = view[s : s + block]
         c = crc32c(piece)
         crcs.append(c)
         if len(piece) == block:  # the running CRC shifted over the block (`shift`, inlined)
@@ -177,10 +189,13 @@ class Entry:
         (a stale or damaged table), or None: the item it describes, blocks that fit it, block
         CRCs that add up to its CRC32C. A load checks this before reading single blocks."""
         if self.item_length != length or self.item_crc != crc:
-            return (f"stale: the table says {self.item_length} bytes with CRC32C {self.item_crc:#010x}, "
-                    f"the item has {length} bytes with {crc:#010x}")
-        if (self.payload_offset + self.payload_length > self.item_length
-                or len(self.blocks) != -(-self.payload_length // block)):
+            return (
+                f"stale: the table says {self.item_length} bytes with CRC32C {self.item_crc:#010x}, "
+                f"the item has {length} bytes with {crc:#010x}"
+            )
+        if self.payload_offset + self.payload_length > self.item_length or len(self.blocks) != -(
+            -self.payload_length // block
+        ):
             return "its blocks do not fit the item (damaged table)"
         if self.combined(block) != self.item_crc:
             return "its block CRC32Cs do not add up to the item's CRC32C (damaged table)"
@@ -194,8 +209,17 @@ def dtype_code(dtype: torch.dtype) -> Optional[int]:
 def encode(entries: Sequence[Entry], block: int = BLOCK_SIZE) -> bytes:
     out = bytearray(_HEADER.pack(MAGIC, VERSION, block, len(entries)))
     for e in entries:
-        out += _ENTRY.pack(e.item_offset, e.item_length, e.item_crc, e.payload_offset, e.payload_length,
-                           e.head_crc, e.tail_crc, _DTYPE_CODE[e.dtype], len(e.blocks))
+        out += _ENTRY.pack(
+            e.item_offset,
+            e.item_length,
+            e.item_crc,
+            e.payload_offset,
+            e.payload_length,
+            e.head_crc,
+            e.tail_crc,
+            _DTYPE_CODE[e.dtype],
+            len(e.blocks),
+        )
         out += struct.pack(f"<{len(e.blocks)}I", *e.blocks)
     out += struct.pack("<I", crc32c(out))
     return bytes(out)
@@ -204,7 +228,7 @@ def encode(entries: Sequence[Entry], block: int = BLOCK_SIZE) -> bytes:
 @dataclass
 class Table:
     block: int
-    entries: Dict[int, Entry]   # by item offset
+    entries: Dict[int, Entry]  # by item offset
 
 
 def decode(raw, source: str) -> Table:
@@ -217,9 +241,13 @@ def decode(raw, source: str) -> Table:
         raise CheckpointingException(f"{source}: block CRC table is corrupted (its CRC32C does not match)")
     _, version, block, count = _HEADER.unpack_from(raw)
     if version > VERSION:
-        raise CheckpointingException(f"{source}: block CRC table version {version} is newer than this distckpt")
+        raise CheckpointingException(
+            f"{source}: block CRC table version {version} is newer than this distckpt"
+        )
     if not 4096 <= block <= (1 << 30) or block % 16:
-        raise CheckpointingException(f"{source}: block size {block} is not in [4096, 2^30] or not a multiple of 16")
+        raise CheckpointingException(
+            f"{source}: block size {block} is not in [4096, 2^30] or not a multiple of 16"
+        )
     pos, end = _HEADER.size, len(raw) - 4
     if count > (end - pos) // _ENTRY.size:
         raise CheckpointingException(f"{source}: claims {count} entries, too many for its {len(raw)} bytes")
@@ -236,7 +264,8 @@ def decode(raw, source: str) -> Table:
         if poff + plen > length or n != -(-plen // block) or pos + 4 * n > end:
             raise CheckpointingException(
                 f"{source}: entry of the item at offset {off}: payload [{poff}, {poff + plen}) in an item of "
-                f"{length} bytes with {n} blocks of {block} bytes does not add up")
+                f"{length} bytes with {n} blocks of {block} bytes does not add up"
+            )
         blocks = list(struct.unpack_from(f"<{n}I", raw, pos))
         pos += 4 * n
         entries[off] = Entry(off, length, crc, poff, plen, head, tail, _DTYPES[code], blocks)
@@ -275,7 +304,9 @@ def spans(start: int, size: Sequence[int], strides: Sequence[int], gap: int) -> 
     return [(lo + start, hi + start) for lo, hi in runs]
 
 
-def block_runs(intervals: List[Tuple[int, int]], block: int, n_blocks: int, gap_blocks: int) -> List[Tuple[int, int]]:
+def block_runs(
+    intervals: List[Tuple[int, int]], block: int, n_blocks: int, gap_blocks: int
+) -> List[Tuple[int, int]]:
     """Runs ``[first, last)`` of block indices covering byte ``intervals`` (of the payload), runs
     separated by at most ``gap_blocks`` blocks merged (as an object store client coalesces
     ranges: a gap that short costs less to transfer than another request)."""

@@ -46,9 +46,23 @@ def _numpy_globals() -> List[Any]:
         from numpy._core.multiarray import _reconstruct
     except ImportError:  # numpy < 2
         from numpy.core.multiarray import _reconstruct
-    dtype_classes = {type(np.dtype(t)) for t in (np.bool_, np.int8, np.int16, np.int32, np.int64,
-                                                  np.uint8, np.uint16, np.uint32, np.uint64,
-                                                  np.float16, np.float32, np.float64)}
+    dtype_classes = {
+        type(np.dtype(t))
+        for t in (
+            np.bool_,
+            np.int8,
+            np.int16,
+            np.int32,
+            np.int64,
+            np.uint8,
+            np.uint16,
+            np.uint32,
+            np.uint64,
+            np.float16,
+            np.float32,
+            np.float64,
+        )
+    }
     return [_reconstruct, np.ndarray, np.dtype, *dtype_classes]
 
 
@@ -62,8 +76,13 @@ def add_safe_globals(globals_: List[Any]) -> None:
     _SAFE_GLOBALS.extend(globals_)
 
 
-def safe_torch_load(source: Union[str, os.PathLike, BinaryIO, bytes], *, what: str,
-                    trusted: bool = False, map_location: Any = "cpu") -> Any:
+def safe_torch_load(
+    source: Union[str, os.PathLike, BinaryIO, bytes],
+    *,
+    what: str,
+    trusted: bool = False,
+    map_location: Any = "cpu",
+) -> Any:
     """``torch.load`` restricted to tensors, plain data and the allowlist unless ``trusted``.
 
     Raises:
@@ -91,7 +110,8 @@ def safe_torch_load(source: Union[str, os.PathLike, BinaryIO, bytes], *, what: s
         raise CheckpointingException(
             f"{what}: refusing to unpickle a class outside the allowlist ({hint.strip()}); "
             f"if you trust this checkpoint pass trusted=True (CLI: --trust), or admit the class "
-            f"with distckpt.add_safe_globals([...])") from None
+            f"with distckpt.add_safe_globals([...])"
+        ) from None
     except FileNotFoundError as e:
         raise CheckpointingException(f"{what}: file not found") from e
     except (RuntimeError, EOFError, OSError, ValueError, MemoryError) as e:
@@ -137,23 +157,27 @@ def check_archive(source: BinaryIO, what: str) -> None:
         if e.header_offset + e.compress_size > size:
             raise CheckpointingException(
                 f"{what}: archive entry {e.filename!r} claims {e.compress_size} bytes at offset "
-                f"{e.header_offset}, past the end of the file ({size} bytes)")
+                f"{e.header_offset}, past the end of the file ({size} bytes)"
+            )
         if e.compress_type == zipfile.ZIP_STORED:
             if e.file_size != e.compress_size:
                 raise CheckpointingException(
                     f"{what}: stored archive entry {e.filename!r} claims {e.file_size} bytes but holds "
-                    f"{e.compress_size}")
+                    f"{e.compress_size}"
+                )
         else:
             inflated += e.file_size
         if e.filename.endswith("data.pkl") and e.file_size * UNPICKLE_EXPANSION > max(budget, UNPICKLE_FLOOR):
             raise CheckpointingException(
                 f"{what}: its pickle ({e.file_size} bytes) may unpickle to {UNPICKLE_EXPANSION} times "
-                f"that in objects, more than the host memory budget ({budget} bytes); refusing it")
+                f"that in objects, more than the host memory budget ({budget} bytes); refusing it"
+            )
     if inflated > min(budget, ARCHIVE_INFLATION * size):
         raise CheckpointingException(
             f"{what}: compressed archive entries inflate to {inflated} bytes from a {size}-byte file, "
             f"more than {ARCHIVE_INFLATION} times its size or the host memory budget ({budget} bytes); "
-            f"torch.save never compresses: a zip bomb? Refusing to load it")
+            f"torch.save never compresses: a zip bomb? Refusing to load it"
+        )
 
 
 def _fsynced_torch_save(obj: Any, fd: int) -> Tuple[int, int]:
@@ -195,8 +219,9 @@ def _save_whole(obj: Any, location, name: str) -> Tuple[int, int]:
 _UNREAD = object()
 
 
-def _read_checked(location, name: str, verify: bool, what: str, checksums: bool = True,
-                  manifest: Any = _UNREAD) -> bytes:
+def _read_checked(
+    location, name: str, verify: bool, what: str, checksums: bool = True, manifest: Any = _UNREAD
+) -> bytes:
     """The bytes of ``name``, compared with the manifest: with ``verify`` the file must be listed;
     by default (``checksums``) it is compared when listed. ``manifest``: the checkpoint's
     manifest already read (None: it has none), for a caller that reads many files."""
@@ -204,11 +229,12 @@ def _read_checked(location, name: str, verify: bool, what: str, checksums: bool 
         data = storage.read_bytes(location, name)
     except FileNotFoundError:
         raise MissingFileError(
-            f"{what}: file {storage.join(location, name)} is missing (rank {dist.get_rank()})") from None
+            f"{what}: file {storage.join(location, name)} is missing (rank {dist.get_rank()})"
+        ) from None
     except OSError as e:  # a directory where the file should be, no permission, an I/O error
         raise CheckpointingException(
-            f"{what}: cannot read {storage.join(location, name)} (rank {dist.get_rank()}): "
-            f"{e.strerror or e}") from None
+            f"{what}: cannot read {storage.join(location, name)} (rank {dist.get_rank()}): {e.strerror or e}"
+        ) from None
     if not (verify or checksums):
         return data
     if manifest is _UNREAD:
@@ -236,10 +262,12 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
         self.written_files = {}
         if dist.get_rank() == 0:
             self.written_files[COMMON_STATE_FNAME] = _save_whole(
-                common_state_dict, _location(checkpoint_dir), COMMON_STATE_FNAME)
+                common_state_dict, _location(checkpoint_dir), COMMON_STATE_FNAME
+            )
 
-    def save_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict,
-                             checkpoint_dir: Path) -> None:
+    def save_sharded_objects(
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Path
+    ) -> None:
         for obj in nested_values(sharded_objects_state_dict):
             if not isinstance(obj, ShardedObject) or not is_main_replica(obj.replica_id):
                 continue
@@ -253,8 +281,14 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
     ``checksums`` (default): each file the integrity manifest lists is compared with it whole;
     ``verify``: every file must be listed."""
 
-    def __init__(self, backend: str = "torch", version: int = 1, trusted: bool = False, verify: bool = False,
-                 checksums: bool = True):
+    def __init__(
+        self,
+        backend: str = "torch",
+        version: int = 1,
+        trusted: bool = False,
+        verify: bool = False,
+        checksums: bool = True,
+    ):
         super().__init__(backend, version)
         self.trusted = trusted
         self.verify = verify
@@ -269,8 +303,9 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
             raise CheckpointingException(f"{where}: the common state is a {type(state).__name__}, not a dict")
         return state
 
-    def load_sharded_objects(self, sharded_objects_state_dict: ShardedStateDict,
-                             checkpoint_dir: Path) -> StateDict:
+    def load_sharded_objects(
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Path
+    ) -> StateDict:
         location = _location(checkpoint_dir)
         manifest: Any = _UNREAD
 

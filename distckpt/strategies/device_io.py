@@ -110,8 +110,16 @@ class HostBounce:
             stream.wait_stream(torch.cuda.current_stream(device))
         return stream
 
-    def _read(self, fd: int, offset: int, n: int, device: torch.device, what: str,
-              check: Optional[Callable[[int, memoryview], None]] = None, at: int = 0) -> Tuple[_Slot, torch.Tensor]:
+    def _read(
+        self,
+        fd: int,
+        offset: int,
+        n: int,
+        device: torch.device,
+        what: str,
+        check: Optional[Callable[[int, memoryview], None]] = None,
+        at: int = 0,
+    ) -> Tuple[_Slot, torch.Tensor]:
         """The next free slot, its first ``n`` bytes read from the file at ``offset``; with
         ``check``, read piece by piece and each piece passed to ``check(at + its position,
         bytes)`` right after its read, while it is in cache."""
@@ -122,7 +130,7 @@ class HostBounce:
             pread_exact(fd, view, offset, what)
             return slot, host
         for p in range(0, n, CRC_PIECE):
-            piece = view[p:p + CRC_PIECE]
+            piece = view[p : p + CRC_PIECE]
             pread_exact(fd, piece, offset + p, what)
             check(at + p, piece)
         return slot, host
@@ -133,8 +141,14 @@ class HostBounce:
         slot.event = torch.cuda.Event()
         slot.event.record(stream)
 
-    def fill(self, fd: int, offset: int, dst: torch.Tensor, what: str,
-             check: Optional[Callable[[int, memoryview], None]] = None) -> None:
+    def fill(
+        self,
+        fd: int,
+        offset: int,
+        dst: torch.Tensor,
+        what: str,
+        check: Optional[Callable[[int, memoryview], None]] = None,
+    ) -> None:
         """Fill ``dst`` with its bytes from the file at ``offset``; ``check(position, bytes)``
         (optional) sees every piece as it is read, before it is copied to the device."""
         target = dst.detach().reshape(-1).view(torch.uint8)
@@ -147,13 +161,15 @@ class HostBounce:
             slot, host = self._read(fd, offset + pos, n, dst.device, what, check, pos)
             if on_cuda:
                 with torch.cuda.stream(stream):
-                    target[pos:pos + n].copy_(host, non_blocking=True)
+                    target[pos : pos + n].copy_(host, non_blocking=True)
                     self._mark(slot, stream)
             else:
-                target[pos:pos + n].copy_(host)
+                target[pos : pos + n].copy_(host)
             pos += n
 
-    def fill_boxes(self, fd: int, offset: int, dtype: torch.dtype, boxes: Sequence[Box], what: str) -> List[Box]:
+    def fill_boxes(
+        self, fd: int, offset: int, dtype: torch.dtype, boxes: Sequence[Box], what: str
+    ) -> List[Box]:
         """Copy each box of the item whose element 0 is at byte ``offset`` (elements of
         ``dtype``) into its ``dst``, whole item rows at a time; all ``dst`` on one device.
         Returns the boxes it cannot serve that way (to be copied otherwise): boxes of one axis,
@@ -164,9 +180,14 @@ class HostBounce:
         itemsize = dtype.itemsize
         served, rest = [], []
         for b in boxes:
-            fits = (len(b.size) > 1 and b.strides[0] == row and row > 0 and row * itemsize <= self.slot_bytes
-                    and b.start % row + (b.end - b.start - (b.size[0] - 1) * row) <= row
-                    and b.dst.device == boxes[0].dst.device)
+            fits = (
+                len(b.size) > 1
+                and b.strides[0] == row
+                and row > 0
+                and row * itemsize <= self.slot_bytes
+                and b.start % row + (b.end - b.start - (b.size[0] - 1) * row) <= row
+                and b.dst.device == boxes[0].dst.device
+            )
             (served if fits else rest).append(b)
         if not served:
             return rest
@@ -184,7 +205,9 @@ class HostBounce:
                 with torch.cuda.stream(stream):
                     scratch = self._scratch.get(device)
                     if scratch is None:
-                        scratch = self._scratch[device] = torch.empty(self.slot_bytes, dtype=torch.uint8, device=device)
+                        scratch = self._scratch[device] = torch.empty(
+                            self.slot_bytes, dtype=torch.uint8, device=device
+                        )
                     window = scratch[:n]
                     window.copy_(host, non_blocking=True)
                     self._cut(window.view(dtype), served, r, r_end, row)
@@ -201,8 +224,11 @@ class HostBounce:
             lo, hi = max(0, r - b_row), min(b.size[0], r_end - b_row)
             if lo >= hi:
                 continue
-            src = window.as_strided((hi - lo,) + tuple(b.size[1:]), b.strides,
-                                    window.storage_offset() + b.start + lo * row - r * row)
+            src = window.as_strided(
+                (hi - lo,) + tuple(b.size[1:]),
+                b.strides,
+                window.storage_offset() + b.start + lo * row - r * row,
+            )
             b.dst[lo:hi].copy_(src, non_blocking=True)
 
     def close(self) -> None:

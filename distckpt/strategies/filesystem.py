@@ -105,7 +105,7 @@ class ChecksummingSink:
                 self.drain()
         else:
             for start in range(0, n, self.BLOCK):
-                block = view[start:start + self.BLOCK]
+                block = view[start : start + self.BLOCK]
                 self.crc = crc32c(block, self.crc)
                 self._emit(block)
         self.position += n
@@ -119,7 +119,7 @@ class ChecksummingSink:
         n = len(view)
         crcs: List[int] = []
         for start in range(0, n, self.BLOCK):  # BLOCK is a multiple of ``block``
-            chunk = view[start:start + self.BLOCK]
+            chunk = view[start : start + self.BLOCK]
             self.crc = blockcrc.extend(self.crc, chunk, crcs, block)
             self._emit(chunk)
         self.position += n
@@ -222,15 +222,23 @@ def save_to_sink(obj, sink) -> None:
 # torch.save aligns within the archive, which is the same thing for an archive at offset 0.
 _ARCHIVE = "archive/"
 _ALIGN = 64
-_FLAGS = 0x0808                      # sizes in a data descriptor; UTF-8 names
+_FLAGS = 0x0808  # sizes in a data descriptor; UTF-8 names
 _SMALL_RECORDS_BEFORE = ((".format_version", b"1"), (".storage_alignment", b"64"), ("byteorder", b"little"))
 # dtype -> the legacy storage class torch.save names in data.pkl
-_FRAMED_DTYPES = {torch.float64: torch.DoubleStorage, torch.float32: torch.FloatStorage,
-                  torch.float16: torch.HalfStorage, torch.bfloat16: torch.BFloat16Storage,
-                  torch.int64: torch.LongStorage, torch.int32: torch.IntStorage,
-                  torch.int16: torch.ShortStorage, torch.int8: torch.CharStorage,
-                  torch.uint8: torch.ByteStorage, torch.bool: torch.BoolStorage,
-                  torch.complex64: torch.ComplexFloatStorage, torch.complex128: torch.ComplexDoubleStorage}
+_FRAMED_DTYPES = {
+    torch.float64: torch.DoubleStorage,
+    torch.float32: torch.FloatStorage,
+    torch.float16: torch.HalfStorage,
+    torch.bfloat16: torch.BFloat16Storage,
+    torch.int64: torch.LongStorage,
+    torch.int32: torch.IntStorage,
+    torch.int16: torch.ShortStorage,
+    torch.int8: torch.CharStorage,
+    torch.uint8: torch.ByteStorage,
+    torch.bool: torch.BoolStorage,
+    torch.complex64: torch.ComplexFloatStorage,
+    torch.complex128: torch.ComplexDoubleStorage,
+}
 _MAX_FRAMED = 0xFFFFFFFF - (1 << 20)  # beyond this torch.save switches to zip64 records: use it
 
 
@@ -244,8 +252,14 @@ class _TensorReduce:
         self.size, self.stride = size, stride
 
     def __reduce__(self):
-        return torch._utils._rebuild_tensor_v2, (_STORAGE, 0, self.size, self.stride, False,
-                                                 collections.OrderedDict())
+        return torch._utils._rebuild_tensor_v2, (
+            _STORAGE,
+            0,
+            self.size,
+            self.stride,
+            False,
+            collections.OrderedDict(),
+        )
 
 
 def _tensor_pickle(dtype: torch.dtype, size, stride, numel: int) -> bytes:
@@ -261,9 +275,9 @@ class _ZipFramer:
     """Builds the records of one archive around an externally written payload."""
 
     def __init__(self, base: int = 0) -> None:
-        self.base = base          # the archive's offset in its file, modulo _ALIGN
+        self.base = base  # the archive's offset in its file, modulo _ALIGN
         self.out = bytearray()
-        self.skipped = 0          # bytes of the archive written elsewhere, before ``out``
+        self.skipped = 0  # bytes of the archive written elsewhere, before ``out``
         self.central = bytearray()
         self.count = 0
 
@@ -276,8 +290,12 @@ class _ZipFramer:
         encoded = (_ARCHIVE + name).encode()
         start = self.position + _LOCAL_HEADER.size + len(encoded) + 4
         pad = -(self.base + start) % _ALIGN
-        self.central += _CENTRAL_HEADER.pack(0x02014B50, 0, 0, _FLAGS, 0, 0, 0, 0, size, size,
-                                             len(encoded), 0, 0, 0, 0, 0, self.position) + encoded
+        self.central += (
+            _CENTRAL_HEADER.pack(
+                0x02014B50, 0, 0, _FLAGS, 0, 0, 0, 0, size, size, len(encoded), 0, 0, 0, 0, 0, self.position
+            )
+            + encoded
+        )
         self.out += _LOCAL_HEADER.pack(_LOCAL_SIG, 0, _FLAGS, 0, 0, 0, 0, 0, 0, len(encoded), 4 + pad)
         self.out += encoded + b"FB" + struct.pack("<H", pad) + b"Z" * pad
         self.count += 1
@@ -294,31 +312,57 @@ class _ZipFramer:
         cd_offset, cd_size = self.position, len(self.central)
         self.out += self.central
         z64_at = self.position
-        self.out += _ZIP64_EOCD.pack(0x06064B50, 44, 0x031E, 0x2D, 0, 0, self.count, self.count, cd_size, cd_offset)
+        self.out += _ZIP64_EOCD.pack(
+            0x06064B50, 44, 0x031E, 0x2D, 0, 0, self.count, self.count, cd_size, cd_offset
+        )
         self.out += _ZIP64_LOCATOR.pack(0x07064B50, 0, z64_at, 1)
         self.out += _EOCD.pack(0x06054B50, 0, 0, self.count, self.count, cd_size, cd_offset, 0)
 
 
-def tensor_archive_frame(tensor: torch.Tensor, serialization_id: str, base: int = 0) -> Optional[Tuple[bytes, bytes]]:
+def tensor_archive_frame(
+    tensor: torch.Tensor, serialization_id: str, base: int = 0
+) -> Optional[Tuple[bytes, bytes]]:
     """(header, trailer) such that header + the tensor's bytes + trailer is the archive
     ``torch.save(tensor)`` writes (zip CRC32 off), its records' data aligned to 64 bytes of a
     file in which the archive starts at an offset of ``base`` modulo 64. None for what
     torch.save must frame itself: other dtypes, empty or shared storages, storages near 4 GiB
     (zip64 records)."""
     nbytes = tensor.numel() * tensor.element_size()
-    if (nbytes == 0 or type(tensor) is not torch.Tensor or tensor.dtype not in _FRAMED_DTYPES or tensor.device.type != "cpu"
-            or not tensor.is_contiguous() or tensor.storage_offset() != 0 or tensor.requires_grad
-            or tensor.untyped_storage().nbytes() != nbytes or nbytes > _MAX_FRAMED):
+    if (
+        nbytes == 0
+        or type(tensor) is not torch.Tensor
+        or tensor.dtype not in _FRAMED_DTYPES
+        or tensor.device.type != "cpu"
+        or not tensor.is_contiguous()
+        or tensor.storage_offset() != 0
+        or tensor.requires_grad
+        or tensor.untyped_storage().nbytes() != nbytes
+        or nbytes > _MAX_FRAMED
+    ):
         return None
-    return _archive_frame(tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.numel(), nbytes,
-                          serialization_id, base % _ALIGN)
+    return _archive_frame(
+        tensor.dtype,
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.numel(),
+        nbytes,
+        serialization_id,
+        base % _ALIGN,
+    )
 
 
 # The frame depends only on dtype, shape, stride and the serialization id; the tensors of a
 # model repeat a few shapes, and a save repeats the last save's: build each frame once.
 @functools.lru_cache(maxsize=4096)
-def _archive_frame(dtype: torch.dtype, shape: Tuple[int, ...], stride: Tuple[int, ...], numel: int, nbytes: int,
-                   serialization_id: str, base: int = 0) -> Tuple[bytes, bytes]:
+def _archive_frame(
+    dtype: torch.dtype,
+    shape: Tuple[int, ...],
+    stride: Tuple[int, ...],
+    numel: int,
+    nbytes: int,
+    serialization_id: str,
+    base: int = 0,
+) -> Tuple[bytes, bytes]:
     zf = _ZipFramer(base)
     zf.record("data.pkl", _tensor_pickle(dtype, shape, stride, numel))
     for name, data in _SMALL_RECORDS_BEFORE:
@@ -343,7 +387,9 @@ def contiguous_strides(shape: Tuple[int, ...]) -> Tuple[int, ...]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _expected_frame(dtype: torch.dtype, size: Tuple[int, ...], base: int) -> Optional[Tuple[bytes, bytes, ArchiveLayout]]:
+def _expected_frame(
+    dtype: torch.dtype, size: Tuple[int, ...], base: int
+) -> Optional[Tuple[bytes, bytes, ArchiveLayout]]:
     """The header and trailer :func:`write_tensor_item` puts around a contiguous tensor of ``size``
     and ``dtype`` at a file offset of ``base`` modulo 64, with the layout they describe; None for
     tensors it leaves to ``torch.save``."""
@@ -358,8 +404,14 @@ def _expected_frame(dtype: torch.dtype, size: Tuple[int, ...], base: int) -> Opt
     return header, trailer, ArchiveLayout(len(header), nbytes, dtype, 0, size, stride)
 
 
-def framed_layout(raw, size: Tuple[int, ...], dtype: torch.dtype, length: Optional[int] = None,
-                  read: Optional[Callable[[int, int], bytes]] = None, offset: int = 0) -> Optional[ArchiveLayout]:
+def framed_layout(
+    raw,
+    size: Tuple[int, ...],
+    dtype: torch.dtype,
+    length: Optional[int] = None,
+    read: Optional[Callable[[int, int], bytes]] = None,
+    offset: int = 0,
+) -> Optional[ArchiveLayout]:
     """The layout of an archive that is byte for byte the frame :func:`write_tensor_item` builds
     for a contiguous tensor of ``size`` and ``dtype`` around its bytes, at file offset ``offset``
     (then nothing needs parsing); None otherwise (parse it with :func:`read_archive_layout`).
@@ -373,10 +425,14 @@ def framed_layout(raw, size: Tuple[int, ...], dtype: torch.dtype, length: Option
     total = len(header) + layout.data_length + len(trailer)
     if raw is not None:
         view = memoryview(raw)
-        if len(view) != total or view[:len(header)] != header or view[total - len(trailer):] != trailer:
+        if len(view) != total or view[: len(header)] != header or view[total - len(trailer) :] != trailer:
             return None
         return layout
-    if length != total or read(0, len(header)) != header or read(total - len(trailer), len(trailer)) != trailer:
+    if (
+        length != total
+        or read(0, len(header)) != header
+        or read(total - len(trailer), len(trailer)) != trailer
+    ):
         return None
     return layout
 
@@ -384,8 +440,9 @@ def framed_layout(raw, size: Tuple[int, ...], dtype: torch.dtype, length: Option
 _SERIALIZATION_ID = "0" * 40
 
 
-def write_tensor_item(sink: ChecksummingSink, tensor: torch.Tensor,
-                      blocks: Optional[List[blockcrc.Entry]] = None) -> Tuple[int, int, int]:
+def write_tensor_item(
+    sink: ChecksummingSink, tensor: torch.Tensor, blocks: Optional[List[blockcrc.Entry]] = None
+) -> Tuple[int, int, int]:
     """Append one tensor archive; returns (offset, length, crc32c) of the item. With ``blocks``,
     an item whose tensor bytes span at least ``blockcrc.MIN_PAYLOAD`` appends its per-block
     CRC32Cs there (see :mod:`distckpt.strategies.blockcrc`)."""
@@ -409,8 +466,19 @@ def write_tensor_item(sink: ChecksummingSink, tensor: torch.Tensor,
     head_crc = sink.crc  # the CRC restarted at the item's first byte
     crcs = sink.write_blocks(payload, blockcrc.BLOCK_SIZE)
     sink.write(trailer)
-    blocks.append(blockcrc.Entry(start, sink.position - start, sink.crc, len(header), payload.nbytes,
-                                 head_crc, crc32c(trailer), tensor.dtype, crcs))
+    blocks.append(
+        blockcrc.Entry(
+            start,
+            sink.position - start,
+            sink.crc,
+            len(header),
+            payload.nbytes,
+            head_crc,
+            crc32c(trailer),
+            tensor.dtype,
+            crcs,
+        )
+    )
     return start, sink.position - start, sink.crc
 
 
@@ -437,8 +505,9 @@ def pread_exact(fd: int, view: memoryview, offset: int, what: str) -> None:
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
         if n == 0:
-            raise CheckpointingException(f"{what}: file is truncated (needed {len(view) - done} more "
-                                         f"bytes at offset {offset + done})")
+            raise CheckpointingException(
+                f"{what}: file is truncated (needed {len(view) - done} more bytes at offset {offset + done})"
+            )
         done += n
 
 
@@ -458,15 +527,16 @@ def pread_crc(fd: int, view: memoryview, offset: int, what: str, crc: int = 0) -
     ``crc``), computed piece by piece as they arrive."""
     done, total = 0, len(view)
     while done < total:
-        piece = view[done:done + CRC_PIECE]
+        piece = view[done : done + CRC_PIECE]
         pread_exact(fd, piece, offset + done, what)
         crc = crc32c(piece, crc)
         done += len(piece)
     return crc
 
 
-def read_framed_crc(fd: int, offset: int, length: int, size: Tuple[int, ...], dest: torch.Tensor,
-                    what: str) -> Optional[int]:
+def read_framed_crc(
+    fd: int, offset: int, length: int, size: Tuple[int, ...], dest: torch.Tensor, what: str
+) -> Optional[int]:
     """:func:`read_framed_into` with the item's CRC32C computed as its bytes arrive: the CRC32C
     of the whole item (header, tensor bytes, trailer) when its frame is the expected one, else
     None (then the caller reads the item the long way, which overwrites ``dest``)."""
@@ -474,8 +544,10 @@ def read_framed_crc(fd: int, offset: int, length: int, size: Tuple[int, ...], de
     if frame is None:
         return None
     header, trailer, layout = frame
-    if (len(header) + layout.data_length + len(trailer) != length
-            or dest.numel() * dest.element_size() != layout.data_length):
+    if (
+        len(header) + layout.data_length + len(trailer) != length
+        or dest.numel() * dest.element_size() != layout.data_length
+    ):
         return None
     head = os.pread(fd, len(header), offset)
     if head != header:
@@ -502,8 +574,11 @@ def read_framed_into(fd: int, offset: int, length: int, size: Tuple[int, ...], d
     if frame is None:
         return False
     header, trailer, layout = frame
-    if (len(header) + layout.data_length + len(trailer) != length or length > _ONE_PREADV
-            or dest.numel() * dest.element_size() != layout.data_length):
+    if (
+        len(header) + layout.data_length + len(trailer) != length
+        or length > _ONE_PREADV
+        or dest.numel() * dest.element_size() != layout.data_length
+    ):
         return False
     head, tail = bytearray(len(header)), bytearray(len(trailer))
     try:
@@ -535,7 +610,7 @@ class ArchiveLayout:
     data_offset: int
     data_length: int
     dtype: torch.dtype
-    storage_offset: int      # in elements
+    storage_offset: int  # in elements
     size: Tuple[int, ...]
     stride: Tuple[int, ...]
 
@@ -568,7 +643,7 @@ def _central_directory(read, length: int) -> Optional[dict]:
         (_, _, _, _, _, _, _, count, cd_size, cd_offset) = _ZIP64_EOCD.unpack_from(z64)
     tail_start = length - tail_len
     if cd_offset >= tail_start:
-        cd = tail[cd_offset - tail_start:cd_offset - tail_start + cd_size]
+        cd = tail[cd_offset - tail_start : cd_offset - tail_start + cd_size]
     else:
         cd = read(cd_offset, cd_size)
     records, pos = {}, 0
@@ -578,11 +653,18 @@ def _central_directory(read, length: int) -> Optional[dict]:
         fields = _CENTRAL_HEADER.unpack_from(cd, pos)
         if fields[0] != 0x02014B50 or fields[4] != 0:  # signature, method (0 = stored)
             return None
-        csize, usize, name_len, extra_len, comment_len, local = fields[8], fields[9], fields[10], fields[11], fields[12], fields[16]
+        csize, usize, name_len, extra_len, comment_len, local = (
+            fields[8],
+            fields[9],
+            fields[10],
+            fields[11],
+            fields[12],
+            fields[16],
+        )
         name_end = pos + _CENTRAL_HEADER.size + name_len
-        name = cd[pos + _CENTRAL_HEADER.size:name_end].decode("utf-8", "replace")
+        name = cd[pos + _CENTRAL_HEADER.size : name_end].decode("utf-8", "replace")
         if 0xFFFFFFFF in (csize, usize, local):
-            values = iter(_zip64_fields(cd[name_end:name_end + extra_len]))
+            values = iter(_zip64_fields(cd[name_end : name_end + extra_len]))
             usize = next(values, None) if usize == 0xFFFFFFFF else usize
             csize = next(values, None) if csize == 0xFFFFFFFF else csize
             local = next(values, None) if local == 0xFFFFFFFF else local

@@ -92,12 +92,22 @@ def shard_id(sh: ShardedBase) -> ShardId:
     """What makes two shards the same piece: equal ids mean replicas of the same bytes."""
     if isinstance(sh, ShardedTensor):
         fr = sh.flattened_range
-        return ("tensor", sh.key, tuple(sh.global_shape), tuple(sh.global_offset), tuple(sh.local_shape),
-                sh.prepend_axis_num, () if fr is None else (fr.start, fr.stop), str(sh.dtype),
-                bool(sh.allow_shape_mismatch))
+        return (
+            "tensor",
+            sh.key,
+            tuple(sh.global_shape),
+            tuple(sh.global_offset),
+            tuple(sh.local_shape),
+            sh.prepend_axis_num,
+            () if fr is None else (fr.start, fr.stop),
+            str(sh.dtype),
+            bool(sh.allow_shape_mismatch),
+        )
     if isinstance(sh, ShardedObject):
         return ("object", sh.unique_key)
-    raise CheckpointingException(f"cannot distribute {type(sh).__name__} under key {getattr(sh, 'key', '?')!r}")
+    raise CheckpointingException(
+        f"cannot distribute {type(sh).__name__} under key {getattr(sh, 'key', '?')!r}"
+    )
 
 
 def _nbytes(sh: ShardedBase) -> int:
@@ -115,8 +125,12 @@ def _prod(shape: Sequence[int]) -> int:
     return out
 
 
-def distribute_shards_to_ranks(shard_to_ranks: Dict[ShardId, Sequence[int]], shard_to_size: Dict[ShardId, int],
-                               num_ranks: int, initial_loads: Optional[Sequence[int]] = None) -> Dict[ShardId, int]:
+def distribute_shards_to_ranks(
+    shard_to_ranks: Dict[ShardId, Sequence[int]],
+    shard_to_size: Dict[ShardId, int],
+    num_ranks: int,
+    initial_loads: Optional[Sequence[int]] = None,
+) -> Dict[ShardId, int]:
     """Give each shard to one of the ranks that hold it, balancing bytes; deterministic.
 
     Shards go largest first (ties by id) to the least-loaded holder (ties to the lowest rank).
@@ -233,8 +247,12 @@ class FullyParallelSaveStrategyWrapper(_WrapperState, AsyncSaveShardedStrategy):
 
     reassigns_replicas = True
 
-    def __init__(self, strategy: SaveShardedStrategy, parallelization_group: dist.ProcessGroup = None,
-                 do_cache_distribution: bool = False):
+    def __init__(
+        self,
+        strategy: SaveShardedStrategy,
+        parallelization_group: dist.ProcessGroup = None,
+        do_cache_distribution: bool = False,
+    ):
         super().__init__(strategy.backend, strategy.version)
         self._init_wrapper(strategy, parallelization_group, do_cache_distribution)
 
@@ -245,8 +263,11 @@ class FullyParallelSaveStrategyWrapper(_WrapperState, AsyncSaveShardedStrategy):
         if not isinstance(self.base_strategy, AsyncSaveShardedStrategy):
             raise CheckpointingException(
                 f"the wrapped strategy {type(self.base_strategy).__name__} (backend {self.backend!r}) "
-                f"cannot save asynchronously")
-        return self.base_strategy.async_save(self.apply_saving_parallelization(sharded_state_dict), checkpoint_dir)
+                f"cannot save asynchronously"
+            )
+        return self.base_strategy.async_save(
+            self.apply_saving_parallelization(sharded_state_dict), checkpoint_dir
+        )
 
     def apply_saving_parallelization(self, sharded_state_dict: ShardedStateDict) -> ShardedStateDict:
         """Return a copy of ``sharded_state_dict`` whose replica ids give each shard one writer.
@@ -262,7 +283,9 @@ class FullyParallelSaveStrategyWrapper(_WrapperState, AsyncSaveShardedStrategy):
         exc, payload, shards = None, None, []
         try:
             shards = _local_shards(sharded_state_dict)
-            payload = tuple(sorted({(shard_id(sh), _nbytes(sh), is_main_replica(sh.replica_id)) for sh in shards}))
+            payload = tuple(
+                sorted({(shard_id(sh), _nbytes(sh), is_main_replica(sh.replica_id)) for sh in shards})
+            )
         except Exception as e:  # noqa: BLE001 - shared with every rank in the cache's all-reduce
             exc = e
 
@@ -278,8 +301,11 @@ class FullyParallelSaveStrategyWrapper(_WrapperState, AsyncSaveShardedStrategy):
                     if main:
                         mains.add(sid)
             in_group = {sid: tuple(holders[sid]) for sid in mains}
-            return ShardDistribution(distribute_shards_to_ranks(in_group, sizes, group_size), in_group,
-                                     {sid: sizes[sid] for sid in mains})
+            return ShardDistribution(
+                distribute_shards_to_ranks(in_group, sizes, group_size),
+                in_group,
+                {sid: sizes[sid] for sid in mains},
+            )
 
         distribution = self._cache.get("fully parallel save", exc, payload, compute)
         self.last_distribution = distribution
@@ -344,12 +370,18 @@ class FullyParallelLoadStrategyWrapper(_WrapperState, LoadShardedStrategy):
     ``dist.collective_device(group)``.
     """
 
-    def __init__(self, strategy: LoadShardedStrategy, parallelization_group: dist.ProcessGroup = None,
-                 do_cache_distribution: bool = False, exchange_algo: str = "broadcast"):
+    def __init__(
+        self,
+        strategy: LoadShardedStrategy,
+        parallelization_group: dist.ProcessGroup = None,
+        do_cache_distribution: bool = False,
+        exchange_algo: str = "broadcast",
+    ):
         super().__init__(strategy.backend, strategy.version)
         if exchange_algo not in EXCHANGE_ALGOS:
             raise CheckpointingException(
-                f"unknown exchange_algo {exchange_algo!r}; expected one of {', '.join(EXCHANGE_ALGOS)}")
+                f"unknown exchange_algo {exchange_algo!r}; expected one of {', '.join(EXCHANGE_ALGOS)}"
+            )
         self._init_wrapper(strategy, parallelization_group, do_cache_distribution)
         self.exchange_algo = exchange_algo
         self.last_waves = 1  # how many read-and-exchange waves the last load took
@@ -432,13 +464,23 @@ class FullyParallelLoadStrategyWrapper(_WrapperState, LoadShardedStrategy):
         self.last_waves = count
         results: Dict[int, Any] = {}
         for w, wave in enumerate(waves):
-            wave_pieces = {sid: p for sid, p in pieces.items()
-                           if sid in wave.assignment or (w == 0 and sid not in distribution.assignment)}
+            wave_pieces = {
+                sid: p
+                for sid, p in pieces.items()
+                if sid in wave.assignment or (w == 0 and sid not in distribution.assignment)
+            }
             results.update(self._load_wave(wave, wave_pieces, me, group, group_size, checkpoint_dir))
         return dict_list_map_outplace(lambda leaf: results.get(id(leaf), leaf), sharded_state_dict)
 
-    def _load_wave(self, distribution: ShardDistribution, pieces: Dict[ShardId, _Piece], me: int,
-                   group: dist.ProcessGroup, group_size: int, checkpoint_dir: Path) -> Dict[int, Any]:
+    def _load_wave(
+        self,
+        distribution: ShardDistribution,
+        pieces: Dict[ShardId, _Piece],
+        me: int,
+        group: dist.ProcessGroup,
+        group_size: int,
+        checkpoint_dir: Path,
+    ) -> Dict[int, Any]:
         """Read this rank's pieces of one wave, then exchange them (collectives as for a load)."""
         exc = None
         results: Dict[int, Any] = {}
@@ -481,8 +523,10 @@ def load_waves(distribution: ShardDistribution, budget: int, group_size: int) ->
             used = [0] * group_size
         cut[-1][sid] = rank
         used[rank] += size
-    return [ShardDistribution(a, {s: distribution.holders[s] for s in a}, {s: distribution.sizes[s] for s in a})
-            for a in cut]
+    return [
+        ShardDistribution(a, {s: distribution.holders[s] for s in a}, {s: distribution.sizes[s] for s in a})
+        for a in cut
+    ]
 
 
 class _Exchange:
@@ -492,8 +536,14 @@ class _Exchange:
     what each rank does with the bytes differs (send, keep, or drop when it did not ask).
     """
 
-    def __init__(self, distribution: ShardDistribution, pieces: Dict[ShardId, _Piece], me: int,
-                 group: dist.ProcessGroup, device: torch.device):
+    def __init__(
+        self,
+        distribution: ShardDistribution,
+        pieces: Dict[ShardId, _Piece],
+        me: int,
+        group: dist.ProcessGroup,
+        device: torch.device,
+    ):
         self.distribution = distribution
         self.pieces = pieces
         self.me = me
@@ -523,8 +573,13 @@ class _Exchange:
         for piece in self._reads:
             shared = piece.sid in self.distribution.assignment
             for i, leaf in enumerate(piece.leaves):
-                if shared and i == 0 and isinstance(leaf, ShardedTensor) and leaf.data is not None \
-                        and not _is_plain(leaf.data):
+                if (
+                    shared
+                    and i == 0
+                    and isinstance(leaf, ShardedTensor)
+                    and leaf.data is not None
+                    and not _is_plain(leaf.data)
+                ):
                     # A subclass target (e.g. FP8) cannot show its bytes: read into a plain tensor,
                     # send that, then fill the target through its copy_.
                     staged = copy.copy(leaf)
@@ -571,8 +626,9 @@ class _Exchange:
         if algo == "broadcast":
             self._order = tensor_sids
             if tensor_sids:
-                self._scratch = torch.empty(max(sizes[s] for s in tensor_sids), dtype=torch.uint8,
-                                            device=self.device)
+                self._scratch = torch.empty(
+                    max(sizes[s] for s in tensor_sids), dtype=torch.uint8, device=self.device
+                )
             return
         self._per_rank = [[] for _ in range(group_size)]
         for sid in sorted(tensor_sids, key=lambda s: (-sizes[s], s)):
@@ -617,7 +673,7 @@ class _Exchange:
     def run_broadcast(self) -> None:
         for sid in self._order:
             src = self.distribution.assignment[sid]
-            scratch = self._scratch[:self.distribution.sizes[sid]]
+            scratch = self._scratch[: self.distribution.sizes[sid]]
             if src == self.me:
                 dist.broadcast(self._send_view(sid, scratch), src, self.group)
                 continue
@@ -640,15 +696,20 @@ class _Exchange:
             dist.all_gather(list(gathered.unbind(0)), send, self.group)
             for rank, sids in enumerate(per_rank):
                 if rank != self.me and k < len(sids):
-                    self._deliver(sids[k], gathered[rank, :self.distribution.sizes[sids[k]]])
+                    self._deliver(sids[k], gathered[rank, : self.distribution.sizes[sids[k]]])
 
     # ----------------------------------------------------------------- objects
 
     def exchange_objects(self) -> None:
         for sid in sorted(s for s in self.distribution.assignment if s[0] == "object"):
             src = self.distribution.assignment[sid]
-            value = dist.broadcast_object(self._objects.get(sid) if src == self.me else None, src, self.group,
-                                          stage="fully parallel exchange", checked=False)
+            value = dist.broadcast_object(
+                self._objects.get(sid) if src == self.me else None,
+                src,
+                self.group,
+                stage="fully parallel exchange",
+                checked=False,
+            )
             piece = self.pieces.get(sid)
             if piece is None or src == self.me:
                 continue

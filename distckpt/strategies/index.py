@@ -44,12 +44,12 @@ INDEX_FNAME = ".distckpt_index"
 MAGIC = b"DCKIDX01"
 FORMAT = "distckpt-index"
 VERSION = 1
-FANOUT = 64       # children per inner node
-LEAF = 16         # chunk records per leaf: what a rank reads beyond its own records is at most a leaf per box
+FANOUT = 64  # children per inner node
+LEAF = 16  # chunk records per leaf: what a rank reads beyond its own records is at most a leaf per box
 _HEADER = struct.Struct("<8sQI")
-_PLAIN_BOXES = 4            # a query of at most this many boxes per key searches small leaves in Python
+_PLAIN_BOXES = 4  # a query of at most this many boxes per key searches small leaves in Python
 
-Box = Tuple[Tuple[int, ...], Tuple[int, ...]]   # (offset, size)
+Box = Tuple[Tuple[int, ...], Tuple[int, ...]]  # (offset, size)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -86,7 +86,7 @@ class _Blob:
         # checksum is recorded: the blob position of a parent's field, or the fqn of a root].
         self.nodes: List[List[Any]] = []
         self.traced = traced
-        self.crc_at: Dict[str, np.ndarray] = {}     # fqn -> blob position of each record's CRC32C, input order
+        self.crc_at: Dict[str, np.ndarray] = {}  # fqn -> blob position of each record's CRC32C, input order
 
     def add(self, data: bytes) -> List[int]:
         ref = [self.size, len(data), crc32c(data)]
@@ -98,14 +98,23 @@ class _Blob:
     def mark(self, node: int, target: Any) -> None:
         self.nodes[node][2] = target
 
-    def record_positions(self, first_node: int, heads: List[int], starts: np.ndarray, total: int, width: int,
-                         order: Optional[np.ndarray]) -> np.ndarray:
+    def record_positions(
+        self,
+        first_node: int,
+        heads: List[int],
+        starts: np.ndarray,
+        total: int,
+        width: int,
+        order: Optional[np.ndarray],
+    ) -> np.ndarray:
         """The blob position of each record's CRC32C, in input order: ``total`` rows, sorted by
         ``order`` (the input index of each sorted row; None: not reordered), were packed into
         the leaves added from node ``first_node`` on, one per start, ``heads[i]`` the bytes of
         leaf ``i`` before its rows (each row's CRC32C is its last 8 bytes)."""
         leaf_of = np.repeat(np.arange(len(starts)), np.diff(np.append(starts, total)))
-        base = np.array([self.nodes[first_node + i][0] + heads[i] for i in range(len(starts))], dtype=np.int64)
+        base = np.array(
+            [self.nodes[first_node + i][0] + heads[i] for i in range(len(starts))], dtype=np.int64
+        )
         sorted_pos = base[leaf_of] + (np.arange(total) - starts[leaf_of]) * width + width - 8
         if order is None:
             return sorted_pos
@@ -126,14 +135,17 @@ class _Quoted:
         by_index = self.by_index
         for f in np.unique(used).tolist():
             if f >= len(by_index):
-                raise CheckpointingException(f"index: record names file {f}, but there are {len(by_index)} files")
+                raise CheckpointingException(
+                    f"index: record names file {f}, but there are {len(by_index)} files"
+                )
             if by_index[f] is None:
                 by_index[f] = json.dumps(self.names[f]).encode()
         return by_index.__getitem__
 
 
-def _small_keys(blob: _Blob, group: List[Tuple[str, np.ndarray]], ndim: int,
-                quoted: _Quoted) -> Dict[str, Dict[str, Any]]:
+def _small_keys(
+    blob: _Blob, group: List[Tuple[str, np.ndarray]], ndim: int, quoted: _Quoted
+) -> Dict[str, Dict[str, Any]]:
     """The directory fields of keys whose records fit one leaf (most keys of most checkpoints),
     ``group`` all of ``ndim`` axes: one sort and one packing for all of them, each key's leaf
     then cut out, rather than numpy calls (or Python loops) per key."""
@@ -150,17 +162,20 @@ def _small_keys(blob: _Blob, group: List[Tuple[str, np.ndarray]], ndim: int,
         blob.mark(first + i, fqn)
     if blob.traced:
         # The rows of each key keep their block in the sorted order (the key index sorts first).
-        pos = blob.record_positions(first, [head for *_, head in leaves], starts, len(rows), rows.shape[1] * 8, order)
+        pos = blob.record_positions(
+            first, [head for *_, head in leaves], starts, len(rows), rows.shape[1] * 8, order
+        )
         for (fqn, _), s, c in zip(group, starts.tolist(), counts):
-            blob.crc_at[fqn] = pos[s:s + c]
+            blob.crc_at[fqn] = pos[s : s + c]
     return out
 
 
 _U32 = struct.Struct("<I")
 
 
-def _pack_leaves(rows: np.ndarray, ndim: int, starts: np.ndarray,
-                 quoted: _Quoted) -> List[Tuple[bytes, np.ndarray, np.ndarray, int]]:
+def _pack_leaves(
+    rows: np.ndarray, ndim: int, starts: np.ndarray, quoted: _Quoted
+) -> List[Tuple[bytes, np.ndarray, np.ndarray, int]]:
     """Leaves of sorted records, leaf ``i`` the rows from ``starts[i]`` to the next start: their
     bytes, bounding boxes and the length of their head (the names before the rows), with numpy
     over all leaves at once; per leaf, Python only joins its file names (quoted once per
@@ -187,33 +202,42 @@ def _pack_leaves(rows: np.ndarray, ndim: int, starts: np.ndarray,
     ends = starts.tolist()[1:] + [m]
     out = []
     for i, (s, end) in enumerate(zip(starts.tolist(), ends)):
-        names_json = b"[" + b",".join(map(quote, files[bounds[i]:bounds[i + 1]])) + b"]"
-        out.append((_U32.pack(len(names_json)) + names_json + data[s * width:end * width], lo[i], hi[i],
-                    4 + len(names_json)))
+        names_json = b"[" + b",".join(map(quote, files[bounds[i] : bounds[i + 1]])) + b"]"
+        out.append(
+            (
+                _U32.pack(len(names_json)) + names_json + data[s * width : end * width],
+                lo[i],
+                hi[i],
+                4 + len(names_json),
+            )
+        )
     return out
 
 
-def _build_key(blob: _Blob, fqn: str, rows: np.ndarray, ndim: int, fanout: int, leaf: int,
-               quoted: _Quoted) -> Dict[str, Any]:
+def _build_key(
+    blob: _Blob, fqn: str, rows: np.ndarray, ndim: int, fanout: int, leaf: int, quoted: _Quoted
+) -> Dict[str, Any]:
     """Pack one key's records (sorted here) into a tree; returns the directory fields."""
     order = None
     if ndim:
-        order = np.lexsort(rows[:, ndim - 1::-1].T)
+        order = np.lexsort(rows[:, ndim - 1 :: -1].T)
         rows = rows[order]
     starts = np.arange(0, len(rows), leaf)
     leaves = _pack_leaves(rows, ndim, starts, quoted)
     first = len(blob.nodes)
     # Per node of the level: its reference, bounding box and node number in the blob.
     level: List[Tuple[List[int], np.ndarray, np.ndarray, int]] = [
-        (blob.add(data), lo, hi, first + i) for i, (data, lo, hi, _) in enumerate(leaves)]
+        (blob.add(data), lo, hi, first + i) for i, (data, lo, hi, _) in enumerate(leaves)
+    ]
     if blob.traced:
-        blob.crc_at[fqn] = blob.record_positions(first, [head for *_, head in leaves], starts, len(rows),
-                                                 rows.shape[1] * 8, order)
+        blob.crc_at[fqn] = blob.record_positions(
+            first, [head for *_, head in leaves], starts, len(rows), rows.shape[1] * 8, order
+        )
     depth = 1
     while len(level) > 1:
         nxt = []
         for s in range(0, len(level), fanout):
-            group = level[s:s + fanout]
+            group = level[s : s + fanout]
             table = np.array([ref + lo.tolist() + hi.tolist() for ref, lo, hi, _ in group], dtype="<i8")
             lo = np.min([g[1] for g in group], axis=0)
             hi = np.max([g[2] for g in group], axis=0)
@@ -229,9 +253,13 @@ def _build_key(blob: _Blob, fqn: str, rows: np.ndarray, ndim: int, fanout: int, 
     return {"count": len(rows), "depth": depth, "root": ref, "bbox": [lo.tolist(), hi.tolist()]}
 
 
-def build_index(keys: Dict[str, Dict[str, Any]],
-                records: Iterable[Tuple[str, Sequence[int], Sequence[int], str, int, int, int]],
-                metadata_bytes: int, fanout: int = FANOUT, leaf: int = LEAF) -> bytes:
+def build_index(
+    keys: Dict[str, Dict[str, Any]],
+    records: Iterable[Tuple[str, Sequence[int], Sequence[int], str, int, int, int]],
+    metadata_bytes: int,
+    fanout: int = FANOUT,
+    leaf: int = LEAF,
+) -> bytes:
     """The sidecar's bytes.
 
     ``keys``: fqn -> ``{"bytes": True}`` or ``{"dtype": torch.dtype, "size": shape,
@@ -261,9 +289,15 @@ def build_index(keys: Dict[str, Dict[str, Any]],
     return _write_index(keys, rows_by_key, items, names, metadata_bytes, fanout, leaf)
 
 
-def build_index_from_rows(keys: Dict[str, Dict[str, Any]], rows: Dict[str, np.ndarray], names: List[str],
-                          metadata_bytes: int, fanout: int = FANOUT, leaf: int = LEAF,
-                          template: bool = False) -> Any:
+def build_index_from_rows(
+    keys: Dict[str, Dict[str, Any]],
+    rows: Dict[str, np.ndarray],
+    names: List[str],
+    metadata_bytes: int,
+    fanout: int = FANOUT,
+    leaf: int = LEAF,
+    template: bool = False,
+) -> Any:
     """:func:`build_index` from arrays: ``rows[fqn]`` is int64 ``[n, 2 * ndim + 4]``, one row per
     record: chunk offset, chunk size, file (an index into ``names``), file offset, length,
     crc32c (a byte key's rows have ``ndim`` 0; its last row is its item). ``template``: return
@@ -283,8 +317,16 @@ def build_index_from_rows(keys: Dict[str, Dict[str, Any]], rows: Dict[str, np.nd
     return _write_index(keys, tensor_rows, items, names, metadata_bytes, fanout, leaf, template)
 
 
-def _write_index(keys: Dict[str, Dict[str, Any]], rows_by_key: Dict[str, Any], items: Dict[str, List[Any]],
-                 names: List[str], metadata_bytes: int, fanout: int, leaf: int, template: bool = False) -> Any:
+def _write_index(
+    keys: Dict[str, Dict[str, Any]],
+    rows_by_key: Dict[str, Any],
+    items: Dict[str, List[Any]],
+    names: List[str],
+    metadata_bytes: int,
+    fanout: int,
+    leaf: int,
+    template: bool = False,
+) -> Any:
     blob = _Blob(traced=template)
     quoted = _Quoted(names)
     directory: Dict[str, Any] = {}
@@ -312,8 +354,11 @@ def _write_index(keys: Dict[str, Dict[str, Any]], rows_by_key: Dict[str, Any], i
             directory[fqn] = entry
             continue
         ndim = len(info["size"])
-        entry = {"dtype": _dtype_name(info["dtype"]), "size": list(info["size"]),
-                 "orig_shape": list(info["orig_shape"]) if info.get("orig_shape") is not None else None}
+        entry = {
+            "dtype": _dtype_name(info["dtype"]),
+            "size": list(info["size"]),
+            "orig_shape": list(info["orig_shape"]) if info.get("orig_shape") is not None else None,
+        }
         if fqn in small_entries:
             entry.update(small_entries[fqn])
         elif fqn in arrays:
@@ -327,9 +372,20 @@ def _write_index(keys: Dict[str, Dict[str, Any]], rows_by_key: Dict[str, Any], i
     return _framed(directory, metadata_bytes, fanout, leaf, [kept.blob]), kept
 
 
-def _framed(directory: Dict[str, Any], metadata_bytes: int, fanout: int, leaf: int, parts: List[Any]) -> bytes:
-    head = json.dumps({"format": FORMAT, "version": VERSION, "metadata_bytes": metadata_bytes,
-                       "fanout": fanout, "leaf": leaf, "keys": directory}, separators=(",", ":")).encode()
+def _framed(
+    directory: Dict[str, Any], metadata_bytes: int, fanout: int, leaf: int, parts: List[Any]
+) -> bytes:
+    head = json.dumps(
+        {
+            "format": FORMAT,
+            "version": VERSION,
+            "metadata_bytes": metadata_bytes,
+            "fanout": fanout,
+            "leaf": leaf,
+            "keys": directory,
+        },
+        separators=(",", ":"),
+    ).encode()
     return b"".join([_HEADER.pack(MAGIC, len(head), crc32c(head)), head, *parts])
 
 
@@ -340,13 +396,21 @@ class IndexTemplate:
     their CRC32Cs give the sidecar :func:`build_index_from_rows` would build, by patching: the
     CRC32C fields, then every node's checksum, children before parents, then the directory."""
 
-    def __init__(self, directory: Dict[str, Any], blob: bytearray, nodes: List[List[Any]],
-                 crc_at: Dict[str, np.ndarray], fanout: int, leaf: int) -> None:
+    def __init__(
+        self,
+        directory: Dict[str, Any],
+        blob: bytearray,
+        nodes: List[List[Any]],
+        crc_at: Dict[str, np.ndarray],
+        fanout: int,
+        leaf: int,
+    ) -> None:
         self.directory, self.blob, self.nodes, self.fanout, self.leaf = directory, blob, nodes, fanout, leaf
         self.keys = list(crc_at)
         self.counts = [len(crc_at[fqn]) for fqn in self.keys]
-        self.positions = (np.concatenate([crc_at[fqn] for fqn in self.keys]) if crc_at
-                          else np.zeros(0, np.int64))
+        self.positions = (
+            np.concatenate([crc_at[fqn] for fqn in self.keys]) if crc_at else np.zeros(0, np.int64)
+        )
         self.items = [fqn for fqn, entry in directory.items() if "item" in entry]
         self.head = _head_template(directory, fanout, leaf)
 
@@ -354,20 +418,21 @@ class IndexTemplate:
         """The sidecar with ``crcs[fqn]`` (each key's records' CRC32Cs, in the order its rows
         were given; a byte key's last one is its item's); None if they do not match the records
         the template was built from (the caller builds the sidecar anew)."""
-        if any(len(crcs.get(fqn, ())) != n for fqn, n in zip(self.keys, self.counts)) or \
-                any(not len(crcs.get(fqn, ())) for fqn in self.items):
+        if any(len(crcs.get(fqn, ())) != n for fqn, n in zip(self.keys, self.counts)) or any(
+            not len(crcs.get(fqn, ())) for fqn in self.items
+        ):
             return None
         blob = self.blob
         if len(self.positions):
             new = np.concatenate([np.asarray(crcs[fqn], dtype="<i8") for fqn in self.keys])
             raw = np.frombuffer(blob, dtype=np.uint8)
             raw[self.positions[:, None] + np.arange(8)] = new.view(np.uint8).reshape(-1, 8)
-            del raw                               # no export may outlive the patch (the blob stays resizable)
+            del raw  # no export may outlive the patch (the blob stays resizable)
         directory = self.directory
         view = memoryview(blob)
         try:
             for start, length, target in self.nodes:
-                crc = crc32c(view[start:start + length])
+                crc = crc32c(view[start : start + length])
                 if isinstance(target, str):
                     directory[target]["root"][2] = crc
                 else:
@@ -380,8 +445,10 @@ class IndexTemplate:
             return _framed(directory, metadata_bytes, self.fanout, self.leaf, [blob])
         # The directory's JSON with the changed numbers put in its gaps: the text json.dumps gives.
         pieces, slots = self.head
-        values = [str(metadata_bytes if kind == "md" else directory[fqn][kind][2 if kind == "root" else 3])
-                  for kind, fqn in slots]
+        values = [
+            str(metadata_bytes if kind == "md" else directory[fqn][kind][2 if kind == "root" else 3])
+            for kind, fqn in slots
+        ]
         text = [pieces[0]]
         for value, piece in zip(values, pieces[1:]):
             text.append(value)
@@ -397,7 +464,9 @@ _PLACEHOLDER = 7_777_700_000_000_000_000
 _PLACEHOLDERS = re.compile(r"77777\d{14}")
 
 
-def _head_template(directory: Dict[str, Any], fanout: int, leaf: int) -> Optional[Tuple[List[str], List[Tuple[str, str]]]]:
+def _head_template(
+    directory: Dict[str, Any], fanout: int, leaf: int
+) -> Optional[Tuple[List[str], List[Tuple[str, str]]]]:
     """The sidecar directory's JSON cut around the numbers a patch changes (each key's root
     checksum, each byte item's CRC32C, ``metadata_bytes``): ``(pieces, slots)``, the text being
     ``pieces[0] + value(slots[0]) + pieces[1] + ...``. None if a placeholder is not found
@@ -417,14 +486,23 @@ def _head_template(directory: Dict[str, Any], fanout: int, leaf: int) -> Optiona
             entry["item"] = [*entry["item"][:3], mark("item", fqn), *entry["item"][4:]]
         shadow[fqn] = entry
     md = mark("md", "")
-    text = json.dumps({"format": FORMAT, "version": VERSION, "metadata_bytes": md,
-                       "fanout": fanout, "leaf": leaf, "keys": shadow}, separators=(",", ":"))
+    text = json.dumps(
+        {
+            "format": FORMAT,
+            "version": VERSION,
+            "metadata_bytes": md,
+            "fanout": fanout,
+            "leaf": leaf,
+            "keys": shadow,
+        },
+        separators=(",", ":"),
+    )
     pieces, order, at = [], [], 0
     for m in _PLACEHOLDERS.finditer(text):
         index = int(m.group()) - _PLACEHOLDER
         if not 0 <= index < len(slots):
             return None
-        pieces.append(text[at:m.start()])
+        pieces.append(text[at : m.start()])
         order.append(slots[index])
         at = m.end()
     pieces.append(text[at:])
@@ -444,7 +522,11 @@ def index_from_metadata(md: Any, checksums: Dict[Tuple[str, int], Any], metadata
         if isinstance(meta, BytesStorageMetadata):
             keys[fqn] = {"bytes": True}
             continue
-        orig = mcore.get(fqn, {}).get("nd_reformulated_orig_global_shape") if isinstance(mcore.get(fqn), dict) else None
+        orig = (
+            mcore.get(fqn, {}).get("nd_reformulated_orig_global_shape")
+            if isinstance(mcore.get(fqn), dict)
+            else None
+        )
         keys[fqn] = {"dtype": meta.properties.dtype, "size": tuple(meta.size), "orig_shape": orig}
         for c in meta.chunks:
             sizes[(fqn, tuple(c.offsets))] = tuple(c.sizes)
@@ -455,8 +537,15 @@ def index_from_metadata(md: Any, checksums: Dict[Tuple[str, int], Any], metadata
             rc = checksums.get((info.relative_path, info.offset))
             if rc is None:
                 raise CheckpointingException(f"index: no checksum for {index.fqn!r} in {info.relative_path}")
-            yield (index.fqn, off, sizes.get((index.fqn, off), ()), info.relative_path, info.offset,
-                   info.length, rc.crc32c)
+            yield (
+                index.fqn,
+                off,
+                sizes.get((index.fqn, off), ()),
+                info.relative_path,
+                info.offset,
+                info.length,
+                rc.crc32c,
+            )
 
     return build_index(keys, records(), metadata_bytes)
 
@@ -475,10 +564,10 @@ class IndexReader:
         self.where = storage.join(location, INDEX_FNAME)
         self.keys: Dict[str, Any] = directory["keys"]
         self.metadata_bytes = int(directory.get("metadata_bytes", -1))
-        self._checked: set = set()         # keys whose entries passed _check_entry
+        self._checked: set = set()  # keys whose entries passed _check_entry
         self.data_start = data_start
-        self.bytes_read = bytes_read      # everything fetched (the first read may overshoot)
-        self.node_bytes_read = 0          # bytes of tree nodes fetched by queries
+        self.bytes_read = bytes_read  # everything fetched (the first read may overshoot)
+        self.node_bytes_read = 0  # bytes of tree nodes fetched by queries
 
     @classmethod
     def open(cls, location, head_guess: int = 16 << 10) -> Optional[IndexReader]:
@@ -495,18 +584,25 @@ class IndexReader:
         if magic != MAGIC:
             raise CheckpointingException(f"{where}: not a distckpt sidecar index (bad magic; corrupted)")
         got = len(first)
-        head = bytes(first[_HEADER.size:_HEADER.size + n])
+        head = bytes(first[_HEADER.size : _HEADER.size + n])
         if len(head) < n:
             more = _read_range(location, _HEADER.size + len(head), n - len(head))
             got += len(more)
             head += bytes(more)
         if crc32c(head) != crc:
-            raise CheckpointingException(f"{where}: sidecar index directory fails its CRC32C check (corrupted)")
+            raise CheckpointingException(
+                f"{where}: sidecar index directory fails its CRC32C check (corrupted)"
+            )
         try:
             directory = json.loads(head)
             if directory.get("format") != FORMAT or int(directory["version"]) > VERSION:
-                raise ValueError(f"unsupported format {directory.get('format')!r} version {directory.get('version')!r}")
-            if not isinstance(directory.get("keys"), dict) or type(directory.get("metadata_bytes", -1)) is not int:
+                raise ValueError(
+                    f"unsupported format {directory.get('format')!r} version {directory.get('version')!r}"
+                )
+            if (
+                not isinstance(directory.get("keys"), dict)
+                or type(directory.get("metadata_bytes", -1)) is not int
+            ):
                 raise ValueError("'keys' is not an object or 'metadata_bytes' not an integer")
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise CheckpointingException(f"{where}: malformed sidecar index: {e}") from None
@@ -516,7 +612,7 @@ class IndexReader:
         except FileNotFoundError:
             return None
         if md_size != reader.metadata_bytes:
-            return None   # .metadata was rewritten by a tool that does not know the sidecar
+            return None  # .metadata was rewritten by a tool that does not know the sidecar
         return reader
 
     def entry(self, fqn: str) -> Optional[Dict[str, Any]]:
@@ -533,7 +629,9 @@ class IndexReader:
         for fqn in self.keys:
             self.entry(fqn)
 
-    def query(self, boxes: Dict[str, List[Box]]) -> Dict[str, List[Tuple[Tuple[int, ...], Tuple[int, ...], str, int, int, int]]]:
+    def query(
+        self, boxes: Dict[str, List[Box]]
+    ) -> Dict[str, List[Tuple[Tuple[int, ...], Tuple[int, ...], str, int, int, int]]]:
         """For each key, every stored chunk whose box meets one of ``boxes[key]`` (stored
         coordinates): ``(offset, size, file, file offset, length, crc32c)`` in offset order.
 
@@ -541,7 +639,7 @@ class IndexReader:
         """
         out: Dict[str, List[Any]] = {k: [] for k in boxes}
         parsed_names: Dict[bytes, List[str]] = {}
-        frontier = []   # (key, ndim, ref, levels below, query lo tuples, query hi tuples)
+        frontier = []  # (key, ndim, ref, levels below, query lo tuples, query hi tuples)
         for fqn, bxs in boxes.items():
             e = self.entry(fqn)
             if e is None or not bxs or not e.get("count") or e.get("bytes"):
@@ -567,11 +665,13 @@ class IndexReader:
                         raise self._malformed(fqn, f"an inner node of {len(raw)} bytes")
                     qlo, qhi = _arrays(qlo_list, qhi_list, ndim)
                     table = np.frombuffer(raw, dtype="<i8").reshape(-1, 3 + 2 * ndim)
-                    lo, hi = table[:, 3:3 + ndim], table[:, 3 + ndim:]
+                    lo, hi = table[:, 3 : 3 + ndim], table[:, 3 + ndim :]
                     hit = np.zeros(len(table), dtype=bool)
                     for a, b in zip(qlo, qhi):
                         hit |= np.all((lo < b) & (hi > a), axis=1)
-                    nxt.extend((fqn, ndim, ref, below - 1, qlo_list, qhi_list) for ref in table[hit, :3].tolist())
+                    nxt.extend(
+                        (fqn, ndim, ref, below - 1, qlo_list, qhi_list) for ref in table[hit, :3].tolist()
+                    )
                     continue
                 # A node passed its CRC32C, which says only that it was written so: its framing,
                 # names and name references are checked before use.
@@ -579,7 +679,7 @@ class IndexReader:
                 (nn,) = struct.unpack_from("<I", raw) if len(raw) >= 4 else (len(raw),)
                 if 4 + nn > len(raw) or (len(raw) - 4 - nn) % (8 * width):
                     raise self._malformed(fqn, f"a leaf of {len(raw)} bytes with {nn} bytes of names")
-                names_raw = bytes(raw[4:4 + nn])
+                names_raw = bytes(raw[4 : 4 + nn])
                 names = parsed_names.get(names_raw)
                 if names is None:  # leaves mostly name the same few files: parse each list once
                     try:
@@ -595,26 +695,36 @@ class IndexReader:
                     flat = _int64s(len(raw) - 4 - nn).unpack_from(raw, 4 + nn)
                     found = out[fqn]
                     for i in range(0, len(flat), width):
-                        off = flat[i:i + ndim]
-                        size = flat[i + ndim:i + 2 * ndim]
+                        off = flat[i : i + ndim]
+                        size = flat[i + ndim : i + 2 * ndim]
                         if _box_meets_any(off, tuple(map(operator.add, off, size)), qlo_list, qhi_list):
-                            f, foff, length, crc = flat[i + 2 * ndim:i + width]
+                            f, foff, length, crc = flat[i + 2 * ndim : i + width]
                             if not 0 <= f < len(names):
                                 raise self._malformed(fqn, f"a record names file {f} of {len(names)}")
                             found.append((off, size, names[f], foff, length, crc))
                     continue
                 qlo, qhi = _arrays(qlo_list, qhi_list, ndim)
                 rows = np.frombuffer(raw, dtype="<i8", offset=4 + nn).reshape(-1, width)
-                off, end = rows[:, :ndim], rows[:, :ndim] + rows[:, ndim:2 * ndim]
+                off, end = rows[:, :ndim], rows[:, :ndim] + rows[:, ndim : 2 * ndim]
                 hit = np.zeros(len(rows), dtype=bool)
                 for lo, hi in zip(qlo, qhi):
                     hit |= np.all((off < hi) & (end > lo), axis=1)
                 picked = rows[hit]
-                if len(picked) and not 0 <= picked[:, 2 * ndim].min() <= picked[:, 2 * ndim].max() < len(names):
+                if len(picked) and not 0 <= picked[:, 2 * ndim].min() <= picked[:, 2 * ndim].max() < len(
+                    names
+                ):
                     raise self._malformed(fqn, f"a record names a file outside the leaf's {len(names)}")
                 for r in picked.tolist():
-                    out[fqn].append((tuple(r[:ndim]), tuple(r[ndim:2 * ndim]), names[r[2 * ndim]],
-                                     r[2 * ndim + 1], r[2 * ndim + 2], r[2 * ndim + 3]))
+                    out[fqn].append(
+                        (
+                            tuple(r[:ndim]),
+                            tuple(r[ndim : 2 * ndim]),
+                            names[r[2 * ndim]],
+                            r[2 * ndim + 1],
+                            r[2 * ndim + 2],
+                            r[2 * ndim + 3],
+                        )
+                    )
             frontier = nxt
         return out
 
@@ -623,8 +733,10 @@ class IndexReader:
 
     def _fetch(self, refs: List[List[int]]) -> List[memoryview]:
         if any(r[0] < 0 or r[1] < 0 for r in refs):
-            raise CheckpointingException(f"{self.where}: malformed sidecar index: a node reference {refs[0]!r} "
-                                         f"with a negative offset or length")
+            raise CheckpointingException(
+                f"{self.where}: malformed sidecar index: a node reference {refs[0]!r} "
+                f"with a negative offset or length"
+            )
         starts = [self.data_start + int(r[0]) for r in refs]
         lengths = [int(r[1]) for r in refs]
         views, fetched = _read_ranges(self.location, starts, lengths, self.where)
@@ -634,7 +746,8 @@ class IndexReader:
             if len(v) != int(r[1]) or crc32c(v) != int(r[2]) & 0xFFFFFFFF:
                 raise CheckpointingException(
                     f"{self.where}: sidecar index node at offset {starts[refs.index(r)]} fails its CRC32C "
-                    f"check (corrupted)")
+                    f"check (corrupted)"
+                )
         return views
 
 
@@ -642,6 +755,7 @@ def _check_entry(where: str, fqn: str, e: Any) -> None:
     """Raise, naming the sidecar, unless directory entry ``e`` of key ``fqn`` has the fields, types
     and ranges the reader uses (checked as ``.metadata``'s claims are: a directory that passed
     its CRC32C can still be what a damaged writer or an edit made)."""
+
     def bad(what: str, value: Any) -> CheckpointingException:
         return CheckpointingException(f"{where}: malformed sidecar index: key {fqn!r}: {what} {value!r:.200}")
 
@@ -649,8 +763,12 @@ def _check_entry(where: str, fqn: str, e: Any) -> None:
         raise bad("entry", e)
     if e.get("bytes"):
         item = e.get("item")
-        if item is not None and not (type(item) is list and len(item) == 4 and type(item[0]) is str
-                                     and all(bounds.fits(v) for v in item[1:])):
+        if item is not None and not (
+            type(item) is list
+            and len(item) == 4
+            and type(item[0]) is str
+            and all(bounds.fits(v) for v in item[1:])
+        ):
             raise bad("item (not [file, offset, length, crc32c])", item)
         return
     if type(e.get("dtype")) is not str:
@@ -668,8 +786,11 @@ def _check_entry(where: str, fqn: str, e: Any) -> None:
         raise bad("depth", depth)
     if not (type(root) is list and len(root) == 3 and all(bounds.fits(v) for v in root)):
         raise bad("root (not [offset, length, crc32c])", root)
-    if not (type(bbox) is list and len(bbox) == 2 and all(
-            type(b) is list and len(b) == len(size) and all(type(v) is int for v in b) for b in bbox)):
+    if not (
+        type(bbox) is list
+        and len(bbox) == 2
+        and all(type(b) is list and len(b) == len(size) and all(type(v) is int for v in b) for b in bbox)
+    ):
         raise bad(f"bbox (not [lo, hi] of {len(size)} integers each)", bbox)
     # An empty or negative box would let a query find no records and leave the request unread
     # (the records a sound box leads to are checked one by one as they are read).
@@ -677,13 +798,18 @@ def _check_entry(where: str, fqn: str, e: Any) -> None:
         raise bad("bbox (not a box of naturals with lo < hi)", bbox)
 
 
-def _arrays(qlo: List[Tuple[int, ...]], qhi: List[Tuple[int, ...]], ndim: int) -> Tuple[np.ndarray, np.ndarray]:
-    return (np.array(qlo, dtype=np.int64).reshape(len(qlo), ndim),
-            np.array(qhi, dtype=np.int64).reshape(len(qhi), ndim))
+def _arrays(
+    qlo: List[Tuple[int, ...]], qhi: List[Tuple[int, ...]], ndim: int
+) -> Tuple[np.ndarray, np.ndarray]:
+    return (
+        np.array(qlo, dtype=np.int64).reshape(len(qlo), ndim),
+        np.array(qhi, dtype=np.int64).reshape(len(qhi), ndim),
+    )
 
 
-def _box_meets_any(lo: Sequence[int], hi: Sequence[int], qlo: List[Tuple[int, ...]],
-                   qhi: List[Tuple[int, ...]]) -> bool:
+def _box_meets_any(
+    lo: Sequence[int], hi: Sequence[int], qlo: List[Tuple[int, ...]], qhi: List[Tuple[int, ...]]
+) -> bool:
     """Whether the box ``[lo, hi)`` meets one of the boxes ``[qlo[k], qhi[k])`` (a loop with early
     exits: a few boxes of a few axes, where numpy's set-up would cost more than the test)."""
     for q0, q1 in zip(qlo, qhi):
@@ -740,7 +866,7 @@ def _read_ranges(location, starts: List[int], lengths: List[int], where: str) ->
                 f.seek(lo)
                 spans.append(memoryview(f.read(n)))
         for k, (request, at, n) in zip(order, places):
-            out[k] = spans[request][at:at + n]
+            out[k] = spans[request][at : at + n]
         fetched = sum(len(span) for span in spans)
         return out, fetched
     except CheckpointingException as e:

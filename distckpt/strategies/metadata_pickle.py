@@ -45,15 +45,15 @@ def _str(s: str) -> bytes:
 
 
 def _int(v: int) -> bytes:
-    return b"J" + struct.pack("<i", v) if -2**31 <= v < 2**31 else b"\x8a\x08" + struct.pack("<q", v)
+    return b"J" + struct.pack("<i", v) if -(2**31) <= v < 2**31 else b"\x8a\x08" + struct.pack("<q", v)
 
 
-_SMALL = 16   # keys with at most this many chunks are packed together (per number of axes)
+_SMALL = 16  # keys with at most this many chunks are packed together (per number of axes)
 
 
 def _int_op(col: np.ndarray) -> Tuple[bytes, str]:
     """The opcode and numpy type for a column of ints: BININT (4 bytes) or LONG1 with 8 bytes."""
-    if not len(col) or (int(col.min()) >= -2**31 and int(col.max()) < 2**31):
+    if not len(col) or (int(col.min()) >= -(2**31) and int(col.max()) < 2**31):
         return b"J", "<i4"
     return b"\x8a\x08", "<i8"
 
@@ -114,14 +114,17 @@ def _unique_rows(a: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     return rows, inverse.reshape(-1)
 
 
-def _chunk_records(slots: _Memo, offs: np.ndarray, sizes: np.ndarray, chunk_head: bytes, size_cls: int,
-                   get_sizes: bytes) -> Tuple[bytes, np.ndarray]:
+def _chunk_records(
+    slots: _Memo, offs: np.ndarray, sizes: np.ndarray, chunk_head: bytes, size_cls: int, get_sizes: bytes
+) -> Tuple[bytes, np.ndarray]:
     """The packed ``ChunkStorageMetadata`` of ``len(offs)`` chunks (each offset stored in a memo
     slot of its own, equal sizes sharing one ``torch.Size``) and those offsets' memo slots."""
     m, n = offs.shape
     shapes, shape_of = _unique_rows(sizes)
-    shape_slots = np.array([slots.put(_get(size_cls) + b"(" + b"".join(map(_int, s)) + b"t\x85R")
-                            for s in shapes.tolist()], dtype=np.uint32)
+    shape_slots = np.array(
+        [slots.put(_get(size_cls) + b"(" + b"".join(map(_int, s)) + b"t\x85R") for s in shapes.tolist()],
+        dtype=np.uint32,
+    )
     offset_slots = np.arange(slots.reserve(m), slots.next, dtype=np.uint32)
     parts: List[Any] = [chunk_head]
     for d in range(n):
@@ -130,8 +133,12 @@ def _chunk_records(slots: _Memo, offs: np.ndarray, sizes: np.ndarray, chunk_head
     return _records(m, parts), offset_slots
 
 
-def pickle_metadata(skeleton: Metadata, chunks: Dict[str, Tuple[np.ndarray, np.ndarray, np.ndarray]],
-                    byte_items: Sequence[Tuple[str, int, int, int]], files: Sequence[str]) -> Tuple[bytes, int]:
+def pickle_metadata(
+    skeleton: Metadata,
+    chunks: Dict[str, Tuple[np.ndarray, np.ndarray, np.ndarray]],
+    byte_items: Sequence[Tuple[str, int, int, int]],
+    files: Sequence[str],
+) -> Tuple[bytes, int]:
     """The pickled ``Metadata``: ``skeleton`` with its chunks and storage entries filled in, and
     the length of its head (the skeleton's own pickle, where ``storage_meta`` lies; see
     :func:`respell`).
@@ -145,7 +152,7 @@ def pickle_metadata(skeleton: Metadata, chunks: Dict[str, Tuple[np.ndarray, np.n
     buf = io.BytesIO()
     pickler = pickle.Pickler(buf, protocol=2)
     pickler.dump(skeleton)
-    memo = pickler.memo.copy()   # id(obj) -> (slot, obj)
+    memo = pickler.memo.copy()  # id(obj) -> (slot, obj)
     head = buf.getvalue()
     assert head.endswith(pickle.STOP)
     slots = _Memo(max((slot for slot, _ in memo.values()), default=-1) + 1)
@@ -157,7 +164,8 @@ def pickle_metadata(skeleton: Metadata, chunks: Dict[str, Tuple[np.ndarray, np.n
     size_cls, chunk_cls = cls_slot(torch.Size), cls_slot(ChunkStorageMetadata)
     index_cls, info_cls = cls_slot(MetadataIndex), cls_slot(_StorageInfo)
     s_offsets, s_sizes, s_fqn, s_index, s_offset, s_path, s_length = (
-        slots.put(_str(s)) for s in ("offsets", "sizes", "fqn", "index", "offset", "relative_path", "length"))
+        slots.put(_str(s)) for s in ("offsets", "sizes", "fqn", "index", "offset", "relative_path", "length")
+    )
     file_slots = np.array([slots.put(_str(f)) for f in files], dtype=np.uint32)
     storage_slot = memo[id(skeleton.storage_data)][0]
 
@@ -171,8 +179,16 @@ def pickle_metadata(skeleton: Metadata, chunks: Dict[str, Tuple[np.ndarray, np.n
 
     def storage_rows(offset_slots: np.ndarray, items: np.ndarray) -> List[Any]:
         # A storage entry after its MetadataIndex's fqn: the offset (memo), file, offset, length.
-        return [("<u4", offset_slots), info_head, ("<u4", file_slots[items[:, 0]]), _get(s_offset),
-                *_int_parts(items[:, 1]), _get(s_length), *_int_parts(items[:, 2]), b"ub"]
+        return [
+            ("<u4", offset_slots),
+            info_head,
+            ("<u4", file_slots[items[:, 0]]),
+            _get(s_offset),
+            *_int_parts(items[:, 1]),
+            _get(s_length),
+            *_int_parts(items[:, 2]),
+            b"ub",
+        ]
 
     # Keys of a few chunks (most keys of most models) are written together, per number of axes:
     # one packed table for all their chunks, cut into each key's list afterwards, so the work per
@@ -192,24 +208,36 @@ def pickle_metadata(skeleton: Metadata, chunks: Dict[str, Tuple[np.ndarray, np.n
             continue
         chunk_rows, offset_slots = _chunk_records(slots, offs, sizes, chunk_head, size_cls, get_sizes)
         chunk_parts.append(_get(list_slot) + b"(" + chunk_rows + b"e0")
-        storage_parts.append(_records(m, [index_head + _get(fqn_slot) + index_tail,
-                                          *storage_rows(offset_slots, items)]))
+        storage_parts.append(
+            _records(m, [index_head + _get(fqn_slot) + index_tail, *storage_rows(offset_slots, items)])
+        )
     for group in small.values():
         counts = [len(k[2]) for k in group]
         offs, sizes, items = (np.concatenate([k[i] for k in group]) for i in (2, 3, 4))
         chunk_rows, offset_slots = _chunk_records(slots, offs, sizes, chunk_head, size_cls, get_sizes)
         fqn_slots = np.repeat(np.array([k[1] for k in group], dtype=np.uint32), counts)
-        entries = _records(len(offs), [index_head + b"j", ("<u4", fqn_slots), index_tail,
-                                       *storage_rows(offset_slots, items)])
+        entries = _records(
+            len(offs), [index_head + b"j", ("<u4", fqn_slots), index_tail, *storage_rows(offset_slots, items)]
+        )
         width, entry_width, at = len(chunk_rows) // len(offs), len(entries) // len(offs), 0
         for (list_slot, _, _, _, _, place), c in zip(group, counts):
-            chunk_parts.append(_get(list_slot) + b"(" + chunk_rows[at * width:(at + c) * width] + b"e0")
-            storage_parts[place] = entries[at * entry_width:(at + c) * entry_width]
+            chunk_parts.append(_get(list_slot) + b"(" + chunk_rows[at * width : (at + c) * width] + b"e0")
+            storage_parts[place] = entries[at * entry_width : (at + c) * entry_width]
             at += c
     for fqn, f, off, length in byte_items:
         storage_parts.append(
-            index_head + _str(fqn) + _get(s_index) + b"N" + info_head + struct.pack("<I", int(file_slots[f]))
-            + _get(s_offset) + _int(off) + _get(s_length) + _int(length) + b"ub")
+            index_head
+            + _str(fqn)
+            + _get(s_index)
+            + b"N"
+            + info_head
+            + struct.pack("<I", int(file_slots[f]))
+            + _get(s_offset)
+            + _int(off)
+            + _get(s_length)
+            + _int(length)
+            + b"ub"
+        )
     storage = [_get(storage_slot) + b"(", *storage_parts, b"u0"] if storage_parts else []
     return b"".join([head[:-1], *slots.preamble, *chunk_parts, *storage, pickle.STOP]), len(head) - 1
 
@@ -239,6 +267,6 @@ def respell(data: bytearray, head: int, replacements: Sequence[Tuple[str, str]])
             return None
         places.append((at, before, _pickled_str(new)))
     for at, before, after in sorted(places, reverse=True):  # from the end: earlier places stay put
-        data[at:at + len(before)] = after
+        data[at : at + len(before)] = after
         head += len(after) - len(before)
     return head

@@ -67,16 +67,22 @@ class TensorStoreIO:
         import tensorstore as ts
 
         self._ts = ts
-        self._context = ts.Context({"file_io_concurrency": {"limit": max(1, concurrency)},
-                                    "data_copy_concurrency": {"limit": max(1, concurrency)}})
+        self._context = ts.Context(
+            {
+                "file_io_concurrency": {"limit": max(1, concurrency)},
+                "data_copy_concurrency": {"limit": max(1, concurrency)},
+            }
+        )
 
     def _open(self, meta: ArrayMeta, write: bool, opened: Dict[str, Any]) -> Any:
         """Open each array once per batch of jobs (never across batches: a later save into the
         same folder may have replaced the array)."""
         store = opened.get(str(meta.path))
         if store is None:
-            spec: Dict[str, Any] = {"driver": "zarr3" if meta.zarr_format == 3 else "zarr",
-                                    "kvstore": {"driver": "file", "path": str(meta.path) + "/"}}
+            spec: Dict[str, Any] = {
+                "driver": "zarr3" if meta.zarr_format == 3 else "zarr",
+                "kvstore": {"driver": "file", "path": str(meta.path) + "/"},
+            }
             if write:
                 spec["store_data_equal_to_fill_value"] = True
             try:
@@ -107,7 +113,8 @@ class TensorStoreIO:
             except Exception as e:  # noqa: BLE001
                 raise CheckpointingException(
                     f"key {job.meta.key!r}: writing chunk {list(job.index)} of {job.meta.path} failed "
-                    f"(rank {dist.get_rank()}): {e}") from None
+                    f"(rank {dist.get_rank()}): {e}"
+                ) from None
         records = []
         for job, _ in pending:
             data = job.meta.chunk_path(job.index).read_bytes()
@@ -122,21 +129,27 @@ class TensorStoreIO:
             path = op.meta.chunk_path(op.index)
             where = f"key {op.meta.key!r}: chunk file {path} (rank {dist.get_rank()})"
             # tensorstore opens the file itself: the containment rule's checked resolve first.
-            containment.path_beneath(op.meta.path, op.meta.chunk_name(op.index), op.meta.path / "zarr.json",
-                                     "chunk file")
+            containment.path_beneath(
+                op.meta.path, op.meta.chunk_name(op.index), op.meta.path / "zarr.json", "chunk file"
+            )
             if not path.exists():
                 raise CheckpointingException(f"{where} is missing")
             expected = None if checksums is None else checksums.get(op.meta.chunk_relpath(op.index))
             if expected is not None and crc32c(path.read_bytes()) != expected[1]:
-                raise CheckpointingException(f"{where}: CRC32C mismatch against the manifest (corrupted data)")
+                raise CheckpointingException(
+                    f"{where}: CRC32C mismatch against the manifest (corrupted data)"
+                )
         opened: Dict[str, Any] = {}
-        pending = [(op, self._open(op.meta, False, opened)[_box(op.meta, op.index, op.lo, op.hi)].read())
-                   for op in ops]
+        pending = [
+            (op, self._open(op.meta, False, opened)[_box(op.meta, op.index, op.lo, op.hi)].read())
+            for op in ops
+        ]
         for op, fut in pending:
             try:
                 arr = fut.result()
             except Exception as e:  # noqa: BLE001
                 raise CheckpointingException(
                     f"key {op.meta.key!r}: reading chunk {list(op.index)} of {op.meta.path} failed "
-                    f"(rank {dist.get_rank()}); corrupt or truncated chunk? {e}") from None
+                    f"(rank {dist.get_rank()}); corrupt or truncated chunk? {e}"
+                ) from None
             op.dest.copy_(from_numpy(arr, op.meta.dtype))

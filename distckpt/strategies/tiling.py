@@ -20,8 +20,9 @@ import numpy as np
 _PAIRWISE = 8
 
 
-def region_problem(origin: Sequence[int], shape: Sequence[int],
-                   boxes: Sequence[Tuple[Sequence[int], Sequence[int]]]) -> Optional[str]:
+def region_problem(
+    origin: Sequence[int], shape: Sequence[int], boxes: Sequence[Tuple[Sequence[int], Sequence[int]]]
+) -> Optional[str]:
     """Why ``boxes`` (offset, size in the tensor's coordinates, each inside the region of
     ``shape`` elements at ``origin``) do not cover the region exactly once, or None if they do.
     A load calls it for every requested piece: the usual one box, or a few, cost microseconds."""
@@ -35,7 +36,9 @@ def region_problem(origin: Sequence[int], shape: Sequence[int],
     if got == math.prod(shape) and inside:
         if len(boxes) < 2:
             return None
-        if len(boxes) <= _PAIRWISE and not any(_meet(boxes[i], boxes[j]) for i in range(len(boxes)) for j in range(i)):
+        if len(boxes) <= _PAIRWISE and not any(
+            _meet(boxes[i], boxes[j]) for i in range(len(boxes)) for j in range(i)
+        ):
             return None
     rel = [(tuple(o - g for o, g in zip(off, origin)), tuple(size)) for off, size in boxes]
     return coverage_problem(shape, rel, origin)
@@ -49,11 +52,13 @@ def _meet(a: Tuple[Sequence[int], Sequence[int]], b: Tuple[Sequence[int], Sequen
     return True
 
 
-def coverage_problem(shape: Sequence[int], boxes: Sequence[Tuple[Sequence[int], Sequence[int]]],
-                     origin: Sequence[int] = ()) -> Optional[str]:
+def coverage_problem(
+    shape: Sequence[int], boxes: Sequence[Tuple[Sequence[int], Sequence[int]]], origin: Sequence[int] = ()
+) -> Optional[str]:
     """Why ``boxes`` (offset, size) do not tile ``shape`` exactly once, or None if they do.
     ``origin``: where ``shape`` begins in the coordinates the messages name chunks in (a
     region of a tensor; the boxes are given relative to it)."""
+
     def at(off: Sequence[int]) -> List[int]:
         return [o + g for o, g in zip(off, origin)] if origin else list(off)
 
@@ -67,8 +72,11 @@ def coverage_problem(shape: Sequence[int], boxes: Sequence[Tuple[Sequence[int], 
         volume += math.prod(size)
     nonempty = sorted((tuple(o), tuple(s)) for o, s in boxes if math.prod(s) > 0)
     if not shape:
-        return f"{len(nonempty)} chunks of a scalar" if len(nonempty) > 1 else (
-            f"chunks cover {volume} of {total} elements (missing data)" if volume < total else None)
+        return (
+            f"{len(nonempty)} chunks of a scalar"
+            if len(nonempty) > 1
+            else (f"chunks cover {volume} of {total} elements (missing data)" if volume < total else None)
+        )
     tiled = True if total == 0 else tiles(shape, nonempty) if volume == total else False
     if tiled:
         return None
@@ -127,7 +135,7 @@ def tiles(shape: Sequence[int], boxes: Sequence[Tuple[Sequence[int], Sequence[in
         sign = -1 if bin(mask).count("1") % 2 else 1
         corners.append(np.where(upper, ends, offs))
         signs.append(np.full(len(offs), sign, dtype=np.int64))
-        corners.append(np.where(upper, whole, 0)[None, :])   # the shape's corner, sign negated
+        corners.append(np.where(upper, whole, 0)[None, :])  # the shape's corner, sign negated
         signs.append(np.array([-sign], dtype=np.int64))
     points = np.concatenate(corners)
     # One code per point: each axis ranked, the ranks combined (re-ranked before they overflow).

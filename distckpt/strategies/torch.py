@@ -134,12 +134,22 @@ class _MetadataUnpickler(pickle.Unpickler):
 
     _DCP = {
         "torch.distributed.checkpoint.metadata": {
-            "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-            "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
         },
         "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
         "torch.distributed.checkpoint.planner": {
-            "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData",
+            "SavePlan",
+            "WriteItem",
+            "WriteItemType",
+            "TensorWriteData",
+            "BytesIOWriteData",
         },
         "torch.serialization": {"_get_layout"},
         "collections": {"OrderedDict"},
@@ -149,8 +159,10 @@ class _MetadataUnpickler(pickle.Unpickler):
     }
     # A path of the other OS cannot be instantiated here (WindowsPath on Linux raises): pure paths
     # carry the same text. Python 3.13 moved the classes to pathlib._local.
-    _RENAMED = {("pathlib", "WindowsPath"): ("pathlib", "PureWindowsPath"),
-                ("pathlib", "PosixPath"): ("pathlib", "PurePosixPath" if os.name == "nt" else "PosixPath")}
+    _RENAMED = {
+        ("pathlib", "WindowsPath"): ("pathlib", "PureWindowsPath"),
+        ("pathlib", "PosixPath"): ("pathlib", "PurePosixPath" if os.name == "nt" else "PosixPath"),
+    }
     # Class paths pickled by Megatron-Core 0.15 (data in its files; nothing is imported from it).
     _MEGATRON = {
         (_MCORE_TORCH_STRATEGY, "MCoreMetadata"): ("torch.distributed.checkpoint.metadata", "Metadata"),
@@ -217,7 +229,8 @@ def _metadata_bytes(checkpoint_dir, trusted: bool, verify: bool) -> bytes:
         raw = storage.read_bytes(checkpoint_dir, METADATA_FNAME)
     except FileNotFoundError:
         raise CheckpointingException(
-            f"{path}: DCP metadata file is missing; not a torch_dist checkpoint") from None
+            f"{path}: DCP metadata file is missing; not a torch_dist checkpoint"
+        ) from None
     if verify:
         try:
             check_whole_file(checkpoint_dir, METADATA_FNAME, raw)
@@ -229,14 +242,29 @@ def _metadata_bytes(checkpoint_dir, trusted: bool, verify: bool) -> bytes:
 def _unpickled(raw: bytes, path: Any, trusted: bool) -> Metadata:
     try:
         md = pickle.loads(raw) if trusted else _MetadataUnpickler(io.BytesIO(raw)).load()
-    except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError,
-            IndexError, KeyError, UnicodeDecodeError, OverflowError, MemoryError) as e:
-        raise CheckpointingException(f"{path}: unreadable checkpoint metadata: {type(e).__name__}: {e}") from None
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        AttributeError,
+        ImportError,
+        TypeError,
+        ValueError,
+        IndexError,
+        KeyError,
+        UnicodeDecodeError,
+        OverflowError,
+        MemoryError,
+    ) as e:
+        raise CheckpointingException(
+            f"{path}: unreadable checkpoint metadata: {type(e).__name__}: {e}"
+        ) from None
     if not isinstance(md, Metadata):
         raise CheckpointingException(f"{path}: holds {type(md).__name__}, not DCP Metadata")
     for name in ("state_dict_metadata", "storage_data"):  # what every reader iterates
         if not isinstance(getattr(md, name, None), dict):
-            raise CheckpointingException(f"{path}: {name} is {type(getattr(md, name, None)).__name__}, not a dict")
+            raise CheckpointingException(
+                f"{path}: {name} is {type(getattr(md, name, None)).__name__}, not a dict"
+            )
     return md
 
 
@@ -251,7 +279,9 @@ def _what_differs(raw: bytes, checkpoint_dir, trusted: bool) -> str:
         manifest = read_manifest(checkpoint_dir)
     except CheckpointingException:
         return ""
-    problems = cross_check(md, manifest, path, storage.join(checkpoint_dir, MANIFEST_FNAME)) if manifest else []
+    problems = (
+        cross_check(md, manifest, path, storage.join(checkpoint_dir, MANIFEST_FNAME)) if manifest else []
+    )
     return "".join(f"; {p}" for p in problems[:3])
 
 
@@ -271,16 +301,22 @@ def checked_metadata(checkpoint_dir, trusted: bool = False) -> Metadata:
         for name in (INDEX_FNAME, MANIFEST_FNAME):
             path = checkpoint_dir / name
             if os.path.lexists(path) and not (path.is_symlink() or path.is_file()):
-                raise CheckpointingException(f"{path}: not a regular file; refusing to replace it (nothing was changed)")
+                raise CheckpointingException(
+                    f"{path}: not a regular file; refusing to replace it (nothing was changed)"
+                )
     return md
 
 
 def _tensors_metadata(md: Metadata) -> ShardedStateDict:
     """key -> data-free ShardedTensor of the whole tensor (original shape for flattened keys)."""
     orig = _orig_shapes(md)
-    return {fqn: ShardedTensor.from_rank_offsets(
-                fqn, torch.empty(orig.get(fqn, tuple(meta.size)), dtype=meta.properties.dtype, device="meta"))
-            for fqn, meta in md.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)}
+    return {
+        fqn: ShardedTensor.from_rank_offsets(
+            fqn, torch.empty(orig.get(fqn, tuple(meta.size)), dtype=meta.properties.dtype, device="meta")
+        )
+        for fqn, meta in md.state_dict_metadata.items()
+        if isinstance(meta, TensorStorageMetadata)
+    }
 
 
 def plain_byte_items(md: Metadata) -> Dict[str, Tuple[Any, ...]]:
@@ -341,8 +377,9 @@ def _orig_shapes(md: Metadata) -> Dict[str, Shape]:
 # --------------------------------------------------------------------------- box geometry
 
 
-def _intersect(a_off: Sequence[int], a_size: Sequence[int], b_off: Sequence[int],
-               b_size: Sequence[int]) -> Optional[Tuple[Shape, Shape]]:
+def _intersect(
+    a_off: Sequence[int], a_size: Sequence[int], b_off: Sequence[int], b_size: Sequence[int]
+) -> Optional[Tuple[Shape, Shape]]:
     off, size = [], []
     for ao, asz, bo, bsz in zip(a_off, a_size, b_off, b_size):
         lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
@@ -401,12 +438,12 @@ def _ravel(index: Sequence[int], shape: Sequence[int]) -> int:
 @dataclass
 class _WriteItem:
     fqn: str
-    chunk_offset: Shape          # () for byte items
+    chunk_offset: Shape  # () for byte items
     chunk_size: Shape
-    payload: Any                 # a CPU tensor of shape chunk_size, or bytes; None until staged
+    payload: Any  # a CPU tensor of shape chunk_size, or bytes; None until staged
     nbytes: int
-    source: Optional[torch.Tensor] = None   # what to copy into ``payload`` when its wave comes
-    copies: bool = False         # materializing ``source`` copies nbytes into host memory
+    source: Optional[torch.Tensor] = None  # what to copy into ``payload`` when its wave comes
+    copies: bool = False  # materializing ``source`` copies nbytes into host memory
 
 
 @dataclass
@@ -458,12 +495,12 @@ class SavePlan:
     file_sizes: Dict[str, int] = field(default_factory=dict)  # data files and block tables
     table_crcs: Dict[str, int] = field(default_factory=dict)  # block table name -> its CRC32C
     written: bool = False
-    staged: Optional[Any] = None   # the StagedBatch holding the pending wave's staged copies
+    staged: Optional[Any] = None  # the StagedBatch holding the pending wave's staged copies
     staging: Optional[Any] = None  # the StagingBuffers pool (async saves), None: plain copies
     pending: Optional[Wave] = None  # the wave write_plan writes (None: every job, all of it)
     outputs: Dict[str, Any] = field(default_factory=dict)  # file name -> open _Output
     error: Optional[BaseException] = None  # a failure of the blocking waves, raised by write_plan
-    waves: int = 1                 # how many waves the save was cut into
+    waves: int = 1  # how many waves the save was cut into
 
 
 def _standalone_cpu(t: torch.Tensor, shape: Shape, staging: Optional[Any]) -> torch.Tensor:
@@ -489,8 +526,11 @@ def _is_plain(t: torch.Tensor) -> bool:
 
 
 def _owns_its_bytes(t: torch.Tensor) -> bool:
-    return (t.is_contiguous() and t.storage_offset() == 0
-            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
+    return (
+        t.is_contiguous()
+        and t.storage_offset() == 0
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    )
 
 
 def _tensor_item(sh: ShardedTensor, stage: bool) -> Tuple[Optional[_WriteItem], _KeyDecl]:
@@ -680,6 +720,7 @@ DEFAULT_FILES_PER_RANK = 2
 # Files a load reads at once when it does not say (at most; see reader_threads).
 DEFAULT_READERS_PER_RANK = 4
 
+
 def _thread_count(thread_count: Optional[int], default: int) -> Tuple[int, bool]:
     """A strategy's ``thread_count`` argument checked: (the count, whether it was given)."""
     if thread_count is None:
@@ -806,11 +847,18 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             records in a layout a loading rank reads partially; see docs/formats.md).
     """
 
-    records_phases = True   # distckpt.timings: it begins its own phases (planning, writing, commit)
+    records_phases = True  # distckpt.timings: it begins its own phases (planning, writing, commit)
 
-    def __init__(self, backend: str = "torch_dist", version: int = 1, thread_count: Optional[int] = None,
-                 separation_hint: Optional[str] = None, cached_metadata: bool = False,
-                 stage_cpu_tensors: bool = True, write_index: bool = True):
+    def __init__(
+        self,
+        backend: str = "torch_dist",
+        version: int = 1,
+        thread_count: Optional[int] = None,
+        separation_hint: Optional[str] = None,
+        cached_metadata: bool = False,
+        stage_cpu_tensors: bool = True,
+        write_index: bool = True,
+    ):
         super().__init__(backend, version)
         self.write_index = write_index
         self.stage_cpu_tensors = stage_cpu_tensors
@@ -824,7 +872,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         # Rank 0: the last ``.metadata`` written (respelled in place by the next save of the
         # same items), its head's length, its checkpoint id and save id.
         self._metadata_cache: Optional[Tuple[bytearray, int, str, str]] = None
-        self._index_template: Optional[IndexTemplate] = None   # the last sidecar, for cached_metadata
+        self._index_template: Optional[IndexTemplate] = None  # the last sidecar, for cached_metadata
         self.last_save_reused_metadata = False
         self._commit: Optional[Tuple[Dict[str, Tuple[int, int]], Callable[[], None]]] = None
 
@@ -832,7 +880,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
-    def prepare(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path, stage: bool = False) -> SavePlan:
+    def prepare(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path, stage: bool = False
+    ) -> SavePlan:
         """Collect this rank's main replicas into files; ``stage``: their bytes will be copied into
         staging buffers (an async save). Nothing is copied yet: that happens wave by wave."""
         checkpoint_dir = _location(checkpoint_dir)
@@ -874,8 +924,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         """Threads that write this rank's ``thread_count`` files (see :func:`_io_threads`)."""
         return _io_threads(self.thread_count, self._threads_given, checkpoint_dir)
 
-    def _plan_and_write(self, sharded_state_dict: ShardedStateDict,
-                        checkpoint_dir: Path) -> Tuple[Optional[SavePlan], Optional[BaseException]]:
+    def _plan_and_write(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path
+    ) -> Tuple[Optional[SavePlan], Optional[BaseException]]:
         """Plan and write this rank's files; a failure is returned, to be shared in finalize."""
         timings.begin("planning")
         try:
@@ -890,9 +941,14 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         timings.begin("commit")
         self.finalize(plan, _location(checkpoint_dir), exc)
 
-    def save_and_commit(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path,
-                        exc: Optional[BaseException], whole_files: Dict[str, Tuple[int, int]],
-                        commit: Callable[[], None]) -> None:
+    def save_and_commit(
+        self,
+        sharded_state_dict: ShardedStateDict,
+        checkpoint_dir: Path,
+        exc: Optional[BaseException],
+        whole_files: Dict[str, Tuple[int, int]],
+        commit: Callable[[], None],
+    ) -> None:
         """``save``, and the caller's commit in the same collective: rank 0 enters every rank's
         ``whole_files`` (files the caller wrote, ``{name: (size, crc32c)}``, e.g. ``common.pt``)
         into the manifest with the strategy's items, and runs ``commit()`` right after it wrote
@@ -959,8 +1015,9 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             plan.staging.reset_peak()
         threads = self.writer_threads(plan.checkpoint_dir)
         write_waves(plan, plan_waves(plan.jobs, budget), threads)
-        return AsyncRequest(write_plan, (plan, threads),
-                            [lambda: self.finalize(plan, _location(checkpoint_dir), None)])
+        return AsyncRequest(
+            write_plan, (plan, threads), [lambda: self.finalize(plan, _location(checkpoint_dir), None)]
+        )
 
     def finalize(self, plan: Optional[SavePlan], checkpoint_dir: Path, exc: Optional[BaseException]) -> None:
         """Gather every rank's records to rank 0, which writes ``.metadata`` and the manifest.
@@ -971,7 +1028,11 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         if exc is None:
             structure = (plan.decls, [r.structure() for r in plan.records], plan.file_sizes)
             if self.cached_metadata and structure == self._local_structure:
-                payload = ("same", np.array([r.crc32c for r in plan.records], dtype=np.int64), plan.table_crcs)
+                payload = (
+                    "same",
+                    np.array([r.crc32c for r in plan.records], dtype=np.int64),
+                    plan.table_crcs,
+                )
             else:
                 payload = ("full", RecordTable.of(plan.decls, plan.records), plan.file_sizes, plan.table_crcs)
         commit, stage = getattr(self, "_commit", None), "torch_dist write"
@@ -1048,11 +1109,14 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             if self.cached_metadata:
                 self._global_cache = per_rank
             else:
-                LAST_SAVE.remember(records, md_bytes, head, checkpoint_id, save_id, template, again is not None)
+                LAST_SAVE.remember(
+                    records, md_bytes, head, checkpoint_id, save_id, template, again is not None
+                )
             return reused
 
-        self.last_save_reused_metadata = bool(dist.gather_and_decide(
-            stage, exc, payload, decide if commit is None else decide_and_commit))
+        self.last_save_reused_metadata = bool(
+            dist.gather_and_decide(stage, exc, payload, decide if commit is None else decide_and_commit)
+        )
         if self.cached_metadata:
             self._local_structure = (plan.decls, [r.structure() for r in plan.records], plan.file_sizes)
 
@@ -1075,7 +1139,7 @@ class RecordTable:
 
     keys: Tuple[Tuple[str, bool, Optional[torch.dtype], Shape, Optional[Shape]], ...]
     files: Tuple[str, ...]
-    rows: Any   # np.ndarray
+    rows: Any  # np.ndarray
     layout: bytes = b""
 
     @property
@@ -1084,8 +1148,10 @@ class RecordTable:
 
     @classmethod
     def of(cls, decls: Dict[str, _KeyDecl], records: Sequence[_Record]) -> RecordTable:
-        keys = tuple((fqn, d.is_bytes, d.dtype, tuple(d.size), None if d.orig_shape is None else tuple(d.orig_shape))
-                     for fqn, d in decls.items())
+        keys = tuple(
+            (fqn, d.is_bytes, d.dtype, tuple(d.size), None if d.orig_shape is None else tuple(d.orig_shape))
+            for fqn, d in decls.items()
+        )
         key_ids = {k[0]: i for i, k in enumerate(keys)}
         file_ids: Dict[str, int] = {}
         ndim = max((len(k[3]) for k in keys), default=0)
@@ -1114,7 +1180,9 @@ class RecordTable:
     def ranges(self) -> List[Tuple[str, int, int, int, str]]:
         """``(file, offset, length, crc32c, key)`` of every record (what the manifest takes)."""
         keys, files = self.keys, self.files
-        return [(files[f], off, length, crc, keys[k][0]) for k, f, off, length, crc in self.rows[:, :5].tolist()]
+        return [
+            (files[f], off, length, crc, keys[k][0]) for k, f, off, length, crc in self.rows[:, :5].tolist()
+        ]
 
 
 @dataclass
@@ -1141,7 +1209,7 @@ class GatheredRecords:
         decls: Dict[str, Tuple] = {}
         fqns: List[str] = []
         key_ids: Dict[str, int] = {}
-        key_maps: Dict[object, Any] = {}   # a rank's layout -> its keys' global indices (DP ranks share it)
+        key_maps: Dict[object, Any] = {}  # a rank's layout -> its keys' global indices (DP ranks share it)
         files: List[str] = []
         ndim = max((t.ndim for t in tables), default=0)
         parts = []
@@ -1164,8 +1232,15 @@ class GatheredRecords:
             files.extend(t.files)
             if t.ndim < ndim:
                 pad, n = ndim - t.ndim, len(rows)
-                rows = np.concatenate([rows[:, :5 + t.ndim], np.zeros((n, pad), np.int64),
-                                       rows[:, 5 + t.ndim:], np.ones((n, pad), np.int64)], axis=1)
+                rows = np.concatenate(
+                    [
+                        rows[:, : 5 + t.ndim],
+                        np.zeros((n, pad), np.int64),
+                        rows[:, 5 + t.ndim :],
+                        np.ones((n, pad), np.int64),
+                    ],
+                    axis=1,
+                )
             else:
                 rows = rows.copy()
             rows[:, 0] = kmap[rows[:, 0]]
@@ -1179,10 +1254,12 @@ class GatheredRecords:
 
     def by_key(self):
         """``(fqn, rows)`` of every key with records; rows in rank order."""
-        bounds = np.concatenate([[0], np.cumsum(np.bincount(self.rows[:, 0], minlength=len(self.fqns)))]).tolist()
+        bounds = np.concatenate(
+            [[0], np.cumsum(np.bincount(self.rows[:, 0], minlength=len(self.fqns)))]
+        ).tolist()
         for k, fqn in enumerate(self.fqns):
             if bounds[k + 1] > bounds[k]:
-                yield fqn, self.rows[bounds[k]:bounds[k + 1]]
+                yield fqn, self.rows[bounds[k] : bounds[k + 1]]
 
     def ranges(self) -> List[Tuple[str, int, int, int, str]]:
         """``(file, offset, length, crc32c, key)`` of every record (what the manifest takes)."""
@@ -1193,14 +1270,19 @@ class GatheredRecords:
         """What the manifest records of the writer's intent besides checksums: each tensor key's
         (dtype name, stored shape[, original shape of a flattened key]), and the (chunk offset,
         chunk size) of every record, aligned with :meth:`ranges` (None for byte items)."""
-        keys = {fqn: (dtype_name(d[1]), tuple(d[2])) + (() if d[3] is None else (tuple(d[3]),))
-                for fqn, d in self.decls.items() if not d[0] and d[1] is not None}
+        keys = {
+            fqn: (dtype_name(d[1]), tuple(d[2])) + (() if d[3] is None else (tuple(d[3]),))
+            for fqn, d in self.decls.items()
+            if not d[0] and d[1] is not None
+        }
         ndim, fqns = self.ndim, self.fqns
         boxes: List[Optional[Tuple[Shape, Shape]]] = []
         for row in self.rows.tolist():
             decl = keys.get(fqns[row[0]])
             n = len(decl[1]) if decl is not None else 0
-            boxes.append(None if decl is None else (tuple(row[5:5 + n]), tuple(row[5 + ndim:5 + ndim + n])))
+            boxes.append(
+                None if decl is None else (tuple(row[5 : 5 + n]), tuple(row[5 + ndim : 5 + ndim + n]))
+            )
         return keys, boxes
 
 
@@ -1217,7 +1299,7 @@ def sidecar_index(records: GatheredRecords, metadata_bytes: int, template: bool 
         n = 0 if keys[fqn].get("bytes") else len(keys[fqn]["size"])
         d = records.ndim
         # index rows: offset[n], size[n], file index, file offset, length, crc32c
-        rows[fqn] = np.concatenate([r[:, 5:5 + n], r[:, 5 + d:5 + d + n], r[:, 1:5]], axis=1)
+        rows[fqn] = np.concatenate([r[:, 5 : 5 + n], r[:, 5 + d : 5 + d + n], r[:, 1:5]], axis=1)
     with gc_paused():
         return build_index_from_rows(keys, rows, records.files, metadata_bytes, template=template)
 
@@ -1251,14 +1333,20 @@ class LastSave:
             return None
         old = last[0]
         a, b = old.rows, records.rows
-        if a.shape != b.shape or old.fqns != records.fqns or old.files != records.files or old.decls != records.decls:
+        if (
+            a.shape != b.shape
+            or old.fqns != records.fqns
+            or old.files != records.files
+            or old.decls != records.decls
+        ):
             return None
         if not (np.array_equal(a[:, :4], b[:, :4]) and np.array_equal(a[:, 5:], b[:, 5:])):
             return None
         return last
 
-    def reuse(self, records: GatheredRecords, checkpoint_id: str, save_id: str,
-              with_index: bool) -> Optional[Tuple[bytes, int, Optional[bytes]]]:
+    def reuse(
+        self, records: GatheredRecords, checkpoint_id: str, save_id: str, with_index: bool
+    ) -> Optional[Tuple[bytes, int, Optional[bytes]]]:
         """``(.metadata, its head's length, sidecar or None)`` of ``records`` under the new ids,
         from the last save if ``records`` differ from its records only in CRC32Cs; else None."""
         with self._lock:
@@ -1279,8 +1367,16 @@ class LastSave:
                     return None
             return bytes(md_bytes), head, index
 
-    def remember(self, records: GatheredRecords, md_bytes: bytes, head: int, checkpoint_id: str, save_id: str,
-                 template: Optional[IndexTemplate], reused: bool) -> None:
+    def remember(
+        self,
+        records: GatheredRecords,
+        md_bytes: bytes,
+        head: int,
+        checkpoint_id: str,
+        save_id: str,
+        template: Optional[IndexTemplate],
+        reused: bool,
+    ) -> None:
         """Keep this save; ``reused``: :meth:`reuse` just gave its ``.metadata`` (the records are
         the last ones, so a sidecar template of theirs, just patched, stays)."""
         with self._lock:
@@ -1295,7 +1391,9 @@ class LastSave:
 LAST_SAVE = LastSave()
 
 
-def patched_sidecar_index(template: IndexTemplate, records: GatheredRecords, metadata_bytes: int) -> Optional[bytes]:
+def patched_sidecar_index(
+    template: IndexTemplate, records: GatheredRecords, metadata_bytes: int
+) -> Optional[bytes]:
     """The sidecar of ``records`` from the template of an earlier save's records that differed
     only in their CRC32Cs (None if they do not fit it)."""
     return template.patch({fqn: r[:, 4] for fqn, r in records.by_key()}, metadata_bytes)
@@ -1360,7 +1458,7 @@ def _metadata_index(fqn: str, offset: Optional[torch.Size]) -> MetadataIndex:
     return index
 
 
-_FEW_ROWS = 64   # keys with at most this many records are sorted together in _sorted_chunks
+_FEW_ROWS = 64  # keys with at most this many records are sorted together in _sorted_chunks
 
 
 def _sorted_chunks(records: GatheredRecords):
@@ -1388,15 +1486,15 @@ def _sorted_chunks(records: GatheredRecords):
             raise CheckpointingException(f"record for undeclared key {fqn!r}")
         n = len(decl[2]) if not decl[0] else 0
         if few[k]:
-            mine = grouped[few_ends[k] - counts[k]:few_ends[k]]
+            mine = grouped[few_ends[k] - counts[k] : few_ends[k]]
         else:
-            mine = rows[ends[k] - counts[k]:ends[k]]
+            mine = rows[ends[k] - counts[k] : ends[k]]
             if n:
-                mine = mine[np.lexsort(mine[:, 5:5 + n].T[::-1])]
+                mine = mine[np.lexsort(mine[:, 5 : 5 + n].T[::-1])]
         if decl[0]:
             byte_items.extend((fqn, f, off, length) for f, off, length in mine[:, 1:4].tolist())
             continue
-        chunks[fqn] = (mine[:, 5:5 + n], mine[:, 5 + ndim:5 + ndim + n], mine[:, 1:4])
+        chunks[fqn] = (mine[:, 5 : 5 + n], mine[:, 5 + ndim : 5 + ndim + n], mine[:, 1:4])
     return chunks, byte_items
 
 
@@ -1410,11 +1508,16 @@ def _skeleton(records: GatheredRecords, checkpoint_id: str, save_id: str) -> Met
             state_dict_metadata[fqn] = BytesStorageMetadata()
             continue
         state_dict_metadata[fqn] = TensorStorageMetadata(
-            properties=TensorProperties(dtype=dtype), size=torch.Size(shape), chunks=[])
+            properties=TensorProperties(dtype=dtype), size=torch.Size(shape), chunks=[]
+        )
         if orig_shape is not None:
             mcore_data[fqn] = {_ORIG_SHAPE: tuple(orig_shape)}
-    md = Metadata(state_dict_metadata=state_dict_metadata, planner_data=None, storage_data={},
-                  storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id))
+    md = Metadata(
+        state_dict_metadata=state_dict_metadata,
+        planner_data=None,
+        storage_data={},
+        storage_meta=StorageMeta(checkpoint_id=checkpoint_id, save_id=save_id),
+    )
     md.mcore_data = mcore_data
     return md
 
@@ -1437,11 +1540,11 @@ class _Stored:
 class _StoredKey:
     fqn: str
     dtype: torch.dtype
-    size: Shape                          # stored (possibly N-D reformulated) shape
+    size: Shape  # stored (possibly N-D reformulated) shape
     chunks: List[_Stored]
-    orig_shape: Optional[Shape] = None   # set for flattened (N-D reformulated) keys
+    orig_shape: Optional[Shape] = None  # set for flattened (N-D reformulated) keys
     flat_index: Dict[Shape, List[_Stored]] = field(default_factory=dict)
-    source: str = ""                     # the file that describes it (.metadata or the sidecar)
+    source: str = ""  # the file that describes it (.metadata or the sidecar)
 
     @property
     def logical_shape(self) -> Shape:
@@ -1494,8 +1597,16 @@ class _Plan:
         self.ops[stored].append(op)
 
 
-def _plan_flat_slices(plan: _Plan, key: str, stored: _StoredKey, idx: Shape, f_lo: int, f_hi: int,
-                      target: torch.Tensor, origin: int) -> None:
+def _plan_flat_slices(
+    plan: _Plan,
+    key: str,
+    stored: _StoredKey,
+    idx: Shape,
+    f_lo: int,
+    f_hi: int,
+    target: torch.Tensor,
+    origin: int,
+) -> None:
     """Copy elements ``[f_lo, f_hi)`` of flattened chunk ``idx`` from the stored slices that hold
     them into the 1-D ``target``, whose element 0 is flat element ``origin``. The slices (sorted
     by start) must hold each of those elements exactly once: a gap would load as whatever the
@@ -1509,14 +1620,16 @@ def _plan_flat_slices(plan: _Plan, key: str, stored: _StoredKey, idx: Shape, f_l
             if a < end:
                 raise CheckpointingException(
                     f"{stored.source}: key {key!r}: stored flattened ranges of chunk {list(idx)} overlap at "
-                    f"elements [{a}, {min(b, end)}) (the metadata is damaged)")
+                    f"elements [{a}, {min(b, end)}) (the metadata is damaged)"
+                )
             covered += b - a
             end = b
-            plan.add(ch, CopyOp(key, a - s, (b - a,), (1,), target[a - origin:b - origin]))
+            plan.add(ch, CopyOp(key, a - s, (b - a,), (1,), target[a - origin : b - origin]))
     if covered != f_hi - f_lo:
         raise CheckpointingException(
             f"{stored.source}: key {key!r}: stored flattened ranges of chunk {list(idx)} hold {covered} of "
-            f"elements [{f_lo}, {f_hi}) needed for this load (the rest is missing: damaged metadata)")
+            f"elements [{f_lo}, {f_hi}) needed for this load (the rest is missing: damaged metadata)"
+        )
 
 
 def check_claims(md: Metadata, source: Path) -> None:
@@ -1525,7 +1638,7 @@ def check_claims(md: Metadata, source: Path) -> None:
     tensor, dtypes real (``source`` names the file in the error)."""
     try:
         _check_claims(md, source)
-    except AttributeError as e:   # an object unpickled without the fields its class has
+    except AttributeError as e:  # an object unpickled without the fields its class has
         raise CheckpointingException(f"{source}: malformed checkpoint metadata: {e}") from None
 
 
@@ -1545,7 +1658,9 @@ def _check_claims(md: Metadata, source: Path) -> None:
         if not isinstance(meta, TensorStorageMetadata):
             continue
         if not isinstance(meta.properties.dtype, torch.dtype):
-            raise CheckpointingException(f"{source}: key {fqn!r}: dtype {meta.properties.dtype!r:.100} is not a dtype")
+            raise CheckpointingException(
+                f"{source}: key {fqn!r}: dtype {meta.properties.dtype!r:.100} is not a dtype"
+            )
         size = bounds.shape(meta.size, source, f"key {fqn!r}: global shape")
         entry = mcore.get(fqn)
         if isinstance(entry, dict) and _ORIG_SHAPE in entry:
@@ -1574,12 +1689,20 @@ def check_reformulated(fqn: str, size: Shape, orig: Any, source: Any) -> Shape:
         raise CheckpointingException(
             f"{source}: key {fqn!r}: stored shape {list(size)} is not an N-D reformulation of its "
             f"original shape {list(orig)} (a grid of 1 to n chunks along each axis of n elements, then "
-            f"the elements of one chunk)")
+            f"the elements of one chunk)"
+        )
     return orig
 
 
-def check_declared(fqn: str, dtype: torch.dtype, size: Shape, orig: Optional[Shape], declared: Dict[str, Tuple],
-                   source: Any, manifest_source: Any) -> None:
+def check_declared(
+    fqn: str,
+    dtype: torch.dtype,
+    size: Shape,
+    orig: Optional[Shape],
+    declared: Dict[str, Tuple],
+    source: Any,
+    manifest_source: Any,
+) -> None:
     """A tensor key a default load reads or returns, as ``source`` (``.metadata`` or the sidecar)
     declares it, against the integrity manifest's ``keys`` (``declared``, what the writer
     declared): the same name, dtype, stored shape and (``orig``, a flattened key's) original
@@ -1590,17 +1713,22 @@ def check_declared(fqn: str, dtype: torch.dtype, size: Shape, orig: Optional[Sha
     if entry is None:
         raise CheckpointingException(
             f"{source}: declares tensor key {fqn!r}, which {manifest_source} says the writer never wrote "
-            f"(the metadata is damaged)")
+            f"(the metadata is damaged)"
+        )
     if entry[0] != dtype_name(dtype) or entry[1] != size or (entry[2] if len(entry) > 2 else None) != orig:
+
         def shapes(stored, original):
-            return f"shape {list(stored)}" + ("" if original is None else f" (flattened, of original shape {list(original)})")
+            return f"shape {list(stored)}" + (
+                "" if original is None else f" (flattened, of original shape {list(original)})"
+            )
+
         raise CheckpointingException(
             f"{source}: key {fqn!r} is {dtype_name(dtype)} of {shapes(size, orig)}, {manifest_source} says the "
-            f"writer wrote {entry[0]} of {shapes(entry[1], entry[2] if len(entry) > 2 else None)}")
+            f"writer wrote {entry[0]} of {shapes(entry[1], entry[2] if len(entry) > 2 else None)}"
+        )
 
 
-def _check_all_declared(md: Metadata, declared: Dict[str, Tuple], source: Any,
-                        manifest_source: Any) -> None:
+def _check_all_declared(md: Metadata, declared: Dict[str, Tuple], source: Any, manifest_source: Any) -> None:
     """Every tensor key of ``md`` against the manifest (:func:`check_declared`), and no key the
     manifest declares missing from ``md``'s tensors: a query returns every key, so a key renamed
     or turned into a byte item must not just drop out of it."""
@@ -1608,14 +1736,18 @@ def _check_all_declared(md: Metadata, declared: Dict[str, Tuple], source: Any,
     orig = _orig_shapes(md)
     for fqn, meta in md.state_dict_metadata.items():
         if isinstance(meta, TensorStorageMetadata):
-            check_declared(fqn, meta.properties.dtype, tuple(meta.size), orig.get(fqn), declared, source,
-                           manifest_source)
+            check_declared(
+                fqn, meta.properties.dtype, tuple(meta.size), orig.get(fqn), declared, source, manifest_source
+            )
             tensors += 1
     if tensors != len(declared):
-        missing = sorted(k for k in declared if not isinstance(md.state_dict_metadata.get(k), TensorStorageMetadata))
+        missing = sorted(
+            k for k in declared if not isinstance(md.state_dict_metadata.get(k), TensorStorageMetadata)
+        )
         raise CheckpointingException(
             f"{source}: does not declare tensor key(s) {missing[:3]}{' ...' if len(missing) > 3 else ''} that "
-            f"{manifest_source} says the writer wrote (the metadata is damaged)")
+            f"{manifest_source} says the writer wrote (the metadata is damaged)"
+        )
 
 
 def cross_check(md: Metadata, manifest: Any, source: str, manifest_source: str) -> List[str]:
@@ -1638,28 +1770,43 @@ def cross_check(md: Metadata, manifest: Any, source: str, manifest_source: str) 
         if fqn not in manifest.keys:
             continue
         try:
-            check_declared(fqn, meta.properties.dtype, tuple(meta.size), orig.get(fqn), manifest.keys, source,
-                           manifest_source)
+            check_declared(
+                fqn,
+                meta.properties.dtype,
+                tuple(meta.size),
+                orig.get(fqn),
+                manifest.keys,
+                source,
+                manifest_source,
+            )
         except CheckpointingException as e:
             problems.append(str(e))
     for index, info in md.storage_data.items():
-        where = f"{source}: key {index.fqn!r}" + (f" chunk at {list(index.offset)}" if index.offset is not None else "")
+        where = f"{source}: key {index.fqn!r}" + (
+            f" chunk at {list(index.offset)}" if index.offset is not None else ""
+        )
         r = ranges.get((info.relative_path, info.offset))
         if r is None:
-            problems.append(f"{where}: record of {info.length} bytes at offset {info.offset} of "
-                            f"{info.relative_path}: {manifest_source} lists no range there")
+            problems.append(
+                f"{where}: record of {info.length} bytes at offset {info.offset} of "
+                f"{info.relative_path}: {manifest_source} lists no range there"
+            )
             continue
         if r.length != info.length or r.key != index.fqn:
-            problems.append(f"{where}: record of {info.length} bytes at offset {info.offset} of "
-                            f"{info.relative_path}: {manifest_source} says the writer wrote {r.length} bytes of "
-                            f"key {r.key!r} there")
+            problems.append(
+                f"{where}: record of {info.length} bytes at offset {info.offset} of "
+                f"{info.relative_path}: {manifest_source} says the writer wrote {r.length} bytes of "
+                f"key {r.key!r} there"
+            )
             continue
         if r.chunk is not None and index.offset is not None:
             box = (tuple(index.offset), chunk_sizes.get((index.fqn, tuple(index.offset))))
             if box != (tuple(r.chunk[0]), tuple(r.chunk[1])):
-                problems.append(f"{where}: record at offset {info.offset} of {info.relative_path} holds chunk "
-                                f"{list(box[0])} of size {list(box[1] or [])}, {manifest_source} says the writer "
-                                f"wrote chunk {list(r.chunk[0])} of size {list(r.chunk[1])} there")
+                problems.append(
+                    f"{where}: record at offset {info.offset} of {info.relative_path} holds chunk "
+                    f"{list(box[0])} of size {list(box[1] or [])}, {manifest_source} says the writer "
+                    f"wrote chunk {list(r.chunk[0])} of size {list(r.chunk[1])} there"
+                )
     return problems
 
 
@@ -1670,10 +1817,17 @@ def _index(md: Metadata, source: Path) -> Dict[str, Any]:
     per_key: Dict[str, List[_Stored]] = defaultdict(list)
     objects: Dict[str, _Stored] = {}
     for index, info in md.storage_data.items():
-        st = _Stored(tuple(index.offset) if index.offset is not None else (),
-                     (), info.relative_path, info.offset, info.length)
+        st = _Stored(
+            tuple(index.offset) if index.offset is not None else (),
+            (),
+            info.relative_path,
+            info.offset,
+            info.length,
+        )
         if index.fqn not in md.state_dict_metadata:
-            raise CheckpointingException(f"{source}: storage record of {index.fqn!r}, a key it does not declare")
+            raise CheckpointingException(
+                f"{source}: storage record of {index.fqn!r}, a key it does not declare"
+            )
         if isinstance(md.state_dict_metadata.get(index.fqn), BytesStorageMetadata):
             objects[index.fqn] = st
         else:
@@ -1690,23 +1844,27 @@ def _index(md: Metadata, source: Path) -> Dict[str, Any]:
             st = by_offset.get(tuple(c.offsets))
             if st is None:
                 raise CheckpointingException(
-                    f"key {fqn!r}: chunk at {list(c.offsets)} has no storage record in .metadata")
+                    f"key {fqn!r}: chunk at {list(c.offsets)} has no storage record in .metadata"
+                )
             sizes = tuple(c.sizes)
             if math.prod(sizes) * itemsize > st.length:
                 raise CheckpointingException(
                     f"{source}: key {fqn!r}: chunk at {list(st.offset)} of {list(sizes)} elements needs "
-                    f"{math.prod(sizes) * itemsize} bytes, its record holds {st.length}")
+                    f"{math.prod(sizes) * itemsize} bytes, its record holds {st.length}"
+                )
             chunks.append(_Stored(st.offset, sizes, st.relative_path, st.file_offset, st.length))
         if len(by_offset) != len(chunks) or len(per_key.get(fqn, ())) != len(chunks):
             raise CheckpointingException(
                 f"{source}: key {fqn!r}: {len(per_key.get(fqn, ()))} storage records for its {len(chunks)} "
-                f"chunks (records at offsets that are none of its chunks, or several at one)")
+                f"chunks (records at offsets that are none of its chunks, or several at one)"
+            )
         out[fqn] = _stored_key(fqn, meta.properties.dtype, tuple(meta.size), chunks, orig.get(fqn), source)
     return out
 
 
-def _stored_key(fqn: str, dtype: torch.dtype, size: Shape, chunks: List[_Stored],
-                orig_shape: Optional[Shape], source: Any) -> _StoredKey:
+def _stored_key(
+    fqn: str, dtype: torch.dtype, size: Shape, chunks: List[_Stored], orig_shape: Optional[Shape], source: Any
+) -> _StoredKey:
     key = _StoredKey(fqn, dtype, size, chunks, orig_shape, source=str(source))
     if key.orig_shape is not None:
         for c in chunks:
@@ -1731,7 +1889,8 @@ def _check_covered(stored: _StoredKey, off: Shape, size: Shape, met: List[Tuple[
     if problem:
         raise CheckpointingException(
             f"{stored.source}: key {stored.fqn!r}: the stored chunks do not hold the requested region at "
-            f"{list(region[0])} of size {list(region[1])} exactly once: {problem} (the metadata is damaged)")
+            f"{list(region[0])} of size {list(region[1])} exactly once: {problem} (the metadata is damaged)"
+        )
 
 
 def _request_box(sh: ShardedTensor, size: Shape, orig_shape: Optional[Shape]) -> Tuple[Shape, Shape]:
@@ -1767,12 +1926,14 @@ def _checked_sidecar_chunk(source: str, fqn: str, dtype: torch.dtype, row, names
     if math.prod(size) * dtype.itemsize > length:
         raise CheckpointingException(
             f"{source}: key {fqn!r}: chunk at {list(off)} of {list(size)} elements needs "
-            f"{math.prod(size) * dtype.itemsize} bytes, its record holds {length}")
+            f"{math.prod(size) * dtype.itemsize} bytes, its record holds {length}"
+        )
     return _Stored(tuple(off), size, path, foff, length)
 
 
-def _index_from_sidecar(reader: IndexReader, sharded_state_dict: ShardedStateDict,
-                        checksums: Optional[Dict]) -> Dict[str, Any]:
+def _index_from_sidecar(
+    reader: IndexReader, sharded_state_dict: ShardedStateDict, checksums: Optional[Dict]
+) -> Dict[str, Any]:
     """The stored keys a load of ``sharded_state_dict`` needs, with only the chunks that meet its
     requests, read from the sidecar index; fills ``checksums`` (if given) from its records."""
     boxes: Dict[str, List[Tuple[Shape, Shape]]] = defaultdict(list)
@@ -1788,7 +1949,8 @@ def _index_from_sidecar(reader: IndexReader, sharded_state_dict: ShardedStateDic
                 if len(box[0]) != len(size):
                     raise CheckpointingException(
                         f"{reader.where}: key {sh.key!r} is stored in {len(size)} axes ({list(size)}"
-                        f"{', flattened' if orig else ''}), the request {list(sh.global_shape)} needs {len(box[0])}")
+                        f"{', flattened' if orig else ''}), the request {list(sh.global_shape)} needs {len(box[0])}"
+                    )
                 boxes[sh.key].append(box)
         elif isinstance(sh, ShardedObject):
             objects.append(sh.unique_key)
@@ -1820,8 +1982,13 @@ def _index_from_sidecar(reader: IndexReader, sharded_state_dict: ShardedStateDic
             continue
         path, foff, length, crc = item
         bounds.relative_name(path, reader.where, f"object {key!r}: file name")
-        out[key] = _Stored((), (), path, bounds.natural(foff, reader.where, f"object {key!r}: offset"),
-                           bounds.natural(length, reader.where, f"object {key!r}: length"))
+        out[key] = _Stored(
+            (),
+            (),
+            path,
+            bounds.natural(foff, reader.where, f"object {key!r}: offset"),
+            bounds.natural(length, reader.where, f"object {key!r}: length"),
+        )
         if checksums is not None:
             checksums[(path, foff)] = RangeChecksum(foff, length, crc, key)
     return out
@@ -1848,13 +2015,19 @@ def _expected(st: _Stored, checksums: Dict, key: Optional[str], what: str) -> Op
         if isinstance(checksums, _DefaultChecks) and st.relative_path not in checksums.listed:
             return None
         raise CheckpointingException(f"{what}: no checksum for this item in the manifest; cannot verify it")
-    if (expected.length != st.length or (key is not None and expected.key != key)
-            or (key is not None and expected.chunk is not None and expected.chunk != (st.offset, st.size))):
-        chunk = f" chunk {list(expected.chunk[0])} of size {list(expected.chunk[1])}" if expected.chunk else ""
+    if (
+        expected.length != st.length
+        or (key is not None and expected.key != key)
+        or (key is not None and expected.chunk is not None and expected.chunk != (st.offset, st.size))
+    ):
+        chunk = (
+            f" chunk {list(expected.chunk[0])} of size {list(expected.chunk[1])}" if expected.chunk else ""
+        )
         raise CheckpointingException(
             f"{what}: {METADATA_FNAME} records {st.length} bytes of key {key!r} chunk {list(st.offset)} of size "
             f"{list(st.size)} there, {MANIFEST_FNAME} says the writer wrote {expected.length} bytes of key "
-            f"{expected.key!r}{chunk}: the metadata or the manifest is damaged")
+            f"{expected.key!r}{chunk}: the metadata or the manifest is damaged"
+        )
     return expected
 
 
@@ -1863,7 +2036,9 @@ def _compare(crc: int, expected: RangeChecksum, what: str) -> None:
         raise CheckpointingException(f"{what}: CRC32C mismatch against the manifest (corrupted data)")
 
 
-def _check_item(raw: bytes, st: _Stored, checksums: Optional[Dict], what: str, key: Optional[str] = None) -> None:
+def _check_item(
+    raw: bytes, st: _Stored, checksums: Optional[Dict], what: str, key: Optional[str] = None
+) -> None:
     """Compare an item's bytes with the manifest (``checksums`` is None without a manifest)."""
     expected = None if checksums is None else _expected(st, checksums, key, what)
     if expected is not None:
@@ -1876,8 +2051,9 @@ def _copy_boxes(src: torch.Tensor, first: int, ops: List[CopyOp]) -> None:
         op.dst.copy_(src.as_strided(op.size, op.strides, src.storage_offset() + op.start - first))
 
 
-def copy_from_mapping(fd: int, offset: int, count: int, dtype: torch.dtype, ops: List[CopyOp],
-                      first: int, what: str) -> None:
+def copy_from_mapping(
+    fd: int, offset: int, count: int, dtype: torch.dtype, ops: List[CopyOp], first: int, what: str
+) -> None:
     """Copy the ops' boxes out of ``count`` elements of the file at byte ``offset``, mapped
     rather than read: only the pages and cache lines the boxes touch are visited, so a box
     that takes every other run of a chunk does not pull the runs between them through memory."""
@@ -1886,8 +2062,13 @@ def copy_from_mapping(fd: int, offset: int, count: int, dtype: torch.dtype, ops:
         raise CheckpointingException(f"{what}: file is truncated (needs {offset + nbytes} bytes)")
     aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
     # Private and writable only so torch accepts the buffer; nothing writes, so no page is copied.
-    mapping = mmap.mmap(fd, nbytes + offset - aligned, flags=mmap.MAP_PRIVATE,
-                        prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=aligned)
+    mapping = mmap.mmap(
+        fd,
+        nbytes + offset - aligned,
+        flags=mmap.MAP_PRIVATE,
+        prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        offset=aligned,
+    )
     try:
         _copy_boxes(torch.frombuffer(mapping, dtype=dtype, count=count, offset=offset - aligned), first, ops)
     finally:
@@ -1903,14 +2084,28 @@ def _whole_into_cpu(st: _Stored, ops: List[CopyOp]) -> bool:
     if len(ops) != 1:
         return False
     op = ops[0]
-    return (op.start == 0 and op.numel == math.prod(st.size) and op.is_range and op.dst.device.type == "cpu"
-            and op.dst.is_contiguous())
+    return (
+        op.start == 0
+        and op.numel == math.prod(st.size)
+        and op.is_range
+        and op.dst.device.type == "cpu"
+        and op.dst.is_contiguous()
+    )
 
 
-def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[CopyOp],
-                checksums: Optional[Dict], rank: int, verify: bool, raw: Optional[Union[bytes, memoryview]] = None,
-                bounce: Optional[HostBounce] = None, blocks: Optional[BlockReader] = None,
-                claimed: Optional[_StoredKey] = None) -> int:
+def _read_chunk(
+    fd: int,
+    path: Path,
+    st: _Stored,
+    ops: List[CopyOp],
+    checksums: Optional[Dict],
+    rank: int,
+    verify: bool,
+    raw: Optional[Union[bytes, memoryview]] = None,
+    bounce: Optional[HostBounce] = None,
+    blocks: Optional[BlockReader] = None,
+    claimed: Optional[_StoredKey] = None,
+) -> int:
     """Serve every copy of one stored item; returns the bytes taken from storage.
 
     ``claimed``: the key as the metadata describes it. An item whose own header says another dtype
@@ -1951,11 +2146,17 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[CopyOp],
     if not verify and _whole_into_cpu(st, ops):
         # In the saved layout: the tensor bytes straight into place, the frame compared, not parsed
         # (from the file in one call, or out of the span already read and checked).
-        if raw is None and checksums is None and read_framed_into(
-                fd, st.file_offset, st.length, tuple(st.size), ops[0].dst):
+        if (
+            raw is None
+            and checksums is None
+            and read_framed_into(fd, st.file_offset, st.length, tuple(st.size), ops[0].dst)
+        ):
             return st.length
-        if raw is not None and (checked or checksums is None) and copy_framed_from(
-                memoryview(raw), st.file_offset, tuple(st.size), ops[0].dst):
+        if (
+            raw is not None
+            and (checked or checksums is None)
+            and copy_framed_from(memoryview(raw), st.file_offset, tuple(st.size), ops[0].dst)
+        ):
             return st.length
     if isinstance(raw, memoryview):
         raw = bytearray(raw)
@@ -1968,8 +2169,9 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[CopyOp],
             _check_item(raw, st, checksums, what, ops[0].key)
 
         def read(offset: int, n: int) -> bytes:
-            return raw[offset:offset + n]
+            return raw[offset : offset + n]
     else:
+
         def read(offset: int, n: int) -> bytes:
             n = max(0, min(n, st.length - offset))
             return os.pread(fd, n, st.file_offset + offset)
@@ -1999,8 +2201,12 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[CopyOp],
             return st.length
         # A byte offset, not a view of a uint8 tensor: the data is aligned in the file, not
         # necessarily within the item, and viewing uint8 as the dtype needs the latter.
-        src = torch.frombuffer(raw if isinstance(raw, bytearray) else bytearray(raw), dtype=layout.dtype,
-                               count=numel, offset=base)
+        src = torch.frombuffer(
+            raw if isinstance(raw, bytearray) else bytearray(raw),
+            dtype=layout.dtype,
+            count=numel,
+            offset=base,
+        )
         _copy_boxes(src, 0, [op for op in ops if op.numel])
         return st.length
     nbytes = 0
@@ -2023,8 +2229,9 @@ def _read_chunk(fd: int, path: Path, st: _Stored, ops: List[CopyOp],
     if strided:
         first = min(op.start for op in strided)
         last = max(op.end for op in strided)
-        copy_from_mapping(fd, st.file_offset + base + first * itemsize, last - first, layout.dtype,
-                          strided, first, what)
+        copy_from_mapping(
+            fd, st.file_offset + base + first * itemsize, last - first, layout.dtype, strided, first, what
+        )
     return nbytes
 
 
@@ -2032,7 +2239,8 @@ def _check_claimed_dtype(actual: torch.dtype, claimed: Optional[_StoredKey], wha
     if claimed is not None and actual != claimed.dtype:
         raise CheckpointingException(
             f"{what}: the item holds {dtype_name(actual)} values, {claimed.source} says the key is "
-            f"{dtype_name(claimed.dtype)} (the metadata is damaged)")
+            f"{dtype_name(claimed.dtype)} (the metadata is damaged)"
+        )
 
 
 # An item is read in part only if its copies need less than this share of its elements ...
@@ -2042,8 +2250,11 @@ _PARTIAL_SHARE = 0.75
 def _partial_candidate(st: _Stored, ops: List[CopyOp]) -> bool:
     """Whether a partial read of ``st`` may pay (then its file's block table is fetched)."""
     numel = math.prod(st.size)
-    return (st.length >= blockcrc.MIN_PAYLOAD and numel > 0
-            and sum(op.numel for op in ops) < _PARTIAL_SHARE * numel)
+    return (
+        st.length >= blockcrc.MIN_PAYLOAD
+        and numel > 0
+        and sum(op.numel for op in ops) < _PARTIAL_SHARE * numel
+    )
 
 
 def _block_table(store, name: str) -> Tuple[Optional[blockcrc.Table], int]:
@@ -2091,22 +2302,24 @@ class _PartialRead:
         out = buf.numpy()
         for (a, b), view in zip(self.runs, views):
             for i in range(a, b):
-                piece = view[(i - a) * block:(i - a) * block + block]
+                piece = view[(i - a) * block : (i - a) * block + block]
                 if crc32c(piece) != e.blocks[i]:
                     start = e.payload_offset + i * block
                     raise CheckpointingException(
                         f"key {ops[0].key!r} in {self.where} at offset {self.st.file_offset} (rank {rank}): "
                         f"CRC32C mismatch in block {i} (bytes [{start}, {start + len(piece)}) of the item) "
                         f"against its block table {blockcrc.table_name(self.st.relative_path)}: the data is "
-                        f"corrupted")
+                        f"corrupted"
+                    )
             s, t = self._span(a, b)
-            out[s - lo:t - lo] = np.frombuffer(view, dtype=np.uint8)
+            out[s - lo : t - lo] = np.frombuffer(view, dtype=np.uint8)
         itemsize = e.dtype.itemsize
         _copy_boxes(buf.view(e.dtype), lo // itemsize, [op for op in ops if op.numel])
 
 
-def _partial_read(st: _Stored, ops: List[CopyOp], table: blockcrc.Table, checksums: Dict, gap: int,
-                  where: str) -> Optional[_PartialRead]:
+def _partial_read(
+    st: _Stored, ops: List[CopyOp], table: blockcrc.Table, checksums: Dict, gap: int, where: str
+) -> Optional[_PartialRead]:
     """The blocks of ``st`` its copies need, or None to read it whole: no block CRCs for it, a
     table entry that does not match the item's checksum (a stale or damaged table), or so much
     of the item needed that one whole read is cheaper."""
@@ -2116,8 +2329,11 @@ def _partial_read(st: _Stored, ops: List[CopyOp], table: blockcrc.Table, checksu
         return None
     itemsize = e.dtype.itemsize
     if expected.length != st.length or e.payload_length != math.prod(st.size) * itemsize:
-        logger.info("%s: the block table entry of the item at offset %d does not match it; reading it whole",
-                    where, st.file_offset)
+        logger.info(
+            "%s: the block table entry of the item at offset %d does not match it; reading it whole",
+            where,
+            st.file_offset,
+        )
         return None
     block = table.block
     intervals = []
@@ -2130,8 +2346,12 @@ def _partial_read(st: _Stored, ops: List[CopyOp], table: blockcrc.Table, checksu
         return None
     problem = e.problem(block, expected.length, expected.crc32c)
     if problem is not None:
-        logger.warning("%s: block table entry of the item at offset %d: %s; reading it whole",
-                       where, st.file_offset, problem)
+        logger.warning(
+            "%s: block table entry of the item at offset %d: %s; reading it whole",
+            where,
+            st.file_offset,
+            problem,
+        )
         return None
     return _PartialRead(st, e, block, runs, where)
 
@@ -2142,7 +2362,9 @@ def _partial_read(st: _Stored, ops: List[CopyOp], table: blockcrc.Table, checksu
 _WINDOW_BYTES = 512 << 10
 
 
-def _local_block_table(checkpoint_dir: Path, name: str, checksums: Dict) -> Tuple[Optional[blockcrc.Table], bool]:
+def _local_block_table(
+    checkpoint_dir: Path, name: str, checksums: Dict
+) -> Tuple[Optional[blockcrc.Table], bool]:
     """The block table of local data file ``name`` (None: it has none, or an unusable one) and
     whether the manifest vouches for it (its bytes match the manifest's checksum of the table
     file: then its entries need not be summed up against their items' CRC32Cs)."""
@@ -2162,16 +2384,20 @@ def _local_block_table(checkpoint_dir: Path, name: str, checksums: Dict) -> Tupl
         return None, False
 
 
-def _table_entry(st: _Stored, table: blockcrc.Table, expected: RangeChecksum, vouched: bool,
-                 where: str) -> Optional[blockcrc.Entry]:
+def _table_entry(
+    st: _Stored, table: blockcrc.Table, expected: RangeChecksum, vouched: bool, where: str
+) -> Optional[blockcrc.Entry]:
     """The block table's entry for item ``st`` when it describes the item the manifest checksums
     (else None: the item is read whole and checked against its own CRC32C)."""
     e = table.entries.get(st.file_offset)
     if e is None:
         return None
     if e.payload_length != math.prod(st.size) * e.dtype.itemsize:
-        logger.info("%s: the block table entry of the item at offset %d does not match it; reading it whole",
-                    where, st.file_offset)
+        logger.info(
+            "%s: the block table entry of the item at offset %d does not match it; reading it whole",
+            where,
+            st.file_offset,
+        )
         return None
     if vouched:
         stale = e.item_length != expected.length or e.item_crc != expected.crc32c
@@ -2179,8 +2405,12 @@ def _table_entry(st: _Stored, table: blockcrc.Table, expected: RangeChecksum, vo
     else:
         problem = e.problem(table.block, expected.length, expected.crc32c)
     if problem is not None:
-        logger.warning("%s: block table entry of the item at offset %d: %s; reading it whole",
-                       where, st.file_offset, problem)
+        logger.warning(
+            "%s: block table entry of the item at offset %d: %s; reading it whole",
+            where,
+            st.file_offset,
+            problem,
+        )
         return None
     return e
 
@@ -2210,22 +2440,23 @@ class BlockReader:
         block, blocks = self.block, self.entry.blocks
         for p in range(0, len(view), block):
             i = first + p // block
-            piece = view[p:p + block]
+            piece = view[p : p + block]
             if crc32c(piece) != blocks[i]:
                 start = self.entry.payload_offset + i * block
                 raise CheckpointingException(
                     f"{self.what}: CRC32C mismatch in block {i} (bytes [{start}, {start + len(piece)}) of the "
-                    f"item) against {self.table}: the data is corrupted")
+                    f"item) against {self.table}: the data is corrupted"
+                )
 
     def _blocks(self, a: int, b: int) -> torch.Tensor:
         """Blocks ``[a, b)`` read into the scratch buffer and checked: a uint8 tensor of their bytes."""
         lo, hi = a * self.block, min(b * self.block, self.entry.payload_length)
         if self.scratch is None or self.scratch.numel() < hi - lo:
             self.scratch = torch.empty(max(hi - lo, _WINDOW_BYTES + 2 * self.block), dtype=torch.uint8)
-        out = self.scratch[:hi - lo]
+        out = self.scratch[: hi - lo]
         view = byte_view(out)
         for p in range(0, hi - lo, CRC_PIECE):
-            piece = view[p:p + CRC_PIECE]
+            piece = view[p : p + CRC_PIECE]
             pread_exact(self.fd, piece, self.base + lo + p, self.what)
             self._check(a + p // self.block, piece)
         return out
@@ -2233,28 +2464,37 @@ class BlockReader:
     def _range(self, lo: int, hi: int, dst: torch.Tensor, bounce: Optional[HostBounce]) -> None:
         """Tensor bytes ``[lo, hi)`` into the contiguous 1-D ``dst`` of the item's dtype."""
         block, size, isz = self.block, self.entry.payload_length, self.entry.dtype.itemsize
-        first = -(-lo // block)                                   # whole blocks inside [lo, hi)
+        first = -(-lo // block)  # whole blocks inside [lo, hi)
         last = hi // block if hi < size else len(self.entry.blocks)
         if first >= last:
             a = lo // block
-            dst.copy_(self._blocks(a, -(-hi // block))[lo - a * block:hi - a * block].view(self.entry.dtype))
+            dst.copy_(
+                self._blocks(a, -(-hi // block))[lo - a * block : hi - a * block].view(self.entry.dtype)
+            )
             return
         if lo < first * block:
             a = first - 1
-            dst[:(first * block - lo) // isz].copy_(self._blocks(a, first)[lo - a * block:].view(self.entry.dtype))
+            dst[: (first * block - lo) // isz].copy_(
+                self._blocks(a, first)[lo - a * block :].view(self.entry.dtype)
+            )
         end = min(last * block, size)
         if hi > end:
-            dst[(end - lo) // isz:].copy_(self._blocks(last, last + 1)[:hi - end].view(self.entry.dtype))
-        middle = dst[(first * block - lo) // isz:(end - lo) // isz]
+            dst[(end - lo) // isz :].copy_(self._blocks(last, last + 1)[: hi - end].view(self.entry.dtype))
+        middle = dst[(first * block - lo) // isz : (end - lo) // isz]
         if middle.device.type == "cpu":
             view = byte_view(middle)
             for p in range(0, len(view), CRC_PIECE):
-                piece = view[p:p + CRC_PIECE]
+                piece = view[p : p + CRC_PIECE]
                 pread_exact(self.fd, piece, self.base + first * block + p, self.what)
                 self._check(first + p // block, piece)
         else:
-            bounce.fill(self.fd, self.base + first * block, middle, self.what,
-                        lambda pos, piece: self._check(first + pos // block, piece))
+            bounce.fill(
+                self.fd,
+                self.base + first * block,
+                middle,
+                self.what,
+                lambda pos, piece: self._check(first + pos // block, piece),
+            )
 
     def _box(self, start: int, size: Shape, strides: Shape, dst: torch.Tensor) -> None:
         """The box of ``size`` elements at ``strides`` from element ``start`` into ``dst``,
@@ -2268,7 +2508,7 @@ class BlockReader:
                 per = max(1, (limit - inner) // strides[0] + 1) if strides[0] else size[0]
                 for i in range(0, size[0], per):
                     k = min(per, size[0] - i)
-                    self._box(start + i * strides[0], (k,) + tuple(size[1:]), strides, dst[i:i + k])
+                    self._box(start + i * strides[0], (k,) + tuple(size[1:]), strides, dst[i : i + k])
             else:
                 for i in range(size[0]):
                     self._box(start + i * strides[0], tuple(size[1:]), tuple(strides[1:]), dst[i])
@@ -2284,8 +2524,12 @@ class BlockReader:
             if not op.numel:
                 continue
             dst = op.dst
-            if (op.is_range and dst.is_contiguous() and dst.dtype == self.entry.dtype
-                    and (dst.device.type == "cpu" or (bounce is not None and dst.device.type == "cuda"))):
+            if (
+                op.is_range
+                and dst.is_contiguous()
+                and dst.dtype == self.entry.dtype
+                and (dst.device.type == "cpu" or (bounce is not None and dst.device.type == "cuda"))
+            ):
                 self._range(op.start * isz, op.end * isz, dst.reshape(-1), bounce)
             else:
                 self._box(op.start, tuple(op.size), tuple(op.strides), dst)
@@ -2369,11 +2613,19 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             other; 0 copies into them from pageable memory instead.
     """
 
-    records_phases = True   # distckpt.timings: it begins its own phases (index, planning, reading)
+    records_phases = True  # distckpt.timings: it begins its own phases (index, planning, reading)
 
-    def __init__(self, backend: str = "torch_dist", version: int = 1, trusted: bool = False,
-                 thread_count: Optional[int] = None, verify: bool = False, use_index: bool = True,
-                 pinned_slot_bytes: int = device_io.SLOT_BYTES, checksums: bool = True):
+    def __init__(
+        self,
+        backend: str = "torch_dist",
+        version: int = 1,
+        trusted: bool = False,
+        thread_count: Optional[int] = None,
+        verify: bool = False,
+        use_index: bool = True,
+        pinned_slot_bytes: int = device_io.SLOT_BYTES,
+        checksums: bool = True,
+    ):
         super().__init__(backend, version)
         if pinned_slot_bytes < 0:
             raise CheckpointingException(f"pinned_slot_bytes must be >= 0, got {pinned_slot_bytes}")
@@ -2409,7 +2661,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         md, derived = parsed[2], parsed[3]
         if derive == "index" and "index" not in derived:
             derived["index"] = _index(md, source)
-            derived["claims"] = None   # _index checks them first
+            derived["claims"] = None  # _index checks them first
         elif "claims" not in derived:
             derived["claims"] = check_claims(md, source)
         return md, derived[derive]
@@ -2452,8 +2704,12 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         md = self._metadata(checkpoint_dir, self.checksums or self.verify)[0]
         declared = read_declared_keys(checkpoint_dir) if self.checksums or self.verify else None
         if declared:
-            _check_all_declared(md, declared, storage.join(checkpoint_dir, METADATA_FNAME),
-                                storage.join(checkpoint_dir, MANIFEST_FNAME))
+            _check_all_declared(
+                md,
+                declared,
+                storage.join(checkpoint_dir, METADATA_FNAME),
+                storage.join(checkpoint_dir, MANIFEST_FNAME),
+            )
         return md
 
     def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
@@ -2473,8 +2729,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         checkpoint_dir = _location(checkpoint_dir)
         out: StateDict = {}
         reader = self._open_index(checkpoint_dir, keep=True) if self.use_index else None
-        if reader is not None and not any(isinstance(e, dict) and e.get("bytes") and not _is_object_key(fqn)
-                                          for fqn, e in reader.keys.items()):
+        if reader is not None and not any(
+            isinstance(e, dict) and e.get("bytes") and not _is_object_key(fqn)
+            for fqn, e in reader.keys.items()
+        ):
             return out  # the sidecar's directory says there is none: .metadata is not read
         md, index = self._parsed_metadata(checkpoint_dir)
         items = plain_byte_items(md)
@@ -2506,7 +2764,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         store = storage.open_store(checkpoint_dir)
         manifest = read_manifest(checkpoint_dir)
         old = manifest.range_index() if manifest is not None else {}
-        created: List[str] = []   # new data files, removed again if a carried item is damaged
+        created: List[str] = []  # new data files, removed again if a carried item is damaged
 
         def refuse(message: str) -> None:
             for new in created:
@@ -2536,8 +2794,10 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                     # now (they are in memory), so damage is refused rather than moved.
                     prev = old.get((name, info.offset))
                     if prev is not None and crc32c(data) != prev.crc32c:
-                        refuse(f"{checkpoint_dir / name}: key {index.fqn!r} at offset {info.offset}: CRC32C "
-                               f"mismatch against {MANIFEST_FNAME} (corrupted data)")
+                        refuse(
+                            f"{checkpoint_dir / name}: key {index.fqn!r} at offset {info.offset}: CRC32C "
+                            f"mismatch against {MANIFEST_FNAME} (corrupted data)"
+                        )
                     new_storage[index] = _StorageInfo(new_name, dst.tell(), info.length)
                     moved[index] = (info, new_storage[index])
                     offsets.append((info.offset, dst.tell()))
@@ -2551,9 +2811,14 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 tables[blockcrc.table_name(new_name)] = table
                 atomic_write_bytes(checkpoint_dir / blockcrc.table_name(new_name), table)
         if rewritten_bytes:
-            logger.warning("%s: rewrote %d bytes of kept tensors that shared files with keys under %r; "
-                           "save with separation_hint=%r to make removal free", checkpoint_dir,
-                           rewritten_bytes, key_prefix, key_prefix)
+            logger.warning(
+                "%s: rewrote %d bytes of kept tensors that shared files with keys under %r; "
+                "save with separation_hint=%r to make removal free",
+                checkpoint_dir,
+                rewritten_bytes,
+                key_prefix,
+                key_prefix,
+            )
         md.state_dict_metadata = {k: v for k, v in md.state_dict_metadata.items() if k not in doomed}
         md.storage_data = new_storage
         mcore = getattr(md, "mcore_data", None)
@@ -2571,8 +2836,11 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 prev = old.get((old_info.relative_path, old_info.offset))
                 if prev is not None:
                     manifest.ranges.setdefault(new_info.relative_path, []).append(
-                        RangeChecksum(new_info.offset, new_info.length, prev.crc32c, index.fqn, prev.chunk))
-                manifest.files[new_info.relative_path] = (checkpoint_dir / new_info.relative_path).stat().st_size
+                        RangeChecksum(new_info.offset, new_info.length, prev.crc32c, index.fqn, prev.chunk)
+                    )
+                manifest.files[new_info.relative_path] = (
+                    (checkpoint_dir / new_info.relative_path).stat().st_size
+                )
             manifest.set_bytes(METADATA_FNAME, md_bytes)
         index_bytes = _reindex(md, md_bytes, manifest)
         if manifest is not None:
@@ -2585,7 +2853,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             # Each name passed the containment rule in _removal_plan; removal resolves it again
             # beneath the checkpoint (a symlink is removed itself, never its target).
             containment.remove_beneath(checkpoint_dir, name, checkpoint_dir / METADATA_FNAME)
-            containment.remove_beneath(checkpoint_dir, blockcrc.table_name(name), checkpoint_dir / METADATA_FNAME)
+            containment.remove_beneath(
+                checkpoint_dir, blockcrc.table_name(name), checkpoint_dir / METADATA_FNAME
+            )
 
     def _removal_plan(self, location, key_prefix: str):
         """What ``remove_sharded_tensors`` works from: the metadata, the doomed keys, every file's
@@ -2613,11 +2883,13 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             if size is None and kept:
                 raise CheckpointingException(
                     f"{storage.join(location, name)}: data file is missing (holds kept keys "
-                    f"{sorted({i.fqn for i, _ in kept})[:5]}); nothing was changed")
+                    f"{sorted({i.fqn for i, _ in kept})[:5]}); nothing was changed"
+                )
             if size is not None and size < need:
                 raise CheckpointingException(
                     f"{storage.join(location, name)}: truncated ({size} bytes, kept items need {need}); "
-                    f"nothing was changed")
+                    f"nothing was changed"
+                )
         new_storage = {i: info for i, info in md.storage_data.items() if i.fqn not in doomed}
         return md, doomed, by_file, new_storage
 
@@ -2630,7 +2902,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         old = manifest.range_index() if manifest is not None else {}
         to_delete: List[str] = []
         for name, entries in sorted(by_file.items()):
-            kept = sorted([(i, info) for i, info in entries if i.fqn not in doomed], key=lambda e: e[1].offset)
+            kept = sorted(
+                [(i, info) for i, info in entries if i.fqn not in doomed], key=lambda e: e[1].offset
+            )
             if len(kept) == len(entries):
                 continue
             to_delete.append(name)
@@ -2641,7 +2915,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 continue
             stem = name[: -len(DATA_SUFFIX)] if name.endswith(DATA_SUFFIX) else name
             new_name = f"{stem}.r{uuid.uuid4().hex[:8]}{DATA_SUFFIX}"
-            views = store.get_ranges(name, [info.offset for _, info in kept], [info.length for _, info in kept])
+            views = store.get_ranges(
+                name, [info.offset for _, info in kept], [info.length for _, info in kept]
+            )
             position, offsets = 0, []
             for (index, info), view in zip(kept, views):
                 new_storage[index] = _StorageInfo(new_name, position, info.length)
@@ -2650,10 +2926,12 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 if prev is not None and (len(view) != info.length or crc32c(view) != prev.crc32c):
                     raise CheckpointingException(
                         f"{store.where(name)}: key {index.fqn!r} at offset {info.offset}: CRC32C mismatch "
-                        f"against {MANIFEST_FNAME} (corrupted data); {METADATA_FNAME} was not changed")
+                        f"against {MANIFEST_FNAME} (corrupted data); {METADATA_FNAME} was not changed"
+                    )
                 if manifest is not None and prev is not None:
                     manifest.ranges.setdefault(new_name, []).append(
-                        RangeChecksum(position, info.length, prev.crc32c, index.fqn, prev.chunk))
+                        RangeChecksum(position, info.length, prev.crc32c, index.fqn, prev.chunk)
+                    )
                 position += info.length
             store.put(new_name, b"".join(bytes(v) for v in views))
             if manifest is not None:
@@ -2693,18 +2971,26 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 raise CheckpointingException(
                     f"ShardedTensor {sh.key!r}: global shape {list(sh.global_shape)} was requested but "
                     f"the checkpoint stores {list(logical)} (in {stored.source}; set allow_shape_mismatch=True "
-                    f"to load the overlap and zero the rest)")
+                    f"to load the overlap and zero the rest)"
+                )
             dest.zero_()
         if sh.flattened_range is None:
             pieces = [(tuple(sh.global_offset), full_local, dest.view(full_local))]
         else:
             start, stop = sh.flattened_range.start, sh.flattened_range.stop
-            if stored.orig_shape is not None and stored.chunk_local_shape == full_local \
-                    and tuple(sh.global_shape) == logical:
+            if (
+                stored.orig_shape is not None
+                and stored.chunk_local_shape == full_local
+                and tuple(sh.global_shape) == logical
+            ):
                 self._plan_flat_to_flat(plan, sh, stored, dest, full_local, start, stop)
                 return
             pieces = [
-                (tuple(g + o for g, o in zip(sh.global_offset, off)), size, dest[p:p + math.prod(size)].view(size))
+                (
+                    tuple(g + o for g, o in zip(sh.global_offset, off)),
+                    size,
+                    dest[p : p + math.prod(size)].view(size),
+                )
                 for off, size, p in flat_range_boxes(full_local, start, stop)
             ]
         for off, size, view in pieces:
@@ -2727,8 +3013,16 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 continue
             met.append(inter)
             lo = tuple(a - b for a, b in zip(inter[0], ch.offset))
-            plan.add(ch, CopyOp(key, _ravel(lo, ch.size), inter[1], contiguous_strides(ch.size),
-                                 view[_rel_slices(*inter, off)]))
+            plan.add(
+                ch,
+                CopyOp(
+                    key,
+                    _ravel(lo, ch.size),
+                    inter[1],
+                    contiguous_strides(ch.size),
+                    view[_rel_slices(*inter, off)],
+                ),
+            )
         if len(met) != 1 or met[0] != (off, size):
             _check_covered(stored, off, size, met)
 
@@ -2756,8 +3050,14 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 # The box is one flat range of the stored chunk: read straight into place.
                 _plan_flat_slices(plan, key, stored, idx, f_lo, f_hi, dst.reshape(-1), f_lo)
                 continue
-            holder = next((ch for ch in stored.flat_index.get(idx, [])
-                           if ch.offset[-1] <= f_lo and f_hi <= ch.offset[-1] + ch.size[-1]), None)
+            holder = next(
+                (
+                    ch
+                    for ch in stored.flat_index.get(idx, [])
+                    if ch.offset[-1] <= f_lo and f_hi <= ch.offset[-1] + ch.size[-1]
+                ),
+                None,
+            )
             if holder is not None:
                 # One stored slice holds the whole box: copy it out strided, no staging.
                 plan.add(holder, CopyOp(key, f_lo - holder.offset[-1], inter[1], strides, dst))
@@ -2791,11 +3091,15 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         manifest = read_manifest(checkpoint_dir)
         if manifest is None:
             if self.verify:
-                logger.warning("%s has no integrity manifest: verify=True checks sizes and structure only",
-                               checkpoint_dir)
+                logger.warning(
+                    "%s has no integrity manifest: verify=True checks sizes and structure only",
+                    checkpoint_dir,
+                )
             else:
-                logger.info("%s has no integrity manifest: its ranged reads are checked structurally only",
-                            checkpoint_dir)
+                logger.info(
+                    "%s has no integrity manifest: its ranged reads are checked structurally only",
+                    checkpoint_dir,
+                )
             return None
         return manifest
 
@@ -2805,20 +3109,29 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         manifest = read_manifest(checkpoint_dir)
         if manifest is None:
             return
-        problems = cross_check(md, manifest, storage.join(checkpoint_dir, METADATA_FNAME),
-                               storage.join(checkpoint_dir, MANIFEST_FNAME))
+        problems = cross_check(
+            md,
+            manifest,
+            storage.join(checkpoint_dir, METADATA_FNAME),
+            storage.join(checkpoint_dir, MANIFEST_FNAME),
+        )
         if problems:
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
             raise CheckpointingException("; ".join(problems[:3]) + more)
 
     @staticmethod
-    def _check_allocations(sharded_state_dict: ShardedStateDict, index: Dict[str, Any], checkpoint_dir) -> None:
+    def _check_allocations(
+        sharded_state_dict: ShardedStateDict, index: Dict[str, Any], checkpoint_dir
+    ) -> None:
         """Tensors this load allocates (requests without data, e.g. ``load_plain_tensors``, whose
         shape may come from the checkpoint's own claims) must be backed by stored bytes that
         exist: every record of the key inside its file, and together at least the request's
         bytes. So a claimed shape of 2^40 elements is refused before anything is allocated."""
-        wanted = [sh for sh in nested_values(sharded_state_dict)
-                  if isinstance(sh, ShardedTensor) and sh.data is None and isinstance(index.get(sh.key), _StoredKey)]
+        wanted = [
+            sh
+            for sh in nested_values(sharded_state_dict)
+            if isinstance(sh, ShardedTensor) and sh.data is None and isinstance(index.get(sh.key), _StoredKey)
+        ]
         if not wanted:
             return
         source = storage.join(checkpoint_dir, METADATA_FNAME)
@@ -2835,13 +3148,15 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 if c.file_offset + c.length > sizes[c.relative_path]:
                     raise CheckpointingException(
                         f"{storage.join(checkpoint_dir, c.relative_path)}: key {sh.key!r}: record at offset {c.file_offset} "
-                        f"of {c.length} bytes: file is truncated ({sizes[c.relative_path]} bytes)")
+                        f"of {c.length} bytes: file is truncated ({sizes[c.relative_path]} bytes)"
+                    )
                 have += c.length
             need = math.prod(sh.local_shape) * sh.dtype.itemsize
             if need > have:
                 raise CheckpointingException(
                     f"{source}: key {sh.key!r}: loading {list(sh.local_shape)} needs {need} bytes, the "
-                    f"checkpoint stores {have} for this key; refusing to allocate it")
+                    f"checkpoint stores {have} for this key; refusing to allocate it"
+                )
 
     def _execute(self, plan: _Plan, checkpoint_dir, checksums: Optional[Dict]) -> None:
         by_file: Dict[str, List[_Stored]] = defaultdict(list)
@@ -2864,13 +3179,21 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             items = sorted(by_file[name], key=lambda c: c.file_offset)
             nbytes = 0
             table = None
-            if checksums is not None and not verify and any(_partial_candidate(st, plan.ops[st]) for st in items):
+            if (
+                checksums is not None
+                and not verify
+                and any(_partial_candidate(st, plan.ops[st]) for st in items)
+            ):
                 table, nbytes = _block_table(checkpoint_dir, name)
                 gets.append(1)
             gap = getattr(checkpoint_dir, "coalesce", 1 << 20)
             work = []  # (item, its partial read or None, [(file offset, length)])
             for st in items:
-                part = _partial_read(st, plan.ops[st], table, checksums, gap, where) if table is not None else None
+                part = (
+                    _partial_read(st, plan.ops[st], table, checksums, gap, where)
+                    if table is not None
+                    else None
+                )
                 work.append((st, part, part.ranges() if part is not None else [(st.file_offset, st.length)]))
             batches, batch, size = [], [], 0
             for w in work:
@@ -2890,13 +3213,23 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 except FileNotFoundError:
                     keys = sorted({op.key for st, _, _ in group for op in plan.ops[st]})
                     raise CheckpointingException(
-                        f"{where}: data object is missing (needed for keys {keys}, rank {rank})") from None
-                views = iter(got[i][at:at + n] for i, at, n in places)
+                        f"{where}: data object is missing (needed for keys {keys}, rank {rank})"
+                    ) from None
+                views = iter(got[i][at : at + n] for i, at, n in places)
                 for st, part, rs in group:
                     mine = [next(views) for _ in rs]
                     if part is None:
-                        _read_chunk(-1, where, st, plan.ops[st], checksums, rank, True, bytearray(mine[0]),
-                                    claimed=plan.keys.get(plan.ops[st][0].key))
+                        _read_chunk(
+                            -1,
+                            where,
+                            st,
+                            plan.ops[st],
+                            checksums,
+                            rank,
+                            True,
+                            bytearray(mine[0]),
+                            claimed=plan.keys.get(plan.ops[st][0].key),
+                        )
                     else:
                         part.copy(mine, plan.ops[st], rank)
                 nbytes += sum(n for _, n in requests)
@@ -2910,7 +3243,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             except FileNotFoundError:
                 keys = sorted({op.key for st in by_file[name] for op in plan.ops[st]})
                 raise CheckpointingException(
-                    f"{path}: data file is missing (needed for keys {keys}, rank {rank})") from None
+                    f"{path}: data file is missing (needed for keys {keys}, rank {rank})"
+                ) from None
             try:
                 nbytes = 0
                 file_size = os.fstat(fd).st_size
@@ -2919,7 +3253,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                     if st.file_offset + st.length > file_size:
                         raise CheckpointingException(
                             f"key {plan.ops[st][0].key!r} in {path} at offset {st.file_offset} (rank {rank}): file "
-                            f"is truncated ({file_size} bytes, the record ends at {st.file_offset + st.length})")
+                            f"is truncated ({file_size} bytes, the record ends at {st.file_offset + st.length})"
+                        )
                 span = _small_span(items)
                 if span is not None:
                     # Small items: one read of the span they lie in, then each item from memory.
@@ -2929,13 +3264,28 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                     pread_exact(fd, view, first, str(path))
                     for st in items:
                         start = st.file_offset - first
-                        _read_chunk(fd, path, st, plan.ops[st], checksums, rank, verify,
-                                    view[start:start + st.length], claimed=plan.keys.get(plan.ops[st][0].key))
+                        _read_chunk(
+                            fd,
+                            path,
+                            st,
+                            plan.ops[st],
+                            checksums,
+                            rank,
+                            verify,
+                            view[start : start + st.length],
+                            claimed=plan.keys.get(plan.ops[st][0].key),
+                        )
                     counted.append(len(raw))
                     return
                 table, vouched = None, False
-                if checksums is not None and not verify and any(
-                        st.length >= blockcrc.MIN_PAYLOAD and not _whole_into_cpu(st, plan.ops[st]) for st in items):
+                if (
+                    checksums is not None
+                    and not verify
+                    and any(
+                        st.length >= blockcrc.MIN_PAYLOAD and not _whole_into_cpu(st, plan.ops[st])
+                        for st in items
+                    )
+                ):
                     table, vouched = _local_block_table(checkpoint_dir, name, checksums)
                 bounce = HostBounce(self.pinned_slot_bytes) if self.pinned_slot_bytes else None
                 try:
@@ -2945,12 +3295,27 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                         if expected is not None and not _whole_into_cpu(st, plan.ops[st]):
                             entry = _table_entry(st, table, expected, vouched, str(path))
                             if entry is not None:
-                                blocks = BlockReader(fd, st.file_offset + entry.payload_offset, entry, table.block,
-                                                     f"key {plan.ops[st][0].key!r} in {path} at offset "
-                                                     f"{st.file_offset} (rank {rank})",
-                                                     f"its block table {blockcrc.table_name(name)}")
-                        nbytes += _read_chunk(fd, path, st, plan.ops[st], checksums, rank, verify, bounce=bounce,
-                                              blocks=blocks, claimed=plan.keys.get(plan.ops[st][0].key))
+                                blocks = BlockReader(
+                                    fd,
+                                    st.file_offset + entry.payload_offset,
+                                    entry,
+                                    table.block,
+                                    f"key {plan.ops[st][0].key!r} in {path} at offset "
+                                    f"{st.file_offset} (rank {rank})",
+                                    f"its block table {blockcrc.table_name(name)}",
+                                )
+                        nbytes += _read_chunk(
+                            fd,
+                            path,
+                            st,
+                            plan.ops[st],
+                            checksums,
+                            rank,
+                            verify,
+                            bounce=bounce,
+                            blocks=blocks,
+                            claimed=plan.keys.get(plan.ops[st][0].key),
+                        )
                 finally:
                     if bounce is not None:
                         bounce.close()
@@ -2991,18 +3356,24 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         """Files (objects) read at once (see :func:`_io_threads`)."""
         return _io_threads(self.thread_count, self._threads_given, checkpoint_dir)
 
-    def _load_object(self, obj: ShardedObject, stored: Optional[_Stored], checkpoint_dir: Path,
-                     checksums: Optional[Dict]) -> Any:
-        value = self._load_bytes(f"ShardedObject {obj.unique_key!r}", stored, checkpoint_dir, checksums, obj.unique_key)
+    def _load_object(
+        self, obj: ShardedObject, stored: Optional[_Stored], checkpoint_dir: Path, checksums: Optional[Dict]
+    ) -> Any:
+        value = self._load_bytes(
+            f"ShardedObject {obj.unique_key!r}", stored, checkpoint_dir, checksums, obj.unique_key
+        )
         return value[0] if isinstance(value, list) and len(value) == 1 else value
 
-    def _load_bytes(self, name: str, stored: Optional[_Stored], checkpoint_dir: Path,
-                    checksums: Optional[Dict], key: str) -> Any:
+    def _load_bytes(
+        self, name: str, stored: Optional[_Stored], checkpoint_dir: Path, checksums: Optional[Dict], key: str
+    ) -> Any:
         """Unpickle one byte item (safely unless ``trusted``); ``name`` says what it is. With
         ``checksums``, the manifest must list the item's range as one of ``key``: a key renamed
         in the metadata is refused, not returned under its new name."""
         if stored is None:
-            raise CheckpointingException(f"{name} is not in checkpoint {checkpoint_dir} (rank {dist.get_rank()})")
+            raise CheckpointingException(
+                f"{name} is not in checkpoint {checkpoint_dir} (rank {dist.get_rank()})"
+            )
         source = storage.join(checkpoint_dir, METADATA_FNAME)
         path = storage.join(checkpoint_dir, stored.relative_path)
         what = f"{name} in {path} (rank {dist.get_rank()})"
@@ -3011,9 +3382,12 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             if stored.file_offset + stored.length > size:
                 raise CheckpointingException(
                     f"{what}: file is truncated ({size} bytes, the record ends at "
-                    f"{stored.file_offset + stored.length})")
+                    f"{stored.file_offset + stored.length})"
+                )
             if isinstance(checkpoint_dir, storage.Store):
-                raw = bytes(checkpoint_dir.get_ranges(stored.relative_path, [stored.file_offset], [stored.length])[0])
+                raw = bytes(
+                    checkpoint_dir.get_ranges(stored.relative_path, [stored.file_offset], [stored.length])[0]
+                )
             else:
                 with open(containment.open_beneath(checkpoint_dir, stored.relative_path, source), "rb") as f:
                     f.seek(stored.file_offset)
@@ -3025,7 +3399,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         _check_item(raw, stored, checksums, what, key)
         return safe_torch_load(raw, what=what, trusted=self.trusted)
 
-    def _load_index(self, sharded_state_dict: ShardedStateDict, checkpoint_dir) -> Tuple[Dict[str, Any], Optional[Dict]]:
+    def _load_index(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir
+    ) -> Tuple[Dict[str, Any], Optional[Dict]]:
         """The stored keys this load needs and the items' checksums (None: do not check): from
         the sidecar index when the checkpoint has one (only the requested keys' records are
         read), else from ``.metadata`` (and the manifest)."""
@@ -3041,10 +3417,14 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 # writer declared (the sidecar path has no manifest to ask: see the class doc).
                 source = storage.join(checkpoint_dir, METADATA_FNAME)
                 where = storage.join(checkpoint_dir, MANIFEST_FNAME)
-                for fqn in {sh.key for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedTensor)}:
+                for fqn in {
+                    sh.key for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedTensor)
+                }:
                     stored = index.get(fqn)
                     if isinstance(stored, _StoredKey):
-                        check_declared(fqn, stored.dtype, stored.size, stored.orig_shape, manifest.keys, source, where)
+                        check_declared(
+                            fqn, stored.dtype, stored.size, stored.orig_shape, manifest.keys, source, where
+                        )
             return index, self._checks_of(manifest)
         self.last_load_used_index = True
         # verify=True checks against the manifest itself (read whole: an opt-in, full check),
@@ -3058,8 +3438,12 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             _index(md, storage.join(checkpoint_dir, METADATA_FNAME))  # its claims checked
             self._cross_check(md, checkpoint_dir)
             checksums = self._checksums(checkpoint_dir)
-        own: Optional[Dict] = {} if checksums is None and (
-            self.verify or self.checksums or isinstance(checkpoint_dir, storage.Store)) else None
+        own: Optional[Dict] = (
+            {}
+            if checksums is None
+            and (self.verify or self.checksums or isinstance(checkpoint_dir, storage.Store))
+            else None
+        )
         index = _index_from_sidecar(reader, sharded_state_dict, own)
         if own is not None:
             checksums = own
@@ -3084,7 +3468,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             stored = index.get(sh.key)
             if not isinstance(stored, _StoredKey):
                 raise CheckpointingException(
-                    f"ShardedTensor {sh.key!r} is not in checkpoint {checkpoint_dir} (rank {dist.get_rank()})")
+                    f"ShardedTensor {sh.key!r} is not in checkpoint {checkpoint_dir} (rank {dist.get_rank()})"
+                )
             if sh.data is None:
                 sh.init_data("cpu")
             target = sh.data

@@ -49,8 +49,13 @@ from distckpt.strategies.torch import (
     read_metadata,
 )
 
-__all__ = ["DCPPieces", "TorchDCPLoadShardedStrategy", "TorchDCPSaveShardedStrategy", "dcp_planners",
-           "to_torch_state_dict"]
+__all__ = [
+    "DCPPieces",
+    "TorchDCPLoadShardedStrategy",
+    "TorchDCPSaveShardedStrategy",
+    "dcp_planners",
+    "to_torch_state_dict",
+]
 
 Shape = Tuple[int, ...]
 BACKEND_NAME = "torch_dcp"  # registry name; the format written is torch_dist
@@ -74,7 +79,10 @@ def _dcp_view(sh: ShardedTensor, data: torch.Tensor) -> Tuple[Shape, Shape, torc
 def _complement(shape: Shape, boxes: Sequence[Tuple[Shape, Shape]]) -> List[Tuple[Shape, Shape]]:
     """Boxes that tile ``shape`` minus the (non-overlapping) ``boxes``: the cells of the grid of
     their cut points that none of them covers."""
-    cuts = [sorted({0, n} | {o[d] for o, _ in boxes} | {o[d] + s[d] for o, s in boxes}) for d, n in enumerate(shape)]
+    cuts = [
+        sorted({0, n} | {o[d] for o, _ in boxes} | {o[d] + s[d] for o, s in boxes})
+        for d, n in enumerate(shape)
+    ]
     out = []
     for cell in itertools.product(*[range(len(c) - 1) for c in cuts]):
         lo = tuple(cuts[d][i] for d, i in enumerate(cell))
@@ -103,8 +111,13 @@ def _torch_sharded_tensor(shape: Shape, dtype: torch.dtype, pieces: List[Tuple[S
     boxes = [(off, tuple(t.shape)) for off, t in pieces]
     local = [Shard(t, ShardMetadata(list(off), list(t.shape), f"rank:{rank}/cpu")) for off, t in pieces]
     fillers = [ShardMetadata(list(o), list(s), f"rank:{other}/cpu") for o, s in _complement(shape, boxes)]
-    props = TensorProperties(dtype=dtype, layout=torch.strided, requires_grad=False,
-                             memory_format=torch.contiguous_format, pin_memory=False)
+    props = TensorProperties(
+        dtype=dtype,
+        layout=torch.strided,
+        requires_grad=False,
+        memory_format=torch.contiguous_format,
+        pin_memory=False,
+    )
     md = ShardedTensorMetadata([s.metadata for s in local] + fillers, torch.Size(shape), props)
     return TorchShardedTensor._init_from_local_shards_and_global_metadata(local, md)
 
@@ -133,11 +146,18 @@ class DCPPieces:
         )
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-        return [WriteItem(index=MetadataIndex(fqn, torch.Size(off)), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(
-                              chunk=ChunkStorageMetadata(torch.Size(off), torch.Size(t.shape)),
-                              properties=TensorProperties.create_from_tensor(t), size=self.size()))
-                for off, t in self.pieces]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, torch.Size(off)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(torch.Size(off), torch.Size(t.shape)),
+                    properties=TensorProperties.create_from_tensor(t),
+                    size=self.size(),
+                ),
+            )
+            for off, t in self.pieces
+        ]
 
     def __create_chunk_list__(self):
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
@@ -162,14 +182,17 @@ def _dtensor_or_none(shape: Shape, pieces: List[Tuple[Shape, torch.Tensor]], mes
     off, t = pieces[0]
     candidates = [Replicate()] + [Shard(d) for d in range(len(shape))]
     for placement in candidates:
-        local_shape, global_offset = compute_local_shape_and_global_offset(torch.Size(shape), mesh, [placement])
+        local_shape, global_offset = compute_local_shape_and_global_offset(
+            torch.Size(shape), mesh, [placement]
+        )
         if tuple(local_shape) == tuple(t.shape) and tuple(global_offset) == tuple(off):
             return placement
     return None
 
 
-def to_torch_state_dict(sharded_state_dict: ShardedStateDict, device_mesh: Any = None, *,
-                        for_save: bool = True) -> Dict[str, Any]:
+def to_torch_state_dict(
+    sharded_state_dict: ShardedStateDict, device_mesh: Any = None, *, for_save: bool = True
+) -> Dict[str, Any]:
     """The state dict DCP expects for ``sharded_state_dict`` (distckpt's or Megatron-Core's
     objects): ``{key: DTensor | torch ShardedTensor}`` and ``{unique_key: [data]}`` for objects.
 
@@ -204,10 +227,14 @@ def to_torch_state_dict(sharded_state_dict: ShardedStateDict, device_mesh: Any =
         shapes[sh.key] = (shape, sh.dtype)
         if view.numel():
             by_key[sh.key].append((offset, view, is_main_replica(sh.replica_id)))
-    placements = {k: _dtensor_or_none(shapes[k][0], [(o, t) for o, t, _ in by_key.get(k, [])], device_mesh)
-                  for k in shapes}
+    placements = {
+        k: _dtensor_or_none(shapes[k][0], [(o, t) for o, t, _ in by_key.get(k, [])], device_mesh)
+        for k in shapes
+    }
     if device_mesh is not None:
-        agreed = dist.all_gather_object({k: repr(p) for k, p in placements.items()}, group=device_mesh.get_group())
+        agreed = dist.all_gather_object(
+            {k: repr(p) for k, p in placements.items()}, group=device_mesh.get_group()
+        )
         for k in placements:
             if any(a.get(k) != repr(placements[k]) for a in agreed):
                 placements[k] = None
@@ -219,8 +246,14 @@ def to_torch_state_dict(sharded_state_dict: ShardedStateDict, device_mesh: Any =
         if placements[key] is not None:
             from torch.distributed.tensor import DTensor
 
-            out[key] = DTensor.from_local(pieces[0][1], device_mesh, [placements[key]], run_check=False,
-                                          shape=torch.Size(shape), stride=_strides(shape))
+            out[key] = DTensor.from_local(
+                pieces[0][1],
+                device_mesh,
+                [placements[key]],
+                run_check=False,
+                shape=torch.Size(shape),
+                stride=_strides(shape),
+            )
             continue
         if dist.is_initialized() and dist.get_world_size() > 1:
             out[key] = _torch_sharded_tensor(shape, dtype, pieces)
@@ -296,7 +329,9 @@ def dcp_planners():
 
         def load_bytes(self, read_item, value: io.BytesIO) -> None:
             fqn = read_item.dest_index.fqn
-            self.state_dict[fqn] = safe_torch_load(value.getvalue(), what=f"object {fqn!r}", trusted=self.trusted)
+            self.state_dict[fqn] = safe_torch_load(
+                value.getvalue(), what=f"object {fqn!r}", trusted=self.trusted
+            )
 
     return SavePlanner, LoadPlanner
 
@@ -307,8 +342,9 @@ def _dcp_errors(what: str, fn: Callable[[], Any]) -> Any:
     except CheckpointingException:
         raise
     except Exception as e:  # noqa: BLE001 - DCP raises the same CheckpointException on every rank
-        raise CheckpointingException(f"{what} through DCP's engine failed (rank {dist.get_rank()}): "
-                                     f"{type(e).__name__}: {e}") from e
+        raise CheckpointingException(
+            f"{what} through DCP's engine failed (rank {dist.get_rank()}): {type(e).__name__}: {e}"
+        ) from e
 
 
 # --------------------------------------------------------------------------- strategies
@@ -325,9 +361,15 @@ class TorchDCPSaveShardedStrategy(SaveShardedStrategy):
             integrity manifest (local directories only), so ``verify`` checks them.
     """
 
-    def __init__(self, backend: str = "torch_dist", version: int = 1, *,
-                 storage_writer: Optional[Callable[[Path], Any]] = None, thread_count: int = 1,
-                 checksums: bool = True):
+    def __init__(
+        self,
+        backend: str = "torch_dist",
+        version: int = 1,
+        *,
+        storage_writer: Optional[Callable[[Path], Any]] = None,
+        thread_count: int = 1,
+        checksums: bool = True,
+    ):
         super().__init__(backend, version)
         self.storage_writer = storage_writer
         self.thread_count = thread_count
@@ -342,20 +384,31 @@ class TorchDCPSaveShardedStrategy(SaveShardedStrategy):
         from torch.distributed.checkpoint import FileSystemWriter
 
         checkpoint_dir = Path(checkpoint_dir)
-        orig = {sh.key: tuple(sh.global_shape) for sh in nested_values(sharded_state_dict)
-                if isinstance(sh, ShardedTensor) and sh.flattened_range is not None}
+        orig = {
+            sh.key: tuple(sh.global_shape)
+            for sh in nested_values(sharded_state_dict)
+            if isinstance(sh, ShardedTensor) and sh.flattened_range is not None
+        }
         exc, state = None, None
         try:
-            state = _pieces_state([sh for sh in nested_values(sharded_state_dict)
-                                   if isinstance(sh, ShardedTensor) and is_main_replica(sh.replica_id)])
+            state = _pieces_state(
+                [
+                    sh
+                    for sh in nested_values(sharded_state_dict)
+                    if isinstance(sh, ShardedTensor) and is_main_replica(sh.replica_id)
+                ]
+            )
             for obj in nested_values(sharded_state_dict):
                 if isinstance(obj, ShardedObject) and is_main_replica(obj.replica_id):
                     state[obj.unique_key] = [obj.data]
         except Exception as e:  # noqa: BLE001 - shared with every rank below
             exc = e
         dist.sync_errors("DCP save preparation", exc)
-        writer = (self.storage_writer(checkpoint_dir) if self.storage_writer is not None
-                  else FileSystemWriter(checkpoint_dir, thread_count=self.thread_count, sync_files=True))
+        writer = (
+            self.storage_writer(checkpoint_dir)
+            if self.storage_writer is not None
+            else FileSystemWriter(checkpoint_dir, thread_count=self.thread_count, sync_files=True)
+        )
         SavePlanner, _ = dcp_planners()
         md = _dcp_errors("save", lambda: dcp.save(state, storage_writer=writer, planner=SavePlanner(orig)))
         if self.checksums and self.storage_writer is None:
@@ -403,9 +456,16 @@ class TorchDCPLoadShardedStrategy(TorchDistLoadShardedStrategy):
         storage_reader: ``checkpoint_dir -> StorageReader``; default DCP's ``FileSystemReader``.
     """
 
-    def __init__(self, backend: str = "torch_dist", version: int = 1, trusted: bool = False,
-                 thread_count: int = 4, verify: bool = False, *,
-                 storage_reader: Optional[Callable[[Path], Any]] = None):
+    def __init__(
+        self,
+        backend: str = "torch_dist",
+        version: int = 1,
+        trusted: bool = False,
+        thread_count: int = 4,
+        verify: bool = False,
+        *,
+        storage_reader: Optional[Callable[[Path], Any]] = None,
+    ):
         super().__init__(backend, version, trusted=trusted, thread_count=thread_count, verify=verify)
         self.storage_reader = storage_reader
 
@@ -419,8 +479,11 @@ class TorchDCPLoadShardedStrategy(TorchDistLoadShardedStrategy):
             return super().load(sharded_state_dict, checkpoint_dir)
         md = read_metadata(checkpoint_dir, self.trusted)
         stored = md.state_dict_metadata
-        orig = {k: tuple(v[_ORIG_SHAPE]) for k, v in (getattr(md, "mcore_data", None) or {}).items()
-                if isinstance(v, dict) and _ORIG_SHAPE in v}
+        orig = {
+            k: tuple(v[_ORIG_SHAPE])
+            for k, v in (getattr(md, "mcore_data", None) or {}).items()
+            if isinstance(v, dict) and _ORIG_SHAPE in v
+        }
 
         def dcp_can(sh: Any) -> bool:
             if isinstance(sh, ShardedObject):
@@ -435,7 +498,9 @@ class TorchDCPLoadShardedStrategy(TorchDistLoadShardedStrategy):
                 return False
             if flat_stored:
                 grid = tuple(sh.max_allowed_chunks())
-                if tuple(meta.size) != grid + (math.prod(sh.local_shape),) or orig[sh.key] != tuple(sh.global_shape):
+                if tuple(meta.size) != grid + (math.prod(sh.local_shape),) or orig[sh.key] != tuple(
+                    sh.global_shape
+                ):
                     return False
             elif tuple(meta.size) != tuple(sh.global_shape):
                 return False
@@ -444,10 +509,12 @@ class TorchDCPLoadShardedStrategy(TorchDistLoadShardedStrategy):
         for sh in nested_values(sharded_state_dict):
             if isinstance(sh, ShardedTensor) and sh.key not in stored:
                 raise CheckpointingException(
-                    f"ShardedTensor {sh.key!r} is not in checkpoint {checkpoint_dir} (rank {dist.get_rank()})")
+                    f"ShardedTensor {sh.key!r} is not in checkpoint {checkpoint_dir} (rank {dist.get_rank()})"
+                )
             if isinstance(sh, ShardedObject) and sh.unique_key not in stored:
                 raise CheckpointingException(
-                    f"ShardedObject {sh.unique_key!r} is not in checkpoint {checkpoint_dir} (rank {dist.get_rank()})")
+                    f"ShardedObject {sh.unique_key!r} is not in checkpoint {checkpoint_dir} (rank {dist.get_rank()})"
+                )
         ours: Dict[str, Any] = {}
         theirs: List[Any] = []
         commits: List[Callable[[], None]] = []
@@ -474,18 +541,28 @@ class TorchDCPLoadShardedStrategy(TorchDistLoadShardedStrategy):
         state = _pieces_state(tensors)
         for obj in objects:
             state[obj.unique_key] = None
-        reader = self.storage_reader(checkpoint_dir) if self.storage_reader is not None else FileSystemReader(checkpoint_dir)
+        reader = (
+            self.storage_reader(checkpoint_dir)
+            if self.storage_reader is not None
+            else FileSystemReader(checkpoint_dir)
+        )
         _, LoadPlanner = dcp_planners()
         if state:
-            _dcp_errors("load", lambda: dcp.load(state, storage_reader=reader, planner=LoadPlanner(self.trusted),
-                                                 no_dist=True))
+            _dcp_errors(
+                "load",
+                lambda: dcp.load(
+                    state, storage_reader=reader, planner=LoadPlanner(self.trusted), no_dist=True
+                ),
+            )
         with torch.no_grad():
             for commit in commits:
                 commit()
         loaded_objects = {}
         for obj in objects:
             value = state[obj.unique_key]
-            loaded_objects[obj.unique_key] = value[0] if isinstance(value, list) and len(value) == 1 else value
+            loaded_objects[obj.unique_key] = (
+                value[0] if isinstance(value, list) and len(value) == 1 else value
+            )
         if ours:
             super().load(ours, checkpoint_dir)
 
@@ -514,7 +591,9 @@ def _pieces_state(tensors: List[ShardedTensor]) -> Dict[str, Any]:
         shapes[sh.key] = (shape, sh.dtype)
         if view.numel():
             by_key[sh.key].append((offset, view))
-    return {key: DCPPieces(shape, dtype, by_key[key]) for key, (shape, dtype) in shapes.items() if by_key.get(key)}
+    return {
+        key: DCPPieces(shape, dtype, by_key[key]) for key, (shape, dtype) in shapes.items() if by_key.get(key)
+    }
 
 
 register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND_NAME, 1, TorchDCPSaveShardedStrategy)

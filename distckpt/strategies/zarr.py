@@ -90,8 +90,8 @@ from distckpt.strategies.torch import BlockReader, CopyOp, copy_from_mapping, fl
 logger = logging.getLogger(__name__)
 
 BACKEND = "zarr"
-FORMAT_VERSION = 2          # Zarr v3 layout written by distckpt
-LEGACY_VERSION = 1          # Megatron-Core <= 0.15 Zarr v2 layout (read only)
+FORMAT_VERSION = 2  # Zarr v3 layout written by distckpt
+LEGACY_VERSION = 1  # Megatron-Core <= 0.15 Zarr v2 layout (read only)
 ARRAY_META = "zarr.json"
 LEGACY_ARRAY_META = ".zarray"
 DEFAULT_MIN_FLAT_CHUNK_BYTES = 1 << 20
@@ -116,11 +116,20 @@ FileRecord = Tuple[str, int, int, str, bytes]
 # registry, tensorstore and ml_dtypes (= torch's names).
 _TORCH_TO_ZARR: Dict[torch.dtype, str] = {
     torch.bool: "bool",
-    torch.int8: "int8", torch.int16: "int16", torch.int32: "int32", torch.int64: "int64",
-    torch.uint8: "uint8", torch.uint16: "uint16", torch.uint32: "uint32", torch.uint64: "uint64",
-    torch.float16: "float16", torch.float32: "float32", torch.float64: "float64",
+    torch.int8: "int8",
+    torch.int16: "int16",
+    torch.int32: "int32",
+    torch.int64: "int64",
+    torch.uint8: "uint8",
+    torch.uint16: "uint16",
+    torch.uint32: "uint32",
+    torch.uint64: "uint64",
+    torch.float16: "float16",
+    torch.float32: "float32",
+    torch.float64: "float64",
     torch.bfloat16: "bfloat16",
-    torch.complex64: "complex64", torch.complex128: "complex128",
+    torch.complex64: "complex64",
+    torch.complex128: "complex128",
 }
 for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"):
     if hasattr(torch, _name):
@@ -128,10 +137,13 @@ for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnu
 _ZARR_TO_TORCH: Dict[str, torch.dtype] = {v: k for k, v in _TORCH_TO_ZARR.items()}
 
 # Zarr v2 ``dtype`` strings (numpy typestr; Megatron wrote bfloat16 as "bfloat16").
-_V2_KINDS = {"b": {1: torch.bool}, "i": {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64},
-             "u": {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64},
-             "f": {2: torch.float16, 4: torch.float32, 8: torch.float64},
-             "c": {8: torch.complex64, 16: torch.complex128}}
+_V2_KINDS = {
+    "b": {1: torch.bool},
+    "i": {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64},
+    "u": {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64},
+    "f": {2: torch.float16, 4: torch.float32, 8: torch.float64},
+    "c": {8: torch.complex64, 16: torch.complex128},
+}
 
 
 def zarr_data_type(dtype: torch.dtype, key: str = "?") -> str:
@@ -145,7 +157,8 @@ def zarr_data_type(dtype: torch.dtype, key: str = "?") -> str:
     except KeyError:
         raise CheckpointingException(
             f"ShardedTensor {key!r}: dtype {dtype} cannot be stored by the zarr backend "
-            f"(supported: {', '.join(sorted(map(str, _TORCH_TO_ZARR)))})") from None
+            f"(supported: {', '.join(sorted(map(str, _TORCH_TO_ZARR)))})"
+        ) from None
 
 
 def _fill_value_json(dtype: torch.dtype) -> Any:
@@ -173,7 +186,6 @@ def _v2_dtype(typestr: Any) -> Tuple[Optional[torch.dtype], bool]:
 # --------------------------------------------------------------------------- array metadata
 
 
-
 def _root(checkpoint_dir):
     """A local directory as a Path; an object store as its Store (chunks, zarr.json and objects
     become objects under the checkpoint's prefix)."""
@@ -193,15 +205,15 @@ class ArrayMeta:
     """
 
     key: str
-    path: Path                     # the array's directory
-    zarr_format: int               # 2 or 3
+    path: Path  # the array's directory
+    zarr_format: int  # 2 or 3
     shape: Shape
     chunks: Shape
     dtype: torch.dtype
     raw: bool
-    key_prefix: str                # "c" for the v3 default encoding, "" otherwise
+    key_prefix: str  # "c" for the v3 default encoding, "" otherwise
     separator: str
-    store: Any = None              # the object store holding the array (None: local ``path``)
+    store: Any = None  # the object store holding the array (None: local ``path``)
     # The element layout distckpt writes (little-endian, C order; compressed or not): an array
     # whose key the integrity manifest lists must have it, whoever decodes its chunks.
     native: bool = True
@@ -236,8 +248,9 @@ class ArrayMeta:
         return itertools.product(*ranges)
 
 
-def array_metadata_json(key: str, shape: Shape, chunks: Shape, dtype: torch.dtype,
-                        compression: Optional[str] = None) -> Dict[str, Any]:
+def array_metadata_json(
+    key: str, shape: Shape, chunks: Shape, dtype: torch.dtype, compression: Optional[str] = None
+) -> Dict[str, Any]:
     """The ``zarr.json`` of an array written by distckpt."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     bytes_codec: Dict[str, Any] = {"name": "bytes"}
@@ -279,12 +292,19 @@ def _meta_from_v3(key: str, path: Path, md: Dict[str, Any]) -> ArrayMeta:
     sep = (enc.get("configuration") or {}).get("separator", "/" if enc.get("name") == "default" else ".")
     prefix = "c" if enc.get("name") == "default" else ""
     codecs = md.get("codecs", [])
-    raw = (len(codecs) == 1 and codecs[0].get("name") == "bytes"
-           and (codecs[0].get("configuration") or {}).get("endian", "little") == "little"
-           and not md.get("storage_transformers") and sys.byteorder == "little")
-    native = all(isinstance(c, dict) and c.get("name") != "transpose"
-                 and (c.get("name") != "bytes" or (c.get("configuration") or {}).get("endian", "little") == "little")
-                 for c in codecs)
+    raw = (
+        len(codecs) == 1
+        and codecs[0].get("name") == "bytes"
+        and (codecs[0].get("configuration") or {}).get("endian", "little") == "little"
+        and not md.get("storage_transformers")
+        and sys.byteorder == "little"
+    )
+    native = all(
+        isinstance(c, dict)
+        and c.get("name") != "transpose"
+        and (c.get("name") != "bytes" or (c.get("configuration") or {}).get("endian", "little") == "little")
+        for c in codecs
+    )
     return ArrayMeta(key, path, 3, shape, chunks, dtype, raw, prefix, sep, native=native)
 
 
@@ -292,10 +312,25 @@ def _meta_from_v2(key: str, path: Path, md: Dict[str, Any]) -> ArrayMeta:
     dtype, little = _v2_dtype(md.get("dtype"))
     if dtype is None:
         raise ValueError(f"dtype {md.get('dtype')!r} has no torch equivalent")
-    raw = (md.get("compressor") is None and not md.get("filters") and md.get("order", "C") == "C"
-           and little and sys.byteorder == "little")
-    return ArrayMeta(key, path, 2, tuple(md["shape"]), tuple(md["chunks"]), dtype, raw, "",
-                     md.get("dimension_separator", "."), native=False)  # distckpt writes Zarr v3
+    raw = (
+        md.get("compressor") is None
+        and not md.get("filters")
+        and md.get("order", "C") == "C"
+        and little
+        and sys.byteorder == "little"
+    )
+    return ArrayMeta(
+        key,
+        path,
+        2,
+        tuple(md["shape"]),
+        tuple(md["chunks"]),
+        dtype,
+        raw,
+        "",
+        md.get("dimension_separator", "."),
+        native=False,
+    )  # distckpt writes Zarr v3
 
 
 # A chunk may be larger than its array (zarr pads the last chunk), but not absurdly so.
@@ -308,12 +343,15 @@ def _checked_meta(meta: ArrayMeta, source: Path) -> ArrayMeta:
     shape = bounds.shape(meta.shape, source, "shape")
     chunks = bounds.shape(meta.chunks, source, "chunk shape")
     if len(chunks) != len(shape) or any(c < 1 for c in chunks):
-        raise CheckpointingException(f"{source}: chunk shape {list(chunks)} does not fit the shape {list(shape)}")
+        raise CheckpointingException(
+            f"{source}: chunk shape {list(chunks)} does not fit the shape {list(shape)}"
+        )
     array_bytes = math.prod(shape) * meta.itemsize
     if meta.chunk_nbytes > 2 * array_bytes + _CHUNK_SLACK_BYTES:
         raise CheckpointingException(
             f"{source}: a chunk of {list(chunks)} ({meta.chunk_nbytes} bytes) for an array of "
-            f"{list(shape)} ({array_bytes} bytes); refusing it")
+            f"{list(shape)} ({array_bytes} bytes); refusing it"
+        )
     if not isinstance(meta.separator, str) or meta.separator not in ("/", "."):
         raise CheckpointingException(f"{source}: chunk key separator {meta.separator!r} is not '/' or '.'")
     return dataclasses.replace(meta, shape=shape, chunks=chunks)
@@ -333,14 +371,18 @@ def manifest_disagreement(meta: ArrayMeta, manifest: Any) -> Optional[str]:
     if declared is None:
         return None
     if not meta.native:
-        return (f"key {meta.key!r}: {meta_file(meta)} describes its elements in another layout (byte order, "
-                f"element order or format) than the little-endian C-order Zarr v3 chunks distckpt writes, and the "
-                f"integrity manifest {MANIFEST_FNAME} says distckpt wrote this key: the array metadata is damaged")
+        return (
+            f"key {meta.key!r}: {meta_file(meta)} describes its elements in another layout (byte order, "
+            f"element order or format) than the little-endian C-order Zarr v3 chunks distckpt writes, and the "
+            f"integrity manifest {MANIFEST_FNAME} says distckpt wrote this key: the array metadata is damaged"
+        )
     if (dtype_name(meta.dtype), tuple(meta.shape)) == (declared[0], tuple(declared[1])):
         return None
-    return (f"key {meta.key!r}: {meta_file(meta)} says {dtype_name(meta.dtype)} of shape {list(meta.shape)}, the "
-            f"integrity manifest {MANIFEST_FNAME} says the writer wrote {declared[0]} of shape "
-            f"{list(declared[1])}: the array metadata or the manifest is damaged")
+    return (
+        f"key {meta.key!r}: {meta_file(meta)} says {dtype_name(meta.dtype)} of shape {list(meta.shape)}, the "
+        f"integrity manifest {MANIFEST_FNAME} says the writer wrote {declared[0]} of shape "
+        f"{list(declared[1])}: the array metadata or the manifest is damaged"
+    )
 
 
 def _check_allocation(meta: ArrayMeta, sh: ShardedTensor) -> None:
@@ -363,7 +405,8 @@ def _check_allocation(meta: ArrayMeta, sh: ShardedTensor) -> None:
                     return
     raise CheckpointingException(
         f"{meta.path / ARRAY_META}: key {sh.key!r}: loading {list(sh.local_shape)} needs {need} bytes, the "
-        f"array's chunk files hold {have}; refusing to allocate it")
+        f"array's chunk files hold {have}; refusing to allocate it"
+    )
 
 
 def read_array_meta(root: Path, key: str) -> Optional[ArrayMeta]:
@@ -383,12 +426,14 @@ def read_array_meta(root: Path, key: str) -> Optional[ArrayMeta]:
             except FileNotFoundError:
                 continue
             try:
-                return replace(_checked_meta(parse(key, path, json.loads(text)), root.where(f"{key}/{name}")),
-                               store=root)
+                return replace(
+                    _checked_meta(parse(key, path, json.loads(text)), root.where(f"{key}/{name}")), store=root
+                )
             except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
                 raise CheckpointingException(
                     f"{root.where(key + '/' + name)}: unreadable Zarr metadata of key {key!r} "
-                    f"(rank {dist.get_rank()}): {e}") from None
+                    f"(rank {dist.get_rank()}): {e}"
+                ) from None
         return None
     path = bounds.inside(root, key, root / ARRAY_META, "array key")
     for name, parse in ((ARRAY_META, _meta_from_v3), (LEGACY_ARRAY_META, _meta_from_v2)):
@@ -401,7 +446,8 @@ def read_array_meta(root: Path, key: str) -> Optional[ArrayMeta]:
             return _checked_meta(parse(key, path, json.loads(text)), f)
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
             raise CheckpointingException(
-                f"{f}: unreadable Zarr metadata of key {key!r} (rank {dist.get_rank()}): {e}") from None
+                f"{f}: unreadable Zarr metadata of key {key!r} (rank {dist.get_rank()}): {e}"
+            ) from None
     return None
 
 
@@ -415,15 +461,18 @@ def _root_keys(root: Path) -> Optional[List[str]]:
     except (OSError, ValueError, RecursionError) as e:
         raise CheckpointingException(f"{where}: unreadable root group metadata: {e}") from None
     if not isinstance(md, dict):
-        raise CheckpointingException(f"{where}: root group metadata is a JSON {type(md).__name__}, not an object")
+        raise CheckpointingException(
+            f"{where}: root group metadata is a JSON {type(md).__name__}, not an object"
+        )
     attributes = md.get("attributes")
     ours = attributes.get("distckpt") if isinstance(attributes, dict) else None
     if ours is None:
-        return None   # not written by distckpt: the arrays are found by walking the tree
+        return None  # not written by distckpt: the arrays are found by walking the tree
     keys = ours.get("keys") if isinstance(ours, dict) else None
     if not isinstance(keys, list):
         raise CheckpointingException(
-            f"{where}: root group metadata lists its array keys as {type(keys).__name__}, not a list (damaged)")
+            f"{where}: root group metadata lists its array keys as {type(keys).__name__}, not a list (damaged)"
+        )
     names = [bounds.relative_name(k, where, "array key") for k in keys]
     if len(set(names)) != len(names):
         # Each listed key is one array folder: a key listed again would be read, checked and
@@ -453,8 +502,7 @@ def _scan_keys(root: Path) -> List[str]:
             folder, _, base = name.rpartition("/")
             if not folder or any(part.endswith(".sync") for part in folder.split("/")):
                 continue
-            if base == LEGACY_ARRAY_META or (
-                    base == ARRAY_META and _is_array_meta(bytes(root.get(name)))):
+            if base == LEGACY_ARRAY_META or (base == ARRAY_META and _is_array_meta(bytes(root.get(name)))):
                 keys.append(folder)
         return sorted(k for k in set(keys) if not any(k.startswith(o + "/") for o in keys))
     keys = []
@@ -481,11 +529,17 @@ def list_array_keys(root: Path) -> List[str]:
 
 def _check_key_path(key: str) -> None:
     parts = key.split("/")
-    if (not key or key.startswith("/") or "\\" in key or any(p in ("", ".", "..") for p in parts)
-            or parts[0] in _RESERVED_TOP):
+    if (
+        not key
+        or key.startswith("/")
+        or "\\" in key
+        or any(p in ("", ".", "..") for p in parts)
+        or parts[0] in _RESERVED_TOP
+    ):
         raise CheckpointingException(
             f"ShardedTensor key {key!r} cannot name a Zarr array folder in the checkpoint (empty "
-            f"segments, '.', '..', a leading '/', or a reserved top-level name {sorted(_RESERVED_TOP)})")
+            f"segments, '.', '..', a leading '/', or a reserved top-level name {sorted(_RESERVED_TOP)})"
+        )
 
 
 def _check_key_paths(keys: Iterable[str]) -> None:
@@ -496,7 +550,8 @@ def _check_key_paths(keys: Iterable[str]) -> None:
         if b.startswith(a + "/"):
             raise CheckpointingException(
                 f"ShardedTensor keys {a!r} and {b!r} cannot both be stored by the zarr backend: the "
-                f"array folder of one would contain the other")
+                f"array folder of one would contain the other"
+            )
 
 
 def _write_json(rel: str, md: Dict[str, Any], root, key: str, atomic: bool = False) -> FileRecord:
@@ -535,8 +590,11 @@ def write_root_group(root: Path, keys: Iterable[str]) -> List[FileRecord]:
         if not _is_store(root):
             (root / g).mkdir(parents=True, exist_ok=True)
         records.append(_write_json(f"{g}/{ARRAY_META}", {"zarr_format": 3, "node_type": "group"}, root, g))
-    md = {"zarr_format": 3, "node_type": "group",
-          "attributes": {"distckpt": {"format": BACKEND, "format_version": FORMAT_VERSION, "keys": keys}}}
+    md = {
+        "zarr_format": 3,
+        "node_type": "group",
+        "attributes": {"distckpt": {"format": BACKEND, "format_version": FORMAT_VERSION, "keys": keys}},
+    }
     records.append(_write_json(ARRAY_META, md, root, ARRAY_META, atomic=True))
     return records
 
@@ -546,8 +604,9 @@ def _prefixes(path: str) -> List[str]:
     return ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
 
 
-def create_array(root: Path, key: str, shape: Shape, chunks: Shape, dtype: torch.dtype,
-                 compression: Optional[str] = None) -> Tuple[ArrayMeta, FileRecord]:
+def create_array(
+    root: Path, key: str, shape: Shape, chunks: Shape, dtype: torch.dtype, compression: Optional[str] = None
+) -> Tuple[ArrayMeta, FileRecord]:
     """Write ``<root>/<key>/zarr.json``; return the array's metadata and the file's record."""
     md = array_metadata_json(key, shape, chunks, dtype, compression)
     record = _write_json(f"{key}/{ARRAY_META}", md, root, key) if _is_store(root) else None
@@ -589,8 +648,9 @@ def _smallest_multiple_dividing(base: int, limit: int, need: int) -> int:
     return limit
 
 
-def choose_chunk_shape(shape: Shape, piece_gcd: Sequence[int], shard_gcd: Sequence[int], itemsize: int,
-                       min_flat_chunk_bytes: int) -> Shape:
+def choose_chunk_shape(
+    shape: Shape, piece_gcd: Sequence[int], shard_gcd: Sequence[int], itemsize: int, min_flat_chunk_bytes: int
+) -> Shape:
     """The chunk grid of one array.
 
     ``piece_gcd[a]``: gcd of every interior cut point of every main-replica piece along axis
@@ -704,8 +764,12 @@ class RawIO:
 
     # ----------------------------------------------------------------- read
 
-    def read(self, ops: Sequence[ChunkRead], checksums: Optional[Dict[str, Tuple[int, int]]] = None,
-             blocks: Optional[BlockLookup] = None) -> None:
+    def read(
+        self,
+        ops: Sequence[ChunkRead],
+        checksums: Optional[Dict[str, Tuple[int, int]]] = None,
+        blocks: Optional[BlockLookup] = None,
+    ) -> None:
         """Run the reads, each chunk file opened once. With ``checksums`` (relative path ->
         (size, crc32c) from the manifest) every byte copied out of a listed chunk is checked: a
         whole chunk read into place as it arrives; part of a chunk whose block CRC32Cs
@@ -721,8 +785,9 @@ class RawIO:
             where = f"key {meta.key!r}: chunk file {path} (rank {dist.get_rank()})"
             try:
                 # Beneath the array's folder, never through a symlink out of it.
-                fd = containment.open_beneath(meta.path, meta.chunk_name(file_ops[0].index), meta.path / ARRAY_META,
-                                              "chunk file")
+                fd = containment.open_beneath(
+                    meta.path, meta.chunk_name(file_ops[0].index), meta.path / ARRAY_META, "chunk file"
+                )
             except FileNotFoundError:
                 raise CheckpointingException(f"{where} is missing") from None
             try:
@@ -730,33 +795,45 @@ class RawIO:
                 if size != meta.chunk_nbytes:
                     raise CheckpointingException(
                         f"{where} holds {size} bytes, expected {meta.chunk_nbytes} of an uncompressed "
-                        f"chunk of shape {list(meta.chunks)} ({meta.dtype}); truncated or corrupt")
+                        f"chunk of shape {list(meta.chunks)} ({meta.dtype}); truncated or corrupt"
+                    )
                 expected = None if checksums is None else checksums.get(meta.chunk_relpath(file_ops[0].index))
                 if expected is None:
                     for op in file_ops:
                         _read_region(fd, meta, op, where)
                     return
                 op = file_ops[0]
-                if (len(file_ops) == 1 and not any(op.lo) and tuple(op.hi) == tuple(meta.chunks)
-                        and op.dest.device.type == "cpu" and op.dest.dtype == meta.dtype and op.dest.is_contiguous()):
+                if (
+                    len(file_ops) == 1
+                    and not any(op.lo)
+                    and tuple(op.hi) == tuple(meta.chunks)
+                    and op.dest.device.type == "cpu"
+                    and op.dest.dtype == meta.dtype
+                    and op.dest.is_contiguous()
+                ):
                     # The whole chunk into place, checksummed as it arrives (no second pass).
                     if pread_crc(fd, byte_view(op.dest), 0, where) != expected[1]:
-                        raise CheckpointingException(f"{where}: CRC32C mismatch against the manifest (corrupted data)")
+                        raise CheckpointingException(
+                            f"{where}: CRC32C mismatch against the manifest (corrupted data)"
+                        )
                     return
-                reader = None if blocks is None else _block_reader(fd, meta, file_ops, blocks, expected, where)
+                reader = (
+                    None if blocks is None else _block_reader(fd, meta, file_ops, blocks, expected, where)
+                )
                 if reader is not None:
                     reader.copy([_copy_op(meta, op) for op in file_ops], None)
                     return
                 chunk = torch.empty(meta.chunks, dtype=meta.dtype)
                 if pread_crc(fd, byte_view(chunk), 0, where) != expected[1]:
-                    raise CheckpointingException(f"{where}: CRC32C mismatch against the manifest (corrupted data)")
+                    raise CheckpointingException(
+                        f"{where}: CRC32C mismatch against the manifest (corrupted data)"
+                    )
                 for op in file_ops:
                     op.dest.copy_(chunk[tuple(slice(lo, hi) for lo, hi in zip(op.lo, op.hi))])
             finally:
                 os.close(fd)
 
         self._map(read_file, sorted(by_file.items(), key=lambda kv: str(kv[0])))
-
 
     # ----------------------------------------------------------------- object stores
 
@@ -790,10 +867,13 @@ class RawIO:
             if len(raw) != meta.chunk_nbytes:
                 raise CheckpointingException(
                     f"{where} holds {len(raw)} bytes, expected {meta.chunk_nbytes} of an uncompressed "
-                    f"chunk of shape {list(meta.chunks)} ({meta.dtype}); truncated or corrupt")
+                    f"chunk of shape {list(meta.chunks)} ({meta.dtype}); truncated or corrupt"
+                )
             expected = None if checksums is None else checksums.get(rel)
             if expected is not None and crc32c(raw) != expected[1]:
-                raise CheckpointingException(f"{where}: CRC32C mismatch against the manifest (corrupted data)")
+                raise CheckpointingException(
+                    f"{where}: CRC32C mismatch against the manifest (corrupted data)"
+                )
             chunk = torch.frombuffer(bytearray(raw), dtype=meta.dtype).reshape(meta.chunks)
             for op in file_ops:
                 op.dest.copy_(chunk[tuple(slice(lo, hi) for lo, hi in zip(op.lo, op.hi))])
@@ -821,8 +901,14 @@ def _copy_op(meta: ArrayMeta, op: ChunkRead) -> CopyOp:
 _WHOLE_READ_BYTES = 8 << 20
 
 
-def _block_reader(fd: int, meta: ArrayMeta, ops: Sequence[ChunkRead], blocks: BlockLookup,
-                  expected: Tuple[int, int], where: str) -> Optional[BlockReader]:
+def _block_reader(
+    fd: int,
+    meta: ArrayMeta,
+    ops: Sequence[ChunkRead],
+    blocks: BlockLookup,
+    expected: Tuple[int, int],
+    where: str,
+) -> Optional[BlockReader]:
     """A reader of only the blocks of a chunk file that ``ops`` take bytes from, each checked
     against its CRC32C in the manifest before any of its bytes is copied; None when the chunk is
     better read whole and checked against its own CRC32C: no block CRC32Cs for it (a small
@@ -845,8 +931,9 @@ def _block_reader(fd: int, meta: ArrayMeta, ops: Sequence[ChunkRead], blocks: Bl
     if touched > len(crcs) or (touched == len(crcs) and meta.chunk_nbytes <= _WHOLE_READ_BYTES):
         return None
     entry = blockcrc.Entry(0, expected[0], expected[1], 0, meta.chunk_nbytes, 0, 0, meta.dtype, crcs)
-    return BlockReader(fd, 0, entry, block, where, f"the block CRC32Cs of {rel} in the integrity manifest "
-                                                   f"{MANIFEST_FNAME}")
+    return BlockReader(
+        fd, 0, entry, block, where, f"the block CRC32Cs of {rel} in the integrity manifest {MANIFEST_FNAME}"
+    )
 
 
 def _read_region(fd: int, meta: ArrayMeta, op: ChunkRead, where: str) -> None:
@@ -864,7 +951,7 @@ def _read_region(fd: int, meta: ArrayMeta, op: ChunkRead, where: str) -> None:
     inner = ndim
     while inner > 0 and lo[inner - 1] == 0 and hi[inner - 1] == chunks[inner - 1]:
         inner -= 1
-    runs = math.prod(ext[:max(inner - 1, 0)])
+    runs = math.prod(ext[: max(inner - 1, 0)])
     dest = op.dest
     if runs == 1:
         direct = dest.is_contiguous() and dest.device.type == "cpu" and dest.dtype == meta.dtype
@@ -907,7 +994,8 @@ class _Engines:
             if not meta.raw:
                 raise CheckpointingException(
                     f"key {meta.key!r}: array at {meta.store.where(meta.key)} is compressed or otherwise "
-                    f"encoded; on object stores the zarr backend reads and writes uncompressed arrays only")
+                    f"encoded; on object stores the zarr backend reads and writes uncompressed arrays only"
+                )
             return False
         if self.io_engine == "tensorstore":
             return True
@@ -915,7 +1003,8 @@ class _Engines:
             if self.io_engine == "raw":
                 raise CheckpointingException(
                     f"key {meta.key!r}: array {meta.path} is compressed or otherwise encoded; "
-                    f"io_engine='raw' cannot read or write it (use 'auto' or 'tensorstore')")
+                    f"io_engine='raw' cannot read or write it (use 'auto' or 'tensorstore')"
+                )
             return True
         return False
 
@@ -929,8 +1018,12 @@ class _Engines:
             records += self.raw.write_objects(store_jobs)
         return records + self.raw.write(raw_jobs)
 
-    def read(self, ops: Sequence[ChunkRead], checksums: Optional[Dict[str, Tuple[int, int]]] = None,
-             blocks: Optional[BlockLookup] = None) -> None:
+    def read(
+        self,
+        ops: Sequence[ChunkRead],
+        checksums: Optional[Dict[str, Tuple[int, int]]] = None,
+        blocks: Optional[BlockLookup] = None,
+    ) -> None:
         store_ops = [o for o in ops if o.meta.store is not None and not self.uses_tensorstore(o.meta)]
         ops = [o for o in ops if o.meta.store is None]
         ts_ops = [o for o in ops if self.uses_tensorstore(o.meta)]
@@ -968,7 +1061,8 @@ class _KeyDecl:
         if other.shape != self.shape or other.dtype != self.dtype:
             raise CheckpointingException(
                 f"key {key!r}: ranks disagree on the global shape or dtype "
-                f"({list(self.shape)} {self.dtype} vs {list(other.shape)} {other.dtype})")
+                f"({list(self.shape)} {self.dtype} vs {list(other.shape)} {other.dtype})"
+            )
         self.piece_gcd = [math.gcd(a, b) for a, b in zip(self.piece_gcd, other.piece_gcd)]
         self.shard_gcd = [math.gcd(a, b) for a, b in zip(self.shard_gcd, other.shard_gcd)]
 
@@ -999,22 +1093,28 @@ def _shard_pieces(sh: ShardedTensor, staging: Optional[Any] = None) -> Tuple[Lis
     start = sh.flattened_range.start
     flat = data.reshape(-1)
     pieces = [
-        _Piece(sh.key, tuple(o + b for o, b in zip(origin, off)), size,
-               flat[pos - start:pos - start + math.prod(size)].reshape(size))
+        _Piece(
+            sh.key,
+            tuple(o + b for o, b in zip(origin, off)),
+            size,
+            flat[pos - start : pos - start + math.prod(size)].reshape(size),
+        )
         for off, size, pos in flat_range_boxes(full_local, start, sh.flattened_range.stop, start)
     ]
     return pieces, origin, full_local
 
 
-def _local_plan(sharded_state_dict: ShardedStateDict,
-                staging: Optional[Any] = None) -> Tuple[List[_Piece], Dict[str, _KeyDecl]]:
+def _local_plan(
+    sharded_state_dict: ShardedStateDict, staging: Optional[Any] = None
+) -> Tuple[List[_Piece], Dict[str, _KeyDecl]]:
     pieces: List[_Piece] = []
     decls: Dict[str, _KeyDecl] = {}
     for sh in nested_values(sharded_state_dict):
         if isinstance(sh, ShardedObject):
             raise CheckpointingException(
                 f"ShardedObject {sh.unique_key!r} reached the zarr strategy; objects are stored by "
-                f"the common strategy")
+                f"the common strategy"
+            )
         if not isinstance(sh, ShardedTensor) or not is_main_replica(sh.replica_id):
             continue
         shape = tuple(sh.global_shape)
@@ -1081,8 +1181,12 @@ def _split_into_chunks(pieces: Sequence[_Piece], metas: Dict[str, ArrayMeta]):
             writes.append(ChunkWrite(meta, index, _assemble(meta, index, frags), owned=True))
         else:
             # Copied: pickling a view would send its whole storage (and it may be on a device).
-            shared += [_Fragment(f.key, f.index, f.offset, torch.empty(f.data.shape, dtype=f.data.dtype).copy_(f.data))
-                       for f in frags]
+            shared += [
+                _Fragment(
+                    f.key, f.index, f.offset, torch.empty(f.data.shape, dtype=f.data.dtype).copy_(f.data)
+                )
+                for f in frags
+            ]
     return writes, shared
 
 
@@ -1096,7 +1200,8 @@ def _assemble(meta: ArrayMeta, index: Shape, frags: Sequence[_Fragment]) -> torc
     if covered != buf.numel():
         raise CheckpointingException(
             f"key {meta.key!r}: the main replicas cover {covered} of the {buf.numel()} elements of "
-            f"chunk {list(index)}; the sharding does not tile the tensor")
+            f"chunk {list(index)}; the sharding does not tile the tensor"
+        )
     return buf
 
 
@@ -1110,8 +1215,8 @@ class _SavePlan:
     shared: List[_Fragment]
     records: List[FileRecord]
     exc: Optional[BaseException] = None
-    staged: Optional[Any] = None      # the StagedBatch holding the staged bytes (async save)
-    waves: int = 1                    # staging waves of an async save
+    staged: Optional[Any] = None  # the StagedBatch holding the staged bytes (async save)
+    waves: int = 1  # staging waves of an async save
 
 
 class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
@@ -1132,9 +1237,16 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         fsync: fsync each chunk file.
     """
 
-    def __init__(self, backend: str = BACKEND, version: int = FORMAT_VERSION, thread_count: int = 4,
-                 io_engine: str = "auto", compression: Optional[str] = None,
-                 min_flat_chunk_bytes: int = DEFAULT_MIN_FLAT_CHUNK_BYTES, fsync: bool = True):
+    def __init__(
+        self,
+        backend: str = BACKEND,
+        version: int = FORMAT_VERSION,
+        thread_count: int = 4,
+        io_engine: str = "auto",
+        compression: Optional[str] = None,
+        min_flat_chunk_bytes: int = DEFAULT_MIN_FLAT_CHUNK_BYTES,
+        fsync: bool = True,
+    ):
         # Whatever version was asked for, this writes (and metadata.json records) version 2.
         super().__init__(backend, FORMAT_VERSION)
         if thread_count < 1:
@@ -1145,14 +1257,18 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.min_flat_chunk_bytes = min_flat_chunk_bytes
         self._staging: Optional[Any] = None
 
-    def _create_arrays(self, root: Path, decls: Dict[str, _KeyDecl]) -> Tuple[Dict[str, ArrayMeta], List[FileRecord]]:
+    def _create_arrays(
+        self, root: Path, decls: Dict[str, _KeyDecl]
+    ) -> Tuple[Dict[str, ArrayMeta], List[FileRecord]]:
         """Every array's metadata; this rank writes the ``zarr.json`` of keys ``i`` with
         ``i % world == rank`` (and rank 0 the root group), so each is written exactly once."""
         rank, world = dist.get_rank(), dist.get_world_size()
         metas, records = {}, []
         for i, (key, d) in enumerate(decls.items()):
             itemsize = torch.empty((), dtype=d.dtype).element_size()
-            chunks = choose_chunk_shape(d.shape, d.piece_gcd, d.shard_gcd, itemsize, self.min_flat_chunk_bytes)
+            chunks = choose_chunk_shape(
+                d.shape, d.piece_gcd, d.shard_gcd, itemsize, self.min_flat_chunk_bytes
+            )
             if i % world == rank:
                 metas[key], record = create_array(root, key, d.shape, chunks, d.dtype, self.compression)
                 records.append(record)
@@ -1166,7 +1282,9 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
             records += write_root_group(root, decls)
         return metas, records
 
-    def prepare(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path, stage: bool = False) -> _SavePlan:
+    def prepare(
+        self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path, stage: bool = False
+    ) -> _SavePlan:
         """Plan and create the arrays; collective. A planning error raises on every rank; a
         later local error is kept in the plan and raised everywhere by ``finalize``."""
         root = _root(checkpoint_dir)
@@ -1280,13 +1398,20 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
                 for f in frags:
                     by_chunk.setdefault((f.key, f.index), []).append(f)
             records = [r for rank_records, _ in payloads for r in rank_records]
-            records += self.engines.write([ChunkWrite(metas[k], i, _assemble(metas[k], i, fs))
-                                           for (k, i), fs in sorted(by_chunk.items())])
-            manifest = build_manifest(str(uuid.uuid4()), BACKEND,
-                                      [(path, 0, size, crc, key) for path, size, crc, key, _ in records],
-                                      {path: size for path, size, _, _, _ in records},
-                                      {k: (dtype_name(m.dtype), tuple(m.shape)) for k, m in metas.items()},
-                                      blocks=block_entries(records))
+            records += self.engines.write(
+                [
+                    ChunkWrite(metas[k], i, _assemble(metas[k], i, fs))
+                    for (k, i), fs in sorted(by_chunk.items())
+                ]
+            )
+            manifest = build_manifest(
+                str(uuid.uuid4()),
+                BACKEND,
+                [(path, 0, size, crc, key) for path, size, crc, key, _ in records],
+                {path: size for path, size, _, _, _ in records},
+                {k: (dtype_name(m.dtype), tuple(m.shape)) for k, m in metas.items()},
+                blocks=block_entries(records),
+            )
             write_manifest(root, manifest)
 
         payload = None if exc is not None else (plan.records, plan.shared)
@@ -1318,8 +1443,12 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
 
 def _needs_staging(t: torch.Tensor, dtype: torch.dtype) -> bool:
     """True if reads cannot land in ``t`` itself (other dtype or device, subclass, non-contiguous)."""
-    return (type(t) not in (torch.Tensor, torch.nn.Parameter) or not t.is_contiguous()
-            or t.device.type != "cpu" or t.dtype != dtype)
+    return (
+        type(t) not in (torch.Tensor, torch.nn.Parameter)
+        or not t.is_contiguous()
+        or t.device.type != "cpu"
+        or t.dtype != dtype
+    )
 
 
 def _request_boxes(sh: ShardedTensor, dest: torch.Tensor) -> List[Tuple[Shape, Shape, torch.Tensor]]:
@@ -1328,9 +1457,14 @@ def _request_boxes(sh: ShardedTensor, dest: torch.Tensor) -> List[Tuple[Shape, S
     if sh.flattened_range is None:
         return [(tuple(sh.global_offset), full_local, dest.view(full_local))]
     start, stop = sh.flattened_range.start, sh.flattened_range.stop
-    return [(tuple(g + o for g, o in zip(sh.global_offset, off)), size,
-             dest[p - start:p - start + math.prod(size)].view(size))
-            for off, size, p in flat_range_boxes(full_local, start, stop, start)]
+    return [
+        (
+            tuple(g + o for g, o in zip(sh.global_offset, off)),
+            size,
+            dest[p - start : p - start + math.prod(size)].view(size),
+        )
+        for off, size, p in flat_range_boxes(full_local, start, stop, start)
+    ]
 
 
 def plan_reads(meta: ArrayMeta, offset: Shape, size: Shape, view: torch.Tensor) -> List[ChunkRead]:
@@ -1345,8 +1479,15 @@ def plan_reads(meta: ArrayMeta, offset: Shape, size: Shape, view: torch.Tensor) 
         lo = tuple(max(a, b) for a, b in zip(offset, c_off))
         top = tuple(min(a, b + n) for a, b, n in zip(hi, c_off, c_size))
         dest = view[tuple(slice(a - o, b - o) for a, b, o in zip(lo, top, offset))]
-        ops.append(ChunkRead(meta, tuple(index), tuple(a - c for a, c in zip(lo, c_off)),
-                             tuple(h - c for h, c in zip(top, c_off)), dest))
+        ops.append(
+            ChunkRead(
+                meta,
+                tuple(index),
+                tuple(a - c for a, c in zip(lo, c_off)),
+                tuple(h - c for h, c in zip(top, c_off)),
+                dest,
+            )
+        )
     return ops
 
 
@@ -1369,8 +1510,16 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         trusted: accepted for symmetry with other strategies; zarr arrays are never unpickled.
     """
 
-    def __init__(self, backend: str = BACKEND, version: int = FORMAT_VERSION, thread_count: int = 4,
-                 io_engine: str = "auto", verify: bool = False, trusted: bool = False, checksums: bool = True):
+    def __init__(
+        self,
+        backend: str = BACKEND,
+        version: int = FORMAT_VERSION,
+        thread_count: int = 4,
+        io_engine: str = "auto",
+        verify: bool = False,
+        trusted: bool = False,
+        checksums: bool = True,
+    ):
         super().__init__(backend, FORMAT_VERSION)
         self.engines = _Engines(io_engine, thread_count)
         self.verify = verify
@@ -1379,14 +1528,18 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
 
     @staticmethod
     def _checksums(manifest: Any) -> Dict[str, Tuple[int, int]]:
-        return {path: (manifest.files.get(path, r[0].length), r[0].crc32c)
-                for path, r in manifest.ranges.items() if len(r) == 1 and r[0].offset == 0}
+        return {
+            path: (manifest.files.get(path, r[0].length), r[0].crc32c)
+            for path, r in manifest.ranges.items()
+            if len(r) == 1 and r[0].offset == 0
+        }
 
     def _meta(self, root: Path, key: str) -> ArrayMeta:
         meta = read_array_meta(root, key)
         if meta is None:
             raise CheckpointingException(
-                f"ShardedTensor {key!r} is not in checkpoint {root} (rank {dist.get_rank()})")
+                f"ShardedTensor {key!r} is not in checkpoint {root} (rank {dist.get_rank()})"
+            )
         return meta
 
     def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
@@ -1398,14 +1551,17 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             problem = manifest_disagreement(meta, manifest)
             if problem:
                 raise CheckpointingException(problem)
-            out[key] = ShardedTensor.from_rank_offsets(key, torch.empty(meta.shape, dtype=meta.dtype, device="meta"))
+            out[key] = ShardedTensor.from_rank_offsets(
+                key, torch.empty(meta.shape, dtype=meta.dtype, device="meta")
+            )
         # A query returns every key: one the writer declared must not just drop out of the listing.
         missing = sorted(set(manifest.keys) - set(out)) if manifest is not None else []
         if missing:
             raise CheckpointingException(
                 f"{storage.join(root, ARRAY_META)}: does not list array key(s) {missing[:3]}"
                 f"{' ...' if len(missing) > 3 else ''} that {MANIFEST_FNAME} says the writer wrote (the root "
-                f"metadata is damaged)")
+                f"metadata is damaged)"
+            )
         return out
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
@@ -1420,14 +1576,17 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         commits: List[Callable[[], None]] = []
         if _is_store(root):
             # One GET per array's zarr.json: issue them together instead of one after another.
-            keys = sorted({sh.key for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedTensor)})
+            keys = sorted(
+                {sh.key for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedTensor)}
+            )
             found = self.engines.raw._map(lambda k: (k, self._meta(root, k)), keys, OBJECT_STORE_REQUESTS)
             metas.update(found)
 
         def prepare(sh: Any) -> Any:
             if isinstance(sh, ShardedObject):
                 raise CheckpointingException(
-                    f"ShardedObject {sh.unique_key!r}: the zarr strategy leaves objects to the common strategy")
+                    f"ShardedObject {sh.unique_key!r}: the zarr strategy leaves objects to the common strategy"
+                )
             if not isinstance(sh, ShardedTensor):
                 return sh
             if sh.key not in metas:
@@ -1437,10 +1596,13 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
                 if not sh.allow_shape_mismatch or len(sh.global_shape) != len(meta.shape):
                     # A damaged zarr.json (one the manifest contradicts) is the cause to report.
                     raise CheckpointingException(
-                        manifest_disagreement(meta, manifest) or (
-                        f"ShardedTensor {sh.key!r}: global shape {list(sh.global_shape)} was requested but "
-                        f"the checkpoint stores {list(meta.shape)} (in {meta_file(meta)}; set "
-                        f"allow_shape_mismatch=True to load the overlap and zero the rest)"))
+                        manifest_disagreement(meta, manifest)
+                        or (
+                            f"ShardedTensor {sh.key!r}: global shape {list(sh.global_shape)} was requested but "
+                            f"the checkpoint stores {list(meta.shape)} (in {meta_file(meta)}; set "
+                            f"allow_shape_mismatch=True to load the overlap and zero the rest)"
+                        )
+                    )
             if sh.data is None:
                 _check_allocation(meta, sh)
                 sh.init_data("cpu", torch.zeros if sh.allow_shape_mismatch else torch.empty)
@@ -1472,8 +1634,9 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         with torch.no_grad():
             for commit in commits:
                 commit()
-        return dict_list_map_inplace(lambda sh: sh.data if isinstance(sh, ShardedTensor) else sh,
-                                     sharded_state_dict)
+        return dict_list_map_inplace(
+            lambda sh: sh.data if isinstance(sh, ShardedTensor) else sh, sharded_state_dict
+        )
 
     def remove_sharded_tensors(self, checkpoint_dir: Path, key_prefix: str) -> None:
         """Drop every array whose key starts with ``key_prefix``: the root group's listing and
@@ -1518,9 +1681,16 @@ class ZarrTensorWriter:
             many bytes (None: one chunk per tensor).
     """
 
-    def __init__(self, checkpoint_dir: Path, *, io_engine: str = "auto", thread_count: int = 4,
-                 compression: Optional[str] = None, max_chunk_bytes: Optional[int] = None,
-                 fsync: bool = True):
+    def __init__(
+        self,
+        checkpoint_dir: Path,
+        *,
+        io_engine: str = "auto",
+        thread_count: int = 4,
+        compression: Optional[str] = None,
+        max_chunk_bytes: Optional[int] = None,
+        fsync: bool = True,
+    ):
         self.root = _root(checkpoint_dir)
         self.engines = _Engines(io_engine, thread_count, fsync)
         self.compression = compression
@@ -1542,15 +1712,20 @@ class ZarrTensorWriter:
         if key in self._folders or key in self.keys or any(p in self.keys for p in parents):
             raise CheckpointingException(
                 f"ShardedTensor key {key!r} clashes with a key already written (same key, or one "
-                f"array folder would contain the other)")
+                f"array folder would contain the other)"
+            )
         t = tensor.detach()
         if t.device.type != "cpu":
             t = t.to("cpu")
-        meta, record = create_array(self.root, key, tuple(t.shape), self._chunks(t), t.dtype, self.compression)
+        meta, record = create_array(
+            self.root, key, tuple(t.shape), self._chunks(t), t.dtype, self.compression
+        )
         jobs = []
         for index in meta.chunks_overlapping((0,) * t.dim(), tuple(t.shape)):
             c_off, c_size = meta.chunk_box(index)
-            jobs.append(ChunkWrite(meta, tuple(index), t[tuple(slice(o, o + n) for o, n in zip(c_off, c_size))]))
+            jobs.append(
+                ChunkWrite(meta, tuple(index), t[tuple(slice(o, o + n) for o, n in zip(c_off, c_size))])
+            )
         self.records += [record] + self.engines.write(jobs)
         self.keys.append(key)
         self._folders.update(parents)

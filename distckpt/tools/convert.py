@@ -101,7 +101,8 @@ def get_writer(name: str, dst_dir: PathLike, **options: Any) -> CheckpointWriter
         factory = _WRITERS[name]
     except KeyError:
         raise CheckpointingException(
-            f"no checkpoint writer {name!r}; known: {', '.join(sorted(_WRITERS))}") from None
+            f"no checkpoint writer {name!r}; known: {', '.join(sorted(_WRITERS))}"
+        ) from None
     return factory(dst_dir if storage.is_remote(dst_dir) else Path(dst_dir), **options)
 
 
@@ -112,8 +113,6 @@ def _torch_bytes(obj: Any) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return buf.getvalue()
-
-
 
 
 class DistckptWriter:
@@ -157,7 +156,8 @@ class DistckptWriter:
                 raise CheckpointingException(f"{self.target}: exists and is not a directory")
             if self.target.is_dir() and any(self.target.iterdir()) and not self.overwrite:
                 raise CheckpointingException(
-                    f"{self.target}: destination is not empty (pass overwrite=True to replace it)")
+                    f"{self.target}: destination is not empty (pass overwrite=True to replace it)"
+                )
         self._protocol.cleanup_leftovers(self.target)
         # An object store refuses a committed checkpoint unless overwrite.
         self._staging = self._protocol.begin(self.target, commit.new_save_id(), self.overwrite)
@@ -201,11 +201,18 @@ class DistckptWriter:
     def finish(self) -> Dict[str, Any]:
         """Write the backend's index and the manifest, then commit (``metadata.json`` last)."""
         self._finish_data()
-        write_manifest(self.dst, build_manifest(self._staging.save_id, self.backend, self.ranges, self.sizes,
-                                                blocks=self.blocks))
+        write_manifest(
+            self.dst,
+            build_manifest(self._staging.save_id, self.backend, self.ranges, self.sizes, blocks=self.blocks),
+        )
         self._protocol.commit(self._staging, CheckpointingConfig(self.backend, self.version, "torch", 1))
-        return {"path": str(self.target), "backend": self.backend, "tensors": self.tensor_count,
-                "nbytes": self.tensor_bytes, "files": len(self.sizes) + 2}
+        return {
+            "path": str(self.target),
+            "backend": self.backend,
+            "tensors": self.tensor_count,
+            "nbytes": self.tensor_bytes,
+            "files": len(self.sizes) + 2,
+        }
 
     def abort(self) -> None:
         """Drop the output: the staging directory goes; the destination stays as it was."""
@@ -226,17 +233,31 @@ class ZarrWriter(DistckptWriter):
 
     backend = "zarr"
 
-    def __init__(self, dst_dir: PathLike, overwrite: bool = False, *, max_chunk_bytes: Optional[int] = None,
-                 compression: Optional[str] = None, io_engine: str = "auto", thread_count: int = 4):
+    def __init__(
+        self,
+        dst_dir: PathLike,
+        overwrite: bool = False,
+        *,
+        max_chunk_bytes: Optional[int] = None,
+        compression: Optional[str] = None,
+        io_engine: str = "auto",
+        thread_count: int = 4,
+    ):
         from distckpt.strategies.zarr import FORMAT_VERSION, ZarrTensorWriter
 
         super().__init__(dst_dir, overwrite)
         if self.remote and compression is not None:
             raise CheckpointingException(
-                f"{self.dst}: on object stores the zarr backend writes uncompressed arrays only")
+                f"{self.dst}: on object stores the zarr backend writes uncompressed arrays only"
+            )
         self.version = FORMAT_VERSION
-        self.arrays = ZarrTensorWriter(self.dst, io_engine=io_engine, thread_count=thread_count,
-                                       compression=compression, max_chunk_bytes=max_chunk_bytes)
+        self.arrays = ZarrTensorWriter(
+            self.dst,
+            io_engine=io_engine,
+            thread_count=thread_count,
+            compression=compression,
+            max_chunk_bytes=max_chunk_bytes,
+        )
 
     def _moved_to(self, path: Path) -> None:
         self.arrays.root = path
@@ -249,7 +270,9 @@ class ZarrWriter(DistckptWriter):
             else:
                 # The key comes from the source checkpoint: the file is created beneath the
                 # destination by the containment rule, never through '..' or a symlink out.
-                fd = containment.create_beneath(self.dst, f"{unique_key}.pt", self.dst, "ShardedObject file name")
+                fd = containment.create_beneath(
+                    self.dst, f"{unique_key}.pt", self.dst, "ShardedObject file name"
+                )
                 try:
                     write_all(fd, data)
                     os.fsync(fd)
@@ -275,8 +298,11 @@ def _standalone(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if t.device.type != "cpu":
         return t.to("cpu")
-    if (not t.is_contiguous() or t.storage_offset() != 0
-            or t.untyped_storage().nbytes() != t.numel() * t.element_size()):
+    if (
+        not t.is_contiguous()
+        or t.storage_offset() != 0
+        or t.untyped_storage().nbytes() != t.numel() * t.element_size()
+    ):
         t = t.clone(memory_format=torch.contiguous_format)
     return t
 
@@ -327,7 +353,9 @@ class TorchDistWriter(DistckptWriter):
             self._fd = None
 
     def _sink_for_next_item(self):
-        if self._fd is None or (self.max_file_bytes is not None and self._sink.position >= self.max_file_bytes):
+        if self._fd is None or (
+            self.max_file_bytes is not None and self._sink.position >= self.max_file_bytes
+        ):
             self._open_next()
         return self._sink
 
@@ -389,10 +417,17 @@ class TorchDistWriter(DistckptWriter):
             if decl is None:
                 state[key] = BytesStorageMetadata()
             else:
-                state[key] = TensorStorageMetadata(properties=TensorProperties(dtype=decl[0]),
-                                                   size=torch.Size(decl[1]), chunks=chunks.get(key, []))
-        md = Metadata(state_dict_metadata=state, planner_data=None, storage_data=storage,
-                      storage_meta=StorageMeta(checkpoint_id=str(self.target), save_id=str(uuid.uuid4())))
+                state[key] = TensorStorageMetadata(
+                    properties=TensorProperties(dtype=decl[0]),
+                    size=torch.Size(decl[1]),
+                    chunks=chunks.get(key, []),
+                )
+        md = Metadata(
+            state_dict_metadata=state,
+            planner_data=None,
+            storage_data=storage,
+            storage_meta=StorageMeta(checkpoint_id=str(self.target), save_id=str(uuid.uuid4())),
+        )
         md.mcore_data = {}
         data = pickle.dumps(md)
         if self.remote:
@@ -417,14 +452,18 @@ class _Source:
         config = checkpoint_config(path) if is_folder else None
         if config is None:
             raise CheckpointingException(
-                f"not a committed checkpoint: {describe_missing_config(path)}" if is_folder
-                else f"{path}: not a committed checkpoint (not a folder)")
+                f"not a committed checkpoint: {describe_missing_config(path)}"
+                if is_folder
+                else f"{path}: not a committed checkpoint (not a folder)"
+            )
         self.path = path
         self.config = config
-        self.sharded = get_default_strategy(StrategyAction.LOAD_SHARDED, config.sharded_backend,
-                                            config.sharded_backend_version)
-        self.common = get_default_strategy(StrategyAction.LOAD_COMMON, config.common_backend,
-                                           config.common_backend_version)
+        self.sharded = get_default_strategy(
+            StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version
+        )
+        self.common = get_default_strategy(
+            StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version
+        )
         for strategy in (self.sharded, self.common):
             if hasattr(strategy, "trusted"):
                 strategy.trusted = trusted
@@ -447,9 +486,19 @@ class _Source:
     def load_tensors(self, metas: Dict[str, ShardedTensor]) -> Dict[str, torch.Tensor]:
         # Without data: the strategy allocates each tensor only after checking that the
         # checkpoint stores its bytes (a claimed shape of 2^40 elements is refused, not allocated).
-        request = {key: ShardedTensor(key, None, m.dtype, tuple(m.global_shape), tuple(m.global_shape),
-                                      (0,) * len(m.global_shape), None, 0)
-                   for key, m in metas.items()}
+        request = {
+            key: ShardedTensor(
+                key,
+                None,
+                m.dtype,
+                tuple(m.global_shape),
+                tuple(m.global_shape),
+                (0,) * len(m.global_shape),
+                None,
+                0,
+            )
+            for key, m in metas.items()
+        }
         return self.sharded.load(request, self.path)
 
 
@@ -522,11 +571,19 @@ def _matcher(keys: KeyFilter, exclude: KeyFilter) -> Callable[[str], bool]:
     return wanted
 
 
-def stream_checkpoint(src_dir: PathLike, writer: CheckpointWriter, *, keys: KeyFilter = None,
-                      exclude: KeyFilter = None, dtype: Optional[torch.dtype] = None,
-                      progress: Optional[Progress] = None, trusted: bool = False,
-                      read_budget_bytes: Optional[int] = DEFAULT_READ_BUDGET_BYTES, dst_name: str = "",
-                      dst_backend: str = "") -> ConversionReport:
+def stream_checkpoint(
+    src_dir: PathLike,
+    writer: CheckpointWriter,
+    *,
+    keys: KeyFilter = None,
+    exclude: KeyFilter = None,
+    dtype: Optional[torch.dtype] = None,
+    progress: Optional[Progress] = None,
+    trusted: bool = False,
+    read_budget_bytes: Optional[int] = DEFAULT_READ_BUDGET_BYTES,
+    dst_name: str = "",
+    dst_backend: str = "",
+) -> ConversionReport:
     """Stream the checkpoint at ``src_dir`` into ``writer`` (see :func:`convert_checkpoint`).
 
     ``progress`` is either a callable ``progress(done_bytes, total_bytes, key)`` called after
@@ -551,8 +608,15 @@ def stream_checkpoint(src_dir: PathLike, writer: CheckpointWriter, *, keys: KeyF
     return report
 
 
-def _stream(src: _Source, writer: CheckpointWriter, wanted: Callable[[str], bool], dtype: Optional[torch.dtype],
-            progress: Optional[Progress], read_budget_bytes: int, report: ConversionReport) -> None:
+def _stream(
+    src: _Source,
+    writer: CheckpointWriter,
+    wanted: Callable[[str], bool],
+    dtype: Optional[torch.dtype],
+    progress: Optional[Progress],
+    read_budget_bytes: int,
+    report: ConversionReport,
+) -> None:
     metas = src.tensors()
     selected = {k: m for k, m in metas.items() if wanted(k)}
     report.skipped += [k for k in metas if k not in selected]
@@ -594,11 +658,20 @@ def _stream(src: _Source, writer: CheckpointWriter, wanted: Callable[[str], bool
     writer.finish()
 
 
-def convert_checkpoint(src_dir: PathLike, dst_dir: PathLike, to_backend: str, *, keys: KeyFilter = None,
-                       exclude: KeyFilter = None, dtype: Optional[torch.dtype] = None,
-                       progress: Optional[Progress] = None, trusted: bool = False, overwrite: bool = False,
-                       read_budget_bytes: Optional[int] = DEFAULT_READ_BUDGET_BYTES,
-                       writer_options: Optional[Dict[str, Any]] = None) -> ConversionReport:
+def convert_checkpoint(
+    src_dir: PathLike,
+    dst_dir: PathLike,
+    to_backend: str,
+    *,
+    keys: KeyFilter = None,
+    exclude: KeyFilter = None,
+    dtype: Optional[torch.dtype] = None,
+    progress: Optional[Progress] = None,
+    trusted: bool = False,
+    overwrite: bool = False,
+    read_budget_bytes: Optional[int] = DEFAULT_READ_BUDGET_BYTES,
+    writer_options: Optional[Dict[str, Any]] = None,
+) -> ConversionReport:
     """Convert the checkpoint at ``src_dir`` into a new ``to_backend`` checkpoint at ``dst_dir``.
 
     Single process, no process group. Every tensor is read whole (resharding to one piece) and
@@ -625,9 +698,24 @@ def convert_checkpoint(src_dir: PathLike, dst_dir: PathLike, to_backend: str, *,
             source or not empty, or reading or writing failed (naming key and file).
     """
     src, dst = storage.resolve(src_dir), storage.resolve(dst_dir)
-    if isinstance(src, Path) and isinstance(dst, Path) and dst.exists() and src.exists() and os.path.samefile(src, dst):
+    if (
+        isinstance(src, Path)
+        and isinstance(dst, Path)
+        and dst.exists()
+        and src.exists()
+        and os.path.samefile(src, dst)
+    ):
         raise CheckpointingException(f"{dst}: cannot convert a checkpoint into its own folder")
     writer = get_writer(to_backend, dst, overwrite=overwrite, **(writer_options or {}))
-    return stream_checkpoint(src, writer, keys=keys, exclude=exclude, dtype=dtype, progress=progress,
-                             trusted=trusted, read_budget_bytes=read_budget_bytes, dst_name=str(dst),
-                             dst_backend=to_backend)
+    return stream_checkpoint(
+        src,
+        writer,
+        keys=keys,
+        exclude=exclude,
+        dtype=dtype,
+        progress=progress,
+        trusted=trusted,
+        read_budget_bytes=read_budget_bytes,
+        dst_name=str(dst),
+        dst_backend=to_backend,
+    )

@@ -65,19 +65,38 @@ class DiffReport:
 
     @property
     def identical(self) -> bool:
-        return not (self.only_a or self.only_b or self.tensors or self.objects_only_a or self.objects_only_b
-                    or self.objects_different or self.common or self.content_metadata)
+        return not (
+            self.only_a
+            or self.only_b
+            or self.tensors
+            or self.objects_only_a
+            or self.objects_only_b
+            or self.objects_different
+            or self.common
+            or self.content_metadata
+        )
 
     def to_json(self) -> Dict[str, Any]:
-        return {"a": self.a, "b": self.b, "identical": self.identical, "compared": self.compared,
-                "only_a": self.only_a, "only_b": self.only_b, "tensors": [t.to_json() for t in self.tensors],
-                "objects_only_a": self.objects_only_a, "objects_only_b": self.objects_only_b,
-                "objects_different": self.objects_different, "common": self.common,
-                "content_metadata": self.content_metadata, "notes": self.notes}
+        return {
+            "a": self.a,
+            "b": self.b,
+            "identical": self.identical,
+            "compared": self.compared,
+            "only_a": self.only_a,
+            "only_b": self.only_b,
+            "tensors": [t.to_json() for t in self.tensors],
+            "objects_only_a": self.objects_only_a,
+            "objects_only_b": self.objects_only_b,
+            "objects_different": self.objects_different,
+            "common": self.common,
+            "content_metadata": self.content_metadata,
+            "notes": self.notes,
+        }
 
 
-def compare_tensors(a: torch.Tensor, b: torch.Tensor, atol: float = 0.0, rtol: float = 0.0,
-                    block: int = BLOCK) -> Tuple[float, float, int]:
+def compare_tensors(
+    a: torch.Tensor, b: torch.Tensor, atol: float = 0.0, rtol: float = 0.0, block: int = BLOCK
+) -> Tuple[float, float, int]:
     """``(max_abs, max_rel, mismatched)`` of two tensors of the same shape.
 
     Floats are compared in float64 (complex in complex128), integers exactly; NaN equals NaN,
@@ -87,9 +106,11 @@ def compare_tensors(a: torch.Tensor, b: torch.Tensor, atol: float = 0.0, rtol: f
     fa, fb = a.reshape(-1), b.reshape(-1)
     max_abs = max_rel = 0.0
     mismatched = 0
-    exact = not (a.dtype.is_floating_point or a.dtype.is_complex or b.dtype.is_floating_point or b.dtype.is_complex)
+    exact = not (
+        a.dtype.is_floating_point or a.dtype.is_complex or b.dtype.is_floating_point or b.dtype.is_complex
+    )
     for start in range(0, fa.numel(), block):
-        x, y = fa[start:start + block], fb[start:start + block]
+        x, y = fa[start : start + block], fb[start : start + block]
         if exact:
             if x.dtype == torch.bool or y.dtype == torch.bool:
                 x, y = x.to(torch.int64), y.to(torch.int64)
@@ -112,9 +133,18 @@ def compare_tensors(a: torch.Tensor, b: torch.Tensor, atol: float = 0.0, rtol: f
     return max_abs, max_rel, mismatched
 
 
-def diff_sources(a: PathLike, b: PathLike, *, atol: float = 0.0, rtol: float = 0.0, keys: Optional[str] = None,
-                 exclude: Optional[str] = None, values: bool = True, trusted: bool = False,
-                 progress: Optional[Progress] = None) -> DiffReport:
+def diff_sources(
+    a: PathLike,
+    b: PathLike,
+    *,
+    atol: float = 0.0,
+    rtol: float = 0.0,
+    keys: Optional[str] = None,
+    exclude: Optional[str] = None,
+    values: bool = True,
+    trusted: bool = False,
+    progress: Optional[Progress] = None,
+) -> DiffReport:
     """Compare ``a`` and ``b`` (see the module docstring).
 
     Args:
@@ -141,7 +171,9 @@ def diff_sources(a: PathLike, b: PathLike, *, atol: float = 0.0, rtol: float = 0
                 report.tensors.append(TensorDiff(k, "shape", f"{list(ma.shape)} vs {list(mb.shape)}"))
                 continue
             if ma.dtype != mb.dtype:
-                report.tensors.append(TensorDiff(k, "dtype", f"{dtype_name(ma.dtype)} vs {dtype_name(mb.dtype)}"))
+                report.tensors.append(
+                    TensorDiff(k, "dtype", f"{dtype_name(ma.dtype)} vs {dtype_name(mb.dtype)}")
+                )
             same_shape.append(k)
         report.compared = len(both)
         if values:
@@ -158,8 +190,15 @@ def _selector(keys: Optional[str], exclude: Optional[str]):
     return lambda k: (inc is None or inc.search(k) is not None) and (exc is None or exc.search(k) is None)
 
 
-def _compare_values(sa: TensorSource, sb: TensorSource, keys: List[str], atol: float, rtol: float,
-                    progress: Progress, report: DiffReport) -> None:
+def _compare_values(
+    sa: TensorSource,
+    sb: TensorSource,
+    keys: List[str],
+    atol: float,
+    rtol: float,
+    progress: Progress,
+    report: DiffReport,
+) -> None:
     metas = sa.tensors()
     progress.start(sum(metas[k].nbytes for k in keys), "comparing")
     dtype_diffs = {t.key: t for t in report.tensors if t.kind == "dtype"}
@@ -177,8 +216,9 @@ def _compare_values(sa: TensorSource, sb: TensorSource, keys: List[str], atol: f
                 d.max_abs, d.max_rel, d.mismatched, d.numel = max_abs, max_rel, bad, numel
                 continue
             if bad:
-                report.tensors.append(TensorDiff(k, "values", f"{bad} of {numel} elements differ",
-                                                 max_abs, max_rel, bad, numel))
+                report.tensors.append(
+                    TensorDiff(k, "values", f"{bad} of {numel} elements differ", max_abs, max_rel, bad, numel)
+                )
 
 
 def _compare_objects(sa: TensorSource, sb: TensorSource, select, report: DiffReport) -> None:
@@ -195,14 +235,19 @@ def _compare_objects(sa: TensorSource, sb: TensorSource, select, report: DiffRep
 
 def _compare_common(sa: TensorSource, sb: TensorSource, report: DiffReport) -> None:
     only_l, only_r, mismatch = nested_diff(sa.common(), sb.common())
-    report.common = ([f"only in A: {_path(p)}" for p in only_l] + [f"only in B: {_path(p)}" for p in only_r]
-                     + [f"different: {_path(p)}" for p, _, _ in mismatch])
+    report.common = (
+        [f"only in A: {_path(p)}" for p in only_l]
+        + [f"only in B: {_path(p)}" for p in only_r]
+        + [f"different: {_path(p)}" for p, _, _ in mismatch]
+    )
     ca, cb = sa.content_metadata(), sb.content_metadata()
     if ca != cb:
         only_l, only_r, mismatch = nested_diff(ca or {}, cb or {})
-        report.content_metadata = ([f"only in A: {_path(p)}" for p in only_l]
-                                   + [f"only in B: {_path(p)}" for p in only_r]
-                                   + [f"different: {_path(p)}" for p, _, _ in mismatch]) or ["different"]
+        report.content_metadata = (
+            [f"only in A: {_path(p)}" for p in only_l]
+            + [f"only in B: {_path(p)}" for p in only_r]
+            + [f"different: {_path(p)}" for p, _, _ in mismatch]
+        ) or ["different"]
 
 
 def _path(path: Tuple[Any, ...]) -> str:

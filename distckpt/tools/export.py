@@ -64,10 +64,22 @@ DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 """Like ``transformers``' ``save_pretrained`` default (``"5GB"``)."""
 
 _ST_DTYPES: Dict[str, torch.dtype] = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
-    "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64,
-    "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "C64": torch.complex64,
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "C64": torch.complex64,
 }
 _ST_NAMES: Dict[torch.dtype, str] = {v: k for k, v in _ST_DTYPES.items()}
 _MAX_HEADER = 100 * 1000 * 1000  # the safetensors library refuses larger headers
@@ -75,11 +87,24 @@ _MAX_HEADER = 100 * 1000 * 1000  # the safetensors library refuses larger header
 
 def parse_size(text: str) -> int:
     """``"5GB"``, ``"500MiB"``, ``"1e9"`` or ``"123"`` (bytes) -> bytes."""
-    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "K": 10**3, "M": 10**6, "G": 10**9}
+    units = {
+        "": 1,
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "KIB": 2**10,
+        "MIB": 2**20,
+        "GIB": 2**30,
+        "TIB": 2**40,
+        "K": 10**3,
+        "M": 10**6,
+        "G": 10**9,
+    }
     s = text.strip().upper().replace(" ", "")
     number = s.rstrip("KMGTIB")
-    unit = s[len(number):]
+    unit = s[len(number) :]
     try:
         value = float(number)
     except ValueError:
@@ -164,8 +189,10 @@ def is_safetensors(path: PathLike) -> bool:
     if path.is_file():
         return path.name.endswith(".safetensors") or path.name.endswith(".safetensors.index.json")
     if path.is_dir():
-        return any(p.name.endswith(".safetensors") or p.name.endswith(".safetensors.index.json")
-                   for p in path.iterdir())
+        return any(
+            p.name.endswith(".safetensors") or p.name.endswith(".safetensors.index.json")
+            for p in path.iterdir()
+        )
     return False
 
 
@@ -218,7 +245,9 @@ class SafetensorsSource(TensorSource):
             for name, entry in sorted(header.items(), key=lambda kv: kv[1].get("data_offsets", [0])[0]):
                 dtype = _ST_DTYPES.get(entry.get("dtype"))
                 if dtype is None:
-                    raise CheckpointingException(f"{file}: tensor {name!r} has unsupported dtype {entry.get('dtype')!r}")
+                    raise CheckpointingException(
+                        f"{file}: tensor {name!r} has unsupported dtype {entry.get('dtype')!r}"
+                    )
                 begin, end = entry["data_offsets"]
                 self._entries[name] = (file, start, entry)
                 self._metas[name] = TensorMeta(name, tuple(entry["shape"]), dtype, None, 1, None, end - begin)
@@ -259,8 +288,11 @@ class SafetensorsSource(TensorSource):
         return self._metas
 
     def extra(self) -> Dict[str, Any]:
-        return {"files": len(self.files), "disk_bytes": sum(f.stat().st_size for f in self.files),
-                "metadata": self.metadata}
+        return {
+            "files": len(self.files),
+            "disk_bytes": sum(f.stat().st_size for f in self.files),
+            "metadata": self.metadata,
+        }
 
     def read(self, key: str, offset=None, size=None) -> torch.Tensor:
         meta = self.meta(key)
@@ -307,8 +339,11 @@ def _flatten(obj: Any, prefix: str, tensors: Dict[str, torch.Tensor]) -> Any:
         kept_items = [_flatten(v, f"{prefix}.{i}" if prefix else str(i), tensors) for i, v in enumerate(obj)]
         if all(k is _REMOVED for k in kept_items):
             return _REMOVED
-        return type(obj)(None if k is _REMOVED else k for k in kept_items) if isinstance(obj, tuple) else \
-            [None if k is _REMOVED else k for k in kept_items]
+        return (
+            type(obj)(None if k is _REMOVED else k for k in kept_items)
+            if isinstance(obj, tuple)
+            else [None if k is _REMOVED else k for k in kept_items]
+        )
     return obj
 
 
@@ -370,7 +405,8 @@ class TorchFileSource(TensorSource):
                 first = next((ln for ln in str(e).splitlines() if "GLOBAL" in ln or "Unsupported" in ln), "")
                 raise CheckpointingException(
                     f"{what}: refusing to unpickle a class outside the allowlist ({first.strip()}); "
-                    f"pass --trust if you trust this file") from None
+                    f"pass --trust if you trust this file"
+                ) from None
             except RuntimeError as e:
                 if mmap and "mmap" in str(e):
                     continue  # legacy (non-zip) format: cannot be mapped, load it whole
@@ -422,13 +458,21 @@ class _TensorOnlyWriter:
         self.count = 0
         self.nbytes = 0
 
-    def begin(self, common: Optional[Dict[str, Any]] = None, objects: Optional[Dict[str, Any]] = None) -> None:
+    def begin(
+        self, common: Optional[Dict[str, Any]] = None, objects: Optional[Dict[str, Any]] = None
+    ) -> None:
         self.dropped_common = len(common or {})
         self.dropped_objects = len(objects or {})
 
     def _summary(self, files: List[str]) -> Dict[str, Any]:
-        return {"path": str(self.dst), "tensors": self.count, "nbytes": self.nbytes, "files": files,
-                "dropped_common_entries": self.dropped_common, "dropped_objects": self.dropped_objects}
+        return {
+            "path": str(self.dst),
+            "tensors": self.count,
+            "nbytes": self.nbytes,
+            "files": files,
+            "dropped_common_entries": self.dropped_common,
+            "dropped_objects": self.dropped_objects,
+        }
 
     def abort(self) -> None:
         if self.tmp.is_dir():
@@ -452,8 +496,11 @@ class _Shard:
     def add(self, key: str, t: torch.Tensor) -> None:
         view = byte_view(t)
         write_all(self.fd, view)
-        self.header[key] = {"dtype": _ST_NAMES[t.dtype], "shape": list(t.shape),
-                            "data_offsets": [self.size, self.size + len(view)]}
+        self.header[key] = {
+            "dtype": _ST_NAMES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [self.size, self.size + len(view)],
+        }
         self.size += len(view)
 
     def close_into(self, path: Path, metadata: Dict[str, str]) -> None:
@@ -479,8 +526,14 @@ class SafetensorsWriter(_TensorOnlyWriter):
         metadata: the header's ``__metadata__`` (string to string); default ``{"format": "pt"}``.
     """
 
-    def __init__(self, dst: PathLike, overwrite: bool = False, *, max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-                 metadata: Optional[Dict[str, str]] = None):
+    def __init__(
+        self,
+        dst: PathLike,
+        overwrite: bool = False,
+        *,
+        max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+        metadata: Optional[Dict[str, str]] = None,
+    ):
         super().__init__(dst, overwrite)
         if max_shard_size <= 0:
             raise CheckpointingException(f"max_shard_size must be positive, got {max_shard_size}")
@@ -511,10 +564,15 @@ class SafetensorsWriter(_TensorOnlyWriter):
         if t.dtype not in _ST_NAMES:
             raise CheckpointingException(
                 f"tensor {key!r}: dtype {dtype_name(t.dtype)} cannot be stored in safetensors "
-                f"(convert it with --dtype, or use --to torch)")
+                f"(convert it with --dtype, or use --to torch)"
+            )
         nbytes = t.numel() * t.element_size()
-        if (self.shards and not self.single_file and self.shards[-1].header
-                and self.shards[-1].size + nbytes > self.max_shard_size):
+        if (
+            self.shards
+            and not self.single_file
+            and self.shards[-1].header
+            and self.shards[-1].size + nbytes > self.max_shard_size
+        ):
             self._close_current()
         if not self.shards:
             self.shards.append(self._new_shard())
@@ -620,8 +678,11 @@ class TorchFileWriter(_TensorOnlyWriter):
         t = _cpu_contiguous(tensor)
         nbytes = t.numel() * t.element_size()
         storage = _StorageRef(str(len(self.refs)), t.dtype, t.numel(), nbytes)
-        record = t.reshape(-1).untyped_storage() if t.storage_offset() == 0 and \
-            t.untyped_storage().nbytes() == nbytes else t.clone().untyped_storage()
+        record = (
+            t.reshape(-1).untyped_storage()
+            if t.storage_offset() == 0 and t.untyped_storage().nbytes() == nbytes
+            else t.clone().untyped_storage()
+        )
         self._zip.write_record(f"data/{storage.key}", record, nbytes)
         self.refs[key] = _TensorRef(storage, tuple(t.shape))
         self.count += 1
@@ -710,9 +771,16 @@ class DropCommonEntries:
         self.inner.abort()
 
 
-def stream_tensors(source: TensorSource, writer: Any, *, keys: Optional[str] = None,
-                   exclude: Optional[str] = None, dtype: Optional[torch.dtype] = None,
-                   progress: Optional[Progress] = None, read_budget: Optional[int] = None) -> Dict[str, Any]:
+def stream_tensors(
+    source: TensorSource,
+    writer: Any,
+    *,
+    keys: Optional[str] = None,
+    exclude: Optional[str] = None,
+    dtype: Optional[torch.dtype] = None,
+    progress: Optional[Progress] = None,
+    read_budget: Optional[int] = None,
+) -> Dict[str, Any]:
     """Copy a tensor source (e.g. a safetensors or torch.save file) into ``writer`` (the
     output-writer protocol), one tensor at a time, with the semantics of
     :func:`distckpt.tools.convert.stream_checkpoint`: ``keys``/``exclude`` are regular
@@ -740,14 +808,29 @@ def stream_tensors(source: TensorSource, writer: Any, *, keys: Optional[str] = N
     except BaseException:
         writer.abort()
         raise
-    return {"tensors": len(chosen), "nbytes": written, "objects": len(object_keys),
-            "skipped": len(metas) - len(chosen)}
+    return {
+        "tensors": len(chosen),
+        "nbytes": written,
+        "objects": len(object_keys),
+        "skipped": len(metas) - len(chosen),
+    }
 
 
-def convert(src: PathLike, dst: PathLike, to_format: str, *, keys: Optional[str] = None,
-            exclude: Optional[str] = None, dtype: Optional[torch.dtype] = None, model_only: bool = False,
-            max_shard_size: Optional[int] = None, trusted: bool = False, overwrite: bool = False,
-            read_budget: Optional[int] = None, progress: Optional[Progress] = None) -> Dict[str, Any]:
+def convert(
+    src: PathLike,
+    dst: PathLike,
+    to_format: str,
+    *,
+    keys: Optional[str] = None,
+    exclude: Optional[str] = None,
+    dtype: Optional[torch.dtype] = None,
+    model_only: bool = False,
+    max_shard_size: Optional[int] = None,
+    trusted: bool = False,
+    overwrite: bool = False,
+    read_budget: Optional[int] = None,
+    progress: Optional[Progress] = None,
+) -> Dict[str, Any]:
     """Convert ``src`` (checkpoint, safetensors, torch.save file) into a new ``dst`` of format
     ``to_format`` (``torch_dist``, ``zarr``, ``safetensors``, ``torch``), tensor by tensor.
 
@@ -775,7 +858,8 @@ def convert(src: PathLike, dst: PathLike, to_format: str, *, keys: Optional[str]
         raise CheckpointingException(f"{dst}: cannot convert into the source itself")
     if dst_remote and to_format in FILE_FORMATS:
         raise CheckpointingException(
-            f"{dst}: {to_format} output goes to a local path; object stores take checkpoints (torch_dist)")
+            f"{dst}: {to_format} output goes to a local path; object stores take checkpoints (torch_dist)"
+        )
     budget = host_memory_budget() if read_budget is None else read_budget
     if to_format in FILE_FORMATS:
         writer = make_file_writer(to_format, dst, max_shard_size, overwrite=overwrite)
@@ -787,15 +871,29 @@ def convert(src: PathLike, dst: PathLike, to_format: str, *, keys: Optional[str]
         exclude = model_only_exclude(exclude)
         writer = DropCommonEntries(writer, ["optimizer"])
     if src_remote or (src.is_dir() and (src / CONFIG_FNAME).exists()):
-        report = convert_tool.stream_checkpoint(src, writer, keys=keys, exclude=exclude, dtype=dtype,
-                                                progress=progress, trusted=trusted, read_budget_bytes=budget,
-                                                dst_name=str(dst), dst_backend=to_format)
-        summary = {"tensors": len(report.tensors), "nbytes": report.tensor_bytes, "objects": len(report.objects),
-                   "skipped": len(report.skipped)}
+        report = convert_tool.stream_checkpoint(
+            src,
+            writer,
+            keys=keys,
+            exclude=exclude,
+            dtype=dtype,
+            progress=progress,
+            trusted=trusted,
+            read_budget_bytes=budget,
+            dst_name=str(dst),
+            dst_backend=to_format,
+        )
+        summary = {
+            "tensors": len(report.tensors),
+            "nbytes": report.tensor_bytes,
+            "objects": len(report.objects),
+            "skipped": len(report.skipped),
+        }
     else:
         with open_source(src, trusted) as source:
-            summary = stream_tensors(source, writer, keys=keys, exclude=exclude, dtype=dtype,
-                                     progress=progress, read_budget=budget)
+            summary = stream_tensors(
+                source, writer, keys=keys, exclude=exclude, dtype=dtype, progress=progress, read_budget=budget
+            )
     inner = writer.inner if isinstance(writer, DropCommonEntries) else writer
     summary["dropped_common_entries"] = getattr(inner, "dropped_common", 0)
     summary["dropped_objects"] = getattr(inner, "dropped_objects", 0)

@@ -95,8 +95,12 @@ class TensorMeta:
         return self.numel * dtype_itemsize(self.dtype)
 
     def to_json(self) -> Dict[str, Any]:
-        out: Dict[str, Any] = {"key": self.key, "shape": list(self.shape), "dtype": dtype_name(self.dtype),
-                               "nbytes": self.nbytes}
+        out: Dict[str, Any] = {
+            "key": self.key,
+            "shape": list(self.shape),
+            "dtype": dtype_name(self.dtype),
+            "nbytes": self.nbytes,
+        }
         if self.stored_shape is not None:
             out["stored_shape"] = list(self.stored_shape)
         for name in ("chunks", "disk_bytes"):
@@ -113,7 +117,7 @@ class ObjectMeta:
 
     key: str
     disk_bytes: Optional[int] = None
-    where: Optional[str] = None       # file (and offset) holding it
+    where: Optional[str] = None  # file (and offset) holding it
 
     def to_json(self) -> Dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -128,9 +132,18 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
-                  "float": "float32", "fp64": "float64", "double": "float64", "fp8": "float8_e4m3fn",
-                  "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+_DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float": "float32",
+    "fp64": "float64",
+    "double": "float64",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+}
 
 
 def parse_dtype(text: str) -> torch.dtype:
@@ -140,7 +153,8 @@ def parse_dtype(text: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise CheckpointingException(
-            f"unknown dtype {text!r} (examples: bf16, fp16, fp32, float8_e4m3fn, int64)")
+            f"unknown dtype {text!r} (examples: bf16, fp16, fp32, float8_e4m3fn, int64)"
+        )
     return dtype
 
 
@@ -184,7 +198,9 @@ class TensorSource:
         return {k: self.read(k) for k in keys}
 
     def read_object(self, unique_key: str) -> Any:
-        raise CheckpointingException(f"{self.path}: no ShardedObject {unique_key!r} in a {self.format} source")
+        raise CheckpointingException(
+            f"{self.path}: no ShardedObject {unique_key!r} in a {self.format} source"
+        )
 
     def extra(self) -> Dict[str, Any]:
         """Format-specific facts for ``inspect`` (manifest, save id, file metadata, ...)."""
@@ -208,8 +224,12 @@ class TensorSource:
             raise CheckpointingException(f"{self.path}: no tensor {key!r}{_suggest(key, metas)}")
         return metas[key]
 
-    def iter_tensors(self, keys: Optional[Iterable[str]] = None, budget: Optional[int] = None,
-                     progress: Optional[Progress] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+    def iter_tensors(
+        self,
+        keys: Optional[Iterable[str]] = None,
+        budget: Optional[int] = None,
+        progress: Optional[Progress] = None,
+    ) -> Iterator[Tuple[str, torch.Tensor]]:
         """Yield ``(key, tensor)`` for ``keys`` (default: all), holding few tensors at a time.
 
         Keys are read in groups whose values total at most ``max(budget, largest tensor)`` bytes
@@ -220,7 +240,9 @@ class TensorSource:
         for group in self.group_keys(keys, budget):
             yield from self._read_group(group, progress)
 
-    def group_keys(self, keys: Optional[Iterable[str]] = None, budget: Optional[int] = None) -> List[List[str]]:
+    def group_keys(
+        self, keys: Optional[Iterable[str]] = None, budget: Optional[int] = None
+    ) -> List[List[str]]:
         """Cut ``keys`` (default: all) into consecutive groups of at most ``budget`` value bytes
         (default :data:`DEFAULT_READ_BUDGET`); a larger tensor forms a group of its own."""
         keys = list(self.tensors()) if keys is None else list(keys)
@@ -237,7 +259,9 @@ class TensorSource:
                 size = nbytes
         return groups
 
-    def _read_group(self, group: List[str], progress: Optional[Progress]) -> Iterator[Tuple[str, torch.Tensor]]:
+    def _read_group(
+        self, group: List[str], progress: Optional[Progress]
+    ) -> Iterator[Tuple[str, torch.Tensor]]:
         loaded = self.read_many(group) if len(group) > 1 else {group[0]: self.read(group[0])}
         for key in group:
             tensor = loaded.pop(key)
@@ -277,16 +301,19 @@ class CheckpointSource(TensorSource):
         config = checkpoint_config(self.path)
         if config is None:
             raise CheckpointingException(
-                f"{describe_missing_config(self.path)}; `distckpt verify` tells what is there")
+                f"{describe_missing_config(self.path)}; `distckpt verify` tells what is there"
+            )
         self.dcp_native = is_dcp_native(self.path)
         self.config = config
         self.format = config.sharded_backend
         self.format_version = config.sharded_backend_version
         try:
-            self.sharded = get_default_strategy(StrategyAction.LOAD_SHARDED, config.sharded_backend,
-                                                config.sharded_backend_version)
-            self.common_strategy = get_default_strategy(StrategyAction.LOAD_COMMON, config.common_backend,
-                                                        config.common_backend_version)
+            self.sharded = get_default_strategy(
+                StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version
+            )
+            self.common_strategy = get_default_strategy(
+                StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version
+            )
         except CheckpointingException as e:
             raise CheckpointingException(f"{self.path}/{CONFIG_FNAME}: {e}") from None
         for strategy in (self.sharded, self.common_strategy):
@@ -318,8 +345,10 @@ class CheckpointSource(TensorSource):
             elif self.format == "zarr":
                 self._tensors = self._zarr_metas()
             else:
-                self._tensors = {k: TensorMeta(k, tuple(sh.global_shape), sh.dtype)
-                                 for k, sh in self.sharded.load_tensors_metadata(self.path).items()}
+                self._tensors = {
+                    k: TensorMeta(k, tuple(sh.global_shape), sh.dtype)
+                    for k, sh in self.sharded.load_tensors_metadata(self.path).items()
+                }
         return self._tensors
 
     def _torch_dist_metas(self) -> Tuple[Dict[str, TensorMeta], Dict[str, ObjectMeta]]:
@@ -341,9 +370,15 @@ class CheckpointSource(TensorSource):
                 stored = tuple(meta.size)
                 orig = (mcore.get(fqn) or {}).get("nd_reformulated_orig_global_shape")
                 shape = tuple(orig) if orig is not None else stored
-                tensors[fqn] = TensorMeta(fqn, shape, meta.properties.dtype,
-                                          stored if orig is not None else None, len(meta.chunks), None,
-                                          disk.get(fqn, 0))
+                tensors[fqn] = TensorMeta(
+                    fqn,
+                    shape,
+                    meta.properties.dtype,
+                    stored if orig is not None else None,
+                    len(meta.chunks),
+                    None,
+                    disk.get(fqn, 0),
+                )
             elif isinstance(meta, BytesStorageMetadata) and fqn not in values:
                 objects[fqn] = ObjectMeta(fqn, disk.get(fqn), where.get(fqn))
         return tensors, objects
@@ -361,10 +396,15 @@ class CheckpointSource(TensorSource):
             if listing is None:
                 disk = _zarr_chunk_bytes(meta.path)
             else:
-                disk = sum(n for name, n in listing.items() if name.startswith(f"{key}/")
-                           and not name.endswith(("zarr.json", ".zarray", ".zattrs", ".pt")))
-            out[key] = TensorMeta(key, tuple(meta.shape), meta.dtype, None, math.prod(grid),
-                                  tuple(meta.chunks), disk)
+                disk = sum(
+                    n
+                    for name, n in listing.items()
+                    if name.startswith(f"{key}/")
+                    and not name.endswith(("zarr.json", ".zarray", ".zattrs", ".pt"))
+                )
+            out[key] = TensorMeta(
+                key, tuple(meta.shape), meta.dtype, None, math.prod(grid), tuple(meta.chunks), disk
+            )
         return out
 
     def objects(self) -> Dict[str, ObjectMeta]:
@@ -376,7 +416,9 @@ class CheckpointSource(TensorSource):
                 for uk in sorted(self.common_strategy.load_sharded_metadata(self.path)):
                     if isinstance(self.path, Path):
                         try:
-                            size = containment.size_beneath(self.path, f"{uk}.pt", self.path, "ShardedObject file")
+                            size = containment.size_beneath(
+                                self.path, f"{uk}.pt", self.path, "ShardedObject file"
+                            )
                         except FileNotFoundError:
                             size = None
                     else:
@@ -400,13 +442,18 @@ class CheckpointSource(TensorSource):
     def extra(self) -> Dict[str, Any]:
         from distckpt.manifest import read_manifest
 
-        out: Dict[str, Any] = {"common_backend": f"{self.config.common_backend} v{self.config.common_backend_version}"}
+        out: Dict[str, Any] = {
+            "common_backend": f"{self.config.common_backend} v{self.config.common_backend_version}"
+        }
         if self.dcp_native:
             out["dcp_native"] = True  # plain PyTorch DCP: no metadata.json, config implied
         manifest = read_manifest(self.path)
         if manifest is not None:
-            out["manifest"] = {"save_id": manifest.save_id, "files": len(manifest.files),
-                               "checksummed_ranges": sum(len(r) for r in manifest.ranges.values())}
+            out["manifest"] = {
+                "save_id": manifest.save_id,
+                "files": len(manifest.files),
+                "checksummed_ranges": sum(len(r) for r in manifest.ranges.values()),
+            }
         if self.format == "torch_dist":
             meta = getattr(self.dcp_metadata(), "storage_meta", None)
             if meta is not None and getattr(meta, "save_id", None):
@@ -442,8 +489,11 @@ class CheckpointSource(TensorSource):
 
     def read_many(self, keys: Sequence[str]) -> Dict[str, torch.Tensor]:
         requests = {k: self._request(k, None, None) for k in keys}
-        empty = {k: torch.empty(r.local_shape, dtype=r.dtype) for k, r in requests.items()
-                 if math.prod(r.local_shape) == 0}
+        empty = {
+            k: torch.empty(r.local_shape, dtype=r.dtype)
+            for k, r in requests.items()
+            if math.prod(r.local_shape) == 0
+        }
         wanted = {k: r for k, r in requests.items() if k not in empty}
         loaded = self.sharded.load(wanted, self.path) if wanted else {}
         return {k: empty[k] if k in empty else loaded[k] for k in keys}
@@ -451,7 +501,9 @@ class CheckpointSource(TensorSource):
     def read_object(self, unique_key: str) -> Any:
         objects = self.objects()
         if unique_key not in objects:
-            raise CheckpointingException(f"{self.path}: no ShardedObject {unique_key!r}{_suggest(unique_key, objects)}")
+            raise CheckpointingException(
+                f"{self.path}: no ShardedObject {unique_key!r}{_suggest(unique_key, objects)}"
+            )
         request = {unique_key: ShardedObject.empty_from_unique_key(unique_key)}
         if self.sharded.can_handle_sharded_objects:
             return self.sharded.load(request, self.path)[unique_key]
@@ -506,8 +558,8 @@ class SourceInfo:
     format_version: Optional[int]
     tensors: List[TensorMeta]
     objects: List[ObjectMeta]
-    common: Any                       # a summary (see :func:`summarize`), or None
-    common_error: Optional[str]       # why the common state could not be read
+    common: Any  # a summary (see :func:`summarize`), or None
+    common_error: Optional[str]  # why the common state could not be read
     content_metadata: Any
     extra: Dict[str, Any] = field(default_factory=dict)
 
@@ -517,12 +569,17 @@ class SourceInfo:
 
     def to_json(self) -> Dict[str, Any]:
         return {
-            "path": self.path, "format": self.format, "format_version": self.format_version,
-            "num_tensors": len(self.tensors), "num_objects": len(self.objects), "nbytes": self.nbytes,
+            "path": self.path,
+            "format": self.format,
+            "format_version": self.format_version,
+            "num_tensors": len(self.tensors),
+            "num_objects": len(self.objects),
+            "nbytes": self.nbytes,
             **self.extra,
             "tensors": [t.to_json() for t in self.tensors],
             "objects": [o.to_json() for o in self.objects],
-            "common": self.common, "common_error": self.common_error,
+            "common": self.common,
+            "common_error": self.common_error,
             "content_metadata": summarize(self.content_metadata),
         }
 
@@ -540,8 +597,17 @@ def inspect_source(path: PathLike, trusted: bool = False) -> SourceInfo:
             content = src.content_metadata()
         except CheckpointingException as e:
             common_error = str(e)
-        return SourceInfo(str(src.path), src.format, src.format_version, list(src.tensors().values()),
-                          list(src.objects().values()), common, common_error, content, src.extra())
+        return SourceInfo(
+            str(src.path),
+            src.format,
+            src.format_version,
+            list(src.tensors().values()),
+            list(src.objects().values()),
+            common,
+            common_error,
+            content,
+            src.extra(),
+        )
 
 
 def summarize(obj: Any, max_items: int = 20, max_str: int = 80, depth: int = 6) -> Any:
@@ -597,7 +663,9 @@ class KeyTreeRow:
     disk_bytes: Optional[int]
 
 
-def key_tree_rows(metas: Sequence[TensorMeta], max_depth: Optional[int] = None, sep: str = ".") -> List[KeyTreeRow]:
+def key_tree_rows(
+    metas: Sequence[TensorMeta], max_depth: Optional[int] = None, sep: str = "."
+) -> List[KeyTreeRow]:
     """Lay out keys as a tree split on ``sep``: chains of single children are merged into one
     label (``decoder.layers.0``), keys keep their stored order. Below ``max_depth`` a subtree is
     shown as one aggregate row."""
@@ -623,7 +691,7 @@ def key_tree_rows(metas: Sequence[TensorMeta], max_depth: Optional[int] = None, 
     def emit(name: str, node: Dict[str, Any], prefix: str, last: bool, depth: int, top: bool) -> None:
         # merge chains: a node with no leaf of its own and exactly one child
         while "\0leaf" not in node and len(node) == 1:
-            (child_name, child), = node.items()
+            ((child_name, child),) = node.items()
             name, node = f"{name}{sep}{child_name}", child
         guide = "" if top else ("└── " if last else "├── ")
         own = node.get("\0leaf")
@@ -634,9 +702,16 @@ def key_tree_rows(metas: Sequence[TensorMeta], max_depth: Optional[int] = None, 
         if own is not None and not children:
             rows.append(KeyTreeRow(prefix + guide + name, depth, own, 1, own.nbytes, own.disk_bytes))
             return
-        rows.append(KeyTreeRow(prefix + guide + name, depth, own if not collapsed else None, len(subtree),
-                               sum(m.nbytes for m in subtree),
-                               None if any(d is None for d in disk) else sum(disk)))
+        rows.append(
+            KeyTreeRow(
+                prefix + guide + name,
+                depth,
+                own if not collapsed else None,
+                len(subtree),
+                sum(m.nbytes for m in subtree),
+                None if any(d is None for d in disk) else sum(disk),
+            )
+        )
         if collapsed:
             return
         child_prefix = prefix + ("" if top else ("    " if last else "│   "))
@@ -671,10 +746,14 @@ def parse_slice(text: str, shape: Shape) -> Tuple[Shape, Shape, Tuple[Any, ...]]
         i = parts.index("...")
         fill = len(shape) - (len(parts) - 1)
         if fill < 0:
-            raise CheckpointingException(f"slice {text!r} has more indices than the tensor's {len(shape)} axes")
-        parts = parts[:i] + [":"] * fill + parts[i + 1:]
+            raise CheckpointingException(
+                f"slice {text!r} has more indices than the tensor's {len(shape)} axes"
+            )
+        parts = parts[:i] + [":"] * fill + parts[i + 1 :]
     if len(parts) > len(shape):
-        raise CheckpointingException(f"slice {text!r} has {len(parts)} indices; the tensor has {len(shape)} axes {list(shape)}")
+        raise CheckpointingException(
+            f"slice {text!r} has {len(parts)} indices; the tensor has {len(shape)} axes {list(shape)}"
+        )
     parts += [":"] * (len(shape) - len(parts))
     offset, size, post = [], [], []
     for axis, (part, n) in enumerate(zip(parts, shape)):
@@ -685,7 +764,9 @@ def parse_slice(text: str, shape: Shape) -> Tuple[Shape, Shape, Tuple[Any, ...]]
             i = int(m.group(1))
             j = i + n if i < 0 else i
             if not 0 <= j < n:
-                raise CheckpointingException(f"slice {text!r}: index {i} is out of range for axis {axis} of size {n}")
+                raise CheckpointingException(
+                    f"slice {text!r}: index {i} is out of range for axis {axis} of size {n}"
+                )
             offset.append(j)
             size.append(1)
             post.append(0)

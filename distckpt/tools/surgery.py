@@ -55,8 +55,9 @@ _SHARD_SEP = "/shard_"
 # --------------------------------------------------------------------------- remove
 
 
-def remove_prefix(checkpoint: PathLike, prefix: str, out: Optional[PathLike] = None,
-                  progress: Optional[Progress] = None) -> List[str]:
+def remove_prefix(
+    checkpoint: PathLike, prefix: str, out: Optional[PathLike] = None, progress: Optional[Progress] = None
+) -> List[str]:
     """Remove every tensor (and, where the backend stores them with the tensors, every object)
     whose key starts with ``prefix``; in place, or into a new checkpoint ``out``.
 
@@ -99,7 +100,7 @@ class RenamePlan:
     """Old -> new names of the tensors and objects a rename changes (unchanged keys left out)."""
 
     tensors: Dict[str, str] = field(default_factory=dict)
-    objects: Dict[str, str] = field(default_factory=dict)   # unique keys
+    objects: Dict[str, str] = field(default_factory=dict)  # unique keys
 
     def __bool__(self) -> bool:
         return bool(self.tensors or self.objects)
@@ -122,8 +123,12 @@ def parse_pairs(pairs: Sequence[str], what: str, split_last: bool = False) -> Li
     return out
 
 
-def plan_renames(tensor_keys: Sequence[str], object_keys: Sequence[str], mapping: Sequence[Tuple[str, str]] = (),
-                 regexes: Sequence[Tuple[str, str]] = ()) -> RenamePlan:
+def plan_renames(
+    tensor_keys: Sequence[str],
+    object_keys: Sequence[str],
+    mapping: Sequence[Tuple[str, str]] = (),
+    regexes: Sequence[Tuple[str, str]] = (),
+) -> RenamePlan:
     """Apply ``mapping`` (exact key -> new key) and then ``regexes`` (``re.sub`` in order) to every
     tensor key and to the key part of every object's unique key (``rng_state`` of
     ``rng_state/shard_0_2``).
@@ -163,9 +168,11 @@ def plan_renames(tensor_keys: Sequence[str], object_keys: Sequence[str], mapping
     for uk, base in bases.items():
         new = rename(base)
         if new != base:
-            plan.objects[uk] = new + uk[len(base):]
+            plan.objects[uk] = new + uk[len(base) :]
     if not plan:
-        raise CheckpointingException("the rename changes no key (check --map/--regex against `distckpt inspect`)")
+        raise CheckpointingException(
+            "the rename changes no key (check --map/--regex against `distckpt inspect`)"
+        )
     names: Dict[str, str] = {}
     for old in list(tensor_keys) + list(object_keys):
         new = plan.name(old)
@@ -178,9 +185,16 @@ def plan_renames(tensor_keys: Sequence[str], object_keys: Sequence[str], mapping
 # --------------------------------------------------------------------------- rename: execution
 
 
-def rename_keys(checkpoint: PathLike, mapping: Sequence[Tuple[str, str]] = (),
-                regexes: Sequence[Tuple[str, str]] = (), out: Optional[PathLike] = None, *,
-                trusted: bool = False, dry_run: bool = False, progress: Optional[Progress] = None) -> RenamePlan:
+def rename_keys(
+    checkpoint: PathLike,
+    mapping: Sequence[Tuple[str, str]] = (),
+    regexes: Sequence[Tuple[str, str]] = (),
+    out: Optional[PathLike] = None,
+    *,
+    trusted: bool = False,
+    dry_run: bool = False,
+    progress: Optional[Progress] = None,
+) -> RenamePlan:
     """Rename tensor and object keys of a ``torch_dist`` or ``zarr`` checkpoint (see the module
     docstring); in place or into a new checkpoint ``out``. Returns the plan (applied unless
     ``dry_run``).
@@ -221,8 +235,14 @@ def rename_keys(checkpoint: PathLike, mapping: Sequence[Tuple[str, str]] = (),
     return plan
 
 
-def _rename_torch_dist(root: Path, md: Any, plan: RenamePlan, out: Optional[PathLike],
-                       progress: Optional[Progress], refusal: Optional[CheckpointingException] = None) -> None:
+def _rename_torch_dist(
+    root: Path,
+    md: Any,
+    plan: RenamePlan,
+    out: Optional[PathLike],
+    progress: Optional[Progress],
+    refusal: Optional[CheckpointingException] = None,
+) -> None:
     """Rename in ``md``, the checkpoint's ``.metadata`` as :func:`checked_metadata` returned it,
     or, with the ``refusal`` that function raised, as read: then the rename goes on only if it
     finishes an interrupted one (its result is the ``.metadata`` the manifest already lists)."""
@@ -291,11 +311,17 @@ def _renamed_save_plan(plan: Any, name: Callable[[str], str]) -> Any:
     items = getattr(plan, "items", None)
     if not isinstance(items, list):
         return plan
-    renamed = [replace(it, index=replace(it.index, fqn=name(it.index.fqn)))
-               if hasattr(it, "index") and hasattr(it.index, "fqn") else it for it in items]
+    renamed = [
+        replace(it, index=replace(it.index, fqn=name(it.index.fqn)))
+        if hasattr(it, "index") and hasattr(it.index, "fqn")
+        else it
+        for it in items
+    ]
     out = replace(plan, items=renamed)
     if isinstance(getattr(out, "planner_data", None), dict):
-        out = replace(out, planner_data={name(k) if isinstance(k, str) else k: v for k, v in out.planner_data.items()})
+        out = replace(
+            out, planner_data={name(k) if isinstance(k, str) else k: v for k, v in out.planner_data.items()}
+        )
     return out
 
 
@@ -324,23 +350,32 @@ def _rename_zarr(root: Path, plan: RenamePlan, out: Optional[PathLike], progress
         if rel == zarr_strategy.ARRAY_META and has_root_list:
             return None  # regenerated below
         parent = rel.rpartition("/")[0]
-        if rel.endswith("/" + zarr_strategy.ARRAY_META) and parent not in array_dirs and _is_group_node(root / rel):
+        if (
+            rel.endswith("/" + zarr_strategy.ARRAY_META)
+            and parent not in array_dirs
+            and _is_group_node(root / rel)
+        ):
             return None  # intermediate group nodes are regenerated for the new key paths
         for old, new in dirs.items():
             if rel.startswith(old + "/"):
-                return new + rel[len(old):]
+                return new + rel[len(old) :]
         return rel
 
     contents: Dict[str, bytes] = {}
     for old, new in dirs.items():
         meta_path = root / old / zarr_strategy.ARRAY_META
         if meta_path.is_file():
-            md = bounds.parse_json(containment.read_beneath(root, f"{old}/{zarr_strategy.ARRAY_META}", root),
-                                   meta_path, "array metadata")
+            md = bounds.parse_json(
+                containment.read_beneath(root, f"{old}/{zarr_strategy.ARRAY_META}", root),
+                meta_path,
+                "array metadata",
+            )
             attrs = md.get("attributes") if isinstance(md, dict) else None
             if attrs is not None and not isinstance(attrs, dict):
-                raise CheckpointingException(f"{meta_path}: 'attributes' is {type(attrs).__name__}, not an object "
-                                             f"(nothing was changed)")
+                raise CheckpointingException(
+                    f"{meta_path}: 'attributes' is {type(attrs).__name__}, not an object "
+                    f"(nothing was changed)"
+                )
             attrs = md.setdefault("attributes", {}).setdefault("distckpt", {})
             if isinstance(attrs, dict) and "key" in attrs:
                 attrs["key"] = new
@@ -359,7 +394,7 @@ def _rename_zarr(root: Path, plan: RenamePlan, out: Optional[PathLike], progress
         for p in (root / old).rglob("*"):
             if p.is_file():
                 rel = p.relative_to(root).as_posix()
-                moved[rel] = new + rel[len(old):]
+                moved[rel] = new + rel[len(old) :]
     manifest = read_manifest(root)
     if manifest is not None:
         dropped = frozenset(rel for rel in _files(root) if path_map(rel) is None and rel not in contents)
@@ -387,8 +422,13 @@ def _is_group_node(path: Path) -> bool:
         return False
 
 
-def _renamed_manifest(manifest: Manifest, moved: Dict[str, str], contents: Dict[str, bytes],
-                      name: Callable[[str], str], dropped: frozenset = frozenset()) -> Manifest:
+def _renamed_manifest(
+    manifest: Manifest,
+    moved: Dict[str, str],
+    contents: Dict[str, bytes],
+    name: Callable[[str], str],
+    dropped: frozenset = frozenset(),
+) -> Manifest:
     """The manifest after a rename: files moved per ``moved``, ``dropped`` ones left out, files in
     ``contents`` re-described (size and whole-file CRC32C), range keys renamed."""
     out = Manifest(manifest.save_id, manifest.backend, keys={name(k): v for k, v in manifest.keys.items()})
@@ -401,8 +441,10 @@ def _renamed_manifest(manifest: Manifest, moved: Dict[str, str], contents: Dict[
             out.set_bytes(rel, data)
             continue
         out.files[rel] = size
-        out.ranges[rel] = [RangeChecksum(r.offset, r.length, r.crc32c, rel if r.key == old_rel else name(r.key),
-                                         r.chunk) for r in manifest.ranges.get(old_rel, [])]
+        out.ranges[rel] = [
+            RangeChecksum(r.offset, r.length, r.crc32c, rel if r.key == old_rel else name(r.key), r.chunk)
+            for r in manifest.ranges.get(old_rel, [])
+        ]
         if old_rel in manifest.blocks:  # same bytes, same block CRC32Cs
             out.blocks[rel] = manifest.blocks[old_rel]
     return out
@@ -424,7 +466,9 @@ def _committed(checkpoint: PathLike):
         try:
             parse_config(bytes(store.get(CONFIG_FNAME)), store.where(CONFIG_FNAME))
         except FileNotFoundError:
-            raise CheckpointingException(f"{store}: not a committed checkpoint ({CONFIG_FNAME} is missing)") from None
+            raise CheckpointingException(
+                f"{store}: not a committed checkpoint ({CONFIG_FNAME} is missing)"
+            ) from None
         return store
     root = Path(checkpoint)
     if not root.is_dir():
@@ -432,7 +476,8 @@ def _committed(checkpoint: PathLike):
     if maybe_load_config(root) is None and is_dcp_native(root):
         raise CheckpointingException(
             f"{root}: a plain PyTorch DCP checkpoint (no {CONFIG_FNAME}) is read-only to distckpt; "
-            f"`distckpt convert` it to torch_dist first")
+            f"`distckpt convert` it to torch_dist first"
+        )
     if maybe_load_config(root) is None:
         raise CheckpointingException(f"{root}: not a committed checkpoint ({CONFIG_FNAME} is missing)")
     return root.resolve()
@@ -445,7 +490,8 @@ def _local_output_only(root, out: Optional[PathLike]) -> None:
     if out is not None and (storage.is_remote(out) or not isinstance(root, Path)):
         raise CheckpointingException(
             f"{out}: --out is for local checkpoints; on an object store the change is made in place "
-            f"(or convert to a new location first: distckpt convert SRC DST --to torch_dist)")
+            f"(or convert to a new location first: distckpt convert SRC DST --to torch_dist)"
+        )
 
 
 def _check_new_output(out: Path) -> None:
@@ -474,8 +520,14 @@ def _files(root: Path) -> List[str]:
     return out
 
 
-def _materialize(root: Path, dst: Path, path_map: Callable[[str], Optional[str]], contents: Dict[str, bytes],
-                 link: bool, progress: Optional[Progress] = None) -> None:
+def _materialize(
+    root: Path,
+    dst: Path,
+    path_map: Callable[[str], Optional[str]],
+    contents: Dict[str, bytes],
+    link: bool,
+    progress: Optional[Progress] = None,
+) -> None:
     """Build at ``dst`` the tree of ``root`` with paths mapped (None drops a file), files of
     ``contents`` written fresh and everything else hard-linked (``link``) or copied."""
     progress = progress or NoProgress()
@@ -529,7 +581,9 @@ def _copy_file(src: Path, dst: Path, progress: Progress) -> None:
     shutil.copymode(src, dst)
 
 
-def _write_copy(root: Path, out: Path, path_map, contents: Dict[str, bytes], progress: Optional[Progress]) -> None:
+def _write_copy(
+    root: Path, out: Path, path_map, contents: Dict[str, bytes], progress: Optional[Progress]
+) -> None:
     tmp = _temp_beside(out, "partial")
     try:
         _materialize(root, tmp, path_map, contents, link=False, progress=progress)

@@ -45,23 +45,37 @@ class VerifyReport:
     backend: Optional[str] = None
     problems: List[str] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)
-    checked: List[str] = field(default_factory=list)   # what was checked, for the summary
+    checked: List[str] = field(default_factory=list)  # what was checked, for the summary
     manifest: bool = False
-    bytes_checksummed: int = 0   # bytes whose CRC32C was checked against the manifest
-    bytes_read: int = 0          # tensor bytes read back (``deep``)
+    bytes_checksummed: int = 0  # bytes whose CRC32C was checked against the manifest
+    bytes_read: int = 0  # tensor bytes read back (``deep``)
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
     def to_json(self) -> dict:
-        return {"path": self.path, "backend": self.backend, "ok": self.ok, "problems": self.problems,
-                "notes": self.notes, "checked": self.checked, "manifest": self.manifest,
-                "bytes_checksummed": self.bytes_checksummed, "bytes_read": self.bytes_read}
+        return {
+            "path": self.path,
+            "backend": self.backend,
+            "ok": self.ok,
+            "problems": self.problems,
+            "notes": self.notes,
+            "checked": self.checked,
+            "manifest": self.manifest,
+            "bytes_checksummed": self.bytes_checksummed,
+            "bytes_read": self.bytes_read,
+        }
 
 
-def verify_checkpoint(path: PathLike, *, checksums: bool = True, deep: bool = False, trusted: bool = False,
-                      progress: Optional[Progress] = None) -> VerifyReport:
+def verify_checkpoint(
+    path: PathLike,
+    *,
+    checksums: bool = True,
+    deep: bool = False,
+    trusted: bool = False,
+    progress: Optional[Progress] = None,
+) -> VerifyReport:
     """Verify checkpoint ``path`` (see the module docstring for what is checked).
 
     ``progress`` gets one phase per byte-heavy step (checksums, deep read) with its byte total.
@@ -81,17 +95,23 @@ def verify_checkpoint(path: PathLike, *, checksums: bool = True, deep: bool = Fa
     try:
         config = checkpoint_config(root)
         if config is not None and is_dcp_native(root):
-            report.notes.append(f"plain PyTorch DCP checkpoint: no {CONFIG_FNAME}, {DCP_METADATA_FNAME} is "
-                                f"its commit marker; read as torch_dist (read-only)")
+            report.notes.append(
+                f"plain PyTorch DCP checkpoint: no {CONFIG_FNAME}, {DCP_METADATA_FNAME} is "
+                f"its commit marker; read as torch_dist (read-only)"
+            )
     except CheckpointingException as e:
         report.problems.append(str(e))
         config = None
     if config is None and not report.problems:
-        report.problems.append(f"{CONFIG_FNAME}: missing: the checkpoint was never committed "
-                               f"(an interrupted save) or this is not a checkpoint")
+        report.problems.append(
+            f"{CONFIG_FNAME}: missing: the checkpoint was never committed "
+            f"(an interrupted save) or this is not a checkpoint"
+        )
     if config is not None:
         report.backend = config.sharded_backend
-        report.checked.append(f"commit marker ({DCP_METADATA_FNAME if is_dcp_native(root) else CONFIG_FNAME})")
+        report.checked.append(
+            f"commit marker ({DCP_METADATA_FNAME if is_dcp_native(root) else CONFIG_FNAME})"
+        )
         _check_backends_known(config, report)
 
     try:
@@ -115,10 +135,14 @@ def verify_checkpoint(path: PathLike, *, checksums: bool = True, deep: bool = Fa
 
     if manifest is not None:
         if manifest.backend != backend and backend is not None:
-            report.problems.append(f"{MANIFEST_FNAME}: written for backend {manifest.backend!r}, "
-                                   f"checkpoint is {backend!r}")
-        total = manifest.total_bytes if not checksums else sum(
-            r.length for rs in manifest.ranges.values() for r in rs)
+            report.problems.append(
+                f"{MANIFEST_FNAME}: written for backend {manifest.backend!r}, checkpoint is {backend!r}"
+            )
+        total = (
+            manifest.total_bytes
+            if not checksums
+            else sum(r.length for rs in manifest.ranges.values() for r in rs)
+        )
         progress.start(total, "checksums" if checksums else "sizes")
         counted = [0]
 
@@ -131,16 +155,21 @@ def verify_checkpoint(path: PathLike, *, checksums: bool = True, deep: bool = Fa
             report.problems.extend(manifest_coverage_problems(manifest))
             _check_block_tables(root, manifest, report)
         report.bytes_checksummed += counted[0] if checksums else 0
-        report.checked.append(f"{len(manifest.files)} files against the manifest"
-                              + (" (sizes and CRC32C)" if checksums else " (sizes only)"))
+        report.checked.append(
+            f"{len(manifest.files)} files against the manifest"
+            + (" (sizes and CRC32C)" if checksums else " (sizes only)")
+        )
         unlisted = _unlisted_data_files(root, manifest.files, backend)
         if unlisted:
-            report.notes.append(f"{len(unlisted)} data file(s) not in the manifest (left over from an "
-                                f"earlier save?): {', '.join(unlisted[:5])}{' ...' if len(unlisted) > 5 else ''}")
+            report.notes.append(
+                f"{len(unlisted)} data file(s) not in the manifest (left over from an "
+                f"earlier save?): {', '.join(unlisted[:5])}{' ...' if len(unlisted) > 5 else ''}"
+            )
     elif config is not None:
-        report.notes.append("no integrity manifest (Megatron-Core or an older distckpt wrote it): "
-                            "structure and sizes checked, contents not"
-                            + ("" if deep else "; --deep reads every tensor back"))
+        report.notes.append(
+            "no integrity manifest (Megatron-Core or an older distckpt wrote it): "
+            "structure and sizes checked, contents not" + ("" if deep else "; --deep reads every tensor back")
+        )
 
     if deep and config is not None and not report.problems:
         _deep_read(root, trusted, progress, report)
@@ -159,11 +188,15 @@ def manifest_coverage_problems(manifest) -> List[str]:
                 break
             pos = max(pos, r.offset + r.length)
         if pos < size:
-            problems.append(f"{name}: {MANIFEST_FNAME} has no checksum for bytes {pos}..{size} "
-                            f"(a damaged manifest; those bytes were not checked)")
+            problems.append(
+                f"{name}: {MANIFEST_FNAME} has no checksum for bytes {pos}..{size} "
+                f"(a damaged manifest; those bytes were not checked)"
+            )
     for name in manifest.ranges:
         if name not in manifest.files:
-            problems.append(f"{MANIFEST_FNAME}: checksums for {name!r}, a file it does not list (damaged manifest)")
+            problems.append(
+                f"{MANIFEST_FNAME}: checksums for {name!r}, a file it does not list (damaged manifest)"
+            )
     return problems
 
 
@@ -181,7 +214,7 @@ def _check_block_tables(root, manifest, report: VerifyReport) -> None:
     ranges = manifest.range_index()
     items = 0
     for name in names:
-        data = name[:-len(blockcrc.SUFFIX)]
+        data = name[: -len(blockcrc.SUFFIX)]
         try:
             table = blockcrc.decode(storage.read_bytes(root, name), storage.join(root, name))
         except FileNotFoundError:
@@ -206,16 +239,18 @@ def _check_block_tables(root, manifest, report: VerifyReport) -> None:
 def _check_backends_known(config, report: VerifyReport) -> None:
     from distckpt.strategies.base import StrategyAction, get_default_strategy
 
-    for action, backend, version in ((StrategyAction.LOAD_SHARDED, config.sharded_backend,
-                                      config.sharded_backend_version),
-                                     (StrategyAction.LOAD_COMMON, config.common_backend,
-                                      config.common_backend_version)):
+    for action, backend, version in (
+        (StrategyAction.LOAD_SHARDED, config.sharded_backend, config.sharded_backend_version),
+        (StrategyAction.LOAD_COMMON, config.common_backend, config.common_backend_version),
+    ):
         try:
             get_default_strategy(action, backend, version)
         except CheckpointingException as e:
             report.problems.append(f"{CONFIG_FNAME}: {e}")
         except Exception as e:  # noqa: BLE001 - e.g. a version of the wrong type in the JSON
-            report.problems.append(f"{CONFIG_FNAME}: backend {backend!r} version {version!r} is unusable: {e}")
+            report.problems.append(
+                f"{CONFIG_FNAME}: backend {backend!r} version {version!r} is unusable: {e}"
+            )
 
 
 def _listing(root) -> Dict[str, int]:
@@ -280,7 +315,9 @@ def _check_torch_dist(root: Path, trusted: bool, report: VerifyReport, manifest=
         return 0
     if manifest is not None:
         report.problems.extend(cross_check(md, manifest, METADATA_FNAME, MANIFEST_FNAME))
-        report.checked.append(f"storage records and key declarations of {METADATA_FNAME} against {MANIFEST_FNAME}")
+        report.checked.append(
+            f"storage records and key declarations of {METADATA_FNAME} against {MANIFEST_FNAME}"
+        )
     _check_sidecar(root, md, report)
     sizes: Dict[str, Optional[int]] = {}
 
@@ -300,13 +337,16 @@ def _check_torch_dist(root: Path, trusted: bool, report: VerifyReport, manifest=
         elif info.offset + info.length > actual:
             report.problems.append(
                 f"{info.relative_path}: key {index.fqn!r} at offset {info.offset}: needs bytes up to "
-                f"{info.offset + info.length}, file has {actual} (truncated)")
+                f"{info.offset + info.length}, file has {actual} (truncated)"
+            )
         if index.fqn not in md.state_dict_metadata:
             report.problems.append(f"{METADATA_FNAME}: storage record for unknown key {index.fqn!r}")
     for name, keys in sorted(missing_files.items()):
         keys = sorted(set(keys))
-        report.problems.append(f"{name}: missing (holds {len(keys)} key(s): "
-                               f"{', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''})")
+        report.problems.append(
+            f"{name}: missing (holds {len(keys)} key(s): "
+            f"{', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''})"
+        )
     report.problems.extend(_shared_bytes(md, METADATA_FNAME))
 
     values = plain_byte_items(md)  # non-tensor values of a dcp.save: common state
@@ -324,15 +364,20 @@ def _check_torch_dist(root: Path, trusted: bool, report: VerifyReport, manifest=
         stored = records.get(fqn, {})
         for c in meta.chunks:
             if tuple(c.offsets) not in stored:
-                report.problems.append(f"{METADATA_FNAME}: key {fqn!r}: chunk at {list(c.offsets)} "
-                                       f"has no storage record")
-        problem = coverage_problem(tuple(meta.size), [(tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks])
+                report.problems.append(
+                    f"{METADATA_FNAME}: key {fqn!r}: chunk at {list(c.offsets)} has no storage record"
+                )
+        problem = coverage_problem(
+            tuple(meta.size), [(tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks]
+        )
         if problem:
             report.problems.append(f"{METADATA_FNAME}: key {fqn!r}: {problem}")
     files = len({info.relative_path for info in md.storage_data.values()})
     dcp_values = f", {len(values)} DCP values" if values else ""
-    report.checked.append(f"{n_tensors} tensors{dcp_values} and {n_objects} objects in {METADATA_FNAME}: chunk "
-                          f"coverage, storage records and the extents of {files} data files")
+    report.checked.append(
+        f"{n_tensors} tensors{dcp_values} and {n_objects} objects in {METADATA_FNAME}: chunk "
+        f"coverage, storage records and the extents of {files} data files"
+    )
     return len(values)
 
 
@@ -357,8 +402,10 @@ def _shared_bytes(md, source: str) -> List[str]:
                 end, last = stop, index
         if shared:
             a, b, at = first
-            problems.append(f"{source}: {shared} storage record(s) claim bytes of {name} that another record "
-                            f"claims (first: {_record(b)} and {_record(a)}, at offset {at}): damaged metadata")
+            problems.append(
+                f"{source}: {shared} storage record(s) claim bytes of {name} that another record "
+                f"claims (first: {_record(b)} and {_record(a)}, at offset {at}): damaged metadata"
+            )
     return problems
 
 
@@ -380,14 +427,20 @@ def _check_sidecar(root, md, report: VerifyReport) -> None:
     try:
         reader = IndexReader.open(root)
         if reader is None:
-            return   # none, or stale (built for another .metadata): loads read .metadata then
+            return  # none, or stale (built for another .metadata): loads read .metadata then
         reader.check_all()
         problems: List[str] = []
         mcore = getattr(md, "mcore_data", None) or {}
         records: Dict[str, set] = {}
         for index, info in md.storage_data.items():
             records.setdefault(index.fqn, set()).add(
-                (tuple(index.offset) if index.offset is not None else (), info.relative_path, info.offset, info.length))
+                (
+                    tuple(index.offset) if index.offset is not None else (),
+                    info.relative_path,
+                    info.offset,
+                    info.length,
+                )
+            )
         boxes = {}
         for fqn, meta in md.state_dict_metadata.items():
             e = reader.entry(fqn)
@@ -398,34 +451,55 @@ def _check_sidecar(root, md, report: VerifyReport) -> None:
                 item = e.get("item")
                 got = {((), *item[:3])} if e.get("bytes") and item else set()
                 if got != records.get(fqn, set()):
-                    problems.append(f"{INDEX_FNAME}: object {fqn!r}: its item {item!r} is not the storage record "
-                                    f"of {METADATA_FNAME}")
+                    problems.append(
+                        f"{INDEX_FNAME}: object {fqn!r}: its item {item!r} is not the storage record "
+                        f"of {METADATA_FNAME}"
+                    )
                 continue
             if not isinstance(meta, TensorStorageMetadata):
                 continue
-            orig = mcore.get(fqn, {}).get("nd_reformulated_orig_global_shape") if isinstance(mcore.get(fqn), dict) else None
-            want = (_dtype_name(meta.properties.dtype), list(meta.size), list(orig) if orig is not None else None)
+            orig = (
+                mcore.get(fqn, {}).get("nd_reformulated_orig_global_shape")
+                if isinstance(mcore.get(fqn), dict)
+                else None
+            )
+            want = (
+                _dtype_name(meta.properties.dtype),
+                list(meta.size),
+                list(orig) if orig is not None else None,
+            )
             got = (e.get("dtype"), e.get("size"), e.get("orig_shape"))
             if e.get("bytes") or got != want:
-                problems.append(f"{INDEX_FNAME}: key {fqn!r} is declared as {got}, {METADATA_FNAME} says {want}")
+                problems.append(
+                    f"{INDEX_FNAME}: key {fqn!r} is declared as {got}, {METADATA_FNAME} says {want}"
+                )
                 continue
             boxes[fqn] = [((0,) * len(meta.size), tuple(meta.size))]
         stray = sorted(set(reader.keys) - set(md.state_dict_metadata))
         if stray:
             problems.append(f"{INDEX_FNAME}: declares keys {METADATA_FNAME} does not: {stray[:5]}")
-        chunk_sizes = {(fqn, tuple(c.offsets)): tuple(c.sizes) for fqn in boxes
-                       for c in md.state_dict_metadata[fqn].chunks}
+        chunk_sizes = {
+            (fqn, tuple(c.offsets)): tuple(c.sizes)
+            for fqn in boxes
+            for c in md.state_dict_metadata[fqn].chunks
+        }
         for fqn, rows in reader.query(boxes).items():
             got = {(tuple(off), path, foff, length) for off, size, path, foff, length, _crc in rows}
-            bad_size = [list(off) for off, size, *_ in rows if chunk_sizes.get((fqn, tuple(off))) != tuple(size)]
+            bad_size = [
+                list(off) for off, size, *_ in rows if chunk_sizes.get((fqn, tuple(off))) != tuple(size)
+            ]
             if got != records.get(fqn, set()) or bad_size:
-                problems.append(f"{INDEX_FNAME}: key {fqn!r}: its {len(rows)} chunk records are not the "
-                                f"{len(records.get(fqn, ()))} storage records of {METADATA_FNAME}")
+                problems.append(
+                    f"{INDEX_FNAME}: key {fqn!r}: its {len(rows)} chunk records are not the "
+                    f"{len(records.get(fqn, ()))} storage records of {METADATA_FNAME}"
+                )
     except CheckpointingException as e:
         report.problems.append(str(e))
         return
     report.problems.extend(problems)
-    report.checked.append(f"{INDEX_FNAME} against {METADATA_FNAME}: {len(reader.keys)} keys and their records")
+    report.checked.append(
+        f"{INDEX_FNAME} against {METADATA_FNAME}: {len(reader.keys)} keys and their records"
+    )
 
 
 # --------------------------------------------------------------------------- zarr
@@ -446,7 +520,8 @@ def _check_zarr(root: Path, report: VerifyReport, manifest=None) -> None:
     if missing:
         report.problems.append(
             f"{storage.join(root, 'zarr.json')}: lists {len(missing)} of its {len(keys)} array keys with no array "
-            f"metadata (missing): {', '.join(map(repr, missing[:3]))}{' ...' if len(missing) > 3 else ''}")
+            f"metadata (missing): {', '.join(map(repr, missing[:3]))}{' ...' if len(missing) > 3 else ''}"
+        )
         absent = set(missing)
         keys = [key for key in keys if key not in absent]
     chunk_files = 0
@@ -469,8 +544,10 @@ def _check_zarr(root: Path, report: VerifyReport, manifest=None) -> None:
         if present < cells:
             # Each chunk of the grid needs a file: count the files rather than loop over a grid
             # that a hostile zarr.json can make 2^40 chunks large.
-            report.problems.append(f"{key}: its grid of {cells} chunks has only {present} chunk files "
-                                   f"({cells - present} missing)")
+            report.problems.append(
+                f"{key}: its grid of {cells} chunks has only {present} chunk files "
+                f"({cells - present} missing)"
+            )
             continue
         missing, wrong = [], []
         for index in _product(grid):
@@ -478,11 +555,12 @@ def _check_zarr(root: Path, report: VerifyReport, manifest=None) -> None:
             rel = meta.chunk_relpath(index)
             if isinstance(root, Path):
                 try:
-                    actual = containment.size_beneath(meta.path, meta.chunk_name(index), meta.path / "zarr.json",
-                                                      "chunk file")
+                    actual = containment.size_beneath(
+                        meta.path, meta.chunk_name(index), meta.path / "zarr.json", "chunk file"
+                    )
                 except (FileNotFoundError, NotADirectoryError):
                     actual = None
-                except CheckpointingException as e:   # a chunk file that is a symlink out
+                except CheckpointingException as e:  # a chunk file that is a symlink out
                     report.problems.append(str(e))
                     continue
             else:
@@ -493,11 +571,15 @@ def _check_zarr(root: Path, report: VerifyReport, manifest=None) -> None:
             if meta.raw and actual != meta.chunk_nbytes:
                 wrong.append(f"{rel} ({actual} bytes, expected {meta.chunk_nbytes})")
         if missing:
-            report.problems.append(f"{key}: {len(missing)} chunk file(s) missing: "
-                                   f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
+            report.problems.append(
+                f"{key}: {len(missing)} chunk file(s) missing: "
+                f"{', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}"
+            )
         if wrong:
-            report.problems.append(f"{key}: {len(wrong)} chunk file(s) of the wrong size (truncated?): "
-                                   f"{', '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}")
+            report.problems.append(
+                f"{key}: {len(wrong)} chunk file(s) of the wrong size (truncated?): "
+                f"{', '.join(wrong[:3])}{' ...' if len(wrong) > 3 else ''}"
+            )
     report.checked.append(f"{len(keys)} arrays: metadata and {chunk_files} chunk files (presence, size)")
 
 
@@ -517,13 +599,13 @@ def _keys_without_array_meta(root, keys: Sequence[str]) -> List[str]:
             try:
                 listing = containment.list_beneath(root, folder, root / "zarr.json")
             except (OSError, CheckpointingException):
-                listing = None   # not a folder, or one a symlink leads out to
+                listing = None  # not a folder, or one a symlink leads out to
             folders[folder] = None if listing is None else set(listing)
         return folders[folder]
 
     def present(key: str) -> bool:
         folder = ""
-        for part in key.split("/"):   # stops at the first segment that is not there
+        for part in key.split("/"):  # stops at the first segment that is not there
             inside = entries(folder)
             if inside is None or part not in inside:
                 return False
@@ -549,8 +631,14 @@ def _chunk_files_at_most(root, meta, limit: int) -> int:
                 return limit
         return count
     prefix = f"{meta.key}/"
-    return min(limit, sum(1 for n in _listing(root) if n.startswith(prefix)
-                          and n.rsplit("/", 1)[-1] not in (".zarray", ".zattrs", "zarr.json")))
+    return min(
+        limit,
+        sum(
+            1
+            for n in _listing(root)
+            if n.startswith(prefix) and n.rsplit("/", 1)[-1] not in (".zarray", ".zattrs", "zarr.json")
+        ),
+    )
 
 
 def _product(ranges):
@@ -573,7 +661,9 @@ def _check_common_files(root: Path, backend: str, report: VerifyReport, dcp_valu
     if isinstance(root, Path):
         objects = sorted(p.relative_to(root).as_posix() for p in root.rglob("shard_*.pt"))
     else:
-        objects = sorted(n for n in _listing(root) if n.rsplit("/", 1)[-1].startswith("shard_") and n.endswith(".pt"))
+        objects = sorted(
+            n for n in _listing(root) if n.rsplit("/", 1)[-1].startswith("shard_") and n.endswith(".pt")
+        )
     empty = [o for o in objects if _file_size(root, o) == 0]
     if empty:
         report.problems.append(f"{len(empty)} object file(s) are empty: {', '.join(empty[:3])}")
@@ -623,5 +713,6 @@ def _deep_read(root: Path, trusted: bool, progress: Progress, report: VerifyRepo
         src.common()
     except CheckpointingException as e:
         report.problems.append(f"common state: {e}")
-    report.checked.append(f"read back {len(metas)} tensors ({bad} failed), {len(src.objects())} objects "
-                          f"and the common state")
+    report.checked.append(
+        f"read back {len(metas)} tensors ({bad} failed), {len(src.objects())} objects and the common state"
+    )
