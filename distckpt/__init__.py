@@ -30,6 +30,7 @@ from distckpt.serialization import (
     remove_sharded_tensors,
     save,
 )
+from distckpt.strategies import builtin as _builtin  # noqa: F401  (registers the built-in strategies)
 from distckpt.strategies.common import add_safe_globals
 from distckpt.strategies.torch_dcp import to_torch_state_dict
 from distckpt.timings import Timings, last_timings

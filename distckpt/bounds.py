@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence, Tuple
 
 from distckpt import containment
-from distckpt.core import CheckpointingException, PathLike
+from distckpt.errors import CheckpointingException, PathLike
 
 # No real tensor has more elements or bytes than this; anything larger is a hostile claim.
 MAX_NUMEL = 1 << 48

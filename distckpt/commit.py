@@ -84,6 +84,7 @@ from distckpt.core import (
     maybe_load_config,
     save_config,
 )
+from distckpt.manifest import read_manifest_files
 
 logger = logging.getLogger(__name__)
 
@@ -129,9 +130,10 @@ def resolve_target(checkpoint_dir: storage.Location) -> Union[Path, storage.Stor
     """The location a save replaces. A local directory with its symlinks resolved, so the staging
     sibling sits beside the real directory, on its file system; a URL as its store."""
     location = storage.resolve(checkpoint_dir)
-    if isinstance(location, storage.Store):
+    root = storage.local_root(location)
+    if root is None:
         return location
-    return Path(os.path.realpath(os.fspath(location)))
+    return Path(os.path.realpath(os.fspath(root)))
 
 
 def leftover_name(target: Path, kind: str, save_id: str) -> Path:
@@ -285,8 +287,6 @@ def _committed(path: Path) -> bool:
 
 
 def _check_complete(path: Path) -> None:
-    from distckpt.manifest import read_manifest_files
-
     files = read_manifest_files(path)
     if files is None:
         return
@@ -312,8 +312,6 @@ def _is_empty_dir_or_absent(target: Path) -> bool:
 
 def _checkpoint_entries(root: Path) -> Set[str]:
     """Top-level names of ``root`` that belong to the checkpoint stored there."""
-    from distckpt.manifest import read_manifest_files
-
     names = set(_CHECKPOINT_FILES)
     try:
         files = read_manifest_files(root)
@@ -435,21 +433,22 @@ class TreeIdentity:
 def tree_identity(path: Union[Path, storage.Store]) -> Optional[TreeIdentity]:
     """A file system checkpoint's identity (directory inode, commit marker); None for an object
     store, whose commit protocol refuses to replace a committed checkpoint in place by default."""
-    if isinstance(path, storage.Store):
+    root = storage.local_root(path)
+    if root is None:
         return None
     try:
-        st = os.stat(path)
+        st = os.stat(root)
     except OSError:
         return None
     try:
-        mst = os.stat(path / CONFIG_FNAME)
+        mst = os.stat(root / CONFIG_FNAME)
         marker = (mst.st_ino, mst.st_mtime_ns)
     except OSError:
         marker = None
     return TreeIdentity((st.st_dev, st.st_ino, st.st_ctime_ns), marker)
 
 
-def check_unchanged(path: Path, before: Optional[TreeIdentity]) -> None:
+def check_unchanged(path: Union[Path, storage.Store], before: Optional[TreeIdentity]) -> None:
     """Raise if the checkpoint at ``path`` was replaced or edited since ``before`` was taken
     (another job overwrote it during this load: what was read may mix the two saves)."""
     if before is not None and tree_identity(path) != before:
@@ -497,7 +496,7 @@ _DEFAULT = RenameCommit()
 def protocol_for(target: Union[Path, storage.Store]) -> Union[RenameCommit, StoreCommit]:
     """The commit protocol for ``target`` (as :func:`resolve_target` returns it): rename-based
     on file systems, conditional put on object stores."""
-    if isinstance(target, storage.Store):
+    if storage.local_root(target) is None:
         return StoreCommit(target)
     return _DEFAULT
 

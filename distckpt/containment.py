@@ -40,7 +40,7 @@ import stat
 from pathlib import Path
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
-from distckpt.core import CheckpointingException, PathLike
+from distckpt.errors import CheckpointingException, PathLike
 
 # At most this many symlinks are followed while resolving one name (Linux's own limit).
 MAX_LINKS = 40

@@ -1,4 +1,5 @@
-"""Checkpoint-level configuration (``metadata.json``) and the library's exception type.
+"""Checkpoint-level configuration (``metadata.json``), durable file writes, and the library's
+exception type (defined in :mod:`distckpt.errors`, the ground floor, and re-exported here).
 
 ``metadata.json`` is the commit marker of a checkpoint: it names the sharded and common backends
 and is written last, atomically. A directory without it is not a (complete) checkpoint.
@@ -14,19 +15,31 @@ import os
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, TypeVar, Union
+from typing import Any, Callable, Iterator, Optional, TypeVar
+
+from distckpt import bounds, containment
+from distckpt.errors import CheckpointingException, PathLike
+
+__all__ = [
+    "CONFIG_FNAME",
+    "CheckpointingConfig",
+    "CheckpointingException",
+    "PathLike",
+    "atomic_write_bytes",
+    "check_is_distributed_checkpoint",
+    "fsync_dir",
+    "gc_paused",
+    "maybe_load_config",
+    "parse_config",
+    "save_config",
+    "with_gc_paused",
+    "write_all",
+    "write_file_durably",
+]
 
 CONFIG_FNAME = "metadata.json"
 
-PathLike = Union[str, os.PathLike]
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-class CheckpointingException(Exception):
-    """Raised for every user-facing checkpointing error (bad input, bad checkpoint, failed I/O).
-
-    Messages name the key, the file and the rank where they are known.
-    """
 
 
 @dataclass
@@ -93,8 +106,6 @@ def maybe_load_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]
     Raises:
         CheckpointingException: the file exists but is not a valid config.
     """
-    from distckpt import containment  # it imports this module
-
     path = Path(checkpoint_dir) / CONFIG_FNAME
     if not path.is_file():
         return None
@@ -110,8 +121,6 @@ def maybe_load_config(checkpoint_dir: PathLike) -> Optional[CheckpointingConfig]
 
 def parse_config(text: bytes, path: Any) -> CheckpointingConfig:
     """Parse the bytes of a ``metadata.json`` (read from ``path``, named in errors)."""
-    from distckpt import bounds  # it imports this module
-
     raw = bounds.parse_json(text, path, "checkpoint config")
     if not isinstance(raw, dict):
         raise CheckpointingException(f"{path}: checkpoint config must be a JSON object")

@@ -18,11 +18,10 @@ checkpoint.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Optional, Union
+from typing import Optional
 
-from distckpt.core import CONFIG_FNAME, CheckpointingConfig, PathLike, maybe_load_config, parse_config
-from distckpt.storage import Store
+from distckpt import storage
+from distckpt.core import CONFIG_FNAME, CheckpointingConfig, maybe_load_config, parse_config
 
 __all__ = ["DCP_METADATA_FNAME", "checkpoint_config", "describe_missing_config", "is_dcp_native"]
 
@@ -36,18 +35,18 @@ def implied_config() -> CheckpointingConfig:
     return CheckpointingConfig("torch_dist", 1, "torch", 1)
 
 
-def is_dcp_native(checkpoint_dir: Union[PathLike, Store]) -> bool:
+def is_dcp_native(checkpoint_dir: storage.Location) -> bool:
     """True iff ``checkpoint_dir`` is a local, complete checkpoint of plain PyTorch DCP:
     ``.metadata`` present, and none of ``metadata.json``, ``common.pt`` and distckpt's manifest."""
-    if isinstance(checkpoint_dir, Store):
+    root = storage.local_root(checkpoint_dir)
+    if root is None:
         return False
-    root = Path(checkpoint_dir)
     if not (root / DCP_METADATA_FNAME).is_file() or (root / CONFIG_FNAME).exists():
         return False
     return not any((root / name).exists() for name in _TORCH_DIST_ONLY)
 
 
-def checkpoint_config(checkpoint_dir: Union[PathLike, Store]) -> Optional[CheckpointingConfig]:
+def checkpoint_config(checkpoint_dir: storage.Location) -> Optional[CheckpointingConfig]:
     """``metadata.json``'s config; for a local DCP-native directory the implied ``torch_dist``
     one; otherwise None (not a checkpoint, or an interrupted save). On an object store only
     ``metadata.json`` counts (plain DCP checkpoints are read from local file systems).
@@ -55,26 +54,28 @@ def checkpoint_config(checkpoint_dir: Union[PathLike, Store]) -> Optional[Checkp
     Raises:
         CheckpointingException: ``metadata.json`` exists but is invalid.
     """
-    if isinstance(checkpoint_dir, Store):
+    root = storage.local_root(checkpoint_dir)
+    if root is None:
+        store = storage.open_store(checkpoint_dir)
         try:
-            raw = checkpoint_dir.get(CONFIG_FNAME)
+            raw = store.get(CONFIG_FNAME)
         except FileNotFoundError:
             return None
-        return parse_config(bytes(raw), checkpoint_dir.where(CONFIG_FNAME))
-    config = maybe_load_config(checkpoint_dir)
-    if config is None and is_dcp_native(checkpoint_dir):
+        return parse_config(bytes(raw), store.where(CONFIG_FNAME))
+    config = maybe_load_config(root)
+    if config is None and is_dcp_native(root):
         return implied_config()
     return config
 
 
-def describe_missing_config(checkpoint_dir: Union[PathLike, Store]) -> str:
+def describe_missing_config(checkpoint_dir: storage.Location) -> str:
     """Why ``checkpoint_dir`` (a location without a usable config) is not readable."""
-    if isinstance(checkpoint_dir, Store):
+    root = storage.local_root(checkpoint_dir)
+    if root is None:
         return (
-            f"{checkpoint_dir.url} is not a distributed checkpoint: {CONFIG_FNAME} is missing, so it is "
+            f"{storage.open_store(checkpoint_dir).url} is not a distributed checkpoint: {CONFIG_FNAME} is missing, so it is "
             f"either not a checkpoint or an interrupted save"
         )
-    root = Path(checkpoint_dir)
     if (root / DCP_METADATA_FNAME).is_file():
         extra = [n for n in _TORCH_DIST_ONLY if (root / n).exists()]
         return (

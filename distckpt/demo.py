@@ -27,6 +27,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from rich.console import Console
+from rich.table import Table
+
+from distckpt import dist
+from distckpt.dict_utils import nested_values
+from distckpt.examples.launch import launch
+from distckpt.examples.model import GPTConfig
+from distckpt.examples.parallel import Layout
+from distckpt.examples.training import (
+    TrainConfig,
+    batch,
+    build,
+    checkpoint_sharded_state_dict,
+    load_checkpoint,
+    save_checkpoint,
+    train_step,
+)
+from distckpt.mapping import ShardedBase, ShardedObject, ShardedTensor, apply_factories, is_main_replica
 
 SEED = 1234
 TRAIN_STEPS = 2
@@ -53,9 +71,6 @@ def choose_layouts(world_size: int, global_batch_size: int | None = None):
     Saves under TP2 x DP(world/2) when it can (replicas over TP and DP), else TP1 x DP(world);
     loads under up to two other layouts, preferring a TP change (TP4), then pure DP, then PP.
     """
-    from distckpt.examples.model import GPTConfig
-    from distckpt.examples.parallel import Layout
-
     cfg = GPTConfig()
     batch = global_batch_size or 2 * world_size
 
@@ -89,9 +104,6 @@ Piece = tuple[str, tuple[int, ...], tuple, tuple[int, int] | None, torch.Tensor]
 
 def main_replica_pieces(sharded_leaves) -> list[Piece]:
     """``(key, global shape, global index, flat range, data)`` of every main-replica tensor."""
-    from distckpt import ShardedTensor
-    from distckpt.mapping import is_main_replica
-
     pieces = []
     for leaf in sharded_leaves:
         if isinstance(leaf, ShardedTensor) and is_main_replica(leaf.replica_id):
@@ -144,8 +156,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def compare_with_reference(sharded_leaves, reference: dict[str, torch.Tensor]) -> list[str]:
     """Describe every ShardedTensor whose data differs (bits, dtype or shape) from the reference."""
-    from distckpt import ShardedTensor
-
     wrong = []
     for leaf in sharded_leaves:
         if not isinstance(leaf, ShardedTensor):
@@ -168,24 +178,17 @@ def compare_with_reference(sharded_leaves, reference: dict[str, torch.Tensor]) -
 
 
 def _rng_object(rank: int, world: int, state: torch.Tensor | None):
-    from distckpt import ShardedObject
-
     return ShardedObject("rng_state", state, (world,), (rank,))
 
 
 def _applied_leaves(state) -> list:
     """The sharded leaves of ``state`` once its factories are built (in place)."""
-    from distckpt.dict_utils import nested_values
-    from distckpt.mapping import ShardedBase, apply_factories
-
     apply_factories(state)
     return [leaf for leaf in nested_values(state) if isinstance(leaf, ShardedBase)]
 
 
 def _timed(fn, *args, **kwargs):
     """``fn(*args, **kwargs)`` and its time between barriers (the slowest rank's time)."""
-    from distckpt import dist
-
     dist.barrier()
     start = time.perf_counter()
     out = fn(*args, **kwargs)
@@ -194,18 +197,6 @@ def _timed(fn, *args, **kwargs):
 
 
 def _rank_main(ckpt_dir: str, layouts: list) -> list[PhaseReport]:
-    import distckpt
-    from distckpt import dist
-    from distckpt.examples.training import (
-        TrainConfig,
-        batch,
-        build,
-        checkpoint_sharded_state_dict,
-        load_checkpoint,
-        save_checkpoint,
-        train_step,
-    )
-
     rank, world = dist.get_rank(), dist.get_world_size()
     train_cfg = TrainConfig(global_batch_size=2 * world, distributed_optimizer=True)
     reports = []
@@ -247,9 +238,7 @@ def _rank_main(ckpt_dir: str, layouts: list) -> list[PhaseReport]:
         if state["iteration"] != TRAIN_STEPS:
             wrong.append(f"iteration {state['iteration']} != {TRAIN_STEPS}")
         nbytes = sum(
-            leaf.data.numel() * leaf.data.element_size()
-            for leaf in leaves
-            if isinstance(leaf, distckpt.ShardedTensor)
+            leaf.data.numel() * leaf.data.element_size() for leaf in leaves if isinstance(leaf, ShardedTensor)
         )
         keys = sorted({leaf.key for leaf in leaves} | {"rng_state"})
         reports.append(PhaseReport("load", str(layout), seconds, keys, nbytes, wrong))
@@ -280,9 +269,6 @@ def _summarise(per_rank: list[list[PhaseReport]]) -> list[PhaseReport]:
 
 
 def _print_table(rows: list[PhaseReport], world_size: int, ckpt_dir: Path, total_s: float) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console()
     table = Table(title=f"distckpt demo: {world_size} gloo rank(s), GPT + distributed Adam")
     for name, justify in (
@@ -314,8 +300,6 @@ def main(world_size: int = 4, out_dir: str | os.PathLike | None = None) -> int:
 
     The checkpoint goes to ``out_dir/ckpt`` (kept), or to a temporary directory (removed).
     """
-    from distckpt.examples.launch import launch
-
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     layouts = choose_layouts(world_size)

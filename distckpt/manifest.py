@@ -43,32 +43,20 @@ import json
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
-
-import fastcrc.crc32 as _fastcrc32
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 from distckpt import bounds, storage
-from distckpt.core import CheckpointingException, PathLike
+from distckpt.checksum import (
+    BLOCK_SIZE,
+    crc32c,
+    extend,
+    pack_block_crcs,  # noqa: F401  (importable from its old home)
+)
+from distckpt.core import CheckpointingException
 
 MANIFEST_FNAME = ".distckpt_manifest.json"
 FORMAT = "distckpt-manifest"
 VERSION = 1
-
-
-def crc32c(data, value: int = 0) -> int:
-    """CRC32C (Castagnoli, iSCSI) of any bytes-like object (writable buffers too), continuing
-    from ``value``.
-
-    ``fastcrc`` folds the bytes with carry-less multiplies (VPCLMULQDQ / PMULL where the CPU has
-    them) and releases the GIL for inputs of 16 KiB and more: on the 2-core development VM it runs
-    at 51 GiB/s on cached bytes against 25 GiB/s for the SSE4.2 ``crc32c`` package distckpt used
-    before, which makes a save to tmpfs 6-12% faster (docs/performance.md)."""
-    return _fastcrc32.iscsi(data, value)
-
-
-def pack_block_crcs(crcs: List[int]) -> bytes:
-    """Block CRC32Cs as :attr:`Manifest.blocks` keeps them (little-endian 32-bit words)."""
-    return struct.pack(f"<{len(crcs)}I", *crcs)
 
 
 def dtype_name(dtype: Any) -> str:
@@ -187,16 +175,21 @@ def build_manifest(
     return m
 
 
-def _location(checkpoint_dir):
-    return checkpoint_dir if isinstance(checkpoint_dir, storage.Store) else Path(checkpoint_dir)
+def _location(checkpoint_dir: storage.Location) -> Union[Path, storage.Store]:
+    """Where the manifest's reads and writes go: a local directory (its POSIX paths: atomic
+    rename, reads beneath the root), else the store."""
+    root = storage.local_root(checkpoint_dir)
+    return root if root is not None else storage.open_store(checkpoint_dir)
 
 
-def write_manifest(checkpoint_dir, manifest: Manifest) -> None:
+def write_manifest(checkpoint_dir: storage.Location, manifest: Manifest) -> None:
     """Write the manifest (local: temp file + rename; object store: one atomic put)."""
     storage.write_bytes(_location(checkpoint_dir), MANIFEST_FNAME, manifest.to_json())
 
 
-def _parsed(checkpoint_dir, build: Callable[[dict, Dict[str, int]], Any]) -> Tuple[Optional[Any], str]:
+def _parsed(
+    checkpoint_dir: storage.Location, build: Callable[[dict, Dict[str, int]], Any]
+) -> Tuple[Optional[Any], str]:
     """``build`` applied to the checkpoint's manifest JSON (None if it has no manifest), after the
     format check, and the manifest's path; the listed files are checked as names and sizes."""
     location = _location(checkpoint_dir)
@@ -220,7 +213,7 @@ def _parsed(checkpoint_dir, build: Callable[[dict, Dict[str, int]], Any]) -> Tup
     return out, path
 
 
-def read_manifest_files(checkpoint_dir) -> Optional[Dict[str, int]]:
+def read_manifest_files(checkpoint_dir: storage.Location) -> Optional[Dict[str, int]]:
     """The files the checkpoint's manifest lists, with their sizes (None if it has no manifest),
     without building its per-range checksums: what a completeness check needs.
 
@@ -230,7 +223,7 @@ def read_manifest_files(checkpoint_dir) -> Optional[Dict[str, int]]:
     return _parsed(checkpoint_dir, lambda raw, files: files)[0]
 
 
-def read_manifest(checkpoint_dir) -> Optional[Manifest]:
+def read_manifest(checkpoint_dir: storage.Location) -> Optional[Manifest]:
     """The checkpoint's manifest (local directory or Store), or None if it has none.
 
     Raises:
@@ -292,7 +285,7 @@ def _declared_keys(raw: dict) -> Dict[str, Tuple[Any, ...]]:
     return out
 
 
-def read_declared_keys(checkpoint_dir) -> Optional[Dict[str, Tuple[Any, ...]]]:
+def read_declared_keys(checkpoint_dir: storage.Location) -> Optional[Dict[str, Tuple[Any, ...]]]:
     """The manifest's :attr:`Manifest.keys` alone (None if the checkpoint has no manifest), for
     a metadata query that checks the keys it returns against them.
 
@@ -303,7 +296,7 @@ def read_declared_keys(checkpoint_dir) -> Optional[Dict[str, Tuple[Any, ...]]]:
 
 
 def add_whole_files(
-    checkpoint_dir: PathLike, entries: Dict[str, Tuple[int, int]], backend: str, save_id: str
+    checkpoint_dir: storage.Location, entries: Dict[str, Tuple[int, int]], backend: str, save_id: str
 ) -> None:
     """Merge whole-file checksums ``{name: (size, crc32c)}`` into the manifest (creating it if the
     sharded strategy wrote none). Called on one rank, before ``metadata.json`` is written."""
@@ -313,7 +306,7 @@ def add_whole_files(
     write_manifest(checkpoint_dir, manifest)
 
 
-def check_whole_file(checkpoint_dir: PathLike, name: str, data: bytes, listed: bool = True) -> None:
+def check_whole_file(checkpoint_dir: storage.Location, name: str, data: bytes, listed: bool = True) -> None:
     """Raise if the manifest records a checksum for ``name`` and ``data`` does not match it, or
     (``listed``) if a manifest exists but does not list ``name``. Only ``name``'s entry is built
     from the manifest's JSON (metadata queries call this on every read of ``.metadata``)."""
@@ -325,7 +318,11 @@ def check_whole_file(checkpoint_dir: PathLike, name: str, data: bytes, listed: b
 
 
 def check_whole_bytes(
-    manifest: Optional[Manifest], checkpoint_dir: PathLike, name: str, data: bytes, listed: bool = True
+    manifest: Optional[Manifest],
+    checkpoint_dir: storage.Location,
+    name: str,
+    data: bytes,
+    listed: bool = True,
 ) -> None:
     """:func:`check_whole_file` against a manifest already read (None: the checkpoint has none),
     for a caller that checks many files of one checkpoint."""
@@ -341,7 +338,12 @@ def check_whole_bytes(
 
 
 def _compare_whole(
-    checkpoint_dir: PathLike, name: str, data: bytes, files: Dict[str, int], expected: List[int], listed: bool
+    checkpoint_dir: storage.Location,
+    name: str,
+    data: bytes,
+    files: Dict[str, int],
+    expected: List[int],
+    listed: bool,
 ) -> None:
     if not listed and name not in files:
         return
@@ -360,13 +362,11 @@ def _range_problems(name: str, r: RangeChecksum, data, blocks: Optional[Tuple[in
     """What is wrong with range ``r`` of file ``name``, whose bytes are ``data``: its CRC32C and,
     where the manifest has them (``blocks``), the file's block CRC32Cs, computed in the same
     pass (a damaged block CRC32C would fail a partial load of intact data: say so here)."""
-    from distckpt.strategies import blockcrc  # it builds on this module
-
-    if blocks is None or blocks[0] != blockcrc.BLOCK_SIZE:  # loads use no other block size
+    if blocks is None or blocks[0] != BLOCK_SIZE:  # loads use no other block size
         crc, wrong = crc32c(data), []
     else:
         crcs: List[int] = []
-        crc = blockcrc.extend(0, data, crcs)
+        crc = extend(0, data, crcs)
         wrong = [i for i, (a, b) in enumerate(zip(crcs, blocks[1])) if a != b]
     if crc != r.crc32c:
         return [
@@ -382,7 +382,7 @@ def _range_problems(name: str, r: RangeChecksum, data, blocks: Optional[Tuple[in
 
 
 def verify_files(
-    checkpoint_dir: PathLike, manifest: Manifest, *, checksums: bool = True, progress=None
+    checkpoint_dir: storage.Location, manifest: Manifest, *, checksums: bool = True, progress=None
 ) -> List[str]:
     """Check every file of the manifest: present, right size, and (``checksums``) every range's
     CRC32C. Returns one line per problem, naming file, key and offset; empty if all is well.
@@ -393,8 +393,8 @@ def verify_files(
     problems: List[str] = []
     for name, size in manifest.files.items():
         try:
-            if isinstance(store, storage.LocalStore):
-                bounds.inside(store.root, name, store.where(MANIFEST_FNAME), "listed file")
+            if store.local_root is not None:
+                bounds.inside(store.local_root, name, store.where(MANIFEST_FNAME), "listed file")
             else:
                 bounds.relative_name(name, store.where(MANIFEST_FNAME), "listed file")
         except CheckpointingException as e:

@@ -49,14 +49,16 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 import distckpt
-from distckpt import ShardedObject, commit, serialization
+from distckpt import ShardedObject, commit, loading, saving
 from distckpt import dist as ddist
 from distckpt.manifest import RangeChecksum, crc32c, read_manifest, write_manifest
-from distckpt.strategies import torch as torch_strategy
 from distckpt.strategies.base import SaveShardedStrategy
 from distckpt.strategies.common import TorchCommonSaveStrategy
 from distckpt.strategies.filesystem import ChecksummingSink, read_archive_layout
 from distckpt.strategies.torch import TorchDistSaveShardedStrategy
+from distckpt.strategies.torch_dist import read as torch_dist_read
+from distckpt.strategies.torch_dist import save as torch_dist_save
+from distckpt.strategies.torch_dist import write as torch_dist_write
 from tests import layouts
 
 SAVE_STAGES = (
@@ -222,25 +224,28 @@ def injected(fault: Fault) -> Iterator[None]:
             stage = fault.stage
             if stage == "validation":
 
-                def validate(shards, _real=serialization.validate_local_integrity):
+                def validate(shards, _real=saving.validate_local_integrity):
                     _real(shards)
                     raise InjectedFault(_message("validation"))
 
-                stack.enter_context(patched(serialization, "validate_local_integrity", validate))
+                stack.enter_context(patched(saving, "validate_local_integrity", validate))
+                stack.enter_context(patched(loading, "validate_local_integrity", validate))
             elif stage in ("write", "async_write"):
                 stack.enter_context(
-                    patched(torch_strategy, "write_plan", _failing_after(torch_strategy.write_plan, stage))
+                    patched(torch_dist_save, "write_plan", _failing_after(torch_dist_save.write_plan, stage))
                 )
             elif stage == "mid_file":
-                stack.enter_context(patched(torch_strategy, "ChecksummingSink", FaultySink))
+                stack.enter_context(patched(torch_dist_write, "ChecksummingSink", FaultySink))
             elif stage == "metadata_write":
-                stack.enter_context(patched(torch_strategy, "atomic_write_bytes", _failing(stage, errno.EIO)))
+                stack.enter_context(
+                    patched(torch_dist_save, "atomic_write_bytes", _failing(stage, errno.EIO))
+                )
             elif stage == "manifest_write":
-                stack.enter_context(patched(torch_strategy, "write_manifest", _failing(stage, errno.ENOSPC)))
+                stack.enter_context(patched(torch_dist_save, "write_manifest", _failing(stage, errno.ENOSPC)))
             elif stage == "commit_write":
                 stack.enter_context(patched(commit, "save_config", _failing(stage, errno.EIO)))
             elif stage == "read":
-                stack.enter_context(patched(torch_strategy, "_read_chunk", _failing(stage, errno.EIO)))
+                stack.enter_context(patched(torch_dist_read, "read_chunk", _failing(stage, errno.EIO)))
         yield
 
 
@@ -455,7 +460,7 @@ def _sigkill_rank(args: argparse.Namespace) -> int:
         if args.rank == args.victim:
             if args.window == "mid_write":
                 StallingSink.marker = stalled
-                stack.enter_context(patched(torch_strategy, "ChecksummingSink", StallingSink))
+                stack.enter_context(patched(torch_dist_write, "ChecksummingSink", StallingSink))
             else:
                 stack.enter_context(patched(commit, "save_config", _stalling_save_config(stalled)))
         try:

@@ -1,4 +1,4 @@
-"""tools/bench_gpu.py: the GPU benchmark's own paths, run on host tensors (``--device cpu``)."""
+"""bench/gpu.py: the GPU benchmark's own paths, run on host tensors (``--device cpu``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ def test_bench_gpu_runs_every_path_and_reports_the_goal_ratios(tmp_path):
     proc = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "tools" / "bench_gpu.py"),
+            "-m",
+            "bench.gpu",
             "--device",
             "cpu",
             "--sizes-gib",
@@ -28,6 +29,7 @@ def test_bench_gpu_runs_every_path_and_reports_the_goal_ratios(tmp_path):
             "--out",
             str(out),
         ],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=240,

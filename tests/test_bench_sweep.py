@@ -1,11 +1,11 @@
-"""tools/bench.py --sweep: the shape grammar, the state it builds, and the fixed/marginal fit."""
+"""bench/sweep.py: the shape grammar, the state it builds, and the fixed/marginal fit."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tools import bench_sweep
+from bench import sweep as bench_sweep
 
 
 def test_shape_grammar():
@@ -68,7 +68,7 @@ def test_layer_size_matches_layers_for():
 
 
 def test_read_files_fills_the_destinations_with_the_files_bytes_in_order(tmp_path):
-    from tools.bench_files import read_files
+    from bench.files import read_files
 
     data = [bytes(range(256)) * 40, b"\x07" * 5000, bytes(reversed(range(256))) * 9]
     paths = []
@@ -90,7 +90,7 @@ def test_read_files_fills_the_destinations_with_the_files_bytes_in_order(tmp_pat
 
 @pytest.mark.parametrize("checksum", [False, True])
 def test_write_files_deals_the_tensors_to_the_files_as_a_save_does(tmp_path, checksum):
-    from tools.bench_files import write_files
+    from bench.files import write_files
 
     tensors = [torch.arange(n, dtype=torch.int32) * (i + 1) for i, n in enumerate((700, 0, 3000, 50, 1200))]
     raw = [bytes(t.numpy()) for t in tensors]
@@ -102,7 +102,7 @@ def test_write_files_deals_the_tensors_to_the_files_as_a_save_does(tmp_path, che
 
 
 def test_fixed_cost_phase_table_has_each_ranks_median_and_their_sum():
-    from tools.fixed_cost import phase_table
+    from bench.fixed_cost import phase_table
 
     by_rank = [
         {"save": {"writing": 0.003, "commit": 0.001}, "load": {"reading": 0.002}},

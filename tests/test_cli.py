@@ -101,12 +101,12 @@ def test_not_a_checkpoint_names_the_missing_commit_marker(tmp_path):
 
 
 def test_internal_errors_exit_3_with_a_traceback(monkeypatch):
-    import distckpt.tools.inspect as inspect_module
+    import distckpt.cli.commands.inspect_show as inspect_command
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(inspect_module, "inspect_source", broken)
+    monkeypatch.setattr(inspect_command, "inspect_source", broken)
     result = cli("inspect", FIXTURES["tp2_basic"] / "ckpt", code=3)
     assert "Traceback" in result.stderr and "boom" in result.stderr and "internal error" in result.stderr
 

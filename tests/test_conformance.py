@@ -519,7 +519,7 @@ def _load_with_a_bad_request(ckpt, world):
     """Save a (world x 6) tensor, one row per rank; then load with every rank asking for its row
     but rank 1 asking for rank 0's (two main replicas of row 0, no one asks for row 1). Returns
     this rank's calls of the global check: how many, with how many ranks' tables."""
-    from distckpt import serialization
+    from distckpt import loading
 
     rank = ddist.get_rank()
     full = layouts.full_tensor("bad", (world, 6))
@@ -527,13 +527,13 @@ def _load_with_a_bad_request(ckpt, world):
         {"w": ShardedTensor.from_rank_offsets("w", full[rank : rank + 1].clone(), (0, rank, world))}, ckpt
     )
     seen = []
-    check = serialization.validate_global_integrity
+    check = loading.validate_global_integrity
 
     def spy(tables):
         seen.append(len(tables))
         return check(tables)
 
-    serialization.validate_global_integrity = spy
+    loading.validate_global_integrity = spy
     try:
         distckpt.load({"w": ShardedTensor.from_rank_offsets("w", torch.zeros(1, 6), (0, rank, world))}, ckpt)
         row = 0 if rank == 1 else rank
@@ -544,7 +544,7 @@ def _load_with_a_bad_request(ckpt, world):
             return seen, str(e)
         return seen, "loaded"
     finally:
-        serialization.validate_global_integrity = check
+        loading.validate_global_integrity = check
 
 
 def test_a_bad_load_request_is_checked_on_rank_0_and_raised_on_every_rank(tmp_path):
@@ -626,13 +626,13 @@ def test_async_save_holds_the_values_at_save_time(backend, tmp_path):
 
 
 def _save_twice_same_structure(base, backend):
-    from distckpt import serialization
+    from distckpt import saving
 
     for i in range(2):
         sd, _ = layouts.build("grid", ddist.get_rank(), ddist.get_world_size(), True, rows=2, cols=2)
-        before = len(serialization._VALIDATED_STRUCTURES)
+        before = len(saving._VALIDATED_STRUCTURES)
         distckpt.save(sd, f"{base}/{i}", sharded_strategy=(backend, 1))
-    return before == len(serialization._VALIDATED_STRUCTURES)
+    return before == len(saving._VALIDATED_STRUCTURES)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

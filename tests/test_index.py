@@ -97,7 +97,7 @@ def test_a_reader_kept_for_the_next_load_is_not_used_once_the_checkpoint_was_rep
 
 
 def test_close_sidecar_ranges_are_read_together_and_cut_apart(tmp_path, monkeypatch):
-    from distckpt.strategies import index as ix
+    from distckpt.strategies import index_read as ix
 
     data = bytes(range(256)) * 64  # 16 KiB
     (tmp_path / INDEX_FNAME).write_bytes(data)

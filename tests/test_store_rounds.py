@@ -15,7 +15,7 @@ import time
 import pytest
 
 import distckpt
-from distckpt import CheckpointingException
+from distckpt import CheckpointingException, checkin, process_group
 from distckpt import dist as ddist
 from tests.faults import Fault, load_with_fault, save_with_fault
 from tests.harness import run_ranks
@@ -146,7 +146,7 @@ def _large(size: int, setting: str):
 
 
 def test_an_outcome_larger_than_the_store_takes_follows_as_a_broadcast():
-    size = ddist._OUTCOME_LIMIT // 2  # four of them: twice what the store carries
+    size = checkin.OUTCOME_LIMIT // 2  # four of them: twice what the store carries
     for length, ordered, payloads in run_ranks(4, _large, size, "1"):
         assert length == 4 * size and ordered
         assert payloads == [size] * 4
@@ -157,13 +157,13 @@ def _verdict_of_an_earlier_failure(failing: int):
     does) and stays away from it; the others run that stage through the store."""
     _set_rounds("1")
     rank = ddist.get_rank()
-    gid = ddist._group_id(ddist._group_ranks(None))
+    gid = process_group.group_id(process_group.group_ranks(None))
     distckpt.set_collective_timeout(30)
     start = time.monotonic()
     try:
         if rank == failing:
-            ddist._post_verdict(None, "earlier stage: a collective failed on rank 2")
-            ddist._check_ins[gid] += 1  # keeps the pool's stage numbers in step
+            checkin.post_verdict(None, "earlier stage: a collective failed on rank 2")
+            checkin.check_ins[gid] += 1  # keeps the pool's stage numbers in step
             return "stayed away"
         ddist.gather_and_decide("next stage", None, rank, sum)
         return "decided"

@@ -79,6 +79,15 @@ def open_store(location: Location, storage_options: Optional[Dict[str, Any]] = N
     return LocalStore(resolved) if isinstance(resolved, Path) else resolved
 
 
+def local_root(location: Location) -> Optional[Path]:
+    """The local directory of a location whose objects are plain files, else None (a capability
+    query: a path, a ``file://`` URL or a :class:`LocalStore` answer with their directory)."""
+    if isinstance(location, Store):
+        return location.local_root
+    resolved = resolve(location)
+    return resolved if isinstance(resolved, Path) else None
+
+
 def is_remote(location: Any) -> bool:
     """True for a location without the local fast paths (no mmap): an object store."""
     if isinstance(location, Store):

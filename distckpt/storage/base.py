@@ -26,6 +26,7 @@ Which rank calls what (the strategies and ``serialization`` follow this):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 
@@ -63,6 +64,14 @@ class Store(ABC):
     supports_mmap: bool = False
     supports_conditional_put: bool = False
     supports_ranged_read: bool = True
+
+    @property
+    def local_root(self) -> Optional[Path]:
+        """The directory holding this store's objects as plain files, where there is one.
+
+        A capability, not a type test: code with a POSIX fast path (mmap, ``pread``, ``O_DIRECT``,
+        rename) asks for it and takes the general path when it is None (object stores)."""
+        return None
 
     @property
     @abstractmethod

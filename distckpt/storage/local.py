@@ -68,6 +68,10 @@ class LocalStore(Store):
         self.root = Path(root)
 
     @property
+    def local_root(self) -> Path:
+        return self.root
+
+    @property
     def url(self) -> str:
         return str(self.root)
 

@@ -20,11 +20,11 @@ from __future__ import annotations
 import copy
 from abc import ABC, abstractmethod
 from enum import Enum
-from pathlib import Path
 from typing import Callable, Dict, Tuple, Union
 
 from distckpt.core import CheckpointingException
 from distckpt.mapping import ShardedStateDict, StateDict
+from distckpt.storage import Location
 
 
 class StrategyAction(Enum):
@@ -51,25 +51,12 @@ def register_default_strategy(
     _default_strategies[(action.value, backend, version)] = factory
 
 
-def _ensure_builtin_strategies() -> None:
-    # Imported lazily: the strategy modules import this one.
-    import distckpt.strategies.common  # noqa: F401
-    import distckpt.strategies.torch  # noqa: F401
-    import distckpt.strategies.torch_dcp  # noqa: F401
-
-    try:
-        import distckpt.strategies.zarr  # noqa: F401
-    except ImportError:
-        pass
-
-
 def get_default_strategy(action: StrategyAction, backend: str, version: int):
     """Return a new instance of the strategy registered for (action, backend, version).
 
     Raises:
         CheckpointingException: nothing is registered there; the message lists what is.
     """
-    _ensure_builtin_strategies()
     try:
         factory = _default_strategies[(action.value, backend, version)]
     except KeyError:
@@ -115,37 +102,37 @@ class SaveStrategyBase(StrategyBase):
 
 class LoadCommonStrategy(LoadStrategyBase, ABC):
     @abstractmethod
-    def load_common(self, checkpoint_dir: Path) -> StateDict:
+    def load_common(self, checkpoint_dir: Location) -> StateDict:
         """Load the common (non-sharded) state. Every rank reads it."""
 
     @abstractmethod
     def load_sharded_objects(
-        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Path
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Location
     ) -> StateDict:
         """Load the requested ShardedObjects stored as files."""
 
-    def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+    def load_sharded_metadata(self, checkpoint_dir: Location) -> ShardedStateDict:
         """Describe the ShardedObjects stored as files (data=None), keyed by unique key."""
         return {}
 
 
 class LoadShardedStrategy(LoadStrategyBase, ABC):
     @abstractmethod
-    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
+    def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Location) -> StateDict:
         """Read the requested pieces into the given tensors (allocating where data is None).
 
         Called by every rank on its own requests; needs no collective.
         """
 
     @abstractmethod
-    def load_tensors_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+    def load_tensors_metadata(self, checkpoint_dir: Location) -> ShardedStateDict:
         """Map each stored tensor key to a data-free ShardedTensor of the whole global tensor."""
 
-    def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
+    def load_sharded_metadata(self, checkpoint_dir: Location) -> ShardedStateDict:
         """Tensors as in load_tensors_metadata plus stored ShardedObjects keyed by unique key."""
         return self.load_tensors_metadata(checkpoint_dir)
 
-    def load_common_items(self, checkpoint_dir: Path) -> StateDict:
+    def load_common_items(self, checkpoint_dir: Location) -> StateDict:
         """Common (non-sharded) values that the sharded format itself holds, nested as saved.
 
         Empty for checkpoints that keep their common state in ``common.pt`` only; a checkpoint
@@ -154,18 +141,18 @@ class LoadShardedStrategy(LoadStrategyBase, ABC):
         """
         return {}
 
-    def remove_sharded_tensors(self, checkpoint_dir: Path, key_prefix: str) -> None:
+    def remove_sharded_tensors(self, checkpoint_dir: Location, key_prefix: str) -> None:
         raise CheckpointingException(f"backend {self.backend!r} does not support removing sharded tensors")
 
 
 class SaveCommonStrategy(SaveStrategyBase, ABC):
     @abstractmethod
-    def save_common(self, common_state_dict: StateDict, checkpoint_dir: Path) -> None:
+    def save_common(self, common_state_dict: StateDict, checkpoint_dir: Location) -> None:
         """Write the common state. Called on every rank; writes on rank 0 only."""
 
     @abstractmethod
     def save_sharded_objects(
-        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Path
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Location
     ) -> None:
         """Write each main-replica ShardedObject of this rank as its own file."""
 
@@ -176,7 +163,7 @@ class SaveShardedStrategy(SaveStrategyBase, ABC):
     reassigns_replicas = False
 
     @abstractmethod
-    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> None:
+    def save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Location) -> None:
         """Write this rank's main replicas and the strategy's index of the checkpoint.
 
         Called on every rank; on failure of any rank raises the same error on every rank. Does
@@ -188,7 +175,7 @@ class AsyncSaveShardedStrategy(SaveShardedStrategy):
     """A sharded strategy whose writing can run in the background."""
 
     @abstractmethod
-    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path):
+    def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Location):
         """Stage the local bytes and return an AsyncRequest that writes them."""
 
     def prestage(self, sharded_state_dict: ShardedStateDict) -> bool:

@@ -19,12 +19,13 @@ import os
 import pickle
 import zipfile
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Dict, List, Tuple, Union
+from typing import Any, BinaryIO, Dict, List, Tuple, Union
 
 import numpy as np
 import torch
 
 from distckpt import bounds, containment, dist, storage
+from distckpt.budget import host_memory_budget
 from distckpt.core import CheckpointingException
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
 from distckpt.manifest import check_whole_bytes, check_whole_file, read_manifest
@@ -32,9 +33,8 @@ from distckpt.mapping import ShardedObject, ShardedStateDict, StateDict, is_main
 from distckpt.strategies.base import (
     LoadCommonStrategy,
     SaveCommonStrategy,
-    StrategyAction,
-    register_default_strategy,
 )
+from distckpt.strategies.filesystem import ChecksummingSink, WriterSink, save_to_sink
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +68,14 @@ def _numpy_globals() -> List[Any]:
 
 # Classes beyond torch's weights_only defaults that checkpoints commonly hold and that are safe
 # to construct: argparse.Namespace (Megatron stores its args so), numpy arrays (RNG states).
-_SAFE_GLOBALS: List[Any] = [argparse.Namespace, *_numpy_globals()]
+# add_safe_globals extends it; whoever loads without ``trusted`` passes it to torch.
+SAFE_GLOBALS: List[Any] = [argparse.Namespace, *_numpy_globals()]
+_SAFE_GLOBALS = SAFE_GLOBALS  # its old name (the same list), until every importer switches
 
 
 def add_safe_globals(globals_: List[Any]) -> None:
     """Admit more classes when loading common state and objects without ``trusted=True``."""
-    _SAFE_GLOBALS.extend(globals_)
+    SAFE_GLOBALS.extend(globals_)
 
 
 def safe_torch_load(
@@ -100,7 +102,7 @@ def safe_torch_load(
         if trusted:
             loaded = torch.load(source, map_location=map_location, weights_only=False)
         else:
-            with torch.serialization.safe_globals(_SAFE_GLOBALS):
+            with torch.serialization.safe_globals(SAFE_GLOBALS):
                 loaded = torch.load(source, map_location=map_location, weights_only=True)
         bounds.check_nesting(loaded, what, "the unpickled state")
         return loaded
@@ -137,8 +139,6 @@ def check_archive(source: BinaryIO, what: str) -> None:
     times its size in objects, within the budget (or :data:`UNPICKLE_FLOOR`). ``source`` is left
     at its start. A file that is no zip (torch's legacy format, garbage) is left to ``torch.load``.
     """
-    from distckpt.budget import host_memory_budget
-
     source.seek(0, io.SEEK_END)
     size = source.tell()
     source.seek(0)
@@ -180,47 +180,44 @@ def check_archive(source: BinaryIO, what: str) -> None:
         )
 
 
-def _fsynced_torch_save(obj: Any, fd: int) -> Tuple[int, int]:
-    """torch.save into the open file ``fd`` (closed here); returns (size, crc32c) computed while
-    writing."""
-    from distckpt.strategies.filesystem import ChecksummingSink, save_to_sink
-
-    try:
-        sink = ChecksummingSink(fd)
-        save_to_sink(obj, sink)
-        sink.fsync()
-        return sink.position, sink.crc
-    finally:
-        os.close(fd)
-
-
 class MissingFileError(CheckpointingException):
     """A file the checkpoint should hold is not there (e.g. ``common.pt`` of a ``dcp.save``)."""
 
 
-def _save_whole(obj: Any, location, name: str) -> Tuple[int, int]:
-    """torch.save ``obj`` as ``name``; returns (size, crc32c). Local: written and fsynced in place;
-    object store: serialized in memory, then one atomic put (multipart when large)."""
-    if isinstance(location, storage.Store):
-        from distckpt.manifest import crc32c
-        from distckpt.strategies.filesystem import save_to_sink
-
-        buf = io.BytesIO()
-        save_to_sink(obj, buf)
-        data = buf.getbuffer()
-        location.put(name, data)
-        return len(data), crc32c(data)
-    # ``name`` may come from a ShardedObject key (of another checkpoint, in a conversion): it is
-    # created beneath ``location`` by the containment rule, never through a symlink out.
-    fd = containment.create_beneath(location, name, location, "object file name")
-    return _fsynced_torch_save(obj, fd)
+def _save_whole(obj: Any, location: storage.Location, name: str) -> Tuple[int, int]:
+    """torch.save ``obj`` as ``name``; returns (size, crc32c), both counted while writing. A local
+    directory: written and fsynced in place; an object store: serialized in memory, then one
+    atomic put (multipart when large)."""
+    root = storage.local_root(location)
+    if root is None:
+        buffer = io.BytesIO()
+        sink: ChecksummingSink = WriterSink(buffer)
+    else:
+        # ``name`` may come from a ShardedObject key (of another checkpoint, in a conversion): it
+        # is created beneath ``root`` by the containment rule, never through a symlink out.
+        fd = containment.create_beneath(root, name, root, "object file name")
+        sink = ChecksummingSink(fd)
+    try:
+        save_to_sink(obj, sink)
+        sink.fsync()
+        if root is None:
+            storage.open_store(location).put(name, buffer.getbuffer())
+    finally:
+        if root is not None:
+            os.close(fd)
+    return sink.position, sink.crc
 
 
 _UNREAD = object()
 
 
 def _read_checked(
-    location, name: str, verify: bool, what: str, checksums: bool = True, manifest: Any = _UNREAD
+    location: Union[Path, storage.Store],
+    name: str,
+    verify: bool,
+    what: str,
+    checksums: bool = True,
+    manifest: Any = _UNREAD,
 ) -> bytes:
     """The bytes of ``name``, compared with the manifest: with ``verify`` the file must be listed;
     by default (``checksums``) it is compared when listed. ``manifest``: the checkpoint's
@@ -244,10 +241,6 @@ def _read_checked(
     return data
 
 
-def _location(checkpoint_dir):
-    return checkpoint_dir if isinstance(checkpoint_dir, storage.Store) else Path(checkpoint_dir)
-
-
 class TorchCommonSaveStrategy(SaveCommonStrategy):
     """Writes ``common.pt`` on rank 0 and ShardedObjects as ``<unique_key>.pt`` files.
 
@@ -258,21 +251,21 @@ class TorchCommonSaveStrategy(SaveCommonStrategy):
         super().__init__(backend, version)
         self.written_files: Dict[str, Tuple[int, int]] = {}
 
-    def save_common(self, common_state_dict: StateDict, checkpoint_dir: Path) -> None:
+    def save_common(self, common_state_dict: StateDict, checkpoint_dir: storage.Location) -> None:
         self.written_files = {}
         if dist.get_rank() == 0:
             self.written_files[COMMON_STATE_FNAME] = _save_whole(
-                common_state_dict, _location(checkpoint_dir), COMMON_STATE_FNAME
+                common_state_dict, checkpoint_dir, COMMON_STATE_FNAME
             )
 
     def save_sharded_objects(
-        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Path
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: storage.Location
     ) -> None:
         for obj in nested_values(sharded_objects_state_dict):
             if not isinstance(obj, ShardedObject) or not is_main_replica(obj.replica_id):
                 continue
             name = f"{obj.unique_key}.pt"
-            self.written_files[name] = _save_whole(obj.data, _location(checkpoint_dir), name)
+            self.written_files[name] = _save_whole(obj.data, checkpoint_dir, name)
 
 
 class TorchCommonLoadStrategy(LoadCommonStrategy):
@@ -294,8 +287,8 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         self.verify = verify
         self.checksums = checksums
 
-    def load_common(self, checkpoint_dir: Path) -> StateDict:
-        location = _location(checkpoint_dir)
+    def load_common(self, checkpoint_dir: storage.Location) -> StateDict:
+        location = storage.resolve(checkpoint_dir)
         data = _read_checked(location, COMMON_STATE_FNAME, self.verify, "common state", self.checksums)
         where = storage.join(location, COMMON_STATE_FNAME)
         state = safe_torch_load(data, what=where, trusted=self.trusted)
@@ -304,9 +297,9 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
         return state
 
     def load_sharded_objects(
-        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: Path
+        self, sharded_objects_state_dict: ShardedStateDict, checkpoint_dir: storage.Location
     ) -> StateDict:
-        location = _location(checkpoint_dir)
+        location = storage.resolve(checkpoint_dir)
         manifest: Any = _UNREAD
 
         def load_one(obj: Any) -> Any:
@@ -322,14 +315,15 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
 
         return dict_list_map_inplace(load_one, sharded_objects_state_dict)
 
-    def load_sharded_metadata(self, checkpoint_dir: Path) -> ShardedStateDict:
-        root = _location(checkpoint_dir)
-        manifest = read_manifest(root)
+    def load_sharded_metadata(self, checkpoint_dir: storage.Location) -> ShardedStateDict:
+        manifest = read_manifest(checkpoint_dir)
+        root = storage.local_root(checkpoint_dir)
         if manifest is not None:
             # The manifest lists every file written; no need to walk (possibly millions of) chunk files.
             names = [n for n in manifest.files if n.endswith(".pt") and Path(n).name.startswith("shard_")]
-        elif isinstance(root, storage.Store):
-            names = [n for n in root.list() if n.endswith(".pt") and Path(n).name.startswith("shard_")]
+        elif root is None:
+            listed = storage.open_store(checkpoint_dir).list()
+            names = [n for n in listed if n.endswith(".pt") and Path(n).name.startswith("shard_")]
         else:
             names = [str(p.relative_to(root)) for p in root.rglob("shard_*.pt")]
         found = {}
@@ -341,12 +335,3 @@ class TorchCommonLoadStrategy(LoadCommonStrategy):
                 continue
             found[unique_key] = obj
         return found
-
-
-def _register() -> None:
-    factory: Callable = TorchCommonSaveStrategy
-    register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, factory)
-    register_default_strategy(StrategyAction.LOAD_COMMON, "torch", 1, TorchCommonLoadStrategy)
-
-
-_register()

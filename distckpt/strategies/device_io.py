@@ -16,6 +16,9 @@ device (a strided device-to-device copy), all on the side stream.
 Pinned memory per reader thread is ``slots * slot_bytes`` (default 2 x 32 MiB); slots go back to
 a small process-wide pool for the next load (``cudaHostAlloc`` costs milliseconds per slot), at
 most :data:`POOL_SLOTS` of them (those of the default 4 reader threads) are kept.
+
+:func:`needs_staging` says when a destination cannot take such copies directly (a tensor subclass
+or a non-contiguous tensor): a load then fills a plain tensor and copies it over.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
-from .filesystem import CRC_PIECE, byte_view, pread_exact
+from distckpt.strategies.byteio import CRC_PIECE, byte_view, pread_exact
 
 SLOT_BYTES = 32 << 20
 SLOTS = 2
@@ -239,3 +242,13 @@ class HostBounce:
             stream.synchronize()  # if this raises, the slots are not reused: a copy may be running
         for slot in slots:
             _give(slot.buf, self._pinned)
+
+
+def is_plain(t: torch.Tensor) -> bool:
+    """A plain tensor or parameter, not a subclass (e.g. an FP8 wrapper with a scale)."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
+def needs_staging(t: torch.Tensor) -> bool:
+    """True if copies cannot go into ``t`` directly (subclass, e.g. FP8 wrappers, or non-contiguous)."""
+    return not is_plain(t) or not t.is_contiguous()

@@ -5,8 +5,8 @@ requested piece must cover that piece, each element exactly once: a gap loads as
 destination held (uninitialized memory for a tensor the load allocates), an overlap means the
 metadata is damaged. Both are claims of untrusted metadata, so the check must stay cheap on
 hostile inputs: one or a few boxes are compared directly, many go through a corner count in
-time near-linear in their number (:func:`tiles`). Used by ``strategies/torch.py`` while it plans
-reads and by ``tools/verify.py``.
+time near-linear in their number (:func:`tiles`). Used by ``strategies/torch_dist/loadplan.py``
+while it plans reads and by ``distckpt verify``.
 """
 
 from __future__ import annotations

@@ -37,17 +37,16 @@ import torch
 from distckpt import dist
 from distckpt.core import CheckpointingException
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
+from distckpt.foreign import normalize_sharded_state_dict
 from distckpt.manifest import build_manifest, crc32c, write_manifest
 from distckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
-from distckpt.strategies.base import SaveShardedStrategy, StrategyAction, register_default_strategy
+from distckpt.strategies.base import SaveShardedStrategy
 from distckpt.strategies.common import safe_torch_load
-from distckpt.strategies.torch import (
-    _ORIG_SHAPE,
-    METADATA_FNAME,
-    TorchDistLoadShardedStrategy,
-    _needs_staging,
-    read_metadata,
-)
+from distckpt.strategies.device_io import is_plain, needs_staging
+from distckpt.strategies.resharding import ORIG_SHAPE, Shape, nd_reformulated
+from distckpt.strategies.torch_dist.claims import orig_shapes
+from distckpt.strategies.torch_dist.load import TorchDistLoadShardedStrategy
+from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, read_metadata
 
 __all__ = [
     "DCPPieces",
@@ -57,7 +56,6 @@ __all__ = [
     "to_torch_state_dict",
 ]
 
-Shape = Tuple[int, ...]
 BACKEND_NAME = "torch_dcp"  # registry name; the format written is torch_dist
 
 
@@ -65,15 +63,11 @@ BACKEND_NAME = "torch_dcp"  # registry name; the format written is torch_dist
 
 
 def _dcp_view(sh: ShardedTensor, data: torch.Tensor) -> Tuple[Shape, Shape, torch.Tensor, Optional[Shape]]:
-    """(DCP global shape, offset, local view of ``data``, original shape or None) of one piece."""
-    if sh.flattened_range is None:
-        local = (1,) * sh.prepend_axis_num + tuple(sh.local_shape)
-        return tuple(sh.global_shape), tuple(sh.global_offset), data.view(local), None
-    grid = tuple(sh.max_allowed_chunks())
-    start, stop = sh.flattened_range.start, sh.flattened_range.stop
-    offset = tuple(sh.local_chunk_offset_in_global()) + (start,)
-    size = (1,) * len(grid) + (stop - start,)
-    return grid + (math.prod(sh.local_shape),), offset, data.reshape(-1).view(size), tuple(sh.global_shape)
+    """(DCP global shape, offset, local view of ``data``, original shape or None) of one piece
+    (the N-D reformulation for flattened slices: :func:`~distckpt.strategies.resharding.nd_reformulated`)."""
+    shape, offset, size, orig_shape = nd_reformulated(sh)
+    view = data.view(size) if sh.flattened_range is None else data.reshape(-1).view(size)
+    return shape, offset, view, orig_shape
 
 
 def _complement(shape: Shape, boxes: Sequence[Tuple[Shape, Shape]]) -> List[Tuple[Shape, Shape]]:
@@ -207,8 +201,6 @@ def to_torch_state_dict(
     The local tensors are views of the ShardedTensors' data (no copy): ``dcp.load`` fills them
     in place. Flattened slices appear in the N-D reformulated shape.
     """
-    from distckpt.foreign import normalize_sharded_state_dict
-
     normalize_sharded_state_dict(sharded_state_dict)
     # key -> [(offset, view, is main replica)]; every piece of this rank, replicas included.
     by_key: Dict[str, List[Tuple[Shape, torch.Tensor, bool]]] = defaultdict(list)
@@ -303,7 +295,7 @@ def dcp_planners():
             for p in all_plans:
                 shapes.update(p.planner_data or {})
             metadata.planner_data = None
-            metadata.mcore_data = {k: {_ORIG_SHAPE: tuple(v)} for k, v in shapes.items()}
+            metadata.mcore_data = {k: {ORIG_SHAPE: tuple(v)} for k, v in shapes.items()}
             return plans, metadata
 
     class LoadPlanner(DefaultLoadPlanner):
@@ -479,11 +471,7 @@ class TorchDCPLoadShardedStrategy(TorchDistLoadShardedStrategy):
             return super().load(sharded_state_dict, checkpoint_dir)
         md = read_metadata(checkpoint_dir, self.trusted)
         stored = md.state_dict_metadata
-        orig = {
-            k: tuple(v[_ORIG_SHAPE])
-            for k, v in (getattr(md, "mcore_data", None) or {}).items()
-            if isinstance(v, dict) and _ORIG_SHAPE in v
-        }
+        orig = orig_shapes(md)
 
         def dcp_can(sh: Any) -> bool:
             if isinstance(sh, ShardedObject):
@@ -525,7 +513,7 @@ class TorchDCPLoadShardedStrategy(TorchDistLoadShardedStrategy):
                 if isinstance(sh, ShardedTensor):
                     if sh.data is None:
                         sh.init_data("cpu")
-                    if _needs_staging(sh.data):
+                    if needs_staging(sh.data):
                         target = sh.data
                         sh.data = torch.empty(tuple(target.shape), dtype=target.dtype, device=target.device)
                         commits.append(lambda t=target, s=sh: (t.copy_(s.data), setattr(s, "data", t)))
@@ -585,7 +573,7 @@ def _pieces_state(tensors: List[ShardedTensor]) -> Dict[str, Any]:
         if sh.data is None:
             raise CheckpointingException(f"ShardedTensor {sh.key!r} has no data")
         data = sh.data.detach()
-        if type(data) not in (torch.Tensor, torch.nn.Parameter):
+        if not is_plain(data):
             data = data.reshape(-1).to(sh.dtype)  # e.g. an FP8 wrapper: its values, nominal dtype
         shape, offset, view, _ = _dcp_view(sh, data)
         shapes[sh.key] = (shape, sh.dtype)
@@ -594,7 +582,3 @@ def _pieces_state(tensors: List[ShardedTensor]) -> Dict[str, Any]:
     return {
         key: DCPPieces(shape, dtype, by_key[key]) for key, (shape, dtype) in shapes.items() if by_key.get(key)
     }
-
-
-register_default_strategy(StrategyAction.SAVE_SHARDED, BACKEND_NAME, 1, TorchDCPSaveShardedStrategy)
-register_default_strategy(StrategyAction.LOAD_SHARDED, BACKEND_NAME, 1, TorchDCPLoadShardedStrategy)

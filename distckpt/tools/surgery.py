@@ -33,9 +33,10 @@ import re
 import shutil
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from distckpt import bounds, containment
+from distckpt import bounds, commit, containment, storage
+from distckpt.commit import exchange_directories
 from distckpt.core import (
     CONFIG_FNAME,
     CheckpointingException,
@@ -43,11 +44,20 @@ from distckpt.core import (
     atomic_write_bytes,
     fsync_dir,
     maybe_load_config,
+    parse_config,
     write_file_durably,
 )
 from distckpt.dcp_native import is_dcp_native
-from distckpt.manifest import MANIFEST_FNAME, Manifest, RangeChecksum, read_manifest
-from distckpt.tools.inspect import CheckpointSource, NoProgress, Progress, _suggest
+from distckpt.manifest import MANIFEST_FNAME, Manifest, RangeChecksum, check_whole_file, read_manifest
+from distckpt.serialization import load_sharded_metadata, remove_sharded_tensors
+from distckpt.strategies.index_format import INDEX_FNAME
+from distckpt.strategies.index_write import index_from_metadata
+from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, read_metadata
+from distckpt.strategies.torch_dist.stored import checked_metadata
+from distckpt.strategies.zarr import layout as zarr_layout
+from distckpt.strategies.zarr.meta import ARRAY_META, manifest_disagreement
+from distckpt.tools.checkpoint_source import CheckpointSource
+from distckpt.tools.sources import NoProgress, Progress, did_you_mean
 
 _SHARD_SEP = "/shard_"
 
@@ -56,7 +66,10 @@ _SHARD_SEP = "/shard_"
 
 
 def remove_prefix(
-    checkpoint: PathLike, prefix: str, out: Optional[PathLike] = None, progress: Optional[Progress] = None
+    checkpoint: storage.Location,
+    prefix: str,
+    out: Optional[PathLike] = None,
+    progress: Optional[Progress] = None,
 ) -> List[str]:
     """Remove every tensor (and, where the backend stores them with the tensors, every object)
     whose key starts with ``prefix``; in place, or into a new checkpoint ``out``.
@@ -67,12 +80,10 @@ def remove_prefix(
         CheckpointingException: no key starts with ``prefix``, the backend cannot remove keys,
             or ``out`` exists.
     """
-    from distckpt import load_sharded_metadata, remove_sharded_tensors
-
     root = _committed(checkpoint)
     before = set(load_sharded_metadata(root))
     if not any(k.startswith(prefix) for k in before):
-        raise CheckpointingException(f"{root}: no key starts with {prefix!r}{_suggest(prefix, before)}")
+        raise CheckpointingException(f"{root}: no key starts with {prefix!r}{did_you_mean(prefix, before)}")
     _local_output_only(root, out)
     if out is None:
         remove_sharded_tensors(root, prefix)
@@ -142,7 +153,7 @@ def plan_renames(
     exact = dict(mapping)
     for old in exact:
         if old not in known:
-            raise CheckpointingException(f"--map: no key {old!r} in the checkpoint{_suggest(old, known)}")
+            raise CheckpointingException(f"--map: no key {old!r} in the checkpoint{did_you_mean(old, known)}")
     try:
         compiled = [(re.compile(p), r) for p, r in regexes]
     except re.error as e:
@@ -186,7 +197,7 @@ def plan_renames(
 
 
 def rename_keys(
-    checkpoint: PathLike,
+    checkpoint: storage.Location,
     mapping: Sequence[Tuple[str, str]] = (),
     regexes: Sequence[Tuple[str, str]] = (),
     out: Optional[PathLike] = None,
@@ -206,8 +217,6 @@ def rename_keys(
     src = CheckpointSource(root, trusted)
     md, refusal = None, None
     if src.format == "torch_dist":
-        from distckpt.strategies.torch import checked_metadata, read_metadata
-
         # Checked before planning: the keys a damaged .metadata claims are not planned with.
         try:
             md = checked_metadata(root, trusted)
@@ -236,7 +245,7 @@ def rename_keys(
 
 
 def _rename_torch_dist(
-    root: Path,
+    root: Union[Path, storage.Store],
     md: Any,
     plan: RenamePlan,
     out: Optional[PathLike],
@@ -246,10 +255,6 @@ def _rename_torch_dist(
     """Rename in ``md``, the checkpoint's ``.metadata`` as :func:`checked_metadata` returned it,
     or, with the ``refusal`` that function raised, as read: then the rename goes on only if it
     finishes an interrupted one (its result is the ``.metadata`` the manifest already lists)."""
-    from distckpt.manifest import check_whole_file
-    from distckpt.strategies.index import INDEX_FNAME, index_from_metadata
-    from distckpt.strategies.torch import METADATA_FNAME
-
     name = plan.name
     md.state_dict_metadata = {name(k): v for k, v in md.state_dict_metadata.items()}
     md.storage_data = {replace(i, fqn=name(i.fqn)): info for i, info in md.storage_data.items()}
@@ -279,7 +284,7 @@ def _rename_torch_dist(
     if out is not None:
         _write_copy(root, Path(out), lambda rel: rel, contents, progress)
         return
-    if not isinstance(root, Path):
+    if storage.local_root(root) is None:
         # An object store: one atomic put per object, manifest first (as below); a stale
         # sidecar index is removed before .metadata changes.
         for rel in (MANIFEST_FNAME, METADATA_FNAME, INDEX_FNAME):
@@ -326,35 +331,29 @@ def _renamed_save_plan(plan: Any, name: Callable[[str], str]) -> Any:
 
 
 def _rename_zarr(root: Path, plan: RenamePlan, out: Optional[PathLike], progress: Optional[Progress]) -> None:
-    from distckpt.strategies import zarr as zarr_strategy
-
-    keys = zarr_strategy.list_array_keys(root)
+    keys = zarr_layout.list_array_keys(root)
     # What is carried over is checked first, as a load checks it: a rename writes a fresh manifest
     # that would otherwise launder a damaged array description into one that verifies.
     manifest = read_manifest(root)
     for key in keys:
-        meta = zarr_strategy.read_array_meta(root, key)
-        problem = None if meta is None else zarr_strategy.manifest_disagreement(meta, manifest)
+        meta = zarr_layout.read_array_meta(root, key)
+        problem = None if meta is None else manifest_disagreement(meta, manifest)
         if problem:
             raise CheckpointingException(f"{problem} (nothing was changed)")
     new_keys = [plan.name(k) for k in keys]
-    zarr_strategy._check_key_paths(new_keys)
+    zarr_layout.check_key_paths(new_keys)
     dirs = {k: plan.tensors[k] for k in keys if k in plan.tensors}
     files = {f"{uk}.pt": f"{new}.pt" for uk, new in plan.objects.items()}
     array_dirs = set(keys)
-    has_root_list = zarr_strategy._root_keys(root) is not None
+    has_root_list = zarr_layout.root_keys(root) is not None
 
     def path_map(rel: str) -> Optional[str]:
         if rel in files:
             return files[rel]
-        if rel == zarr_strategy.ARRAY_META and has_root_list:
+        if rel == ARRAY_META and has_root_list:
             return None  # regenerated below
         parent = rel.rpartition("/")[0]
-        if (
-            rel.endswith("/" + zarr_strategy.ARRAY_META)
-            and parent not in array_dirs
-            and _is_group_node(root / rel)
-        ):
+        if rel.endswith("/" + ARRAY_META) and parent not in array_dirs and _is_group_node(root / rel):
             return None  # intermediate group nodes are regenerated for the new key paths
         for old, new in dirs.items():
             if rel.startswith(old + "/"):
@@ -363,10 +362,10 @@ def _rename_zarr(root: Path, plan: RenamePlan, out: Optional[PathLike], progress
 
     contents: Dict[str, bytes] = {}
     for old, new in dirs.items():
-        meta_path = root / old / zarr_strategy.ARRAY_META
+        meta_path = root / old / ARRAY_META
         if meta_path.is_file():
             md = bounds.parse_json(
-                containment.read_beneath(root, f"{old}/{zarr_strategy.ARRAY_META}", root),
+                containment.read_beneath(root, f"{old}/{ARRAY_META}", root),
                 meta_path,
                 "array metadata",
             )
@@ -379,16 +378,16 @@ def _rename_zarr(root: Path, plan: RenamePlan, out: Optional[PathLike], progress
             attrs = md.setdefault("attributes", {}).setdefault("distckpt", {})
             if isinstance(attrs, dict) and "key" in attrs:
                 attrs["key"] = new
-            contents[f"{new}/{zarr_strategy.ARRAY_META}"] = json.dumps(md).encode()
+            contents[f"{new}/{ARRAY_META}"] = json.dumps(md).encode()
     if has_root_list:
-        root_md = json.loads(containment.read_beneath(root, zarr_strategy.ARRAY_META, root))
+        root_md = json.loads(containment.read_beneath(root, ARRAY_META, root))
         root_md.setdefault("attributes", {}).setdefault("distckpt", {})["keys"] = sorted(new_keys)
-        contents[zarr_strategy.ARRAY_META] = json.dumps(root_md).encode()
+        contents[ARRAY_META] = json.dumps(root_md).encode()
         group = json.dumps({"zarr_format": 3, "node_type": "group"}).encode()
         for key in new_keys:
             parts = key.split("/")[:-1]
             for i in range(1, len(parts) + 1):
-                contents.setdefault("/".join(parts[:i]) + "/" + zarr_strategy.ARRAY_META, group)
+                contents.setdefault("/".join(parts[:i]) + "/" + ARRAY_META, group)
     moved = {old: new for old, new in files.items()}
     for old, new in dirs.items():
         for p in (root / old).rglob("*"):
@@ -457,10 +456,7 @@ class _NoLinks(Exception):
     """Hard links or the directory exchange are not available here."""
 
 
-def _committed(checkpoint: PathLike):
-    from distckpt import storage
-    from distckpt.core import parse_config
-
+def _committed(checkpoint: storage.Location) -> Union[Path, storage.Store]:
     if storage.is_remote(checkpoint):
         store = storage.open_store(checkpoint)
         try:
@@ -483,11 +479,9 @@ def _committed(checkpoint: PathLike):
     return root.resolve()
 
 
-def _local_output_only(root, out: Optional[PathLike]) -> None:
+def _local_output_only(root: Union[Path, storage.Store], out: Optional[PathLike]) -> None:
     """``--out`` copies are made on local disk; on an object store surgery works in place."""
-    from distckpt import storage
-
-    if out is not None and (storage.is_remote(out) or not isinstance(root, Path)):
+    if out is not None and (storage.is_remote(out) or storage.local_root(root) is None):
         raise CheckpointingException(
             f"{out}: --out is for local checkpoints; on an object store the change is made in place "
             f"(or convert to a new location first: distckpt convert SRC DST --to torch_dist)"
@@ -505,8 +499,6 @@ def _temp_beside(path: Path, what: str) -> Path:
     """A staging directory beside ``path``, named as distckpt.commit names them (``what`` says
     why to the reader), so that an interrupted edit's leftover is recognised and cleaned by
     the next save."""
-    from distckpt import commit
-
     tmp = commit.leftover_name(commit.resolve_target(path), commit.STAGING_MARK, commit.new_save_id())
     return tmp
 
@@ -615,8 +607,6 @@ def _swap_in_place(root: Path, path_map, contents: Dict[str, bytes]) -> None:
 
 def _exchange_atomic(a: Path, b: Path) -> bool:
     """Swap two directories in one step (Linux ``renameat2``); False where unsupported."""
-    from distckpt.commit import exchange_directories
-
     if exchange_directories(a, b):
         fsync_dir(b.parent)
         return True

@@ -1,0 +1,205 @@
+"""The claims of a ``.metadata`` checked before anything uses them, and against the manifest.
+
+A ``.metadata`` is a claim about the files beside it: file names, offsets, lengths, shapes,
+chunk boxes, dtypes. :func:`check_claims` refuses the ones no reader may use (names outside the
+checkpoint, unbounded shapes, boxes outside their tensor); :func:`cross_check` and
+:func:`check_declared` compare them with what the integrity manifest says the writer wrote.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from distckpt import bounds
+from distckpt.core import CheckpointingException
+from distckpt.manifest import dtype_name
+from distckpt.strategies.resharding import ORIG_SHAPE, Shape
+
+
+def orig_shapes(md: Metadata) -> Dict[str, Shape]:
+    """The original global shape of every flattened (N-D reformulated) key of ``md``."""
+    mcore = getattr(md, "mcore_data", None) or {}
+    if not isinstance(mcore, dict):
+        return {}
+    return {k: tuple(v[ORIG_SHAPE]) for k, v in mcore.items() if isinstance(v, dict) and ORIG_SHAPE in v}
+
+
+def check_claims(md: Metadata, source: Any) -> None:
+    """Check every claim of ``.metadata`` before anything uses it: file names stay inside the
+    checkpoint, offsets and lengths are naturals, shapes bounded, chunk boxes inside their
+    tensor, dtypes real (``source`` names the file in the error)."""
+    try:
+        _check_claims(md, source)
+    except AttributeError as e:  # an object unpickled without the fields its class has
+        raise CheckpointingException(f"{source}: malformed checkpoint metadata: {e}") from None
+
+
+def _check_claims(md: Metadata, source: Any) -> None:
+    for index, info in md.storage_data.items():
+        what = f"storage record of {getattr(index, 'fqn', '?')!r}"
+        if index.offset is not None:
+            bounds.shape(index.offset, source, f"{what}: chunk offset")
+        bounds.relative_name(info.relative_path, source, f"{what}: file name")
+        bounds.natural(info.offset, source, f"{what}: offset")
+        bounds.natural(info.length, source, f"{what}: length")
+    mcore = getattr(md, "mcore_data", None) or {}
+    if not isinstance(mcore, dict):
+        raise CheckpointingException(f"{source}: mcore_data is {type(mcore).__name__}, not a dict")
+    for fqn, meta in md.state_dict_metadata.items():
+        check_key_name(fqn, source)
+        if not isinstance(meta, TensorStorageMetadata):
+            continue
+        if not isinstance(meta.properties.dtype, torch.dtype):
+            raise CheckpointingException(
+                f"{source}: key {fqn!r}: dtype {meta.properties.dtype!r:.100} is not a dtype"
+            )
+        size = bounds.shape(meta.size, source, f"key {fqn!r}: global shape")
+        entry = mcore.get(fqn)
+        if isinstance(entry, dict) and ORIG_SHAPE in entry:
+            check_reformulated(fqn, size, entry[ORIG_SHAPE], source)
+        for c in meta.chunks:
+            offsets = bounds.shape(c.offsets, source, f"key {fqn!r}: chunk offset")
+            sizes = bounds.shape(c.sizes, source, f"key {fqn!r}: chunk size")
+            bounds.box_inside(offsets, sizes, size, source, f"key {fqn!r}: chunk")
+
+
+def check_key_name(fqn: Any, source: Any) -> str:
+    """A key ``.metadata`` or the sidecar declares: a string with something besides dots (a
+    key of only dots, such as ``'.'``, names no value any state dict holds)."""
+    if not isinstance(fqn, str) or not fqn.strip("."):
+        raise CheckpointingException(f"{source}: key {fqn!r} is not a key name")
+    return fqn
+
+
+def check_reformulated(fqn: str, size: Shape, orig: Any, source: Any) -> Shape:
+    """The original shape ``orig`` of flattened key ``fqn``, checked against its stored N-D
+    reformulated shape ``size`` (``grid + (elements per chunk,)``): one grid axis per original
+    axis, each cut into at most one chunk per element. A finer grid has chunks of no elements,
+    which every box computation would divide by."""
+    orig = bounds.shape(orig, source, f"key {fqn!r}: original shape")
+    if len(size) != len(orig) + 1 or any(not 1 <= g <= max(o, 1) for g, o in zip(size, orig)):
+        raise CheckpointingException(
+            f"{source}: key {fqn!r}: stored shape {list(size)} is not an N-D reformulation of its "
+            f"original shape {list(orig)} (a grid of 1 to n chunks along each axis of n elements, then "
+            f"the elements of one chunk)"
+        )
+    return orig
+
+
+def check_declared(
+    fqn: str,
+    dtype: torch.dtype,
+    size: Shape,
+    orig: Optional[Shape],
+    declared: Dict[str, Tuple],
+    source: Any,
+    manifest_source: Any,
+) -> None:
+    """A tensor key a default load reads or returns, as ``source`` (``.metadata`` or the sidecar)
+    declares it, against the integrity manifest's ``keys`` (``declared``, what the writer
+    declared): the same name, dtype, stored shape and (``orig``, a flattened key's) original
+    shape, else an error naming both files. A lie there (kept consistent with the checksums by
+    a buggy writer or an edit) would return values under another name, converted to another
+    dtype, or shaped into another tensor."""
+    entry = declared.get(fqn)
+    if entry is None:
+        raise CheckpointingException(
+            f"{source}: declares tensor key {fqn!r}, which {manifest_source} says the writer never wrote "
+            f"(the metadata is damaged)"
+        )
+    if entry[0] != dtype_name(dtype) or entry[1] != size or (entry[2] if len(entry) > 2 else None) != orig:
+
+        def shapes(stored, original):
+            return f"shape {list(stored)}" + (
+                "" if original is None else f" (flattened, of original shape {list(original)})"
+            )
+
+        raise CheckpointingException(
+            f"{source}: key {fqn!r} is {dtype_name(dtype)} of {shapes(size, orig)}, {manifest_source} says the "
+            f"writer wrote {entry[0]} of {shapes(entry[1], entry[2] if len(entry) > 2 else None)}"
+        )
+
+
+def check_all_declared(md: Metadata, declared: Dict[str, Tuple], source: Any, manifest_source: Any) -> None:
+    """Every tensor key of ``md`` against the manifest (:func:`check_declared`), and no key the
+    manifest declares missing from ``md``'s tensors: a query returns every key, so a key renamed
+    or turned into a byte item must not just drop out of it."""
+    tensors = 0
+    orig = orig_shapes(md)
+    for fqn, meta in md.state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata):
+            check_declared(
+                fqn, meta.properties.dtype, tuple(meta.size), orig.get(fqn), declared, source, manifest_source
+            )
+            tensors += 1
+    if tensors != len(declared):
+        missing = sorted(
+            k for k in declared if not isinstance(md.state_dict_metadata.get(k), TensorStorageMetadata)
+        )
+        raise CheckpointingException(
+            f"{source}: does not declare tensor key(s) {missing[:3]}{' ...' if len(missing) > 3 else ''} that "
+            f"{manifest_source} says the writer wrote (the metadata is damaged)"
+        )
+
+
+def cross_check(md: Metadata, manifest: Any, source: str, manifest_source: str) -> List[str]:
+    """Where ``.metadata``'s claims disagree with what the integrity manifest says the writer
+    wrote (one line per problem, naming both files; empty when they agree): every storage record
+    must be a range the manifest lists, of the same length and key, holding the same chunk (when
+    the manifest records chunks), and every tensor key's dtype and global shape (and a flattened
+    key's original shape) must be the ones the manifest records (when it records them,
+    :func:`check_declared`). Run by ``verify=True`` loads and ``distckpt verify``; call
+    :func:`check_claims` first."""
+    problems: List[str] = []
+    ranges = manifest.range_index()
+    chunk_sizes: Dict[Tuple[str, Shape], Shape] = {}
+    orig = orig_shapes(md)
+    for fqn, meta in md.state_dict_metadata.items():
+        if not isinstance(meta, TensorStorageMetadata):
+            continue
+        for c in meta.chunks:
+            chunk_sizes[(fqn, tuple(c.offsets))] = tuple(c.sizes)
+        if fqn not in manifest.keys:
+            continue
+        try:
+            check_declared(
+                fqn,
+                meta.properties.dtype,
+                tuple(meta.size),
+                orig.get(fqn),
+                manifest.keys,
+                source,
+                manifest_source,
+            )
+        except CheckpointingException as e:
+            problems.append(str(e))
+    for index, info in md.storage_data.items():
+        where = f"{source}: key {index.fqn!r}" + (
+            f" chunk at {list(index.offset)}" if index.offset is not None else ""
+        )
+        r = ranges.get((info.relative_path, info.offset))
+        if r is None:
+            problems.append(
+                f"{where}: record of {info.length} bytes at offset {info.offset} of "
+                f"{info.relative_path}: {manifest_source} lists no range there"
+            )
+            continue
+        if r.length != info.length or r.key != index.fqn:
+            problems.append(
+                f"{where}: record of {info.length} bytes at offset {info.offset} of "
+                f"{info.relative_path}: {manifest_source} says the writer wrote {r.length} bytes of "
+                f"key {r.key!r} there"
+            )
+            continue
+        if r.chunk is not None and index.offset is not None:
+            box = (tuple(index.offset), chunk_sizes.get((index.fqn, tuple(index.offset))))
+            if box != (tuple(r.chunk[0]), tuple(r.chunk[1])):
+                problems.append(
+                    f"{where}: record at offset {info.offset} of {info.relative_path} holds chunk "
+                    f"{list(box[0])} of size {list(box[1] or [])}, {manifest_source} says the writer "
+                    f"wrote chunk {list(r.chunk[0])} of size {list(r.chunk[1])} there"
+                )
+    return problems

@@ -1,0 +1,219 @@
+"""``distckpt verify``'s structural checks of a ``torch_dist`` checkpoint.
+
+``.metadata`` is read and its claims checked first (names, offsets, lengths, shapes), then: every
+chunk of every key has a storage record, the chunks tile each key's global shape exactly once,
+every record's file exists and holds its bytes, no two records claim the same bytes, and, where
+there is one, the sidecar index agrees with ``.metadata`` and the manifest with both.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from distckpt import storage
+from distckpt.core import CheckpointingException
+from distckpt.manifest import MANIFEST_FNAME
+from distckpt.strategies.index_format import INDEX_FNAME
+from distckpt.strategies.index_format import dtype_name as sidecar_dtype_name
+from distckpt.strategies.index_read import IndexReader
+from distckpt.strategies.tiling import coverage_problem
+from distckpt.strategies.torch_dist.claims import check_claims, cross_check
+from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, plain_byte_items, read_metadata
+from distckpt.tools.verify_report import CheckpointRoot, VerifyReport, file_size
+
+
+def check_torch_dist(root: CheckpointRoot, trusted: bool, report: VerifyReport, manifest=None) -> int:
+    """Structural checks of ``.metadata`` and the data files, and (with a ``manifest``) its
+    claims against what the manifest says was written; returns the number of DCP values
+    (non-tensor values of a ``dcp.save``, the common state of such a checkpoint)."""
+    try:
+        md = read_metadata(root, trusted)
+        # Names, offsets, lengths and shapes first: a hostile one is reported, never used.
+        check_claims(md, storage.join(root, METADATA_FNAME))
+    except CheckpointingException as e:
+        report.problems.append(str(e))
+        return 0
+    if manifest is not None:
+        report.problems.extend(cross_check(md, manifest, METADATA_FNAME, MANIFEST_FNAME))
+        report.checked.append(
+            f"storage records and key declarations of {METADATA_FNAME} against {MANIFEST_FNAME}"
+        )
+    _check_sidecar(root, md, report)
+    sizes: Dict[str, Optional[int]] = {}
+
+    def size_of(name: str) -> Optional[int]:
+        if name not in sizes:
+            sizes[name] = file_size(root, name)
+        return sizes[name]
+
+    records: Dict[str, Dict[Tuple[int, ...], object]] = {}
+    missing_files: Dict[str, List[str]] = {}
+    for index, info in md.storage_data.items():
+        offset = tuple(index.offset) if index.offset is not None else ()
+        records.setdefault(index.fqn, {})[offset] = info
+        actual = size_of(info.relative_path)
+        if actual is None:
+            missing_files.setdefault(info.relative_path, []).append(index.fqn)
+        elif info.offset + info.length > actual:
+            report.problems.append(
+                f"{info.relative_path}: key {index.fqn!r} at offset {info.offset}: needs bytes up to "
+                f"{info.offset + info.length}, file has {actual} (truncated)"
+            )
+        if index.fqn not in md.state_dict_metadata:
+            report.problems.append(f"{METADATA_FNAME}: storage record for unknown key {index.fqn!r}")
+    for name, keys in sorted(missing_files.items()):
+        keys = sorted(set(keys))
+        report.problems.append(
+            f"{name}: missing (holds {len(keys)} key(s): "
+            f"{', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''})"
+        )
+    report.problems.extend(_shared_bytes(md, METADATA_FNAME))
+
+    values = plain_byte_items(md)  # non-tensor values of a dcp.save: common state
+    n_tensors = n_objects = 0
+    for fqn, meta in md.state_dict_metadata.items():
+        if isinstance(meta, BytesStorageMetadata):
+            n_objects += fqn not in values
+            if fqn not in records:
+                what = "value" if fqn in values else "object"
+                report.problems.append(f"{METADATA_FNAME}: {what} {fqn!r} has no storage record")
+            continue
+        if not isinstance(meta, TensorStorageMetadata):
+            continue
+        n_tensors += 1
+        stored = records.get(fqn, {})
+        for c in meta.chunks:
+            if tuple(c.offsets) not in stored:
+                report.problems.append(
+                    f"{METADATA_FNAME}: key {fqn!r}: chunk at {list(c.offsets)} has no storage record"
+                )
+        problem = coverage_problem(
+            tuple(meta.size), [(tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks]
+        )
+        if problem:
+            report.problems.append(f"{METADATA_FNAME}: key {fqn!r}: {problem}")
+    files = len({info.relative_path for info in md.storage_data.values()})
+    dcp_values = f", {len(values)} DCP values" if values else ""
+    report.checked.append(
+        f"{n_tensors} tensors{dcp_values} and {n_objects} objects in {METADATA_FNAME}: chunk "
+        f"coverage, storage records and the extents of {files} data files"
+    )
+    return len(values)
+
+
+def _shared_bytes(md, source: str) -> List[str]:
+    """Storage records that claim bytes of a data file another record claims, one line per file.
+    A writer gives every record its own range, so this is damaged metadata: the same bytes would
+    load as several chunks (20,000 rows from one stored row), which nothing else catches where
+    there is no manifest. Sorting by offset keeps it n log n."""
+    spans: Dict[str, List[Tuple[int, int, object]]] = {}
+    for index, info in md.storage_data.items():
+        if info.length:
+            spans.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length, index))
+    problems = []
+    for name, items in sorted(spans.items()):
+        items.sort(key=lambda s: (s[0], s[1]))
+        shared, first, end, last = 0, None, -1, None
+        for start, stop, index in items:
+            if start < end:
+                shared += 1
+                first = first or (last, index, start)
+            if stop > end:
+                end, last = stop, index
+        if shared:
+            a, b, at = first
+            problems.append(
+                f"{source}: {shared} storage record(s) claim bytes of {name} that another record "
+                f"claims (first: {_record(b)} and {_record(a)}, at offset {at}): damaged metadata"
+            )
+    return problems
+
+
+def _record(index) -> str:
+    return f"key {index.fqn!r}" + (f" chunk at {list(index.offset)}" if index.offset is not None else "")
+
+
+def _check_sidecar(root: CheckpointRoot, md, report: VerifyReport) -> None:
+    """The sidecar index, when the checkpoint has a current one (loads read it instead of
+    ``.metadata``): its directory parses and every entry is well-formed, it declares the keys
+    ``.metadata`` declares with the same dtype, shape and original shape, and its records are
+    ``.metadata``'s storage records (file, offset, length, chunk box). Its CRC32Cs are the
+    manifest's business (checked with the files)."""
+    try:
+        reader = IndexReader.open(root)
+        if reader is None:
+            return  # none, or stale (built for another .metadata): loads read .metadata then
+        reader.check_all()
+        problems: List[str] = []
+        mcore = getattr(md, "mcore_data", None) or {}
+        records: Dict[str, set] = {}
+        for index, info in md.storage_data.items():
+            records.setdefault(index.fqn, set()).add(
+                (
+                    tuple(index.offset) if index.offset is not None else (),
+                    info.relative_path,
+                    info.offset,
+                    info.length,
+                )
+            )
+        boxes = {}
+        for fqn, meta in md.state_dict_metadata.items():
+            e = reader.entry(fqn)
+            if e is None:
+                problems.append(f"{INDEX_FNAME}: declares no key {fqn!r} ({METADATA_FNAME} does)")
+                continue
+            if isinstance(meta, BytesStorageMetadata):
+                item = e.get("item")
+                got = {((), *item[:3])} if e.get("bytes") and item else set()
+                if got != records.get(fqn, set()):
+                    problems.append(
+                        f"{INDEX_FNAME}: object {fqn!r}: its item {item!r} is not the storage record "
+                        f"of {METADATA_FNAME}"
+                    )
+                continue
+            if not isinstance(meta, TensorStorageMetadata):
+                continue
+            orig = (
+                mcore.get(fqn, {}).get("nd_reformulated_orig_global_shape")
+                if isinstance(mcore.get(fqn), dict)
+                else None
+            )
+            want = (
+                sidecar_dtype_name(meta.properties.dtype),
+                list(meta.size),
+                list(orig) if orig is not None else None,
+            )
+            got = (e.get("dtype"), e.get("size"), e.get("orig_shape"))
+            if e.get("bytes") or got != want:
+                problems.append(
+                    f"{INDEX_FNAME}: key {fqn!r} is declared as {got}, {METADATA_FNAME} says {want}"
+                )
+                continue
+            boxes[fqn] = [((0,) * len(meta.size), tuple(meta.size))]
+        stray = sorted(set(reader.keys) - set(md.state_dict_metadata))
+        if stray:
+            problems.append(f"{INDEX_FNAME}: declares keys {METADATA_FNAME} does not: {stray[:5]}")
+        chunk_sizes = {
+            (fqn, tuple(c.offsets)): tuple(c.sizes)
+            for fqn in boxes
+            for c in md.state_dict_metadata[fqn].chunks
+        }
+        for fqn, rows in reader.query(boxes).items():
+            got = {(tuple(off), path, foff, length) for off, size, path, foff, length, _crc in rows}
+            bad_size = [
+                list(off) for off, size, *_ in rows if chunk_sizes.get((fqn, tuple(off))) != tuple(size)
+            ]
+            if got != records.get(fqn, set()) or bad_size:
+                problems.append(
+                    f"{INDEX_FNAME}: key {fqn!r}: its {len(rows)} chunk records are not the "
+                    f"{len(records.get(fqn, ()))} storage records of {METADATA_FNAME}"
+                )
+    except CheckpointingException as e:
+        report.problems.append(str(e))
+        return
+    report.problems.extend(problems)
+    report.checked.append(
+        f"{INDEX_FNAME} against {METADATA_FNAME}: {len(reader.keys)} keys and their records"
+    )
