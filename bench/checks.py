@@ -91,7 +91,8 @@ def main() -> int:
     print("|---|---:|---:|---:|---:|---:|")
     for name, m in results.items():
         print(
-            f"| {name} | {m['raw read'] * 1e3:.1f} | {m['verify=False'] * 1e3:.1f} | {m['default'] * 1e3:.1f} "
+            f"| {name} | {m['raw read'] * 1e3:.1f} | {m['verify=False'] * 1e3:.1f} | "
+            f"{m['default'] * 1e3:.1f} "
             f"| {m['raw read'] / m['default']:.2f}x | {100 * (m['default'] / m['verify=False'] - 1):+.1f}% |"
         )
     return 0

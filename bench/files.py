@@ -267,7 +267,8 @@ def main() -> int:
     print(f"2 gloo ranks, {args.dir}, medians of {args.reps} after one warm round")
     if saves:
         print(
-            "\n| shape | MiB/rank | rank | tensors written | files | MiB written | raw write ms | files write ms | "
+            "\n| shape | MiB/rank | rank | tensors written | files | MiB written | raw write ms | "
+            "files write ms | "
             "files write + CRC32C ms | save ms | save writing ms | files + CRC32C ÷ raw write | "
             "save writing ÷ files + CRC32C |"
         )

@@ -233,7 +233,8 @@ def report(results: list) -> str:
         for name, s in r["seconds"].items():
             lines.append(f"  {name:44s} {s:9.4f} {gib / s:8.2f}")
         lines.append(
-            f"  {'first async save blocking':44s} {r['first async save blocking (allocates the pinned pool)']:9.4f}"
+            f"  {'first async save blocking':44s} "
+            f"{r['first async save blocking (allocates the pinned pool)']:9.4f}"
             "  (allocates the pinned pool)"
         )
         lines.append(

@@ -15,8 +15,8 @@ fi
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 nvidia-smi -L; nproc; free -g | head -2; df -h /dev/shm /tmp | tail -2
 python3 -c "import torch, numpy, zarr, fastcrc, obstore; print(torch.__version__, torch.cuda.is_available(), numpy.__version__, zarr.__version__)"
-timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda -rs tests/test_devices.py tests/test_async_utils.py \
-  tests/test_fully_parallel.py 2>&1 | tee "$OUT/cuda_tests.log" | tail -25
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m cuda -rs tests/strategies/test_devices.py tests/strategies/test_async_utils.py \
+  tests/strategies/test_fully_parallel.py 2>&1 | tee "$OUT/cuda_tests.log" | tail -25
 D=/dev/shm/distckpt-gpu; avail=$(df --output=avail -k /dev/shm | tail -1); [ "$avail" -lt 14000000 ] && D=/tmp/distckpt-gpu
 echo "bench dir $D"
 timeout 200 python3 -m bench.gpu --dir $D --sizes-gib 1,4 --reps 3 --threads 2 --out "$OUT/t2" 2>&1 | tail -45

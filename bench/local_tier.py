@@ -202,7 +202,8 @@ def main(argv=None) -> int:
     ]
     print(
         f"{args.ranks} gloo ranks, {args.node_size} per node, {gib * 1024:.0f} MiB per rank, "
-        f"replication factor {f}, storage {args.dir}; median of {args.reps} passes after {args.warmup} warm-up"
+        f"replication factor {f}, storage {args.dir}; median of {args.reps} passes after "
+        f"{args.warmup} warm-up"
     )
     print(f"{'':42} {'seconds':>8} {'GiB/s/rank':>10} {'x raw':>7}")
     for name, seconds, limit in rows:
@@ -214,7 +215,8 @@ def main(argv=None) -> int:
     print(f"local save (factor 1) / persistent save:       {r['local_save_f1'] / r['persistent_save']:.2f}")
     print(f"recover local / recover persistent:           {r['recover_local'] / r['recover_persistent']:.2f}")
     print(
-        f"recover local / recover persistent verified:  {r['recover_local'] / r['recover_persistent_verified']:.2f}"
+        "recover local / recover persistent verified:  "
+        f"{r['recover_local'] / r['recover_persistent_verified']:.2f}"
     )
     print(f"recover from peers / recover persistent:      {r['recover_peers'] / r['recover_persistent']:.2f}")
     every = [p for rank_passes in results for p in rank_passes]

@@ -341,8 +341,10 @@ def main() -> int:
     ]
     rows = []
     print(
-        f"| {'ranks':>5} | {'layout':>15} | {'shards':>9} | {'items':>9} | {'gather s':>8} | {'validate s':>10} | "
-        f"{'plan s':>7} | {'metadata s':>10} | {'total s':>7} | {'us/shard':>8} | {'RSS +MiB':>8} | {'reused s':>8} |"
+        f"| {'ranks':>5} | {'layout':>15} | {'shards':>9} | {'items':>9} | {'gather s':>8} | "
+        f"{'validate s':>10} | "
+        f"{'plan s':>7} | {'metadata s':>10} | {'total s':>7} | {'us/shard':>8} | {'RSS +MiB':>8} | "
+        f"{'reused s':>8} |"
     )
     print("|" + "|".join("-" * (n + 2) for n in (5, 15, 9, 9, 8, 10, 7, 10, 7, 8, 8, 8)) + "|")
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
@@ -361,14 +363,17 @@ def main() -> int:
     growth = (last["total_s"] / first["total_s"]) / (last["shards"] / first["shards"])
     print(
         f"\n{first['ranks']} -> {last['ranks']} ranks: shards x{last['shards'] / first['shards']:.0f}, "
-        f"time x{last['total_s'] / first['total_s']:.1f} (time growth / shard growth = {growth:.2f}; 1.0 is linear)"
+        f"time x{last['total_s'] / first['total_s']:.1f} (time growth / shard growth = {growth:.2f}; "
+        f"1.0 is linear)"
     )
     print(
         "\nWhat one loading rank reads to find its share (same layout; mean of ranks 0, world/2, world-1):\n"
     )
     print(
-        f"| {'ranks':>5} | {'.metadata MiB':>13} | {'objects s':>9} | {'unpickle s':>10} | {'index MiB':>9} | "
-        f"{'build s':>7} | {'template s':>10} | {'patched s':>9} | {'share shards':>12} | {'records read':>12} | {'index KiB read':>14} | {'query s':>7} | "
+        f"| {'ranks':>5} | {'.metadata MiB':>13} | {'objects s':>9} | {'unpickle s':>10} | "
+        f"{'index MiB':>9} | "
+        f"{'build s':>7} | {'template s':>10} | {'patched s':>9} | {'share shards':>12} | "
+        f"{'records read':>12} | {'index KiB read':>14} | {'query s':>7} | "
         f"{'tables MiB':>10} | {'other rank KiB':>14} |"
     )
     print("|" + "|".join("-" * (n + 2) for n in (5, 13, 9, 10, 9, 7, 10, 9, 12, 12, 14, 7, 10, 14)) + "|")

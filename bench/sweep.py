@@ -296,8 +296,10 @@ def table(rows: List[dict]) -> str:
         s, q = r["seconds"], ratios(r)
         mark = {k: "" if (q[k] >= g if k != "resharded" else q[k] <= g) else " ✗" for k, g in GOALS.items()}
         lines.append(
-            f"| {r['shape']} | {r['size_mib']:g} | {r['layers']} | {s['raw write']:.3f} | {s['raw read']:.3f} | "
-            f"{s['save']:.3f} | {s['load']:.3f} | {s['load resharded']:.3f} | {q['save']:.2f}{mark['save']} | "
+            f"| {r['shape']} | {r['size_mib']:g} | {r['layers']} | {s['raw write']:.3f} | "
+            f"{s['raw read']:.3f} | "
+            f"{s['save']:.3f} | {s['load']:.3f} | {s['load resharded']:.3f} | "
+            f"{q['save']:.2f}{mark['save']} | "
             f"{q['load']:.2f}{mark['load']} | {q['resharded']:.2f}{mark['resharded']} |"
         )
     return "\n".join(lines)
@@ -320,7 +322,10 @@ def phase_table(rows: List[dict], min_mib: float = 0) -> str:
     """Per cell and operation: each rank's median ms before the first byte, in the bytes' phase
     (and its ratio to raw I/O of the same bytes on that rank's run) and after the last."""
     lines = [
-        "| shape | MiB/rank | op | before ms (rank 0 / 1) | bytes' phase ms | bytes' phase ÷ raw I/O | after ms |",
+        (
+            "| shape | MiB/rank | op | before ms (rank 0 / 1) | bytes' phase ms | bytes' phase ÷ raw I/O "
+            "| after ms |"
+        ),
         "|---|---:|---|---:|---:|---:|---:|",
     ]
     for r in rows:

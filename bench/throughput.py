@@ -401,7 +401,8 @@ def report(results, out_dir: Path) -> str:
     if "torch_dist load resharded" in sec and "torch_dist load" in sec:
         lines.append("")
         lines.append(
-            f"resharded / same-layout load time: {sec['torch_dist load resharded'] / sec['torch_dist load']:.2f}"
+            "resharded / same-layout load time: "
+            f"{sec['torch_dist load resharded'] / sec['torch_dist load']:.2f}"
         )
     if "async save (blocking)" in sec and "memcpy" in sec:
         lines.append(f"async blocking / memcpy time: {sec['async save (blocking)'] / sec['memcpy']:.2f}")

@@ -23,8 +23,9 @@ from distckpt.errors import CheckpointingException, PathLike
 MAX_NUMEL = 1 << 48
 MAX_BYTES = 1 << 56
 
-# Nesting deeper than this in a checkpoint's unpickled common state and objects is hostile: distckpt and the caller's code walk these structures recursively, and Python's
-# stack ends near 1000 frames. Real ones nest a few levels.
+# Nesting deeper than this in a checkpoint's unpickled common state and objects is hostile:
+# distckpt and the caller's code walk these structures recursively, and Python's stack ends near
+# 1000 frames. Real ones nest a few levels.
 MAX_NESTING = 100
 
 

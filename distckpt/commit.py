@@ -33,7 +33,8 @@ swap that a crash interrupted half way (only possible with the fallback below).
   finishes the swap (the staging tree is complete: it has its ``metadata.json``).
 * Files in the target that are not checkpoint files (anything the old checkpoint's manifest does
   not list and that does not look like a checkpoint file: ``metadata.json``, ``.metadata``,
-  ``common.pt``, ``*.distcp`` and their block tables ``*.distcp.crc``, zarr nodes, object folders) are **carried over** into the new tree
+  ``common.pt``, ``*.distcp`` and their block tables ``*.distcp.crc``, zarr nodes, object
+  folders) are **carried over** into the new tree
   (hard links; copies where links are refused) before the swap, and logged. A user's
   ``README`` or ``run_config.yaml`` in a checkpoint folder survives an overwrite; stale data of
   the old checkpoint does not.

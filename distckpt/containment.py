@@ -151,7 +151,8 @@ def _resolve(
             links += 1
             if links > MAX_LINKS:
                 raise CheckpointingException(
-                    f"{Path(root) / name}: named by {source}: more than {MAX_LINKS} symlinks; refusing to use it"
+                    f"{Path(root) / name}: named by {source}: more than {MAX_LINKS} symlinks; "
+                    f"refusing to use it"
                 )
             todo.extend(reversed(target.split("/")))
         raise AssertionError("unreachable: the walk returns at the last component")

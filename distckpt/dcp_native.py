@@ -73,7 +73,8 @@ def describe_missing_config(checkpoint_dir: storage.Location) -> str:
     root = storage.local_root(checkpoint_dir)
     if root is None:
         return (
-            f"{storage.open_store(checkpoint_dir).url} is not a distributed checkpoint: {CONFIG_FNAME} is missing, so it is "
+            f"{storage.open_store(checkpoint_dir).url} is not a distributed checkpoint: "
+            f"{CONFIG_FNAME} is missing, so it is "
             f"either not a checkpoint or an interrupted save"
         )
     if (root / DCP_METADATA_FNAME).is_file():

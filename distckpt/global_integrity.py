@@ -210,7 +210,8 @@ def _check_object_grid(key: str, global_shape: Tuple[int, ...], offs: np.ndarray
         missing = np.unravel_index(int(np.argmin(present)), global_shape) if global_shape else ()
         raise CheckpointingException(
             f"ShardedObject {key!r}: {expected - len(first)} of {expected} shards have no main "
-            f"replica (e.g. offset {[int(m) for m in missing]}); set replica_id=0 on exactly one rank per shard"
+            f"replica (e.g. offset {[int(m) for m in missing]}); "
+            f"set replica_id=0 on exactly one rank per shard"
         )
 
 
@@ -273,7 +274,8 @@ def _check_flat_tiling(
                 f"{where}: [{start[i]}, {stop[i]}) on rank {ranks[idx[i]]} starts before {expected_start[i]}"
             )
         raise CheckpointingException(
-            f"ShardedTensor {key!r}: flattened range [{expected_start[i]}, {start[i]}) of the chunk at offset "
+            f"ShardedTensor {key!r}: flattened range [{expected_start[i]}, {start[i]}) "
+            f"of the chunk at offset "
             f"{where} is not written by any main replica"
         )
     ends = np.zeros(len(owner), dtype=np.int64)

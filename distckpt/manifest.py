@@ -18,7 +18,8 @@ Format (version 1)::
 
 ``keys`` and ``chunks`` (added later, in the same version: readers that do not know them ignore
 them) record what the writer put in each range: the dtype and stored shape of each tensor key
-(and the original shape of a flattened one), and which chunk of its key each range holds. ``verify=True`` and ``distckpt verify`` compare the
+(and the original shape of a flattened one), and which chunk of its key each range holds.
+``verify=True`` and ``distckpt verify`` compare the
 metadata's claims (``.metadata``'s storage records, a zarr array's ``zarr.json``) with them;
 manifests without them are checked by key, offset and length only.
 
@@ -349,7 +350,8 @@ def _compare_whole(
         return
     if name not in files:
         raise CheckpointingException(
-            f"{storage.join(_location(checkpoint_dir), name)}: not covered by the integrity manifest; cannot verify it"
+            f"{storage.join(_location(checkpoint_dir), name)}: not covered by the integrity manifest; "
+            f"cannot verify it"
         )
     if len(data) != files[name] or (len(expected) == 1 and crc32c(data) != expected[0]):
         raise CheckpointingException(

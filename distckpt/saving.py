@@ -285,7 +285,8 @@ def _write_and_commit(
     if async_sharded_save:
         if not isinstance(sharded_strategy, AsyncSaveShardedStrategy):
             raise CheckpointingException(
-                f"{type(sharded_strategy).__name__} cannot save asynchronously (not an AsyncSaveShardedStrategy)"
+                f"{type(sharded_strategy).__name__} cannot save asynchronously "
+                f"(not an AsyncSaveShardedStrategy)"
             )
         request, exc = None, None
         timings.begin_unless_timed(sharded_strategy, "staging")

@@ -138,7 +138,8 @@ def main_local(args: argparse.Namespace) -> int:
         print(f"{layout}: {total} steps uninterrupted")
         launch(layout.world_size, run_with_recovery, layout, total, cfg, plan, crash_at)
         print(
-            f"{layout}: local tier every {args.local_every}, persistent every {args.persistent_every or '-'}; "
+            f"{layout}: local tier every {args.local_every}, "
+            f"persistent every {args.persistent_every or '-'}; "
             f"crashed at iteration {crash_at}"
         )
         if args.lose_node is not None:

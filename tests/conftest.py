@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tests import harness
+from tests.support import harness
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -33,7 +33,7 @@ def run_ranks():
 
     Runs ``fn`` (a module-level function) on every rank of a gloo process group of
     ``world_size`` processes; the pools are spawned once per session and reused. See
-    ``tests/harness.py``.
+    ``tests/support/harness.py``.
     """
     return harness.run_ranks
 

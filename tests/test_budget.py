@@ -15,8 +15,8 @@ from distckpt import dist as ddist
 from distckpt.core import CheckpointingException
 from distckpt.strategies.async_utils import AsyncCallsQueue
 from distckpt.strategies.torch import TorchDistSaveShardedStrategy
-from tests import layouts
-from tests.harness import run_ranks
+from tests.support import layouts
+from tests.support.harness import run_ranks
 
 TIMEOUT = 90
 WORLD = 2

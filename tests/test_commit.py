@@ -15,9 +15,9 @@ import distckpt
 from distckpt import CheckpointingException, commit
 from distckpt import dist as ddist
 from distckpt.core import CheckpointingConfig
-from tests import faults
-from tests.faults import load_with_fault, save_with_fault
-from tests.harness import expect_all_ranks_raise, run_ranks
+from tests.support import faults
+from tests.support.faults import load_with_fault, save_with_fault
+from tests.support.harness import expect_all_ranks_raise, run_ranks
 
 
 def _save(ckpt: Path, generation: int) -> None:

@@ -28,9 +28,9 @@ from distckpt.commit import is_leftover
 from distckpt.serialization import get_default_save_sharded_strategy
 from distckpt.storage import open_store
 from distckpt.strategies.base import SaveShardedStrategy
-from tests import layouts
-from tests.faults import tree_digest
-from tests.harness import expect_all_ranks_raise, run_ranks
+from tests.support import layouts
+from tests.support.faults import tree_digest
+from tests.support.harness import expect_all_ranks_raise, run_ranks
 
 BACKENDS = ["torch_dist", "zarr", "torch_dcp"]  # torch_dcp: DCP's own engine, torch_dist format
 STORES = ["local", "s3", "azure"]
@@ -476,7 +476,7 @@ def test_interrupted_save_is_never_taken_as_a_checkpoint(backend, store, over_ex
 
 
 def _fp8_subclass_round_trip(ckpt, backend):
-    from tests.fp8_tensor import ScaledFp8Tensor
+    from tests.support.fp8_tensor import ScaledFp8Tensor
 
     rank = ddist.get_rank()
     values = layouts.full_tensor("fp8sub", (4, 6))[2 * rank : 2 * rank + 2]

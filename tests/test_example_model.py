@@ -28,7 +28,7 @@ from distckpt.examples.training import (
     run,
 )
 from distckpt.utils import extract_sharded_tensors_and_factories
-from tests.harness import run_ranks
+from tests.support.harness import run_ranks
 
 SAVE_LAYOUT = Layout(tp=2, pp=2, dp=2)
 STEPS_BEFORE_SAVE = 3

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import RankFailure, RankTimeout, expect_all_ranks_raise, get_pool
+from tests.support.harness import RankFailure, RankTimeout, expect_all_ranks_raise, get_pool
 
 
 def _all_reduce_rank() -> int:

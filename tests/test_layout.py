@@ -1,4 +1,4 @@
-"""The package's layout rules (tests/layout_check.py), asserted: sizes, circles, private names.
+"""The package's layout rules (tests/support/layout_check.py), asserted: sizes, circles, private names.
 
 Each rule is checked twice: on the package as it is, and on a planted breach in a throwaway copy,
 so a checker that stopped finding anything would fail here too.
@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from tests import layout_check
+from tests.support import layout_check
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ other; any layout with an overlap or a gap is refused on every rank.
 Hypothesis draws, in the test process, a few global tensors (1-3 small dimensions, mixed dtypes)
 and for each a shard grid -- regular, uneven (cells may be empty) or the flattened slices of a
 regular grid (a distributed optimizer's view) -- spread over 1-4 ranks with random replicas. The
-layout is a plain list of :class:`tests.layouts.Piece` per rank, sent to the rank functions. The
+layout is a plain list of :class:`tests.support.layouts.Piece` per rank, sent to the rank functions. The
 round trip draws the backend too (``torch_dist`` or ``zarr``).
 """
 
@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 import distckpt
 from distckpt import check_is_distributed_checkpoint
 from distckpt import dist as ddist
-from tests import layouts
-from tests.harness import expect_all_ranks_raise, run_ranks
+from tests.support import layouts
+from tests.support.harness import expect_all_ranks_raise, run_ranks
 
 BACKENDS = ("torch_dist", "zarr")
 DTYPES = (torch.float32, torch.bfloat16, torch.int64)

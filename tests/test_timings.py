@@ -13,7 +13,7 @@ import torch
 import distckpt
 from distckpt import CheckpointingException, ShardedTensor
 from distckpt.strategies.async_utils import AsyncCallsQueue
-from tests.harness import run_ranks
+from tests.support.harness import run_ranks
 
 SAVE_PHASES = ["local checks", "global validation", "common state", "planning", "writing", "commit"]
 LOAD_PHASES = [

@@ -18,8 +18,28 @@ from __future__ import annotations
 
 from distckpt.cli.app import EXIT_INTERNAL, EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, main
 from distckpt.cli.commands import COMMANDS
+from distckpt.cli.commands.checks import diff, verify
+from distckpt.cli.commands.convert import convert
+from distckpt.cli.commands.demo import demo
+from distckpt.cli.commands.inspect_show import inspect, show
+from distckpt.cli.commands.surgery import rename, rm_prefix
 
-__all__ = ["EXIT_INTERNAL", "EXIT_OK", "EXIT_PROBLEMS", "EXIT_USAGE", "main"]
+# The command objects stay importable from here, where they were defined before the split.
+__all__ = [
+    "EXIT_INTERNAL",
+    "EXIT_OK",
+    "EXIT_PROBLEMS",
+    "EXIT_USAGE",
+    "convert",
+    "demo",
+    "diff",
+    "inspect",
+    "main",
+    "rename",
+    "rm_prefix",
+    "show",
+    "verify",
+]
 
 for _command in COMMANDS:
     main.add_command(_command)

@@ -192,7 +192,8 @@ class DistributedAdam:
 
     The flat buffer holds the rank's parameters in ``model.parameters()`` order, padded to a
     multiple of DP; DP rank ``d`` owns elements ``[d * n, (d + 1) * n)``. For each parameter that
-    meets that range the rank keeps an fp32 main copy of its slice, on which Adam steps; the updated slices are then all-gathered into every DP rank's parameters.
+    meets that range the rank keeps an fp32 main copy of its slice, on which Adam steps; the
+    updated slices are then all-gathered into every DP rank's parameters.
     """
 
     def __init__(

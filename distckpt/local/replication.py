@@ -52,7 +52,8 @@ class CliqueReplication:
         """
         if self.factor < 1 or self.jump < 1 or node_size < 1:
             raise CheckpointingException(
-                f"replication factor ({self.factor}), jump ({self.jump}) and node size ({node_size}) must be >= 1"
+                f"replication factor ({self.factor}), jump ({self.jump}) and node size ({node_size}) "
+                f"must be >= 1"
             )
         if world % (self.factor * self.jump):
             raise CheckpointingException(

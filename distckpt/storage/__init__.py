@@ -62,7 +62,8 @@ def resolve(location: Location, storage_options: Optional[Dict[str, Any]] = None
         return Path(unquote(urlparse(location).path))
     if scheme not in OBJECT_SCHEMES:
         raise CheckpointingException(
-            f"{location}: unsupported storage scheme {scheme!r} (supported: file, {', '.join(sorted(OBJECT_SCHEMES))})"
+            f"{location}: unsupported storage scheme {scheme!r} "
+            f"(supported: file, {', '.join(sorted(OBJECT_SCHEMES))})"
         )
     if scheme == "gcs":
         location = "gs://" + location.split("://", 1)[1]

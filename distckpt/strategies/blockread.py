@@ -54,7 +54,8 @@ class BlockReader:
             if crc32c(piece) != blocks[i]:
                 start = self.entry.payload_offset + i * block
                 raise CheckpointingException(
-                    f"{self.what}: CRC32C mismatch in block {i} (bytes [{start}, {start + len(piece)}) of the "
+                    f"{self.what}: CRC32C mismatch in block {i} "
+                    f"(bytes [{start}, {start + len(piece)}) of the "
                     f"item) against {self.table}: the data is corrupted"
                 )
 

@@ -135,7 +135,8 @@ def check_archive(source: BinaryIO, what: str) -> None:
     alone, before ``torch.load`` inflates or allocates anything. ``torch.save`` stores entries
     uncompressed, so a real one never inflates: a stored entry must lie inside the file with
     its declared size, compressed entries (a zip bomb, or a re-zipped archive) may inflate
-    together to :data:`ARCHIVE_INFLATION` times the file's size and to the budget, and the pickle (``data.pkl``) may take at most :data:`UNPICKLE_EXPANSION`
+    together to :data:`ARCHIVE_INFLATION` times the file's size and to the budget, and the
+    pickle (``data.pkl``) may take at most :data:`UNPICKLE_EXPANSION`
     times its size in objects, within the budget (or :data:`UNPICKLE_FLOOR`). ``source`` is left
     at its start. A file that is no zip (torch's legacy format, garbage) is left to ``torch.load``.
     """

@@ -68,7 +68,10 @@ def coverage_problem(
         if len(off) != len(shape) or len(size) != len(shape):
             return f"chunk at {at(off)} has {len(off)} axes, the tensor {len(shape)}"
         if any(o < 0 or s < 0 or o + s > n for o, s, n in zip(off, size, shape)):
-            return f"chunk at {at(off)} of size {list(size)} lies outside the {'region' if origin else 'global shape'} {list(shape)}"
+            return (
+                f"chunk at {at(off)} of size {list(size)} lies outside the "
+                f"{'region' if origin else 'global shape'} {list(shape)}"
+            )
         volume += math.prod(size)
     nonempty = sorted((tuple(o), tuple(s)) for o, s in boxes if math.prod(s) > 0)
     if not shape:

@@ -501,7 +501,8 @@ class TorchDCPLoadShardedStrategy(TorchDistLoadShardedStrategy):
                 )
             if isinstance(sh, ShardedObject) and sh.unique_key not in stored:
                 raise CheckpointingException(
-                    f"ShardedObject {sh.unique_key!r} is not in checkpoint {checkpoint_dir} (rank {dist.get_rank()})"
+                    f"ShardedObject {sh.unique_key!r} is not in checkpoint {checkpoint_dir} "
+                    f"(rank {dist.get_rank()})"
                 )
         ours: Dict[str, Any] = {}
         theirs: List[Any] = []

@@ -33,7 +33,8 @@ def check_zarr(root: CheckpointRoot, report: VerifyReport, manifest=None) -> Non
     missing = _keys_without_array_meta(root, keys)
     if missing:
         report.problems.append(
-            f"{storage.join(root, 'zarr.json')}: lists {len(missing)} of its {len(keys)} array keys with no array "
+            f"{storage.join(root, 'zarr.json')}: lists {len(missing)} of its {len(keys)} array keys "
+            f"with no array "
             f"metadata (missing): {', '.join(map(repr, missing[:3]))}{' ...' if len(missing) > 3 else ''}"
         )
         absent = set(missing)

@@ -226,7 +226,8 @@ def diff(
         verdict = "[bold green]identical[/]" if report.identical else "[bold red]different[/]"
         tol = f" (atol {atol:g}, rtol {rtol:g})" if atol or rtol else ""
         out.print(
-            f"{count_text(report.compared, 'tensor')} compared{tol}, {count_text(differing, 'tensor difference')}: "
+            f"{count_text(report.compared, 'tensor')} compared{tol}, "
+            f"{count_text(differing, 'tensor difference')}: "
             f"{verdict}"
         )
     if not report.identical:

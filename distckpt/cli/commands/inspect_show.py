@@ -221,7 +221,10 @@ def show(
         finite = v[torch.isfinite(v)]
         stats = f"min {float(v.min()):.6g}  max {float(v.max()):.6g}"
         if finite.numel():
-            stats += f"  mean {float(finite.mean()):.6g}  std {float(finite.std()) if finite.numel() > 1 else 0.0:.6g}"
+            stats += (
+                f"  mean {float(finite.mean()):.6g}  "
+                f"std {float(finite.std()) if finite.numel() > 1 else 0.0:.6g}"
+            )
         nonfinite = v.numel() - finite.numel()
         if nonfinite:
             stats += f"  non-finite {nonfinite}"

@@ -118,7 +118,8 @@ def check_declared(
             )
 
         raise CheckpointingException(
-            f"{source}: key {fqn!r} is {dtype_name(dtype)} of {shapes(size, orig)}, {manifest_source} says the "
+            f"{source}: key {fqn!r} is {dtype_name(dtype)} of {shapes(size, orig)}, "
+            f"{manifest_source} says the "
             f"writer wrote {entry[0]} of {shapes(entry[1], entry[2] if len(entry) > 2 else None)}"
         )
 
@@ -140,7 +141,8 @@ def check_all_declared(md: Metadata, declared: Dict[str, Tuple], source: Any, ma
             k for k in declared if not isinstance(md.state_dict_metadata.get(k), TensorStorageMetadata)
         )
         raise CheckpointingException(
-            f"{source}: does not declare tensor key(s) {missing[:3]}{' ...' if len(missing) > 3 else ''} that "
+            f"{source}: does not declare tensor key(s) "
+            f"{missing[:3]}{' ...' if len(missing) > 3 else ''} that "
             f"{manifest_source} says the writer wrote (the metadata is damaged)"
         )
 

@@ -231,7 +231,8 @@ def check_allocations(
                     sizes[c.relative_path] = 0
             if c.file_offset + c.length > sizes[c.relative_path]:
                 raise CheckpointingException(
-                    f"{storage.join(checkpoint_dir, c.relative_path)}: key {sh.key!r}: record at offset {c.file_offset} "
+                    f"{storage.join(checkpoint_dir, c.relative_path)}: key {sh.key!r}: "
+                    f"record at offset {c.file_offset} "
                     f"of {c.length} bytes: file is truncated ({sizes[c.relative_path]} bytes)"
                 )
             have += c.length

@@ -110,6 +110,24 @@ class PartialRead:
         copy_boxes(buf.view(e.dtype), lo // itemsize, [op for op in ops if op.numel])
 
 
+def _read_whole(where: str, st: Stored, problem: Optional[str]) -> None:
+    """Log why the block table cannot serve item ``st`` (it is read whole and checked against its
+    own CRC32C instead): an entry that does not describe it, or a ``problem`` with the entry."""
+    if problem is None:
+        logger.info(
+            "%s: the block table entry of the item at offset %d does not match it; reading it whole",
+            where,
+            st.file_offset,
+        )
+    else:
+        logger.warning(
+            "%s: block table entry of the item at offset %d: %s; reading it whole",
+            where,
+            st.file_offset,
+            problem,
+        )
+
+
 def partial_read(
     st: Stored, ops: List[CopyOp], table: blockcrc.Table, checksums: Dict, gap: int, where: str
 ) -> Optional[PartialRead]:
@@ -122,12 +140,7 @@ def partial_read(
         return None
     itemsize = e.dtype.itemsize
     if expected.length != st.length or e.payload_length != math.prod(st.size) * itemsize:
-        logger.info(
-            "%s: the block table entry of the item at offset %d does not match it; reading it whole",
-            where,
-            st.file_offset,
-        )
-        return None
+        return _read_whole(where, st, None)
     block = table.block
     intervals = []
     for op in ops:
@@ -139,13 +152,7 @@ def partial_read(
         return None
     problem = e.problem(block, expected.length, expected.crc32c)
     if problem is not None:
-        logger.warning(
-            "%s: block table entry of the item at offset %d: %s; reading it whole",
-            where,
-            st.file_offset,
-            problem,
-        )
-        return None
+        return _read_whole(where, st, problem)
     return PartialRead(st, e, block, runs, where)
 
 
@@ -177,23 +184,12 @@ def table_entry(
     if e is None:
         return None
     if e.payload_length != math.prod(st.size) * e.dtype.itemsize:
-        logger.info(
-            "%s: the block table entry of the item at offset %d does not match it; reading it whole",
-            where,
-            st.file_offset,
-        )
-        return None
+        return _read_whole(where, st, None)
     if vouched:
         stale = e.item_length != expected.length or e.item_crc != expected.crc32c
         problem = "stale: it describes another item" if stale else None
     else:
         problem = e.problem(table.block, expected.length, expected.crc32c)
     if problem is not None:
-        logger.warning(
-            "%s: block table entry of the item at offset %d: %s; reading it whole",
-            where,
-            st.file_offset,
-            problem,
-        )
-        return None
+        return _read_whole(where, st, problem)
     return e

@@ -344,7 +344,8 @@ class _PlanReads:
             for st in items:
                 if st.file_offset + st.length > file_size:
                     raise CheckpointingException(
-                        f"key {plan.ops[st][0].key!r} in {path} at offset {st.file_offset} (rank {rank}): file "
+                        f"key {plan.ops[st][0].key!r} in {path} at offset {st.file_offset} "
+                        f"(rank {rank}): file "
                         f"is truncated ({file_size} bytes, the record ends at {st.file_offset + st.length})"
                     )
             span = small_span(items)
@@ -391,7 +392,10 @@ class _PlanReads:
                                 st.file_offset + entry.payload_offset,
                                 entry,
                                 table.block,
-                                f"key {plan.ops[st][0].key!r} in {path} at offset {st.file_offset} (rank {rank})",
+                                (
+                                    f"key {plan.ops[st][0].key!r} in {path} at offset {st.file_offset} "
+                                    f"(rank {rank})"
+                                ),
                                 f"its block table {blockcrc.table_name(name)}",
                             )
                     nbytes += read_chunk(

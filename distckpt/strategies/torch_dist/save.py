@@ -57,7 +57,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             written by at most as many threads as this rank has cores
             (:func:`distckpt.budget.cores_per_rank`): writes to a page cache are memory copies,
             and on 2 cores shared by 2 ranks a second writer per rank slowed the writes by up to
-            16% (docs/performance.md). A number given here is used as it is, threads included:
+            16% (docs/performance-history.md). A number given here is used as it is, threads included:
             more threads than cores pay off where writes wait on the storage, not on the CPU.
         separation_hint: keys starting with this prefix go to separate files named
             ``<hint>__R_B.distcp`` so they can later be dropped without rewriting the rest.

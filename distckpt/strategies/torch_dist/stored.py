@@ -237,7 +237,8 @@ def index_from_sidecar(
                 if len(box[0]) != len(size):
                     raise CheckpointingException(
                         f"{reader.where}: key {sh.key!r} is stored in {len(size)} axes ({list(size)}"
-                        f"{', flattened' if orig else ''}), the request {list(sh.global_shape)} needs {len(box[0])}"
+                        f"{', flattened' if orig else ''}), the request {list(sh.global_shape)} "
+                        f"needs {len(box[0])}"
                     )
                 boxes[sh.key].append(box)
         elif isinstance(sh, ShardedObject):
@@ -312,7 +313,8 @@ def expected_checksum(st: Stored, checksums: Dict, key: Optional[str], what: str
             f" chunk {list(expected.chunk[0])} of size {list(expected.chunk[1])}" if expected.chunk else ""
         )
         raise CheckpointingException(
-            f"{what}: {METADATA_FNAME} records {st.length} bytes of key {key!r} chunk {list(st.offset)} of size "
+            f"{what}: {METADATA_FNAME} records {st.length} bytes of key {key!r} "
+            f"chunk {list(st.offset)} of size "
             f"{list(st.size)} there, {MANIFEST_FNAME} says the writer wrote {expected.length} bytes of key "
             f"{expected.key!r}{chunk}: the metadata or the manifest is damaged"
         )

@@ -141,7 +141,8 @@ def root_keys(root: Root) -> Optional[List[str]]:
     keys = ours.get("keys") if isinstance(ours, dict) else None
     if not isinstance(keys, list):
         raise CheckpointingException(
-            f"{where}: root group metadata lists its array keys as {type(keys).__name__}, not a list (damaged)"
+            f"{where}: root group metadata lists its array keys as {type(keys).__name__}, "
+            f"not a list (damaged)"
         )
     names = [bounds.relative_name(k, where, "array key") for k in keys]
     if len(set(names)) != len(names):

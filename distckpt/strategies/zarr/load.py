@@ -171,7 +171,8 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         def prepare(sh: Any) -> Any:
             if isinstance(sh, ShardedObject):
                 raise CheckpointingException(
-                    f"ShardedObject {sh.unique_key!r}: the zarr strategy leaves objects to the common strategy"
+                    f"ShardedObject {sh.unique_key!r}: "
+                    f"the zarr strategy leaves objects to the common strategy"
                 )
             if not isinstance(sh, ShardedTensor):
                 return sh
@@ -184,7 +185,8 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
                     raise CheckpointingException(
                         manifest_disagreement(meta, manifest)
                         or (
-                            f"ShardedTensor {sh.key!r}: global shape {list(sh.global_shape)} was requested but "
+                            f"ShardedTensor {sh.key!r}: global shape {list(sh.global_shape)} "
+                            f"was requested but "
                             f"the checkpoint stores {list(meta.shape)} (in {meta_file(meta)}; set "
                             f"allow_shape_mismatch=True to load the overlap and zero the rest)"
                         )

@@ -286,7 +286,8 @@ def manifest_disagreement(meta: ArrayMeta, manifest: Any) -> Optional[str]:
     if not meta.native:
         return (
             f"key {meta.key!r}: {meta_file(meta)} describes its elements in another layout (byte order, "
-            f"element order or format) than the little-endian C-order Zarr v3 chunks distckpt writes, and the "
+            f"element order or format) than the little-endian C-order Zarr v3 chunks distckpt writes, "
+            f"and the "
             f"integrity manifest {MANIFEST_FNAME} says distckpt wrote this key: the array metadata is damaged"
         )
     if (dtype_name(meta.dtype), tuple(meta.shape)) == (declared[0], tuple(declared[1])):

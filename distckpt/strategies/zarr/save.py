@@ -1,4 +1,5 @@
-"""The ``zarr`` save strategy: every rank writes its own whole chunks, rank 0 the shared ones and the manifest.
+"""The ``zarr`` save strategy: every rank writes its own whole chunks, rank 0 the shared ones and
+the manifest.
 
 See the package docstring for the phases. ``metadata.json`` is the caller's (serialization
 commits the checkpoint); this module writes the arrays, the root group and the integrity

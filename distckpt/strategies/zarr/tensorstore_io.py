@@ -92,7 +92,8 @@ class TensorStoreIO:
                 store = self._ts.open(spec, read=True, write=write, open=True, context=self._context).result()
             except Exception as e:  # noqa: BLE001 - tensorstore raises ValueError/RuntimeError alike
                 raise CheckpointingException(
-                    f"key {meta.key!r}: tensorstore cannot open array {meta.path} (rank {dist.get_rank()}): {e}"
+                    f"key {meta.key!r}: tensorstore cannot open array {meta.path} "
+                    f"(rank {dist.get_rank()}): {e}"
                 ) from None
             opened[str(meta.path)] = store
         return store

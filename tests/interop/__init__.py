@@ -1,0 +1,1 @@
+"""Interoperability: Megatron-Core checkpoints and APIs, plain PyTorch DCP both ways."""

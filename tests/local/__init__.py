@@ -1,0 +1,1 @@
+"""Tests of distckpt.local: the local tier."""

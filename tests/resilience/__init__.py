@@ -1,0 +1,1 @@
+"""Failures at scale: injected faults, killed ranks, dead-rank detection, bounded stages."""

@@ -1,0 +1,1 @@
+"""Tests of distckpt.tools and distckpt.cli: surgery, conversion, verification, the command."""

@@ -1,0 +1,1 @@
+"""A checkpoint as untrusted input: containment, bounds, damage, hostile files, checksums."""
