@@ -86,6 +86,22 @@ def _time_save_and_loads(backend, sd, reshard, location, threads, record, result
         results["resharded load: GET requests"] = counting.requests
 
 
+def _run_facts(tdist, sd, world: int, hidden: int, layers: int):
+    """This rank's main-replica bytes and tensors, and the results' header every run starts from."""
+    mine = local_bytes(sd, main_only=True)
+    tensors = [sh.data for sh in sd.values() if sh.replica_id == 0]
+    sizes = all_gather(tdist, mine)
+    results = {
+        "bytes_total": sum(int(x) for x in sizes),
+        "bytes_per_rank_max": max(sizes),
+        "hidden": hidden,
+        "layers": layers,
+        "tensors": len(sd),
+        "ranks": world,
+    }
+    return mine, tensors, results
+
+
 def _rank_main_object_store(rank, world, port, args, queue):
     """The object-store run: raw obstore put/get against distckpt save/load of the same bytes."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
@@ -98,17 +114,7 @@ def _rank_main_object_store(rank, world, port, args, queue):
     tdist.init_process_group("gloo", rank=rank, world_size=world)
     hidden, layers = model_dims(args.size_gib)
     sd = build_state(rank, world, hidden, layers)
-    mine = local_bytes(sd, main_only=True)
-    tensors = [sh.data for sh in sd.values() if sh.replica_id == 0]
-    total = sum(int(x) for x in all_gather(tdist, mine))
-    results = {
-        "bytes_total": total,
-        "bytes_per_rank_max": max(all_gather(tdist, mine)),
-        "hidden": hidden,
-        "layers": layers,
-        "tensors": len(sd),
-        "ranks": world,
-    }
+    mine, tensors, results = _run_facts(tdist, sd, world, hidden, layers)
     times = {}
     reshard = build_state(rank, world, hidden, layers, pieces_per_rank=2, with_data=False)
     root = open_store(args.dir)
@@ -173,17 +179,7 @@ def _rank_main(rank, world, port, args, queue):
     hidden, layers = model_dims(args.size_gib)
     rss_before_state = psutil.Process().memory_info().rss
     sd = build_state(rank, world, hidden, layers)
-    mine = local_bytes(sd, main_only=True)
-    tensors = [sh.data for sh in sd.values() if sh.replica_id == 0]
-    total = sum(int(x) for x in all_gather(tdist, mine))
-    results = {
-        "bytes_total": total,
-        "bytes_per_rank_max": max(all_gather(tdist, mine)),
-        "hidden": hidden,
-        "layers": layers,
-        "tensors": len(sd),
-        "ranks": world,
-    }
+    mine, tensors, results = _run_facts(tdist, sd, world, hidden, layers)
     times = {}
 
     def record(name, seconds):
