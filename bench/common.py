@@ -7,6 +7,9 @@ sharded state dicts the benchmarks save and load (:func:`build_state`, sized by
 :func:`model_dims`), the launcher of gloo ranks (:func:`spawn_ranks`), the timing between
 barriers (:func:`barrier_time`), the peak-RSS sampler (:class:`PeakRss`), a local moto S3 server
 (:func:`start_moto`) and the chart set-up (:func:`pyplot`). It imports no other benchmark.
+For the GPU benchmark: the raw baseline over several files at once (:func:`balanced_groups`,
+:func:`parallel_raw_write`, :func:`parallel_raw_read`), exactly pinned host buffers
+(:func:`pinned_like`) and this process's memory (:func:`rss_bytes`, :func:`proc_status_bytes`).
 """
 
 from __future__ import annotations
@@ -144,6 +147,85 @@ def raw_read(path: Path, tensors) -> None:
                 offset += n
     finally:
         os.close(fd)
+
+
+def balanced_groups(items, count: int, size):
+    """``items`` in at most ``count`` groups of about equal total ``size`` (largest first, each into
+    the lightest group so far): how a save spreads its items over its files."""
+    groups = [[] for _ in range(max(1, min(count, len(items))))]
+    totals = [0] * len(groups)
+    for it in sorted(items, key=size, reverse=True):
+        g = totals.index(min(totals))
+        groups[g].append(it)
+        totals[g] += size(it)
+    return groups
+
+
+def parallel_raw_write(paths, groups) -> None:
+    """:func:`raw_write` of each group of tensors into its own file, one thread per file."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, len(paths))) as pool:
+        for f in [pool.submit(raw_write, p, g) for p, g in zip(paths, groups)]:
+            f.result()
+
+
+def parallel_raw_read(paths, groups) -> None:
+    """:func:`raw_read` of each file into its group of tensors, one thread per file."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, len(paths))) as pool:
+        for f in [pool.submit(raw_read, p, g) for p, g in zip(paths, groups)]:
+            f.result()
+
+
+def pinned_like(tensors):
+    """Page-locked host buffers shaped like ``tensors``, pinned to their exact size (an ordinary
+    allocation registered with ``cudaHostRegister``, as distckpt's staging does; torch's pinned
+    allocator where registering fails), and a function that unregisters them. Without CUDA: plain
+    host buffers."""
+    if not torch.cuda.is_available():
+        return [torch.empty(t.shape, dtype=t.dtype) for t in tensors], lambda: None
+    cudart = torch.cuda.cudart()
+    out, registered = [], []
+    for t in tensors:
+        buf = torch.empty(t.shape, dtype=t.dtype)
+        nbytes = buf.numel() * buf.element_size()
+        if nbytes and cudart.cudaHostRegister(buf.data_ptr(), nbytes, 0) == cudart.cudaError.success:
+            registered.append(buf.data_ptr())
+        else:
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.append(buf)
+
+    def unpin():
+        for ptr in registered:
+            cudart.cudaHostUnregister(ptr)
+        registered.clear()
+
+    return out, unpin
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (``/proc/self/statm``; psutil where there is no /proc)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+
+
+def proc_status_bytes(field: str):
+    """A ``kB`` field of ``/proc/self/status`` (``VmLck``, ``VmPin`` ...) in bytes, or None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def copy_all(dst, src) -> None:

@@ -32,6 +32,7 @@ from distckpt.serialization import (
 )
 from distckpt.strategies import builtin as _builtin  # noqa: F401  (registers the built-in strategies)
 from distckpt.strategies.common import add_safe_globals
+from distckpt.strategies.staging import prepare_staging, release_staging_memory
 from distckpt.strategies.torch_dcp import to_torch_state_dict
 from distckpt.timings import Timings, last_timings
 from distckpt.validation import StrictHandling
@@ -60,6 +61,8 @@ __all__ = [
     "load_sharded_metadata",
     "load_tensors_metadata",
     "last_timings",
+    "prepare_staging",
+    "release_staging_memory",
     "remove_sharded_tensors",
     "save",
     "set_collective_timeout",

@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional, Set, Tuple, Union
 
+import torch
+
 from distckpt import commit as commit_protocol
 from distckpt import dist, storage, timings
 from distckpt.core import (
@@ -29,7 +31,6 @@ from distckpt.mapping import (
     apply_factory_merges,
 )
 from distckpt.queries import (
-    CONTENT_METADATA_KEY,
     Location,
     StorageOptions,
     load_strategies,
@@ -39,6 +40,7 @@ from distckpt.strategies.base import (
     LoadCommonStrategy,
     LoadShardedStrategy,
 )
+from distckpt.strict import UnexpectedKeysError, mismatch_message
 from distckpt.validation import (
     StrictHandling,
     determine_missing_and_unexpected_keys,
@@ -129,7 +131,6 @@ def load(
                 common_strategy,
                 check=verify is True or dist.get_rank(group) == 0,
             )
-            common_state_dict.pop(CONTENT_METADATA_KEY, None)
             timings.begin("local checks")
 
             normalize_sharded_state_dict(sharded_state_dict)
@@ -147,6 +148,7 @@ def load(
             )
             shards = list(nested_values(sharded_part))
             validate_local_integrity(shards)
+            _drop_meta_data(shards)
 
             ckpt_keys: Optional[Set[str]] = None
             if StrictHandling.requires_explicit_ckpt_mismatch_check(strict_mode):
@@ -198,12 +200,56 @@ def load(
             common_state_dict = apply_factory_merges(common_state_dict, factories)
         except Exception as e:  # noqa: BLE001
             exc = _replaced_or(e, checkpoint_dir, identity)
+            if exc is e and strict_mode == StrictHandling.ASSUME_OK_UNEXPECTED:
+                exc = _named_unexpected(e, sharded_strategy, common_strategy, checkpoint_dir, local_keys)
         timings.begin("closing check")
-        dist.sync_errors("load", exc, group=group)
+        try:
+            dist.sync_errors("load", exc, group=group)
+        except CheckpointingException as failed:
+            if isinstance(failed, UnexpectedKeysError) or _UNEXPECTED_MARK not in str(failed):
+                raise
+            raise UnexpectedKeysError(str(failed), getattr(failed, "errors", None)) from failed
 
         if StrictHandling.requires_returning_mismatch_keys(strict_mode):
             return common_state_dict, missing, unexpected
         return common_state_dict
+
+
+# What a rank's error says when it asked for keys the checkpoint lacks (Megatron-Core's words).
+_UNEXPECTED_MARK = "Unexpected keys (for this rank)"
+
+
+def _drop_meta_data(shards) -> None:
+    """A request built from ``load_tensors_metadata`` holds ``meta`` tensors, which have no storage
+    to fill: as Megatron-Core does, such a ShardedTensor gets a real tensor (the strategy allocates
+    one on the CPU, as for a request without data)."""
+    for sh in shards:
+        data = getattr(sh, "data", None)
+        if isinstance(data, torch.Tensor) and data.is_meta:
+            sh.data = None
+
+
+def _named_unexpected(exc: Exception, sharded_strategy, common_strategy, checkpoint_dir, local_keys):
+    """Under ``ASSUME_OK_UNEXPECTED`` no key check runs before the read. When the read failed, say
+    which requested keys the checkpoint lacks, if that was the cause (only on this failure path is
+    the checkpoint's key list read); otherwise keep the strategy's error."""
+    try:
+        ckpt_meta = dict(sharded_strategy.load_sharded_metadata(checkpoint_dir))
+        if not sharded_strategy.can_handle_sharded_objects:
+            ckpt_meta.update(common_strategy.load_sharded_metadata(checkpoint_dir))
+    except Exception:  # noqa: BLE001 - the original error says more than this one would
+        return exc
+    _, unexpected = determine_missing_and_unexpected_keys({v.key for v in ckpt_meta.values()}, local_keys)
+    if not unexpected:
+        return exc
+    text = (
+        f"{mismatch_message(set(), unexpected, str(checkpoint_dir))} on rank {dist.get_rank()} "
+        f"(strict={StrictHandling.ASSUME_OK_UNEXPECTED.value}: no key check before the read; "
+        f"the read failed with: {exc})"
+    )
+    err = UnexpectedKeysError(text, {dist.get_rank(): text})
+    err.__cause__ = exc
+    return err
 
 
 def _replaced_or(exc: Exception, checkpoint_dir: Union[Path, storage.Store], identity) -> Exception:

@@ -44,6 +44,7 @@ from distckpt.utils import extract_sharded_tensors_and_factories
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "KEEP_VARS_HINT",
     "get_optim_param_to_id_map",
     "get_param_id_to_sharded_param_map",
     "make_sharded_optimizer_tensor",
@@ -52,6 +53,15 @@ __all__ = [
 ]
 
 ShardedParam = ShardedTensor | ShardedTensorFactory
+
+# Appended to errors about a parameter that no sharded leaf holds (Megatron-Core's distributed
+# optimizer imports this name and puts it into its own errors): the usual cause is a model
+# ``state_dict()`` taken without ``keep_vars=True``, which hands out detached copies.
+KEEP_VARS_HINT = (
+    " The sharded state dict must hold the model's torch.nn.Parameter objects themselves, not"
+    " detached tensors: build it from `.state_dict(keep_vars=True)`. A parameter that has to be"
+    " transformed before saving belongs in a ShardedTensorFactory."
+)
 
 
 def get_optim_param_to_id_map(optim_params_iter: Iterable[torch.Tensor]) -> dict[int, int]:
@@ -90,8 +100,7 @@ def get_param_id_to_sharded_param_map(
             id_to_sharded[param_id] = leaf
     if not id_to_sharded and param_to_id:
         logger.warning(
-            "no sharded tensor of the model state dict holds an optimizer parameter: the model's "
-            "sharded_state_dict must put the parameters themselves (keep_vars=True) into its leaves"
+            "no sharded tensor of the model state dict holds an optimizer parameter.%s", KEEP_VARS_HINT
         )
     return id_to_sharded
 

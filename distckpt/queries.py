@@ -157,20 +157,34 @@ def load_common_state_dict(
     common_strategy: Optional[LoadCommonStrategy] = None,
     storage_options: StorageOptions = None,
 ) -> StateDict:
-    """Load only the common (non-sharded) state (with a ``dcp.save``'s non-tensor values)."""
+    """Load only the common (non-sharded) state (with a ``dcp.save``'s non-tensor values).
+
+    As in Megatron-Core, a ``content_metadata`` given to ``save`` is part of it, under
+    ``CONTENT_METADATA_KEY``: Megatron-LM's training loop reads it back with
+    ``load_content_metadata(preloaded_state_dict=load_common_state_dict(dir))``.
+    """
     checkpoint_dir = storage.resolve(checkpoint_dir, storage_options)
     sharded_strategy, common_strategy = load_strategies(checkpoint_dir, None, common_strategy)
-    state = read_common_state(checkpoint_dir, sharded_strategy, common_strategy)
-    state.pop(CONTENT_METADATA_KEY, None)
-    return state
+    return read_common_state(checkpoint_dir, sharded_strategy, common_strategy)
 
 
 def load_content_metadata(
-    checkpoint_dir: Location,
+    checkpoint_dir: Optional[Location] = None,
     preloaded_state_dict: Optional[StateDict] = None,
     storage_options: StorageOptions = None,
 ) -> Optional[dict]:
-    """The ``content_metadata`` passed to ``save``, or None."""
+    """The ``content_metadata`` passed to ``save``, or None.
+
+    Either ``checkpoint_dir`` (its common state is read) or ``preloaded_state_dict`` (a common
+    state already read with :func:`load_common_state_dict`: nothing is read again) must be given;
+    as in Megatron-Core, ``load_content_metadata(preloaded_state_dict=common)`` needs no directory.
+    """
+    if preloaded_state_dict is not None:
+        return preloaded_state_dict.get(CONTENT_METADATA_KEY)
+    if checkpoint_dir is None:
+        raise CheckpointingException(
+            "load_content_metadata needs a checkpoint_dir or a preloaded_state_dict; both are None"
+        )
     checkpoint_dir = storage.resolve(checkpoint_dir, storage_options)
     if preloaded_state_dict is None:
         sharded_strategy, common_strategy = load_strategies(checkpoint_dir, None, None)

@@ -184,16 +184,21 @@ def save(
         def check(payloads):
             if validate_access_integrity:
                 validate_global_integrity([p[0] for p in payloads])
+            differences = {}
             if preprocess_common_before_consistancy_check is not None:
-                _log_common_differences([p[1] for p in payloads])
-            return begin(), _writers_by_host([p[2] for p in payloads])
+                differences = _common_differences([p[1] for p in payloads])
+            return begin(), _writers_by_host([p[2] for p in payloads]), differences
 
         staging = None
         try:
             if validate_access_integrity and preprocess_common_before_consistancy_check is None:
-                staging, writers = _validate_with_cache(exc, payload, check, begin)
+                staging, writers, _ = _validate_with_cache(exc, payload, check, begin)
             else:
-                staging, writers = dist.gather_and_decide("validation", exc, payload, check)
+                staging, writers, differences = dist.gather_and_decide("validation", exc, payload, check)
+                if rank in differences:
+                    # Logged by the rank whose common state differs, as Megatron-Core does; rank 0
+                    # found it in the validation gather and its verdict carried it here.
+                    logger.warning(differences[rank])
             timings.begin("common state")
             # Where only some ranks of a host write (data-parallel replicas), they share its cores.
             with budget.ranks_doing_io(writers.get(_host_key())):
@@ -325,7 +330,7 @@ _VALIDATED_CAPACITY = 8
 
 def _validate_with_cache(
     exc: Optional[BaseException], payload: Any, check: Callable, begin: Callable
-) -> Tuple[commit_protocol.Staging, Dict[int, int]]:
+) -> Tuple[commit_protocol.Staging, Dict[int, int], Dict[int, str]]:
     """Validate the global sharding unless this exact structure passed before; returns the
     staging ``check`` / ``begin`` created on rank 0 and the writing ranks of each host.
 
@@ -342,7 +347,7 @@ def _validate_with_cache(
         if key not in _VALIDATED_STRUCTURES:
             return ("new", key)
         _VALIDATED_STRUCTURES.move_to_end(key)
-        return ("known", (begin(), _writers_by_host([mark for _, mark in marked])))
+        return ("known", (begin(), _writers_by_host([mark for _, mark in marked]), {}))
 
     kind, value = dist.gather_and_decide("validation", exc, local, known)
     if kind == "known":
@@ -355,17 +360,18 @@ def _validate_with_cache(
     return verdict
 
 
-def _log_common_differences(views) -> None:
+def _common_differences(views) -> Dict[int, str]:
+    """Rank -> the warning for each rank whose (preprocessed) common state differs from rank 0's,
+    in Megatron-Core's words. Built on rank 0 from the views the validation gather brought."""
     reference = views[0]
+    found = {}
     for r, view in enumerate(views[1:], start=1):
         only_0, only_r, mismatch = diff(reference, view)
         if only_0 or only_r or mismatch:
-            logger.warning(
-                "common state of rank %d differs from rank 0: only on rank 0 %s, only on "
-                "rank %d %s, different %s",
-                r,
-                only_0,
-                r,
-                only_r,
-                mismatch,
+            found[r] = (
+                f"Rank {r} common state dict differs from rank 0 common state dict. "
+                f"Keys only on rank 0: {only_0}, "
+                f"Keys only on {r}: {only_r}, "
+                f"Mismatched keys: {mismatch}"
             )
+    return found

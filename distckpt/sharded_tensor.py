@@ -222,6 +222,13 @@ class ShardedTensor(ShardedBase):
 
     # ------------------------------------------------------------------ geometry
 
+    @property
+    def has_regular_grid(self) -> bool:
+        """Whether the chunk declares its place on a regular grid of chunks (``axis_fragmentations``
+        set: every rank's chunk of this tensor has the same shape). ``False`` for a tensor built
+        without a grid (irregular chunks), whose chunk count per axis is not known up front."""
+        return self.axis_fragmentations is not None
+
     def global_slice(self) -> Tuple[Union[int, slice], ...]:
         """Index of the (un-flattened) chunk in the global tensor: ints on prepended axes."""
         p = self.prepend_axis_num

@@ -7,6 +7,8 @@ import logging
 from enum import Enum
 from typing import Optional, Set, Tuple, Union
 
+from torch.distributed.checkpoint import CheckpointException
+
 from distckpt.core import CheckpointingException
 
 # The name the messages have always been logged under.
@@ -71,19 +73,49 @@ def determine_missing_and_unexpected_keys(
     return missing, unexpected
 
 
+def mismatch_message(missing: Set[str], unexpected: Set[str], checkpoint_dir: str) -> str:
+    """The report of a key mismatch: Megatron-Core's wording first (``Missing keys`` /
+    ``Unexpected keys``, which users and tests search for), distckpt's detail after it."""
+    parts = []
+    if unexpected:
+        parts.append(
+            f"Unexpected keys (for this rank): {sorted(unexpected)} "
+            f"(keys requested but not in the checkpoint: {sorted(unexpected)})"
+        )
+    if missing:
+        parts.append(
+            f"Missing keys (for all ranks): {sorted(missing)} "
+            f"(keys in the checkpoint but not requested by any rank: {sorted(missing)})"
+        )
+    return f"{checkpoint_dir}: " + "; ".join(parts)
+
+
 def handle_mismatched_keys(
     strict: StrictHandling, missing: Set[str], unexpected: Set[str], checkpoint_dir: str
 ) -> None:
     """Log or raise according to ``strict``; returning and skipping is the caller's job."""
     if not missing and not unexpected:
         return
-    msg = []
-    if unexpected:
-        msg.append(f"keys requested but not in the checkpoint: {sorted(unexpected)}")
-    if missing:
-        msg.append(f"keys in the checkpoint but not requested by any rank: {sorted(missing)}")
-    text = f"{checkpoint_dir}: " + "; ".join(msg)
+    text = mismatch_message(missing, unexpected, checkpoint_dir)
     if strict in (StrictHandling.RAISE_UNEXPECTED, StrictHandling.RAISE_ALL):
         raise CheckpointingException(text)
     if strict in (StrictHandling.LOG_UNEXPECTED, StrictHandling.LOG_ALL):
         logger.warning(text)
+
+
+class UnexpectedKeysError(CheckpointingException, CheckpointException):
+    """A load under ``ASSUME_OK_UNEXPECTED`` asked for keys the checkpoint lacks.
+
+    Megatron-Core lets the storage layer's error through in that mode, for ``torch_dist`` a
+    :class:`torch.distributed.checkpoint.CheckpointException`; distckpt raises this error, which is
+    both that type and a :class:`CheckpointingException`, on every rank, naming the keys, the rank
+    and the checkpoint. ``failures`` maps each failing rank to its message.
+    """
+
+    def __init__(self, msg: str, failures: Optional[dict] = None):
+        CheckpointingException.__init__(self, msg)
+        self._failures = dict(failures or {})
+        self.args = (msg,)
+
+    def __str__(self) -> str:
+        return self.args[0]

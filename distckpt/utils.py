@@ -26,6 +26,9 @@ __all__ = [
     "replace_prefix_for_sharding",
     "apply_prefix_mapping",
     "zip_strict",
+    "clean_metadata_for_serialization",
+    "sharded_tensor_shard_id",
+    "sharded_object_id",
 ]
 
 # Identifies one stored piece: (key, global_offset, flat range or global shape).
@@ -172,7 +175,7 @@ def zip_strict(*args: Iterable[Any]) -> Iterable[Tuple[Any, ...]]:
     return zip(*materialized)
 
 
-def _sharded_tensor_shard_id(sharded_tensor: ShardedTensor) -> _ShardId:
+def sharded_tensor_shard_id(sharded_tensor: ShardedTensor) -> _ShardId:
     """Identity of the stored piece a ShardedTensor describes: key, offset and flat range."""
     fr = sharded_tensor.flattened_range
     return (
@@ -182,6 +185,28 @@ def _sharded_tensor_shard_id(sharded_tensor: ShardedTensor) -> _ShardId:
     )
 
 
-def _sharded_object_id(sharded_object: ShardedObject) -> _ShardId:
+def sharded_object_id(sharded_object: ShardedObject) -> _ShardId:
     """Identity of the stored piece a ShardedObject describes: key, offset and grid shape."""
     return (sharded_object.key, sharded_object.global_offset, sharded_object.global_shape)
+
+
+# Megatron-Core's own modules import these two under private names (``exchange_utils``,
+# ``strategies.fully_parallel``); the drop-in keeps them importable from here.
+_sharded_tensor_shard_id = sharded_tensor_shard_id
+_sharded_object_id = sharded_object_id
+
+# Entries of a checkpoint's sharding metadata that are live runtime objects, not data: a process
+# group handle cannot be pickled into a checkpoint and means nothing in another job.
+RUNTIME_ONLY_METADATA_KEYS = ("dp_cp_group",)
+
+
+def clean_metadata_for_serialization(metadata: Optional[dict]) -> Optional[dict]:
+    """A shallow copy of ``metadata`` without its runtime-only entries (``dp_cp_group``), fit to
+    be stored in a checkpoint; None stays None. The caller's dict is left as it was."""
+    if metadata is None:
+        return None
+    return {k: v for k, v in metadata.items() if k not in RUNTIME_ONLY_METADATA_KEYS}
+
+
+# Megatron-LM's training loop imports it under this private name.
+_clean_metadata_for_serialization = clean_metadata_for_serialization

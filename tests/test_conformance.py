@@ -246,8 +246,11 @@ def _content_metadata(ckpt, backend):
 
 
 @pytest.mark.parametrize("backend,store", BACKEND_STORES)
-def test_content_metadata_is_stored_apart_from_common_state(backend, store, location):
-    assert run_ranks(2, _content_metadata, location, backend) == [({"format": "v2"}, {"iteration": 3})] * 2
+def test_content_metadata_is_kept_in_the_common_state(backend, store, location):
+    # As Megatron-Core does: Megatron-LM reads it back with
+    # load_content_metadata(preloaded_state_dict=load_common_state_dict(dir)).
+    expected = ({"format": "v2"}, {"iteration": 3, "content_metadata": {"format": "v2"}})
+    assert run_ranks(2, _content_metadata, location, backend) == [expected] * 2
 
 
 @pytest.mark.parametrize("backend,store", BACKEND_STORES)

@@ -69,7 +69,8 @@ from distckpt.local.replication import (
     stream_files,
 )
 from distckpt.mapping import ShardedStateDict, StateDict
-from distckpt.strategies.async_utils import AsyncRequest, StagingBuffers
+from distckpt.strategies import staging
+from distckpt.strategies.async_utils import AsyncRequest
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +181,6 @@ class LocalCheckpointManager:
             raise CheckpointingException(f"chunk_bytes must be positive, got {chunk_bytes}")
         self.replication.check(self.world, self.node_size)
         self.run_id = dist.broadcast_object(uuid.uuid4().hex if self.rank == 0 else None, 0, group)
-        self._staging = StagingBuffers()
         self._found: Optional[Found] = None
         self.last_saved: Optional[int] = None
         self.last_load: Optional[LoadReport] = None
@@ -218,7 +218,10 @@ class LocalCheckpointManager:
                 raise CheckpointingException(
                     f"iteration {iteration} is not after the last one saved or being saved ({before})"
                 )
-            piece = stage_piece(sharded_state_dict, self._staging if is_async else None)
+            # An async save copies into the process-wide staging pool (shared with the global saves).
+            piece = stage_piece(
+                sharded_state_dict, staging.StagingBuffers(staging.pool()) if is_async else None
+            )
             directory.mkdir(parents=True, exist_ok=True)
             self._remove(directory / marker_name(self.rank))
         except Exception as e:  # noqa: BLE001 - shared with every rank below

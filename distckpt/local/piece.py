@@ -61,9 +61,9 @@ from distckpt.mapping import (
     apply_factories,
     apply_factory_merges,
 )
-from distckpt.strategies.async_utils import StagedBatch, StagingBuffers
 from distckpt.strategies.common import safe_torch_load
 from distckpt.strategies.filesystem import ChecksummingSink, byte_view, pread_exact
+from distckpt.strategies.staging import StagedBatch, StagingBuffers
 from distckpt.validation import validate_local_integrity
 
 MAGIC = b"DCKLOCAL"
@@ -146,19 +146,39 @@ def stage_piece(
 ) -> StagedPiece:
     """Take a rank's state apart and stage its bytes (the training thread calls this).
 
-    With ``staging`` every tensor is copied into a pooled host buffer, so training may change
-    the tensors while the piece is written in the background. Without it CPU tensors are
-    written from their own memory (the caller must not change them until the write is done)
-    and device tensors are copied to the host.
+    With ``staging`` (one save's view of the process-wide pool) every tensor is copied into a
+    pooled host buffer, so training may change the tensors while the piece is written in the
+    background; the pool's free buffers this piece does not need are dropped first, and the
+    copies must fit the host memory budget. Without it CPU tensors are written from their own
+    memory (the caller must not change them until the write is done) and device tensors are
+    copied to the host.
 
     Raises:
-        CheckpointingException: a ShardedTensor without data, or two leaves with the same id.
+        CheckpointingException: a ShardedTensor without data, two leaves with the same id, or
+            (with ``staging``) more bytes than the host memory budget.
     """
+    if staging is None:
+        return _stage_piece(sharded_state_dict, None)
+    try:
+        return _stage_piece(sharded_state_dict, staging)
+    except BaseException:
+        staging.discard_unsealed()
+        raise
+
+
+def _stage_piece(sharded_state_dict: ShardedStateDict, staging: Optional[StagingBuffers]) -> StagedPiece:
     rank = dist.get_rank()
     split = split_state_dict(sharded_state_dict)
     records, tensors, objects = [], [], {}
     seen = set()
     position = 0
+    if staging is not None:
+        needed: Dict[Any, int] = {}
+        for sh in split.shards:
+            if isinstance(sh, ShardedTensor) and isinstance(sh.data, torch.Tensor):
+                key = staging.key_of(sh.data)
+                needed[key] = needed.get(key, 0) + 1
+        staging.keep_only(needed)
     for sh in split.shards:
         if isinstance(sh, ShardedObject):
             if sh.unique_key in objects:

@@ -1,9 +1,10 @@
-"""Background saving: AsyncRequest, AsyncCallsQueue, and the StagingBuffers pool for staged bytes.
+"""Background saving: AsyncRequest and AsyncCallsQueue (the staging pool is in :mod:`.staging`).
 
 Knows nothing of file formats. A strategy splits a save in three parts:
 
 1. *staging* (blocking, in the training thread, done by the strategy): copy the local bytes off
-   the device, e.g. with :class:`StagingBuffers`, so training may change the tensors again;
+   the device, e.g. with :class:`~distckpt.strategies.staging.StagingBuffers` over the
+   process-wide pool, so training may change the tensors again;
 2. ``async_fn(*async_fn_args)`` (a background worker thread): write the staged bytes. It must not
    use any process group;
 3. ``finalize_fns`` (the training thread, every rank, in order): e.g. write the index and commit.
@@ -36,12 +37,19 @@ import logging
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
-
-import torch
+from typing import Any, Callable, Deque, List, Optional, Tuple
 
 from distckpt import dist
 from distckpt.core import CheckpointingException
+
+# The staging buffers lived here before distckpt.strategies.staging; their names still import.
+from distckpt.strategies.staging import (  # noqa: F401
+    EXACT_PIN_BYTES,
+    PinnedRegistration,
+    StagedBatch,
+    StagingBuffers,
+    pinned_empty,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -355,224 +363,3 @@ def _wait_quietly(future: Future) -> None:
         future.exception()
     except BaseException:  # noqa: BLE001 - a cancelled future; handled by the caller
         pass
-
-
-# --------------------------------------------------------------------------- staging buffers
-
-
-_PoolKey = Tuple[int, torch.dtype, bool]
-
-
-# Staging buffers of at least this size are pinned by registering an ordinary allocation (exact
-# size); smaller ones come from torch's pinned allocator.
-EXACT_PIN_BYTES = 1 << 20
-
-
-class _Registration:
-    """Keeps ``tensor``'s memory page-locked (``cudaHostRegister``) until this object goes. It
-    holds the tensor, so the memory is unregistered before it can be freed."""
-
-    __slots__ = ("tensor", "ptr")
-
-    def __init__(self, tensor: torch.Tensor, ptr: int):
-        self.tensor = tensor
-        self.ptr = ptr
-
-    def __del__(self) -> None:
-        try:
-            torch.cuda.cudart().cudaHostUnregister(self.ptr)
-        except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone already
-            pass
-
-
-def pinned_empty(numel: int, dtype: torch.dtype) -> Tuple[torch.Tensor, Optional[_Registration]]:
-    """A CPU tensor of ``numel`` elements in page-locked memory, pinned to its exact size, and
-    the registration to keep while it is used (None: torch's allocator owns the pinning).
-
-    ``torch.empty(..., pin_memory=True)`` goes through torch's caching host allocator, which
-    rounds every block up to a power of two: a 48 MiB tensor holds 64 MiB of pinned memory, and a
-    staging pool of a model's tensors up to twice the model. Here an ordinary allocation is
-    registered with CUDA instead; small buffers, and any whose registration fails, use torch's
-    allocator.
-    """
-    nbytes = numel * dtype.itemsize
-    if nbytes < EXACT_PIN_BYTES:
-        return torch.empty(numel, dtype=dtype, pin_memory=True), None
-    out = torch.empty(numel, dtype=dtype)
-    cudart = torch.cuda.cudart()
-    ptr = out.data_ptr()
-    if cudart.cudaHostRegister(ptr, nbytes, 0) != cudart.cudaError.success:
-        logger.debug("cudaHostRegister of %d bytes failed; torch's pinned allocator instead", nbytes)
-        return torch.empty(numel, dtype=dtype, pin_memory=True), None
-    return out, _Registration(out, ptr)
-
-
-class StagedBatch:
-    """The host buffers staged for one save; ``release()`` returns them to their pool."""
-
-    def __init__(self, owner: StagingBuffers, buffers: List[Tuple[_PoolKey, torch.Tensor]]):
-        self._owner = owner
-        self._buffers = buffers
-
-    @property
-    def nbytes(self) -> int:
-        return sum(key[0] for key, _ in self._buffers)
-
-    def release(self) -> None:
-        """Give the buffers back (idempotent). Call once the writer is done with them."""
-        with self._owner._lock:
-            buffers, self._buffers = self._buffers, []
-        self._owner._give_back(buffers)
-
-
-class StagingBuffers:
-    """A pool of host buffers for staging tensors before a background write, reused across saves.
-
-    Buffers are keyed by ``(nbytes, dtype, pinned)``; CUDA tensors are staged into pinned memory,
-    CPU tensors into ordinary memory. A buffer handed out stays out of the pool until it is
-    released, so a new save never gets a buffer that a running writer still reads.
-
-    One save::
-
-        copies = [staging.acquire(t) for t in tensors]   # training thread
-        batch = staging.seal()                           # one CUDA synchronize, if any
-        ... the writer writes ``copies``, then calls ``batch.release()`` ...
-
-    ``release_all()`` releases every buffer handed out so far, sealed or not: use it when no
-    writer can still be reading them (e.g. once the previous save was finalized). Thread-safe:
-    the writer thread may release while the training thread acquires.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._free: Dict[_PoolKey, List[torch.Tensor]] = collections.defaultdict(list)
-        self._open: List[Tuple[_PoolKey, torch.Tensor]] = []
-        self._sealed: List[StagedBatch] = []
-        self._cuda_devices: set = set()
-        # Copies started ahead of the save's planning (prestage), by the source's identity.
-        self._early: Dict[tuple, List[torch.Tensor]] = collections.defaultdict(list)
-        # Exactly pinned buffers (see pinned_empty), by address: dropped with their buffer.
-        self._registrations: Dict[int, _Registration] = {}
-        self.allocated_bytes = 0
-        # Bytes handed out and not yet released, and the most of them at any one time.
-        self.staged_bytes = 0
-        self.peak_staged_bytes = 0
-
-    def reset_peak(self) -> None:
-        """Start a new measurement of :attr:`peak_staged_bytes` (from what is out now)."""
-        with self._lock:
-            self.peak_staged_bytes = self.staged_bytes
-
-    def acquire(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host copy of ``tensor`` (same shape and dtype, contiguous) in a pooled buffer.
-
-        For a CUDA tensor the copy is asynchronous: call :meth:`seal` before reading it.
-        """
-        if self._early:
-            early = self._early.get(self._identity(tensor))
-            if early:
-                return early.pop()
-        device = tensor.device
-        if device.type not in ("cpu", "cuda"):
-            raise CheckpointingException(f"cannot stage a tensor on device {device} (only cpu and cuda)")
-        on_cuda = device.type == "cuda"
-        key = (tensor.numel() * tensor.element_size(), tensor.dtype, on_cuda)
-        with self._lock:
-            free = self._free.get(key)
-            buffer = free.pop() if free else None
-        if buffer is None:
-            if on_cuda:
-                buffer, registration = pinned_empty(tensor.numel(), tensor.dtype)
-                if registration is not None:
-                    with self._lock:
-                        self._registrations[buffer.data_ptr()] = registration
-            else:
-                buffer = torch.empty(tensor.numel(), dtype=tensor.dtype)
-            self.allocated_bytes += key[0]
-        out = buffer.view(tensor.shape)
-        out.copy_(tensor.detach(), non_blocking=on_cuda)
-        with self._lock:
-            self._open.append((key, buffer))
-            self.staged_bytes += key[0]
-            self.peak_staged_bytes = max(self.peak_staged_bytes, self.staged_bytes)
-        if on_cuda:
-            self._cuda_devices.add(device)
-        return out
-
-    @staticmethod
-    def _identity(tensor: torch.Tensor) -> tuple:
-        """Same memory, same view: the same bytes (within one save call)."""
-        return (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()), tensor.device)
-
-    def prestage(self, tensor: torch.Tensor) -> None:
-        """Start the copy of ``tensor`` now; the save's :meth:`acquire` of the same tensor (same
-        memory and view) then returns it instead of copying again. A CUDA save issues every
-        device-to-host copy first and plans while they run."""
-        out = self.acquire(tensor)
-        self._early[self._identity(tensor)].append(out)
-
-    def _wait_for_copies(self) -> None:
-        for device in self._cuda_devices:
-            torch.cuda.synchronize(device)
-        self._cuda_devices.clear()
-
-    def discard_unsealed(self) -> None:
-        """A save failed before :meth:`seal`: wait for its copies, give its buffers back."""
-        self._wait_for_copies()
-        with self._lock:
-            open_buffers, self._open = self._open, []
-            self._early.clear()
-        self._give_back(open_buffers)
-
-    def seal(self) -> StagedBatch:
-        """End the current save's staging: wait once for CUDA copies; return its buffers' batch
-        (prestaged copies the save did not take included)."""
-        self._early.clear()
-        self._wait_for_copies()
-        with self._lock:
-            batch = StagedBatch(self, self._open)
-            self._open = []
-            self._sealed.append(batch)
-        return batch
-
-    def release_all(self) -> None:
-        """Return every handed-out buffer to the pool (only when no writer is still reading one)."""
-        with self._lock:
-            batches, self._sealed = self._sealed, []
-            open_buffers, self._open = self._open, []
-        for batch in batches:
-            batch.release()
-        self._give_back(open_buffers)
-
-    @property
-    def in_use(self) -> int:
-        """Buffers handed out and not yet released."""
-        with self._lock:
-            return len(self._open) + sum(len(b._buffers) for b in self._sealed)
-
-    def keep_only(self, keys: Dict[_PoolKey, int]) -> None:
-        """Drop the pooled (free) buffers beyond ``keys`` (pool key -> how many to keep): before a
-        wave of a bounded save, so the pool holds no more than the wave needs."""
-        with self._lock:
-            for key in list(self._free):
-                bufs = self._free[key]
-                extra = len(bufs) - keys.get(key, 0)
-                if extra > 0:
-                    for buf in bufs[len(bufs) - extra :]:
-                        self._registrations.pop(buf.data_ptr(), None)  # unpinned before it is freed
-                    del bufs[len(bufs) - extra :]
-                    self.allocated_bytes -= extra * key[0]
-                if not bufs:
-                    del self._free[key]
-
-    @staticmethod
-    def key_of(tensor: torch.Tensor) -> _PoolKey:
-        """The pool key a copy of ``tensor`` is staged under."""
-        return (tensor.numel() * tensor.element_size(), tensor.dtype, tensor.device.type == "cuda")
-
-    def _give_back(self, buffers: List[Tuple[_PoolKey, torch.Tensor]]) -> None:
-        with self._lock:
-            for key, buffer in buffers:
-                self._free[key].append(buffer)
-                self.staged_bytes -= key[0]
-            self._sealed = [b for b in self._sealed if b._buffers]

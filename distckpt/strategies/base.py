@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 from abc import ABC, abstractmethod
 from enum import Enum
-from typing import Callable, Dict, Tuple, Union
+from typing import Callable, Dict, Optional, Tuple, Union
 
 from distckpt.core import CheckpointingException
 from distckpt.mapping import ShardedStateDict, StateDict
@@ -71,7 +71,9 @@ def get_default_strategy(action: StrategyAction, backend: str, version: int):
 class StrategyBase:
     """Common attributes of every strategy (the abstract methods live in its subclasses)."""
 
-    def __init__(self, backend: str, version: int):
+    def __init__(self, backend: Optional[str] = None, version: Optional[int] = None):
+        # Both may be left out, as Megatron-Core's load strategies are built (``super().__init__()``):
+        # a strategy that names no backend or version leaves those compatibility checks to itself.
         self.backend = backend
         self.version = version
 
@@ -83,13 +85,13 @@ class StrategyBase:
 
 class LoadStrategyBase(StrategyBase):
     def check_backend_compatibility(self, loaded_backend: str) -> None:
-        if loaded_backend != self.backend:
+        if self.backend is not None and loaded_backend != self.backend:
             raise CheckpointingException(
                 f"strategy for backend {self.backend!r} cannot load a {loaded_backend!r} checkpoint"
             )
 
     def check_version_compatibility(self, loaded_version: int) -> None:
-        if loaded_version > self.version:
+        if self.version is not None and loaded_version > self.version:
             raise CheckpointingException(
                 f"checkpoint format version {loaded_version} of backend {self.backend!r} is newer "
                 f"than this strategy supports ({self.version})"

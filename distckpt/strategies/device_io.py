@@ -1,4 +1,5 @@
-"""File bytes into device (CUDA) tensors through pinned host memory.
+"""File bytes into device (CUDA) tensors through pinned host memory, and device tensors' bytes
+out to files the same way.
 
 A load that copies file bytes into a CUDA tensor straight from pageable memory (a mapping of the
 file, or a bytes object) pays twice: the driver stages every pageable copy through its own
@@ -13,9 +14,14 @@ goes the same way, whole item rows at a time: the rows its box touches are read 
 uploaded into a device scratch buffer of the slot's size, and the box is cut out of them on the
 device (a strided device-to-device copy), all on the side stream.
 
-Pinned memory per reader thread is ``slots * slot_bytes`` (default 2 x 32 MiB); slots go back to
-a small process-wide pool for the next load (``cudaHostAlloc`` costs milliseconds per slot), at
-most :data:`POOL_SLOTS` of them (those of the default 4 reader threads) are kept.
+A plain save goes the other way (:class:`DeviceToHost`): a writer thread's next pieces are
+copied device-to-host into pinned slots on a side stream while it checksums and writes the
+current one, so the copies hide behind the writes and no pageable copy of a whole tensor is made.
+
+Pinned memory per reader or writer thread is ``slots * slot_bytes`` (default 2 x 32 MiB); slots
+go back to a small process-wide pool for the next load or save (``cudaHostAlloc`` costs
+milliseconds per slot), at most :data:`POOL_SLOTS` of them are kept (:func:`release_slots`
+frees them).
 
 :func:`needs_staging` says when a destination cannot take such copies directly (a tensor subclass
 or a non-contiguous tensor): a load then fills a plain tensor and copies it over.
@@ -24,7 +30,8 @@ or a non-contiguous tensor): a load then fills a plain tensor and copies it over
 from __future__ import annotations
 
 import threading
-from typing import Callable, Dict, List, Optional, Protocol, Sequence, Tuple
+from collections import deque
+from typing import Callable, Deque, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
@@ -32,7 +39,9 @@ from distckpt.strategies.byteio import CRC_PIECE, byte_view, pread_exact
 
 SLOT_BYTES = 32 << 20
 SLOTS = 2
-POOL_SLOTS = 8  # 256 MiB of pinned memory at most stays with the process between loads
+POOL_SLOTS = 16  # 512 MiB of pinned memory at most stays with the process between loads and saves
+# A save's slots are a multiple of this (the per-block CRC32C block, blockcrc.BLOCK_SIZE).
+PIECE_ALIGN = 256 << 10
 
 _pool_lock = threading.Lock()
 _pool: Dict[tuple, List[torch.Tensor]] = {}
@@ -52,9 +61,19 @@ def _give(buf: torch.Tensor, pinned: bool) -> None:
             _pool.setdefault((buf.numel(), pinned), []).append(buf)
 
 
+def release_slots() -> int:
+    """Free the pinned (and plain) slots kept between loads and saves; returns their bytes. For
+    a process-wide release (e.g. ``distckpt.release_staging_memory``)."""
+    with _pool_lock:
+        freed = sum(nbytes * len(bufs) for (nbytes, _), bufs in _pool.items())
+        _pool.clear()
+    return freed
+
+
 class _Slot:
-    def __init__(self, buf: torch.Tensor):
+    def __init__(self, buf: torch.Tensor, pinned: bool = False):
         self.buf = buf
+        self.pinned = pinned
         self.event: Optional[torch.cuda.Event] = None
 
 
@@ -242,6 +261,137 @@ class HostBounce:
             stream.synchronize()  # if this raises, the slots are not reused: a copy may be running
         for slot in slots:
             _give(slot.buf, self._pinned)
+
+
+class DeviceToHost:
+    """One writer thread's slots for a save: the bytes of a sequence of tensors, handed out in
+    order as host pieces, the next pieces' copies running while the caller writes the current one
+    (the save-direction counterpart of :class:`HostBounce`).
+
+    :meth:`pieces` walks the tensors' bytes in slot-sized pieces; several tensors smaller than
+    the room left in a slot share it, a larger one starts a fresh slot, so every piece of a tensor
+    but its last is ``slot_bytes`` long and starts at a multiple of ``slot_bytes`` of its bytes
+    (``slot_bytes`` is a multiple of :data:`PIECE_ALIGN`: the writer's per-block CRC32Cs come out
+    as for the whole tensor). For CUDA tensors the slots are pinned and filled on a side stream,
+    each slot's copies followed by an event the writer waits for; a slot is refilled once the
+    writer is done with it. For CPU tensors (the tests run this path without a GPU) the same walk
+    makes plain copies into unpinned slots. Host memory: at most ``slots * slot_bytes``;
+    :meth:`close` waits for the copies in flight and hands the slots back to the process-wide pool.
+    """
+
+    def __init__(self, slot_bytes: int = SLOT_BYTES, slots: int = SLOTS):
+        if slot_bytes < PIECE_ALIGN or slot_bytes % PIECE_ALIGN:
+            raise ValueError(f"slot_bytes must be a positive multiple of {PIECE_ALIGN}, got {slot_bytes}")
+        self.slot_bytes = int(slot_bytes)
+        self.count = max(1, int(slots))
+        self._free: List[_Slot] = []
+        self._held: List[Tuple[_Slot, bool]] = []  # every slot taken: (slot, pinned)
+        self._streams: Dict[torch.device, torch.cuda.Stream] = {}
+
+    def _stream(self, device: torch.device) -> Optional[torch.cuda.Stream]:
+        if device.type != "cuda":
+            return None
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device=device)
+            # The copies start after what the caller queued on the device (the tensors' last writes).
+            stream.wait_stream(torch.cuda.current_stream(device))
+        return stream
+
+    def _slot(self, pinned: bool) -> _Slot:
+        for i, slot in enumerate(self._free):
+            if slot.pinned or not pinned:  # a CPU tensor's bytes may go through a pinned slot too
+                return self._free.pop(i)
+        slot = _Slot(_take(self.slot_bytes, pinned), pinned)
+        self._held.append((slot, pinned))
+        _count_slot(self.slot_bytes)
+        return slot
+
+    def pieces(self, tensors: Sequence[torch.Tensor]) -> Iterator[Tuple[int, int, memoryview]]:
+        """``(index, position, bytes)`` for every piece of every tensor (each contiguous), in
+        order; a piece's bytes are valid until the next piece is asked for."""
+        flat = [t.detach().reshape(-1).view(torch.uint8) for t in tensors]
+        todo = deque((i, 0) for i, t in enumerate(flat) if t.numel())
+        filled: Deque[Tuple[_Slot, List[Tuple[int, int, int, int]]]] = deque()
+
+        def fill() -> bool:
+            """Start the copies of the next slot; False when every byte has been started."""
+            if not todo:
+                return False
+            device = flat[todo[0][0]].device
+            slot = self._slot(device.type == "cuda")
+            stream = self._stream(device)
+            entries, used = [], 0
+            while todo and used < self.slot_bytes:
+                i, pos = todo[0]
+                src = flat[i]
+                left = src.numel() - pos
+                if src.device != device or (used and left > self.slot_bytes - used):
+                    break  # another device, or a tensor that does not fit the room left: next slot
+                n = min(left, self.slot_bytes - used)
+                dst = slot.buf[used : used + n]
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        dst.copy_(src[pos : pos + n], non_blocking=True)
+                else:
+                    dst.copy_(src[pos : pos + n])
+                entries.append((i, pos, used, n))
+                used += n
+                todo.popleft()
+                if pos + n < src.numel():
+                    todo.appendleft((i, pos + n))
+                    break  # a tensor larger than the slot: its next piece starts the next slot
+            if stream is not None:
+                HostBounce._mark(slot, stream)
+            filled.append((slot, entries))
+            return True
+
+        while len(filled) < self.count and fill():
+            pass
+        while filled:
+            slot, entries = filled.popleft()
+            if slot.event is not None:
+                slot.event.synchronize()
+                slot.event = None
+            view = byte_view(slot.buf)
+            for i, pos, at, n in entries:
+                yield i, pos, view[at : at + n]
+            self._free.append(slot)
+            while len(filled) < self.count and fill():
+                pass
+
+    def close(self) -> None:
+        """Wait for every copy in flight, then hand the slots back to the pool."""
+        held, streams = self._held, self._streams
+        self._held, self._free, self._streams = [], [], {}
+        for stream in streams.values():
+            stream.synchronize()  # if this raises, the slots are not reused: a copy may be running
+        for slot, pinned in held:
+            _count_slot(-self.slot_bytes)
+            _give(slot.buf, pinned)
+
+
+_slot_bytes_lock = threading.Lock()
+_slot_bytes_live = 0
+_slot_bytes_peak = 0
+
+
+def _count_slot(delta: int) -> None:
+    global _slot_bytes_live, _slot_bytes_peak
+    with _slot_bytes_lock:
+        _slot_bytes_live += delta
+        _slot_bytes_peak = max(_slot_bytes_peak, _slot_bytes_live)
+
+
+def save_slot_bytes(reset_peak: bool = False) -> Tuple[int, int]:
+    """(bytes, peak bytes) of :class:`DeviceToHost` slots held by saves in this process now and
+    since the last reset; ``reset_peak`` starts a new peak from now."""
+    global _slot_bytes_peak
+    with _slot_bytes_lock:
+        out = (_slot_bytes_live, _slot_bytes_peak)
+        if reset_peak:
+            _slot_bytes_peak = _slot_bytes_live
+        return out
 
 
 def is_plain(t: torch.Tensor) -> bool:

@@ -23,7 +23,7 @@ import ctypes
 import os
 import threading
 from contextlib import contextmanager
-from typing import Iterator, List, Optional, Tuple
+from typing import Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -62,7 +62,9 @@ __all__ = [
     "save_to_sink",
     "tensor_archive_frame",
     "write_bytes_item",
+    "framed",
     "write_tensor_item",
+    "write_tensor_pieces",
     "zip_crc_disabled",
 ]
 
@@ -269,6 +271,62 @@ def write_tensor_item(
         )
     )
     return start, sink.position - start, sink.crc
+
+
+def write_tensor_pieces(
+    sink: ChecksummingSink,
+    dtype: torch.dtype,
+    size: Tuple[int, ...],
+    pieces: Iterable,
+    blocks: Optional[List[blockcrc.Entry]] = None,
+) -> Optional[Tuple[int, int, int]]:
+    """:func:`write_tensor_item` for a contiguous tensor of ``dtype`` and ``size`` whose bytes
+    arrive as ``pieces`` (bytes-like, in order; every piece but the last a multiple of
+    ``blockcrc.BLOCK_SIZE`` long), e.g. from a device through pinned slots, or a view into a
+    larger CPU storage: the same bytes, CRC32C and block entry as :func:`write_tensor_item` of a
+    tensor owning exactly those bytes, without that copy. None (nothing written) for a tensor
+    :func:`write_tensor_item` leaves to ``torch.save`` (see :func:`framed`)."""
+    start = sink.position
+    frame = expected_frame(dtype, tuple(size), start % ALIGN)
+    if frame is None:
+        return None
+    header, trailer, layout = frame
+    sink.crc = 0
+    sink.write(header)
+    head_crc, crcs, done = sink.crc, [], 0
+    with_blocks = blocks is not None and layout.data_length >= blockcrc.MIN_PAYLOAD
+    for piece in pieces:
+        if done % blockcrc.BLOCK_SIZE:
+            raise ValueError("a piece of a tensor's bytes other than the last is not whole blocks long")
+        if with_blocks:
+            crcs.extend(sink.write_blocks(piece, blockcrc.BLOCK_SIZE))
+            done += len(piece)
+        else:
+            done += sink.write(piece)
+    if done != layout.data_length:
+        raise ValueError(f"{done} bytes of a tensor of {layout.data_length} bytes were written")
+    sink.write(trailer)
+    if with_blocks:
+        blocks.append(
+            blockcrc.Entry(
+                start,
+                sink.position - start,
+                sink.crc,
+                len(header),
+                layout.data_length,
+                head_crc,
+                crc32c(trailer),
+                dtype,
+                crcs,
+            )
+        )
+    return start, sink.position - start, sink.crc
+
+
+def framed(dtype: torch.dtype, size: Tuple[int, ...]) -> bool:
+    """Whether :func:`write_tensor_pieces` can write a contiguous tensor of ``dtype`` and ``size``
+    (its frame does not depend on where the item starts)."""
+    return expected_frame(dtype, tuple(size), 0) is not None
 
 
 def write_bytes_item(sink: ChecksummingSink, data: bytes) -> Tuple[int, int, int]:

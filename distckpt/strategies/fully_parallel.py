@@ -14,7 +14,10 @@ share that work within a *parallelization group* (usually the DP group; default:
 
 Both work with any sharded strategy: they only rewrite requests and move bytes. They live in
 :mod:`~distckpt.strategies.fully_parallel_save` and :mod:`~distckpt.strategies.fully_parallel_load`,
-on :mod:`~distckpt.strategies.shard_assignment`; this module re-exports them (its old home).
+on :mod:`~distckpt.strategies.shard_assignment`; this module re-exports them (its old home), and
+``_sharded_tensor_shard_id`` (:func:`distckpt.utils.sharded_tensor_shard_id`), which code written
+for Megatron-Core imports from here. Megatron-Core's ``exchange_utils`` names (its assignment
+order and exchange functions) are in :mod:`distckpt.exchange_utils`.
 
 The assignment is the same on every rank: shards sorted by size (largest first) and id, each
 given to the least-loaded rank among those that hold it (ties to the lowest rank). Finding it
@@ -44,6 +47,10 @@ from distckpt.strategies.shard_assignment import (
     shard_id,
 )
 
+# Megatron-Core's module imports this private name (from its utils) and its tests import it from
+# here: the identity of a ShardedTensor's stored piece (key, global offset, flat range).
+from distckpt.utils import sharded_tensor_shard_id as _sharded_tensor_shard_id
+
 __all__ = [
     "EXCHANGE_ALGOS",
     "FullyParallelSaveStrategyWrapper",
@@ -53,4 +60,5 @@ __all__ = [
     "distribute_shards_to_ranks",
     "load_waves",
     "shard_id",
+    "_sharded_tensor_shard_id",
 ]

@@ -16,10 +16,25 @@ things live now:
 - :class:`BlockReader`: :mod:`distckpt.strategies.blockread`.
 
 The strategies are registered by :mod:`distckpt.strategies.builtin` (``import distckpt`` runs it).
+
+One class is defined here rather than re-exported: :class:`MCoreLoadPlanner`, Megatron-Core's
+planner for ``torch.distributed.checkpoint.load`` (DCP's default planner plus a check of each
+tensor's global shape). A ``torch_dist`` checkpoint is a DCP checkpoint, so DCP can read it with
+this planner; distckpt's own ``load`` does not plan through DCP and never calls it. Who reads what
+in distckpt's load is seen at ``distckpt.strategies.torch_dist.loadplan.LoadPlan.add(stored, op)``
+(one call per copy out of a stored chunk; ``stored.relative_path`` names the file), see
+docs/megatron-compat.md.
 """
 
-from distckpt.core import atomic_write_bytes
+from contextlib import contextmanager
+from typing import Dict, Iterable, Optional
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner
+
+from distckpt.core import CheckpointingException, atomic_write_bytes
 from distckpt.manifest import write_manifest
+from distckpt.mapping import ShardedTensor
 from distckpt.strategies.blockread import BlockReader
 from distckpt.strategies.device_io import is_plain as _is_plain
 from distckpt.strategies.device_io import needs_staging as _needs_staging
@@ -79,8 +94,60 @@ from distckpt.strategies.torch_dist.stored import checked_metadata
 from distckpt.strategies.torch_dist.stored import index_from_sidecar as _index_from_sidecar
 from distckpt.strategies.torch_dist.write import INLINE_WRITE_BYTES, write_plan, write_waves
 
+
+class MCoreLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner that first checks the global shape of the given ShardedTensors
+    against the checkpoint's metadata (``CheckpointingException`` naming the key on a mismatch or
+    an absent key); keys in ``allow_shape_mismatch_sharded_tensors`` are planned with their
+    requested shape instead (DCP would refuse them)."""
+
+    def __init__(
+        self,
+        *args,
+        shapes_validation_sharded_tensors: Iterable[ShardedTensor] = (),
+        allow_shape_mismatch_sharded_tensors: Optional[Dict[str, ShardedTensor]] = None,
+        **kwargs,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.shapes_validation_sharded_tensors = shapes_validation_sharded_tensors
+        self.allow_shape_mismatch_sharded_tensors = allow_shape_mismatch_sharded_tensors
+
+    def _validate_global_shapes(self, metadata, sharded_tensors: Iterable[ShardedTensor]) -> None:
+        stored = metadata.state_dict_metadata
+        for sh in sharded_tensors:
+            if sh.key not in stored:
+                raise CheckpointingException(
+                    f"key {sh.key!r} is not in the checkpoint (it has {len(stored)} keys)"
+                )
+            have, want = tuple(stored[sh.key].size), tuple(sh.global_shape)
+            if have != want:
+                raise CheckpointingException(
+                    f"Global shape mismatch for loaded ({have}) and expected ({want}) tensor for key {sh.key}"
+                )
+
+    @contextmanager
+    def _temporarily_bypass_shape_validation(self):
+        """While planning, the stored size of each allowed key reads as the requested shape."""
+        allowed = self.allow_shape_mismatch_sharded_tensors or {}
+        stored = self.metadata.state_dict_metadata
+        saved = {key: stored[key].size for key in allowed if key in stored}
+        try:
+            for key in saved:
+                stored[key].size = torch.Size(allowed[key].global_shape)
+            yield
+        finally:
+            for key, size in saved.items():
+                stored[key].size = size
+
+    def create_local_plan(self):
+        self._validate_global_shapes(self.metadata, self.shapes_validation_sharded_tensors)
+        with self._temporarily_bypass_shape_validation():
+            return super().create_local_plan()
+
+
 __all__ = [
     "BlockReader",
+    "MCoreLoadPlanner",
     "ChecksummingSink",
     "CopyOp",
     "DATA_SUFFIX",

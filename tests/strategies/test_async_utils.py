@@ -374,15 +374,20 @@ def test_cuda_tensors_are_staged_into_pinned_memory_with_one_synchronize():
 def test_a_prestaged_copy_is_taken_by_the_acquire_of_the_same_view_only():
     staging = StagingBuffers()
     src = torch.arange(12.0)
-    staging.prestage(src)
+    assert staging.prestage(src)
     early_bytes = staging.allocated_bytes
-    src.add_(100)  # after the prestage: the early copy is what the save takes
     assert staging.acquire(src[:6]).data_ptr() != 0 and staging.allocated_bytes == early_bytes + 24
     got = staging.acquire(src)
     assert staging.allocated_bytes == early_bytes + 24  # no new buffer for the same view
     assert torch.equal(got, torch.arange(12.0))
     again = staging.acquire(src)  # a second acquire copies anew
-    assert torch.equal(again, src)
+    assert torch.equal(again, src) and again.data_ptr() != got.data_ptr()
+    staging.seal().release()
+    assert staging.in_use == 0
+    # Changed in place after the prestage (its version counter moved): copied again, never stale.
+    assert staging.prestage(src)
+    src.add_(100)
+    assert torch.equal(staging.acquire(src), torch.arange(12.0) + 100)
     staging.seal().release()
     assert staging.in_use == 0
 
@@ -405,6 +410,7 @@ def test_an_async_cuda_save_copies_each_tensor_once_and_a_failed_one_keeps_no_bu
     from distckpt.strategies.torch import TorchDistSaveShardedStrategy
 
     model = {f"w{i}": torch.randn(64, 32, device="cuda") for i in range(5)}
+    distckpt.release_staging_memory()  # the process-wide pool starts empty
     strategy = TorchDistSaveShardedStrategy()
     request = distckpt.save(
         {k: ShardedTensor.from_rank_offsets(k, t) for k, t in model.items()},
@@ -412,7 +418,7 @@ def test_an_async_cuda_save_copies_each_tensor_once_and_a_failed_one_keeps_no_bu
         sharded_strategy=strategy,
         async_sharded_save=True,
     )
-    assert strategy._staging.allocated_bytes == 5 * 64 * 32 * 4  # the early copies were taken up
+    assert strategy.staging_pool.allocated_bytes == 5 * 64 * 32 * 4  # the early copies were taken up
     for t in model.values():
         t.zero_()
     request.execute_sync()
@@ -425,7 +431,7 @@ def test_an_async_cuda_save_copies_each_tensor_once_and_a_failed_one_keeps_no_bu
     }  # overlap
     with pytest.raises(CheckpointingException):
         distckpt.save(bad, tmp_path / "bad", sharded_strategy=strategy, async_sharded_save=True)
-    assert strategy._staging.in_use == 0
+    assert strategy.staging_pool.in_use == 0
 
 
 @pytest.mark.cuda
@@ -437,8 +443,8 @@ def test_cuda_staging_pins_exactly_the_bytes_staged_and_unpins_what_the_pool_dro
     copies = [staging.acquire(t) for t in src]
     staging.seal().release()
     assert all(c.is_pinned() and torch.equal(c, t.cpu()) for c, t in zip(copies, src))
-    assert staging.allocated_bytes == 4 * (3 << 20) and len(staging._registrations) == 4
+    assert staging.allocated_bytes == 4 * (3 << 20) and staging.pool.pinned_registrations == 4
     if stats:
         assert stats().get("allocated_bytes.current", 0) == before  # nothing from torch's rounding pool
     staging.keep_only({})
-    assert not staging._registrations and staging.allocated_bytes == 0
+    assert staging.pool.pinned_registrations == 0 and staging.allocated_bytes == 0

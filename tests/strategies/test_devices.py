@@ -211,3 +211,23 @@ def test_cuda_targets_load_through_pinned_slots_or_pageable_memory(tmp_path, slo
         assert pooled and all(b.is_pinned() and b.numel() == slot_bytes for b in pooled)
     else:
         assert not pooled
+
+
+def test_the_save_slots_on_cpu_tensors_never_call_torch_cuda(monkeypatch):
+    """The slot path of a plain save, run on CPU tensors (its CPU-testable form), stays off
+    torch.cuda: no stream, event or pinned allocation."""
+    from distckpt.strategies.device_io import PIECE_ALIGN, DeviceToHost
+
+    def forbidden(*_a, **_k):
+        raise AssertionError("torch.cuda was called on a CPU-only path")
+
+    for name in (*_CUDA_ENTRY_POINTS, "Stream", "Event", "stream"):
+        monkeypatch.setattr(torch.cuda, name, forbidden)
+    tensors = [torch.arange(PIECE_ALIGN, dtype=torch.int32), torch.ones(10)]
+    ring = DeviceToHost(PIECE_ALIGN, slots=2)
+    try:
+        got = [(i, bytes(v)) for i, _, v in ring.pieces(tensors)]
+    finally:
+        ring.close()
+    assert b"".join(b for i, b in got if i == 0) == tensors[0].numpy().tobytes()
+    assert [b for i, b in got if i == 1] == [tensors[1].numpy().tobytes()]

@@ -309,7 +309,7 @@ def test_rm_prefix_result_loads(ckpt):
     assert "removed 2 keys" in cli("rm-prefix", ckpt, "optimizer.").stdout
     cli("verify", ckpt)
     assert not any(k.startswith("optimizer.") for k in distckpt.load_plain_tensors(ckpt))
-    assert distckpt.load_common_state_dict(ckpt) == COMMON
+    assert distckpt.load_common_state_dict(ckpt) == {**COMMON, "content_metadata": {"format": "tools-test"}}
 
 
 def test_rm_prefix_out_writes_a_copy(saved, tmp_path):

@@ -106,7 +106,9 @@ def test_torch_dist_to_zarr_to_torch_dist_is_bit_identical(torch_dist_ckpt, tmp_
     assert sorted(report.objects) == OBJECT_KEYS and report.skipped == [] and report.cast == []
     for ckpt in (tmp_path / "zarr", tmp_path / "back"):
         _assert_same_tensors(torch_dist_ckpt, ckpt)
-        assert distckpt.load_common_state_dict(ckpt) == {"iteration": 42, "args": {"lr": 0.25}}
+        content = {"distrib_optim": "dp_reshardable"}
+        common = {"iteration": 42, "args": {"lr": 0.25}, "content_metadata": content}
+        assert distckpt.load_common_state_dict(ckpt) == common
         assert distckpt.load_content_metadata(ckpt) == {"distrib_optim": "dp_reshardable"}
         assert _objects(ckpt) == _objects(torch_dist_ckpt)
         assert verify_files(ckpt, read_manifest(ckpt)) == []

@@ -20,7 +20,8 @@ from distckpt.core import atomic_write_bytes
 from distckpt.dict_utils import nested_values
 from distckpt.manifest import Manifest, build_manifest, write_manifest
 from distckpt.mapping import ShardedStateDict, ShardedTensor, is_main_replica
-from distckpt.strategies.async_utils import AsyncRequest, StagingBuffers
+from distckpt.strategies import staging
+from distckpt.strategies.async_utils import AsyncRequest
 from distckpt.strategies.base import AsyncSaveShardedStrategy
 from distckpt.strategies.device_io import is_plain
 from distckpt.strategies.index_format import INDEX_FNAME
@@ -87,7 +88,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         super().__init__(backend, version)
         self.write_index = write_index
         self.stage_cpu_tensors = stage_cpu_tensors
-        self._staging = None
+        self._prestaged: Optional[staging.StagingBuffers] = None  # prestage's copies, for async_save
         self.thread_count, self._threads_given = checked_thread_count(thread_count, DEFAULT_FILES_PER_RANK)
         self.separation_hint = separation_hint
         self.cached_metadata = cached_metadata
@@ -105,16 +106,22 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     def can_handle_sharded_objects(self) -> bool:
         return True
 
+    @property
+    def staging_pool(self) -> staging.StagingPool:
+        """Where async saves take their staging buffers: the process-wide pool, shared by every
+        strategy object (:mod:`distckpt.strategies.staging`)."""
+        return staging.pool()
+
+    _staging = staging_pool  # its name before the pool was process-wide
+
     def prepare(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: storage.Location, stage: bool = False
     ) -> SavePlan:
         """Collect this rank's main replicas into files; ``stage``: their bytes will be copied into
         staging buffers (an async save). Nothing is copied yet: that happens wave by wave."""
-        staging = None
-        if stage:
-            if self._staging is None:
-                self._staging = StagingBuffers()
-            staging = self._staging
+        buffers = None
+        if stage:  # this save's view of the process-wide pool (with prestage's copies, if any)
+            buffers, self._prestaged = self._prestaged or staging.StagingBuffers(staging.pool()), None
         return plan_save(
             sharded_state_dict,
             storage.resolve(checkpoint_dir),
@@ -122,7 +129,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             self.thread_count,
             self.separation_hint,
             self.stage_cpu_tensors,
-            staging,
+            buffers,
         )
 
     def writer_threads(self, checkpoint_dir: Optional[storage.Location] = None) -> int:
@@ -187,19 +194,25 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
                 sources.append(sh.data.detach())
         if not sources or staged > host_memory_budget():
             return False  # nothing to copy, or the save stages in waves: prestaging would hold more
-        if self._staging is None:
-            self._staging = StagingBuffers()
+        self.discard_prestaged()
+        buffers = staging.StagingBuffers(staging.pool())
+        started = False
         try:
             for t in sources:
-                self._staging.prestage(t)
+                # Never waits: with another save's buffers still out, the rest is copied later.
+                if not buffers.prestage(t, wait=False):
+                    break
+                started = True
         except BaseException:
-            self._staging.discard_unsealed()
+            buffers.discard_unsealed()
             raise
-        return True
+        self._prestaged = buffers if started else None
+        return started
 
     def discard_prestaged(self) -> None:
-        if self._staging is not None:
-            self._staging.discard_unsealed()
+        buffers, self._prestaged = self._prestaged, None
+        if buffers is not None:
+            buffers.discard_unsealed()
 
     def async_save(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: storage.Location):
         """Stage the local bytes now; return an AsyncRequest that writes them in the background

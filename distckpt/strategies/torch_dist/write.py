@@ -4,6 +4,14 @@ Each file of a :class:`~distckpt.strategies.torch_dist.plan.SavePlan` is an :cla
 file descriptor on a local directory, a store's streaming writer elsewhere) written wave by wave
 by a pool of writer threads; :func:`write_plan` returns the plan with the records of where every
 item landed. Large tensor items get per-block CRC32Cs, written as the file's block table.
+
+A plain (synchronous) save does not copy a CUDA tensor to host memory whole before writing it:
+each writer thread streams its file's CUDA items through a few pinned slots
+(:class:`~distckpt.strategies.device_io.DeviceToHost`), the next pieces' device-to-host copies
+running on a side stream while the current piece is checksummed and written. A contiguous CPU
+view that does not own its storage is written from the caller's memory (no copy). Both give the
+bytes, CRC32Cs and block entries a whole host copy would (:func:`write_tensor_pieces`); the
+slots, ``threads * SLOTS * slot`` bytes, come out of the host memory budget.
 """
 
 from __future__ import annotations
@@ -21,11 +29,15 @@ from distckpt import storage
 from distckpt.budget import host_memory_budget
 from distckpt.checksum import crc32c
 from distckpt.strategies import blockcrc
+from distckpt.strategies.device_io import PIECE_ALIGN, SLOT_BYTES, SLOTS, DeviceToHost, is_plain
 from distckpt.strategies.filesystem import (
     ChecksummingSink,
     WriterSink,
+    byte_view,
+    framed,
     write_bytes_item,
     write_tensor_item,
+    write_tensor_pieces,
     zip_crc_disabled,
 )
 from distckpt.strategies.torch_dist.metadata import Resolved
@@ -55,12 +67,32 @@ class Output:
             self.fd = os.open(root / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             self.sink = ChecksummingSink(self.fd)
 
-    def write(self, items: List[WriteItem]) -> None:
-        for it in items:
-            if isinstance(it.payload, torch.Tensor):
-                self.written.append((it, *write_tensor_item(self.sink, it.payload, self.blocks)))
-            else:
-                self.written.append((it, *write_bytes_item(self.sink, it.payload)))
+    def write(
+        self, items: List[WriteItem], routes: Optional[Routes] = None, slot_bytes: int = SLOT_BYTES
+    ) -> None:
+        """Append ``items``: staged ones from their payload, routed ones (``routes``, see
+        :func:`routes_of`) from their source, through slots of ``slot_bytes`` or directly."""
+        routes = routes or {}
+        ringed = [it for it in items if routes.get(id(it)) == RING]
+        ring = DeviceToHost(slot_bytes) if ringed else None
+        try:
+            pieces = ring.pieces([it.source for it in ringed]) if ring is not None else iter(())
+            for it in items:
+                route = routes.get(id(it))
+                if route is not None:
+                    src = it.source
+                    chunks = _item_pieces(pieces, it.nbytes) if route == RING else [byte_view(src)]
+                    done = write_tensor_pieces(self.sink, src.dtype, it.chunk_size, chunks, self.blocks)
+                    assert done is not None  # routes_of routes framed tensors only
+                    self.written.append((it, *done))
+                    it.source = None
+                elif isinstance(it.payload, torch.Tensor):
+                    self.written.append((it, *write_tensor_item(self.sink, it.payload, self.blocks)))
+                else:
+                    self.written.append((it, *write_bytes_item(self.sink, it.payload)))
+        finally:
+            if ring is not None:
+                ring.close()
 
     def close(self) -> int:
         """Make the file (and its block table, if it has large items) complete and durable;
@@ -92,9 +124,73 @@ class Output:
             logger.debug("closing %s after a failure", self.name, exc_info=True)
 
 
-def _stage_wave(plan: SavePlan, wave: Wave) -> Optional[Any]:
-    """Copy the wave's items to host memory (into the pool when there is one); returns the
-    pool's batch to release once written."""
+# How a plain save's item reaches its file without a staged copy (see :func:`routes_of`).
+RING = "ring"  # in pieces through a writer thread's slots (DeviceToHost)
+DIRECT = "direct"  # from the source's own memory (a contiguous CPU view)
+Routes = Dict[int, str]  # id(item) -> RING or DIRECT; items not in it are staged
+
+# Devices whose tensors a plain save streams through slots. CPU tensors go the direct way (or, if
+# they own their storage, as they are); tests add "cpu" to run the slot path without a GPU.
+STREAMED_DEVICES = {"cuda"}
+
+
+def routes_of(plan: SavePlan) -> Routes:
+    """The items of a plain save (no staging pool) written without a whole host copy: plain
+    contiguous tensors that :func:`write_tensor_pieces` frames, from a device of
+    :data:`STREAMED_DEVICES` through slots (local files only: a store's writer may keep the bytes
+    it is given until its part is full, and a slot is refilled at once), and CPU views into a
+    larger storage directly (the copy they had was for ``torch.save``, which writes whole storages).
+    Their ``copies`` flag is cleared: they cost the waves nothing."""
+    if plan.staging is not None:
+        return {}
+    local = storage.local_root(plan.checkpoint_dir) is not None
+    routes: Routes = {}
+    for _, items in plan.jobs:
+        for it in items:
+            src = it.source
+            if (
+                src is None
+                or not is_plain(src)
+                or not src.is_contiguous()
+                or not framed(src.dtype, it.chunk_size)
+            ):
+                continue
+            if src.device.type in STREAMED_DEVICES:
+                if not local:
+                    continue
+                routes[id(it)] = RING
+            elif src.device.type == "cpu" and it.copies and _shares_storage(src):
+                routes[id(it)] = DIRECT
+            else:
+                continue
+            it.copies = False
+    return routes
+
+
+def _shares_storage(t: torch.Tensor) -> bool:
+    """A view into a larger storage (``torch.save`` would write all of it: a save copies it)."""
+    return t.storage_offset() != 0 or t.untyped_storage().nbytes() != t.numel() * t.element_size()
+
+
+def slot_bytes_for(budget: int, threads: int) -> int:
+    """The slot size of a plain save's writer threads: :data:`SLOT_BYTES`, or less so that all
+    threads' slots take at most a quarter of ``budget``; a multiple of ``PIECE_ALIGN``."""
+    fit = budget // (4 * max(1, threads) * SLOTS) // PIECE_ALIGN * PIECE_ALIGN
+    return max(PIECE_ALIGN, min(SLOT_BYTES, fit))
+
+
+def _item_pieces(pieces: Iterator[Tuple[int, int, memoryview]], nbytes: int) -> Iterator[memoryview]:
+    """The next pieces of ``pieces`` up to ``nbytes`` bytes: one item's bytes."""
+    done = 0
+    while done < nbytes:
+        _, _, view = next(pieces)
+        done += len(view)
+        yield view
+
+
+def _stage_wave(plan: SavePlan, wave: Wave, routes: Optional[Routes] = None) -> Optional[Any]:
+    """Copy the wave's items to host memory (into the pool when there is one), except the routed
+    ones (written from their source); returns the pool's batch to release once written."""
     if plan.staging is not None:
         needed: Dict[Any, int] = defaultdict(int)
         for _, items in wave:
@@ -104,19 +200,26 @@ def _stage_wave(plan: SavePlan, wave: Wave) -> Optional[Any]:
         plan.staging.keep_only(needed)
     for _, items in wave:
         for it in items:
-            if it.source is not None:
+            if it.source is not None and (routes is None or id(it) not in routes):
                 src = it.source
                 it.payload = standalone_cpu(src, it.chunk_size, plan.staging if it.copies else None)
                 it.source = None
     return plan.staging.seal() if plan.staging is not None else None
 
 
-def _write_wave(plan: SavePlan, wave: Wave, pool: Optional[ThreadPoolExecutor], last: bool) -> None:
+def _write_wave(
+    plan: SavePlan,
+    wave: Wave,
+    pool: Optional[ThreadPoolExecutor],
+    last: bool,
+    routes: Optional[Routes] = None,
+    slot_bytes: int = SLOT_BYTES,
+) -> None:
     def one(name: str, items: List[WriteItem]) -> None:
         out = plan.outputs.get(name)
         if out is None:
             out = plan.outputs[name] = Output(plan.checkpoint_dir, name)
-        out.write(items)
+        out.write(items, routes, slot_bytes)
         for it in items:
             it.payload = None
         if last:
@@ -148,11 +251,15 @@ def _abort_outputs(plan: SavePlan) -> None:
 INLINE_WRITE_BYTES = 4 << 20
 
 
+def _workers(plan: SavePlan, thread_count: int) -> int:
+    return max(1, min(thread_count, len(plan.jobs)))
+
+
 @contextmanager
 def _writer_pool(plan: SavePlan, thread_count: int) -> Iterator[Optional[ThreadPoolExecutor]]:
     """The writer threads of ``plan`` (one per file up to ``thread_count``), or None: write
     inline (a single file, one thread, or a small plan)."""
-    workers = max(1, min(thread_count, len(plan.jobs)))
+    workers = _workers(plan, thread_count)
     if workers == 1 or sum(it.nbytes for _, items in plan.jobs for it in items) <= INLINE_WRITE_BYTES:
         yield None
         return
@@ -201,12 +308,18 @@ def write_plan(plan: SavePlan, thread_count: int = 2, budget: Optional[int] = No
             else:
                 if budget is None:
                     budget = host_memory_budget()
+                routes = routes_of(plan)
+                slot_bytes = SLOT_BYTES
+                if RING in routes.values():
+                    threads = _workers(plan, thread_count) if pool is not None else 1
+                    slot_bytes = slot_bytes_for(budget, threads)
+                    budget = max(1, budget - threads * SLOTS * slot_bytes)  # the slots' share
                 waves = plan_waves(plan.jobs, budget)
                 plan.waves = len(waves)
                 for i, wave in enumerate(waves):
-                    staged = _stage_wave(plan, wave)
+                    staged = _stage_wave(plan, wave, routes)
                     try:
-                        _write_wave(plan, wave, pool, last=i == len(waves) - 1)
+                        _write_wave(plan, wave, pool, i == len(waves) - 1, routes, slot_bytes)
                     finally:
                         if staged is not None:
                             staged.release()

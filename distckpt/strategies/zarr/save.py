@@ -19,7 +19,8 @@ from distckpt.budget import host_memory_budget
 from distckpt.core import CheckpointingException
 from distckpt.manifest import build_manifest, dtype_name, write_manifest
 from distckpt.mapping import ShardedStateDict
-from distckpt.strategies.async_utils import AsyncRequest, StagingBuffers
+from distckpt.strategies import staging
+from distckpt.strategies.async_utils import AsyncRequest
 from distckpt.strategies.base import AsyncSaveShardedStrategy
 from distckpt.strategies.zarr.engines import Engines
 from distckpt.strategies.zarr.jobs import ChunkWrite
@@ -65,6 +66,7 @@ class _SavePlan:
     records: List[FileRecord]
     exc: Optional[BaseException] = None
     staged: Optional[Any] = None  # the StagedBatch holding the staged bytes (async save)
+    staging: Optional[Any] = None  # this save's StagingBuffers over the process-wide pool (async save)
     waves: int = 1  # staging waves of an async save
 
 
@@ -104,7 +106,13 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.engines = Engines(io_engine, thread_count, fsync)
         self.compression = compression
         self.min_flat_chunk_bytes = min_flat_chunk_bytes
-        self._staging: Optional[Any] = None
+
+    @property
+    def staging_pool(self) -> staging.StagingPool:
+        """Where async saves take their staging buffers: the process-wide pool."""
+        return staging.pool()
+
+    _staging = staging_pool  # its name before the pool was process-wide
 
     def _create_arrays(
         self, root: Root, decls: Dict[str, KeyDecl]
@@ -137,13 +145,8 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         exc: Optional[BaseException] = None
         decls: Optional[Dict[str, KeyDecl]] = None
         pieces: List[Piece] = []
-        staging = None
-        if stage:
-            if self._staging is None:
-                self._staging = StagingBuffers()
-            staging = self._staging
         try:
-            pieces, decls = local_plan(sharded_state_dict, DEFER if staging is not None else None)
+            pieces, decls = local_plan(sharded_state_dict, DEFER if stage else None)
         except Exception as e:  # noqa: BLE001 - shared with every rank below
             exc = e
         staged = None  # staging happens in waves, after planning (stage_waves)
@@ -154,6 +157,8 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
                 staged.release()
             raise
         plan = _SavePlan(root, {}, [], [], [], None, staged)
+        if stage:
+            plan.staging = staging.StagingBuffers(staging.pool())
         try:
             merged = merge_decls(gathered)
             check_key_paths(merged)
@@ -181,7 +186,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         """The blocking part of an async save: copy the chunk writes into staging buffers in
         waves of at most ``budget`` bytes, write every wave but the last now, and leave the last
         one (staged) to :meth:`write`. A failure is kept in the plan (raised by ``write``)."""
-        staging = self._staging
+        buffers = plan.staging
         waves: List[List[ChunkWrite]] = [[]]
         used = 0
         for w in plan.writes:
@@ -192,7 +197,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
             waves[-1].append(w)
             used += cost
         plan.waves = len(waves)
-        staging.reset_peak()
+        buffers.reset_peak()
         try:
             for i, wave in enumerate(waves):
                 if plan.exc is not None:
@@ -200,13 +205,13 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
                 needed: Dict[Any, int] = {}
                 for w in wave:
                     if not w.owned:
-                        key = staging.key_of(w.data)
+                        key = buffers.key_of(w.data)
                         needed[key] = needed.get(key, 0) + 1
-                staging.keep_only(needed)
+                buffers.keep_only(needed)
                 for w in wave:
                     if not w.owned:
-                        w.data, w.owned = staging.acquire(w.data), True
-                staged = staging.seal()
+                        w.data, w.owned = buffers.acquire(w.data), True
+                staged = buffers.seal()
                 if i == len(waves) - 1:
                     plan.writes, plan.staged = wave, staged
                     return
@@ -219,7 +224,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
         except Exception as e:  # noqa: BLE001 - raised by write, shared at finalize
             plan.exc = e
         plan.writes = []
-        staging.seal().release()  # what this save staged and did not seal (another save's stay out)
+        buffers.seal().release()  # what this save staged and did not seal (another save's stay out)
 
     def write(self, plan: _SavePlan) -> None:
         """Write this rank's whole chunks; no collective (may run in a background thread)."""
