@@ -70,6 +70,21 @@ def release_slots() -> int:
     return freed
 
 
+def side_stream(streams: Dict[torch.device, torch.cuda.Stream], device: torch.device):
+    """The side CUDA stream of ``device`` in ``streams`` (made on first use), or None off CUDA.
+
+    A new side stream first waits for whatever the caller queued on the device's current stream
+    (the tensors' last writes, the allocation and zeroing of load targets), so copies on it never
+    see bytes older than the caller's work."""
+    if device.type != "cuda":
+        return None
+    stream = streams.get(device)
+    if stream is None:
+        stream = streams[device] = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+    return stream
+
+
 class _Slot:
     def __init__(self, buf: torch.Tensor, pinned: bool = False):
         self.buf = buf
@@ -122,15 +137,7 @@ class HostBounce:
         return slot
 
     def _stream(self, device: torch.device) -> Optional[torch.cuda.Stream]:
-        if device.type != "cuda":
-            return None
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device=device)
-            # The side stream starts after whatever the caller queued on the device (e.g. the
-            # allocation and zeroing of the target tensors).
-            stream.wait_stream(torch.cuda.current_stream(device))
-        return stream
+        return side_stream(self._streams, device)
 
     def _read(
         self,
@@ -289,14 +296,7 @@ class DeviceToHost:
         self._streams: Dict[torch.device, torch.cuda.Stream] = {}
 
     def _stream(self, device: torch.device) -> Optional[torch.cuda.Stream]:
-        if device.type != "cuda":
-            return None
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device=device)
-            # The copies start after what the caller queued on the device (the tensors' last writes).
-            stream.wait_stream(torch.cuda.current_stream(device))
-        return stream
+        return side_stream(self._streams, device)
 
     def _slot(self, pinned: bool) -> _Slot:
         for i, slot in enumerate(self._free):
