@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections import defaultdict
-from typing import Dict, Iterable, List, NamedTuple, Optional, Set, Tuple, TypeVar
+from typing import Dict, Iterable, List, Optional, Set, Tuple, TypeVar
 
 import torch
 
@@ -33,6 +33,7 @@ from distckpt.dict_utils import nested_values
 from distckpt.errors import CheckpointingException
 from distckpt.mapping import ShardedStateDict, ShardedTensor, is_main_replica
 from distckpt.process_group import collective_device
+from distckpt.strategies import shard_assignment
 from distckpt.utils import sharded_tensor_shard_id
 
 logger = logging.getLogger(__name__)
@@ -46,22 +47,10 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-ShardId = Tuple[str, tuple, Optional[tuple]]
-
-
-class ShardDistribution(NamedTuple):
-    """A distribution of ShardedTensors within one (implicit) parallelization group.
-
-    Fields, in Megatron-Core's order: ``main_rank_for_shard`` (shard id -> the group rank that
-    saves or loads it), ``shards_in_this_group`` (ids whose main replica is in the group),
-    ``shard_to_metadata`` (id -> a data-free ShardedTensor of it), ``all_ranks_for_shard`` (id ->
-    the group ranks that hold or need it).
-    """
-
-    main_rank_for_shard: Dict[ShardId, int]
-    shards_in_this_group: Set[ShardId]
-    shard_to_metadata: Dict[ShardId, ShardedTensor]
-    all_ranks_for_shard: Dict[ShardId, List[int]]
+ShardId = shard_assignment.MCoreShardId
+# Megatron-Core's distribution record; distckpt's wrappers give theirs in this form too
+# (``wrapper.cached_distribution``).
+ShardDistribution = shard_assignment.MCoreShardDistribution
 
 
 def _nbytes(sh: ShardedTensor) -> int:
@@ -78,24 +67,19 @@ def distribute_shards_to_ranks(
 ) -> Dict[T, int]:
     """Assign each shard to one of the ranks that hold it, balancing bytes; the same on every rank.
 
-    Order of assignment: shards not in ``cross_parallelization_group_loads`` first, then fewest
-    holders, then largest, then by id; each goes to its least loaded holder (ties: lowest rank).
+    The assignment distckpt's own wrappers use (:func:`shard_assignment.distribute_shards_to_ranks
+    <distckpt.strategies.shard_assignment.distribute_shards_to_ranks>`), in Megatron-Core's order:
+    shards not in ``cross_parallelization_group_loads`` first, then fewest holders, then largest,
+    then by id; each goes to its least loaded holder (ties: lowest rank).
     """
-    cross = set(cross_parallelization_group_loads)
-    loads = [0] * num_ranks
-    assignment: Dict[T, int] = {}
-
-    def order(sid):
-        return (sid in cross, len(shard_to_ranks[sid]), -shard_to_size[sid], sid)
-
-    for sid in sorted(shard_to_ranks, key=order):
-        holders = shard_to_ranks[sid]
-        if not holders:
-            raise CheckpointingException(f"shard {sid!r} has no rank to assign it to")
-        rank = min(holders, key=lambda r: (loads[r], r))
-        assignment[sid] = rank
-        loads[rank] += shard_to_size[sid]
-    logger.debug("distribute_shards_to_ranks: bytes per rank %s", loads)
+    assignment = shard_assignment.distribute_shards_to_ranks(
+        shard_to_ranks, shard_to_size, num_ranks, None, cross_parallelization_group_loads
+    )
+    if logger.isEnabledFor(logging.DEBUG):
+        loads = [0] * num_ranks
+        for sid, rank in assignment.items():
+            loads[rank] += shard_to_size[sid]
+        logger.debug("distribute_shards_to_ranks: bytes per rank %s", loads)
     return assignment
 
 

@@ -1,8 +1,9 @@
 """Who handles which replicated shard in a fully parallel save or load: shard ids, the balanced
 assignment, and the distribution both wrappers find once per structure and cache.
 
-The assignment is the same on every rank: shards sorted by size (largest first) and id, each
-given to the least-loaded rank among those that hold it (ties to the lowest rank). Finding it
+The assignment is the same on every rank and follows Megatron-Core's order: shards held by the
+fewest ranks first, then the largest, then by id, each given to the least-loaded rank among those
+that hold it (ties to the lowest rank). Finding it
 takes one all-gather of shard ids and sizes within the group; with ``do_cache_distribution`` it
 is kept and reused as long as the local shards keep their structure, which costs one tiny
 all-reduce per call (which also carries "did this rank fail?", see
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from distckpt import dist
 from distckpt.core import CheckpointingException
@@ -72,19 +73,58 @@ def distribute_shards_to_ranks(
     shard_to_size: Dict[ShardId, int],
     num_ranks: int,
     initial_loads: Optional[Sequence[int]] = None,
+    cross_parallelization_group_loads: Iterable[ShardId] = frozenset(),
 ) -> Dict[ShardId, int]:
     """Give each shard to one of the ranks that hold it, balancing bytes; deterministic.
 
-    Shards go largest first (ties by id) to the least-loaded holder (ties to the lowest rank).
-    ``initial_loads`` are bytes each rank has to handle anyway.
+    The order is Megatron-Core's, so a fully parallel save or load splits the work as it does:
+    shards not in ``cross_parallelization_group_loads`` first, then those held by the fewest
+    ranks (they have the fewest choices), then the largest, then by id; each goes to its
+    least-loaded holder (ties to the lowest rank). ``initial_loads`` are bytes each rank has to
+    handle anyway.
     """
+    cross = set(cross_parallelization_group_loads)
     loads = list(initial_loads) if initial_loads is not None else [0] * num_ranks
     assignment: Dict[ShardId, int] = {}
-    for sid in sorted(shard_to_ranks, key=lambda s: (-shard_to_size[s], s)):
-        rank = min(shard_to_ranks[sid], key=lambda r: (loads[r], r))
+
+    def order(sid: ShardId) -> Tuple[Any, ...]:
+        return (sid in cross, len(shard_to_ranks[sid]), -shard_to_size[sid], sid)
+
+    for sid in sorted(shard_to_ranks, key=order):
+        holders = shard_to_ranks[sid]
+        if not holders:
+            raise CheckpointingException(f"shard {sid!r} has no rank to assign it to")
+        rank = min(holders, key=lambda r: (loads[r], r))
         assignment[sid] = rank
         loads[rank] += shard_to_size[sid]
     return assignment
+
+
+# Megatron-Core's shard ids: (key, global offset, flattened range as (start, stop) or None).
+MCoreShardId = Tuple[str, tuple, Optional[tuple]]
+
+
+class MCoreShardDistribution(NamedTuple):
+    """A distribution in Megatron-Core's form (``exchange_utils.ShardDistribution``).
+
+    Fields, in Megatron-Core's order: ``main_rank_for_shard`` (shard id -> the group rank that
+    saves or loads it), ``shards_in_this_group`` (ids whose main replica is in the group),
+    ``shard_to_metadata`` (id -> a data-free ShardedTensor of it), ``all_ranks_for_shard`` (id ->
+    the group ranks that hold or need it).
+    """
+
+    main_rank_for_shard: Dict[MCoreShardId, int]
+    shards_in_this_group: Set[MCoreShardId]
+    shard_to_metadata: Dict[MCoreShardId, ShardedTensor]
+    all_ranks_for_shard: Dict[MCoreShardId, List[int]]
+
+
+def mcore_shard_id(sid: ShardId) -> Any:
+    """Megatron-Core's id of the shard distckpt calls ``sid``: ``(key, global offset, flat range
+    or None)`` for a tensor (as ``utils.sharded_tensor_shard_id``), the unique key for an object."""
+    if sid[0] == "tensor":
+        return (sid[1], sid[3], sid[6] or None)
+    return sid[1]
 
 
 @dataclass(frozen=True)
@@ -156,6 +196,18 @@ class WrapperState:
     @property
     def can_handle_sharded_objects(self) -> bool:
         return self.base_strategy.can_handle_sharded_objects
+
+    @property
+    def cached_distribution(self) -> Optional[MCoreShardDistribution]:
+        """The last call's distribution in Megatron-Core's form (None before the first call):
+        who writes or reads each shard and which ranks hold it, by Megatron-Core's shard ids.
+        ``shard_to_metadata`` is empty: distckpt keeps no data-free copies of the shards."""
+        d = self.last_distribution
+        if d is None:
+            return None
+        main = {mcore_shard_id(sid): rank for sid, rank in d.assignment.items()}
+        holders = {mcore_shard_id(sid): list(ranks) for sid, ranks in d.holders.items()}
+        return MCoreShardDistribution(main, set(main), {}, holders)
 
     @property
     def last_distribution_cached(self) -> bool:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import distckpt
 from distckpt import ShardedObject, ShardedTensor
@@ -26,6 +27,7 @@ from distckpt.strategies.fully_parallel import (
     distribute_shards_to_ranks,
 )
 from distckpt.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
+from distckpt.strategies.torch_dist.metadata import read_metadata
 from tests.support import layouts
 from tests.support.harness import expect_all_ranks_raise, run_ranks
 
@@ -109,7 +111,9 @@ def test_distribution_balances_bytes_among_holders_deterministically():
     holders = {("a",): [0, 1], ("b",): [0, 1], ("c",): [0, 1, 2], ("d",): [2], ("e",): [1, 2]}
     sizes = {("a",): 100, ("b",): 90, ("c",): 50, ("d",): 40, ("e",): 10}
     out = distribute_shards_to_ranks(holders, sizes, 3)
-    assert out == {("a",): 0, ("b",): 1, ("c",): 2, ("d",): 2, ("e",): 1}
+    # Megatron-Core's order: fewest holders first (d), then the largest (a, b, e), then c.
+    assert out == {("a",): 0, ("b",): 1, ("c",): 2, ("d",): 2, ("e",): 2}
+    assert max(sum(sizes[s] for s in out if out[s] == r) for r in range(3)) == 100
     assert distribute_shards_to_ranks(dict(reversed(list(holders.items()))), sizes, 3) == out
     assert all(out[s] in holders[s] for s in holders)
 
@@ -160,6 +164,34 @@ def test_save_distribution_cache_hits_while_the_structure_is_unchanged(change_st
     assert results == [[False, True, not change_structure]] * WORLD
     tensors, _ = _load_everything_single_process(tmp_path / "step2")
     assert layouts.bitwise_equal(tensors["big3"], layouts.full_tensor("big3", (64, 256)))
+
+
+def _save_and_report_distribution(ckpt):
+    rank = ddist.get_rank()
+    wrapper = FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy())
+    assert wrapper.cached_distribution is None
+    sd, _ = _model(rank, ddist.get_world_size(), True)
+    distckpt.save(sd, ckpt, sharded_strategy=wrapper)
+    d = wrapper.cached_distribution
+    return d.main_rank_for_shard, d.shards_in_this_group, d.all_ranks_for_shard
+
+
+def test_cached_distribution_names_each_writer_by_megatron_shard_ids(tmp_path):
+    """``wrapper.cached_distribution`` (Megatron-Core's attribute and form) says which rank
+    wrote each shard: exactly the rank whose file holds it in ``.metadata``."""
+    results = run_ranks(WORLD, _save_and_report_distribution, str(tmp_path), timeout=TIMEOUT)
+    main, in_group, holders = results[0]
+    assert all(r == results[0] for r in results)
+    assert in_group == set(main) and set(holders) == set(main)
+    md = read_metadata(tmp_path)
+    written = {}
+    for index, info in md.storage_data.items():
+        if isinstance(md.state_dict_metadata[index.fqn], TensorStorageMetadata):
+            written[(index.fqn, tuple(index.offset), None)] = int(info.relative_path.split("_")[2])
+    tensor_ids = {sid for sid in main if isinstance(sid, tuple)}
+    assert tensor_ids and tensor_ids == set(written)
+    for sid in tensor_ids:
+        assert main[sid] == written[sid] and main[sid] in holders[sid]
 
 
 class _SyncOnlyStrategy(SaveShardedStrategy):
