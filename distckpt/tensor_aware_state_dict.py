@@ -92,6 +92,12 @@ def _split(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStateDict, Stat
     return sharded, common, nonpersistent
 
 
+class LocalShardMissingError(CheckpointingException, AssertionError):
+    """A requested shard is not in the local checkpoint. Also an ``AssertionError``: Megatron-Core's
+    container fails an assertion there, and code written for it catches that type; this one is
+    raised explicitly, with the key, offset and rank, on every rank of the group."""
+
+
 @dataclass
 class MCoreTensorAwareStateDict(TensorAwareStateDict):
     """The common state and the sharded part of a state dict, whose tensors can be taken out and
@@ -271,11 +277,9 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
                 missing, unexpected = determine_missing_and_unexpected_keys(
                     stored_keys, local_keys, global_keys
                 )
+                # As Megatron-Core: the modes that do not raise here log or return the mismatch,
+                # and a requested key the container lacks still fails below (on every rank).
                 handle_mismatched_keys(strict, missing, unexpected, "local checkpoint")
-                if unexpected:
-                    sharded, _ = extract_matching_values(
-                        sharded, lambda v: isinstance(v, ShardedBase) and v.key not in unexpected
-                    )
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             exc = e
         dist.sync_errors("tensor-aware load (keys)", exc, group=parallelization_group)
@@ -330,14 +334,14 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             if isinstance(x, ShardedTensor):
                 sid = sharded_tensor_shard_id(x)
                 if sid not in tensors:
-                    raise CheckpointingException(
+                    raise LocalShardMissingError(
                         f"key {x.key!r} (offset {x.global_offset}) is not in rank {rank}'s local checkpoint"
                     )
                 return tensors[sid]
             if isinstance(x, ShardedObject):
                 oid = sharded_object_id(x)
                 if oid not in objects:
-                    raise CheckpointingException(f"object {x.key!r} is not in rank {rank}'s local checkpoint")
+                    raise LocalShardMissingError(f"object {x.key!r} is not in rank {rank}'s local checkpoint")
                 return objects[oid]
             return x
 

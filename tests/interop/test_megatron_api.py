@@ -337,10 +337,16 @@ def test_tensor_aware_state_dict_round_trips(run_ranks, algo):
         assert w == [[float(rank)] * 4] and rep == [7.0, 7.0] and obj == {"v": 1} and step == 5
 
 
-def test_tensor_aware_state_dict_reports_mismatched_keys(run_ranks):
-    results = run_ranks(WORLD, _tensor_aware, "atomic", "return_all", timeout=TIMEOUT)
-    assert results == [([], ["nope"], False)] * WORLD
+def test_tensor_aware_state_dict_fails_a_request_for_a_key_it_lacks_in_every_mode(run_ranks):
+    # As Megatron-Core's container: a mode that does not raise at the key check (here return_all)
+    # still fails when the requested key is not there - never a result without it - on every
+    # rank, with an error that is also the AssertionError Megatron-Core's callers catch.
+    expect_all_ranks_raise(WORLD, _tensor_aware, "atomic", "return_all", match="'nope'.*not in rank")
     expect_all_ranks_raise(WORLD, _tensor_aware, "atomic", "raise_all", match="Unexpected keys.*nope")
+    from distckpt.tensor_aware_state_dict import LocalShardMissingError
+
+    assert issubclass(LocalShardMissingError, AssertionError)
+    assert issubclass(LocalShardMissingError, distckpt.CheckpointingException)
 
 
 # --------------------------------------------------------------------------- behaviour rows
