@@ -19,8 +19,9 @@ on :mod:`~distckpt.strategies.shard_assignment`; this module re-exports them (it
 for Megatron-Core imports from here. Megatron-Core's ``exchange_utils`` names (its assignment
 order and exchange functions) are in :mod:`distckpt.exchange_utils`.
 
-The assignment is the same on every rank: shards sorted by size (largest first) and id, each
-given to the least-loaded rank among those that hold it (ties to the lowest rank). Finding it
+The assignment is the same on every rank, in Megatron-Core's order: shards held by the fewest
+ranks first, then the largest, then by id, each given to the least-loaded rank among those that
+hold it (ties to the lowest rank). Finding it
 takes one all-gather of shard ids and sizes within the group; with ``do_cache_distribution`` it
 is kept and reused as long as the local shards keep their structure, which costs one tiny
 all-reduce per call.
@@ -33,6 +34,9 @@ the same order on every group rank.
 """
 
 from __future__ import annotations
+
+# Megatron-Core's tests patch ``<this module>.torch.distributed.broadcast`` to count exchanges.
+import torch  # noqa: F401
 
 from distckpt.strategies.fully_parallel_load import (
     EXCHANGE_ALGOS,
