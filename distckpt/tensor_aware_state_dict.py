@@ -51,6 +51,7 @@ from distckpt.mapping import (
     apply_factories,
     apply_factory_merges,
 )
+from distckpt.process_group import RankErrors
 from distckpt.strict import (
     StrictHandling,
     determine_missing_and_unexpected_keys,
@@ -92,10 +93,14 @@ def _split(sharded_state_dict: ShardedStateDict) -> Tuple[ShardedStateDict, Stat
     return sharded, common, nonpersistent
 
 
+_NOT_HELD = "is not in rank"
+
+
 class LocalShardMissingError(CheckpointingException, AssertionError):
-    """A requested shard is not in the local checkpoint. Also an ``AssertionError``: Megatron-Core's
-    container fails an assertion there, and code written for it catches that type; this one is
-    raised explicitly, with the key, offset and rank, on every rank of the group."""
+    """A requested shard is not in the local checkpoint (under ``ASSUME_OK_UNEXPECTED``, which does
+    not check the keys first). Also an ``AssertionError``: Megatron-Core's container fails an
+    assertion there, and code written for it catches that type; this one is raised explicitly,
+    naming key, offset and rank, on every rank of the group."""
 
 
 @dataclass
@@ -277,9 +282,11 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
                 missing, unexpected = determine_missing_and_unexpected_keys(
                     stored_keys, local_keys, global_keys
                 )
-                # As Megatron-Core: the modes that do not raise here log or return the mismatch,
-                # and a requested key the container lacks still fails below (on every rank).
                 handle_mismatched_keys(strict, missing, unexpected, "local checkpoint")
+                if unexpected:
+                    sharded, _ = extract_matching_values(
+                        sharded, lambda v: isinstance(v, ShardedBase) and v.key not in unexpected
+                    )
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             exc = e
         dist.sync_errors("tensor-aware load (keys)", exc, group=parallelization_group)
@@ -335,13 +342,13 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
                 sid = sharded_tensor_shard_id(x)
                 if sid not in tensors:
                     raise LocalShardMissingError(
-                        f"key {x.key!r} (offset {x.global_offset}) is not in rank {rank}'s local checkpoint"
+                        f"key {x.key!r} (offset {x.global_offset}) {_NOT_HELD} {rank}'s local checkpoint"
                     )
                 return tensors[sid]
             if isinstance(x, ShardedObject):
                 oid = sharded_object_id(x)
                 if oid not in objects:
-                    raise LocalShardMissingError(f"object {x.key!r} is not in rank {rank}'s local checkpoint")
+                    raise LocalShardMissingError(f"object {x.key!r} {_NOT_HELD} {rank}'s local checkpoint")
                 return objects[oid]
             return x
 
@@ -350,4 +357,10 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
             dict_list_map_inplace(take, sharded)
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             exc = e
-        dist.sync_errors("tensor-aware load", exc, group=group)
+        try:
+            dist.sync_errors("tensor-aware load", exc, group=group)
+        except RankErrors as failed:
+            # Every rank holds the same report: all of them raise the same type.
+            if _NOT_HELD in str(failed):
+                raise LocalShardMissingError(str(failed)) from failed
+            raise

@@ -327,6 +327,25 @@ def _tensor_aware(algo: str, strict: str):
     return sorted(missing), sorted(unexpected), "nope" in out
 
 
+def _tensor_aware_missing_key():
+    from distckpt.tensor_aware_state_dict import MCoreTensorAwareStateDict
+
+    rank, world = ddist.get_rank(), ddist.get_world_size()
+    tasd, _ = MCoreTensorAwareStateDict.from_state_dict({"w": _row(rank, world, 1.0)}, "atomic")
+    nope = ShardedTensor.from_rank_offsets("nope", torch.zeros(1), replica_id=rank)
+    request = {"w": _row(rank, world, 0.0), "nope": nope}
+    try:
+        tasd.to_state_dict(request)
+    except AssertionError as e:
+        return (
+            type(e).__name__,
+            isinstance(e, distckpt.CheckpointingException),
+            "'nope'" in str(e),
+            f"rank {rank}" in str(e),
+        )
+    return None
+
+
 @pytest.mark.parametrize("algo", ["atomic", "fully_parallel"])
 def test_tensor_aware_state_dict_round_trips(run_ranks, algo):
     results = run_ranks(WORLD, _tensor_aware, algo, "assume_ok_unexpected", timeout=TIMEOUT)
@@ -337,16 +356,17 @@ def test_tensor_aware_state_dict_round_trips(run_ranks, algo):
         assert w == [[float(rank)] * 4] and rep == [7.0, 7.0] and obj == {"v": 1} and step == 5
 
 
-def test_tensor_aware_state_dict_fails_a_request_for_a_key_it_lacks_in_every_mode(run_ranks):
-    # As Megatron-Core's container: a mode that does not raise at the key check (here return_all)
-    # still fails when the requested key is not there - never a result without it - on every
-    # rank, with an error that is also the AssertionError Megatron-Core's callers catch.
-    expect_all_ranks_raise(WORLD, _tensor_aware, "atomic", "return_all", match="'nope'.*not in rank")
+def test_tensor_aware_state_dict_reports_mismatched_keys(run_ranks):
+    results = run_ranks(WORLD, _tensor_aware, "atomic", "return_all", timeout=TIMEOUT)
+    assert results == [([], ["nope"], False)] * WORLD
     expect_all_ranks_raise(WORLD, _tensor_aware, "atomic", "raise_all", match="Unexpected keys.*nope")
-    from distckpt.tensor_aware_state_dict import LocalShardMissingError
 
-    assert issubclass(LocalShardMissingError, AssertionError)
-    assert issubclass(LocalShardMissingError, distckpt.CheckpointingException)
+
+def test_tensor_aware_state_dict_under_assume_ok_fails_a_key_it_lacks_as_megatron_does(run_ranks):
+    # No key check in this mode: the fill meets the absent key and every rank raises one error
+    # that is ours and also the AssertionError Megatron-Core's container raises there.
+    failures = run_ranks(WORLD, _tensor_aware_missing_key, timeout=TIMEOUT)
+    assert failures == [("LocalShardMissingError", True, True, True)] * WORLD
 
 
 # --------------------------------------------------------------------------- behaviour rows
