@@ -28,12 +28,11 @@ import os
 import shutil
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from bench.common import raw_read, raw_write  # the same raw baseline as every benchmark
+from bench.common import barrier_time, raw_read, raw_write  # the same raw baseline as every benchmark
 from distckpt.examples.launch import launch
 
 
@@ -71,16 +70,6 @@ def _tensors(sd) -> list:
 
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _timed(fn, *args, **kwargs):
-    from distckpt import dist
-
-    dist.barrier()
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    dist.barrier()
-    return time.perf_counter() - t0, out
 
 
 def _same(loaded: dict, reference: dict) -> bool:
@@ -121,8 +110,8 @@ def _measure(args: argparse.Namespace, root: Path, mib: int) -> dict:
     out = {"bytes_per_rank": nbytes}
 
     raw = node / f"raw{rank}.bin"
-    out["raw_write"], _ = _timed(raw_write, raw, _tensors(sd))
-    out["raw_read"], _ = _timed(raw_read, raw, targets)
+    out["raw_write"], _ = barrier_time(raw_write, raw, _tensors(sd))
+    out["raw_read"], _ = barrier_time(raw_read, raw, targets)
     os.remove(raw)
 
     def manager(directory: Path, factor: int) -> LocalCheckpointManager:
@@ -131,31 +120,31 @@ def _measure(args: argparse.Namespace, root: Path, mib: int) -> dict:
         )
 
     f1, fn = manager(root / "f1", 1), manager(root / "local", args.factor)
-    out["local_save_f1"], _ = _timed(f1.save, sd, 1)
+    out["local_save_f1"], _ = barrier_time(f1.save, sd, 1)
     dist.barrier()
     if rank == 0:
         shutil.rmtree(root / "f1", ignore_errors=True)
     dist.barrier()
-    out[f"local_save_f{args.factor}"], _ = _timed(fn.save, sd, 1)
-    out["persistent_save"], _ = _timed(distckpt.save, sd, root / "persistent")
+    out[f"local_save_f{args.factor}"], _ = barrier_time(fn.save, sd, 1)
+    out["persistent_save"], _ = barrier_time(distckpt.save, sd, root / "persistent")
 
     def local_load() -> tuple:
         fn.find_latest()
         return fn.load(request), fn.last_load.source
 
     # The bit-exact checks run outside the timed part, as for the persistent load.
-    out["recover_local"], (loaded, source) = _timed(local_load)
+    out["recover_local"], (loaded, source) = barrier_time(local_load)
     out["recover_local_ok"] = _same(loaded, reference) and source == "local"
     dist.barrier()
     if rank == 0:
         shutil.rmtree(root / "local" / "node1")
     dist.barrier()
-    out["recover_peers"], (loaded, source) = _timed(local_load)
+    out["recover_peers"], (loaded, source) = barrier_time(local_load)
     out["recover_peers_source"] = source
     out["recover_peers_ok"] = _same(loaded, reference)
-    out["recover_persistent"], loaded = _timed(distckpt.load, request, root / "persistent")
+    out["recover_persistent"], loaded = barrier_time(distckpt.load, request, root / "persistent")
     out["recover_persistent_ok"] = _same(loaded, reference)
-    out["recover_persistent_verified"], loaded = _timed(
+    out["recover_persistent_verified"], loaded = barrier_time(
         distckpt.load, request, root / "persistent", verify=True
     )
     out["recover_persistent_ok"] = out["recover_persistent_ok"] and _same(loaded, reference)

@@ -102,6 +102,16 @@ def _run_facts(tdist, sd, world: int, hidden: int, layers: int):
     return mine, tensors, results
 
 
+def _report(tdist, rank: int, results: dict, times: dict, queue) -> None:
+    """Rank 0 sends the medians and every repetition; then all ranks leave the group."""
+    if rank == 0:
+        results["seconds"] = {k: statistics.median(v) for k, v in times.items()}
+        results["all_seconds"] = times
+        queue.put(results)
+    tdist.barrier()
+    tdist.destroy_process_group()
+
+
 def _rank_main_object_store(rank, world, port, args, queue):
     """The object-store run: raw obstore put/get against distckpt save/load of the same bytes."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
@@ -154,12 +164,7 @@ def _rank_main_object_store(rank, world, port, args, queue):
                     ckpt.delete(name)
             tdist.barrier()
     root.delete(f"raw_{rank}.bin")
-    if rank == 0:
-        results["seconds"] = {k: statistics.median(v) for k, v in times.items()}
-        results["all_seconds"] = times
-        queue.put(results)
-    tdist.barrier()
-    tdist.destroy_process_group()
+    _report(tdist, rank, results, times, queue)
 
 
 def _rank_main(rank, world, port, args, queue):
@@ -266,12 +271,7 @@ def _rank_main(rank, world, port, args, queue):
         if rank == 0:
             drop(ckpt)
         tdist.barrier()
-    if rank == 0:
-        results["seconds"] = {k: statistics.median(v) for k, v in times.items()}
-        results["all_seconds"] = times
-        queue.put(results)
-    tdist.barrier()
-    tdist.destroy_process_group()
+    _report(tdist, rank, results, times, queue)
 
 
 def _rss_pass(rank, root, sd, reshard, full_req, threads, tdist):
