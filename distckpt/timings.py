@@ -20,11 +20,12 @@ own record); an async save records its blocking part as ``"async save"``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional
 
 from distckpt import dist
 
@@ -51,12 +52,16 @@ class Timings:
     total_s: float
     phases: Dict[str, float] = field(default_factory=dict)
     failed: bool = False
+    sources: Dict[str, Any] = field(default_factory=dict)
 
     def __str__(self) -> str:
         parts = ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in self.phases.items())
-        return (
+        text = (
             f"{self.op} {self.total_s:.3f} s on rank {self.rank}{' (failed)' if self.failed else ''}: {parts}"
         )
+        if self.sources:
+            text += "; read from: " + ", ".join(f"{k} {v}" for k, v in self.sources.items() if v != {})
+        return text
 
 
 class _Recorder:
@@ -112,6 +117,15 @@ def begin_unless_timed(strategy, phase: str) -> None:
     (its class sets ``records_phases = True``)."""
     if not getattr(strategy, "records_phases", False):
         begin(phase)
+
+
+def annotate(op: str, sources: Dict[str, Any]) -> None:
+    """Attach ``sources`` (where the data came from: files and bytes per tier, say) to this
+    process's most recent ``op``; shown by its ``str``."""
+    with _last_lock:
+        last = _last.get(op)
+        if last is not None:
+            _last[op] = dataclasses.replace(last, sources=dict(sources))
 
 
 def last_timings(op: str = "save") -> Optional[Timings]:

@@ -1,0 +1,125 @@
+"""A store with a bandwidth limit: any :class:`Store` whose reads and writes are paced.
+
+Two uses: keep checkpoint uploads from taking a node's whole network (the tiered manager's
+remote, say, at a fraction of the link), and stand in for a slow remote tier in benchmarks and
+tests, on top of a real server (moto's S3, a directory)::
+
+    remote = ThrottledStore(open_store("s3://bucket/run"), write_bytes_per_s=200e6)
+
+The limit holds for the store and every :meth:`child` of it together, across threads (one token
+bucket each way, with a burst of at most 1/10 s worth of bytes). Metadata calls (``size``,
+``list``, ``delete``, the commit) pass unpaced.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from distckpt.storage.base import Store, Writer
+
+
+class Bucket:
+    """A token bucket: :meth:`take` blocks until ``n`` bytes fit under ``rate`` bytes/s."""
+
+    def __init__(self, rate: Optional[float]):
+        self.rate = None if not rate else float(rate)
+        self._lock = threading.Lock()
+        self._next = time.monotonic()
+
+    def take(self, n: int) -> None:
+        if self.rate is None or n <= 0:
+            return
+        with self._lock:
+            now = time.monotonic()
+            start = max(self._next, now - 0.1)  # at most 0.1 s of unused credit
+            self._next = start + n / self.rate
+            wait = self._next - now
+        if wait > 0:
+            time.sleep(wait)
+
+
+class _PacedWriter(Writer):
+    def __init__(self, inner: Writer, bucket: Bucket):
+        self.inner, self.bucket = inner, bucket
+
+    def write(self, data) -> int:
+        self.bucket.take(memoryview(data).nbytes)
+        return self.inner.write(data)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+
+class ThrottledStore(Store):
+    """``inner`` with reads and writes paced to the given rates (bytes/s; None: unlimited)."""
+
+    def __init__(
+        self,
+        inner: Store,
+        write_bytes_per_s: Optional[float] = None,
+        read_bytes_per_s: Optional[float] = None,
+        *,
+        _buckets=None,
+    ):
+        self.inner = inner
+        self.writes, self.reads = _buckets or (Bucket(write_bytes_per_s), Bucket(read_bytes_per_s))
+        self.supports_rename = False
+        self.supports_mmap = False  # every byte must pass through the pacing
+        self.supports_conditional_put = inner.supports_conditional_put
+        self.supports_ranged_read = inner.supports_ranged_read
+
+    @property
+    def local_root(self) -> Optional[Path]:
+        return None
+
+    @property
+    def url(self) -> str:
+        return self.inner.url
+
+    def where(self, name: str) -> str:
+        return self.inner.where(name)
+
+    def child(self, name: str) -> ThrottledStore:
+        return ThrottledStore(self.inner.child(name), _buckets=(self.writes, self.reads))
+
+    def put(self, name: str, data) -> None:
+        self.writes.take(memoryview(data).nbytes)
+        self.inner.put(name, data)
+
+    def put_if_absent(self, name: str, data) -> bool:
+        self.writes.take(memoryview(data).nbytes)
+        return self.inner.put_if_absent(name, data)
+
+    def get(self, name: str) -> bytes:
+        data = self.inner.get(name)
+        self.reads.take(len(data))
+        return data
+
+    def get_ranges(self, name: str, starts: Sequence[int], lengths: Sequence[int]) -> List[memoryview]:
+        out = self.inner.get_ranges(name, starts, lengths)
+        self.reads.take(sum(len(v) for v in out))
+        return out
+
+    def size(self, name: str) -> int:
+        return self.inner.size(name)
+
+    def delete(self, name: str) -> None:
+        self.inner.delete(name)
+
+    def list(self, prefix: str = "") -> Dict[str, int]:
+        return self.inner.list(prefix)
+
+    def open_writer(self, name: str) -> Writer:
+        return _PacedWriter(self.inner.open_writer(name), self.writes)
+
+    def begin_save(self, commit_names: Sequence[str], overwrite: Optional[bool]) -> None:
+        self.inner.begin_save(commit_names, overwrite)
+
+    def commit(self, name: str, data: bytes) -> None:
+        self.inner.commit(name, data)

@@ -1,0 +1,169 @@
+"""Two-tier checkpoints (distckpt.tiered): local first, S3 (moto) in the background, restart from
+the nearest copy. Real gloo ranks; each rank gets its own local directory (a node of its own)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+import distckpt
+from distckpt import dist as ddist
+from distckpt.storage import open_store
+from distckpt.tiered import TieredCheckpointManager
+from tests.support.harness import run_ranks
+
+
+def _node(tmp, rank=None):
+    return os.path.join(tmp, f"node{ddist.get_rank() if rank is None else rank}")
+
+
+def _state(step: int = 0, fill: bool = True, rows: int = 64):
+    """Rank r's rows of "w" ((world * rows) x 256 float32, values from ``step``), a replicated
+    "b" (rank 0 writes it) and the common step."""
+    rank, world = ddist.get_rank(), ddist.get_world_size()
+    w = torch.arange(rows * 256, dtype=torch.float32).reshape(rows, 256) + 1000 * rank + step
+    b = torch.full((16,), float(step))
+    if not fill:
+        w, b = torch.zeros_like(w), torch.zeros_like(b)
+    return {
+        "w": distckpt.ShardedTensor.from_rank_offsets("w", w, (0, rank, world)),
+        "b": distckpt.ShardedTensor.from_rank_offsets("b", b, replica_id=rank),
+        "common": {"step": step},
+    }
+
+
+def _wrong(loaded, step: int, rows: int = 64):
+    want = _state(step, rows=rows)
+    return [k for k in ("w", "b") if not torch.equal(loaded[k], want[k].data)]
+
+
+def _save_then_load(url, tmp):
+    tiers = TieredCheckpointManager(url, _node(tmp), keep_local=2, keep_remote=2)
+    for step in (10, 20):
+        tiers.save(_state(step), step)
+    tiers.close()
+    latest = tiers.find_latest()
+    loaded = tiers.load(_state(fill=False))
+    return latest, _wrong(loaded, 20), loaded["common"], str(tiers.last_load), tiers.last_load.remote_bytes
+
+
+def test_tiered_save_commits_remotely_and_loads_from_the_local_copies(s3_url, tmp_path):
+    out = run_ranks(2, _save_then_load, s3_url, str(tmp_path))
+    for latest, wrong, common, report, _ in out:
+        assert latest == 20 and wrong == [] and common == {"step": 20}, report
+    names = open_store(s3_url).list()
+    assert "iter_0000020/metadata.json" in names and "iter_0000010/metadata.json" in names
+    assert distckpt.check_is_distributed_checkpoint(f"{s3_url}/iter_0000020")
+
+
+def _load_report(url, tmp, **kwargs):
+    tiers = TieredCheckpointManager(url, _node(tmp), **kwargs)
+    latest = tiers.find_latest()
+    loaded = tiers.load(_state(fill=False))
+    rep = tiers.last_load
+    return latest, _wrong(loaded, latest), loaded["common"]["step"], dict(rep.files), dict(rep.rejected)
+
+
+def _save_steps(url, tmp, steps, close=True, **kwargs):
+    tiers = TieredCheckpointManager(url, _node(tmp), **kwargs)
+    for step in steps:
+        tiers.save(_state(step), step)
+    if close:
+        tiers.close()
+    else:
+        tiers.close(wait=False)
+    return sorted(p.name for p in __import__("pathlib").Path(_node(tmp)).glob("iter_*"))
+
+
+def test_each_rank_reads_its_own_files_locally_and_the_rest_remotely(s3_url, tmp_path):
+    run_ranks(2, _save_steps, s3_url, str(tmp_path), [5])
+    out = run_ranks(2, _load_report, s3_url, str(tmp_path))
+    for rank, (latest, wrong, step, files, rejected) in enumerate(out):
+        assert (latest, wrong, step, rejected) == (5, [], 5, {})
+        assert files[f"__{rank}_0.distcp"] == "local"
+        assert files["metadata.json"] == "remote"
+    # rank 0's files (the replicated "b") are not on rank 1's node
+    theirs = {v for k, v in out[1][3].items() if k.startswith("__0_")}
+    assert theirs == {"remote"}
+
+
+def _timings_after_load(url, tmp):
+    _load_report(url, tmp)
+    return distckpt.last_timings("load").sources, str(distckpt.last_timings("load"))
+
+
+def test_last_timings_of_the_load_says_where_the_bytes_came_from(s3_url, tmp_path):
+    run_ranks(2, _save_steps, s3_url, str(tmp_path), [5])
+    for sources, text in run_ranks(2, _timings_after_load, s3_url, str(tmp_path)):
+        assert sources["local files"] >= 1 and sources["local bytes"] > 0, text
+        assert "read from: local files" in text
+
+
+def test_a_lost_local_directory_falls_back_to_the_remote(s3_url, tmp_path):
+    run_ranks(2, _save_steps, s3_url, str(tmp_path), [5])
+    __import__("shutil").rmtree(tmp_path / "node1")
+    out = run_ranks(2, _load_report, s3_url, str(tmp_path))
+    assert [o[:3] for o in out] == [(5, [], 5)] * 2
+    assert set(out[1][3].values()) == {"remote"}
+
+
+def test_a_damaged_local_file_is_not_used_and_the_remote_is_read(s3_url, tmp_path):
+    run_ranks(2, _save_steps, s3_url, str(tmp_path), [5])
+    target = tmp_path / "node0" / "iter_0000005" / "__0_0.distcp"
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    target.write_bytes(bytes(data))
+    out = run_ranks(2, _load_report, s3_url, str(tmp_path))
+    assert [o[:3] for o in out] == [(5, [], 5)] * 2
+    assert out[0][3]["__0_0.distcp"] == "remote"
+    assert "__0_0.distcp" in out[0][4] and "CRC32C" in out[0][4]["__0_0.distcp"]
+
+
+def test_a_local_copy_of_another_save_is_not_used(s3_url, tmp_path):
+    # The same iteration saved to another remote from the same local directories: the local copy
+    # now belongs to that save, and a load from the first remote must not take it.
+    run_ranks(2, _save_steps, s3_url, str(tmp_path), [5])
+    run_ranks(2, _save_steps, s3_url + "-other", str(tmp_path), [5])
+    out = run_ranks(2, _load_report, s3_url, str(tmp_path))
+    assert [o[:3] for o in out] == [(5, [], 5)] * 2
+    for _, _, _, files, rejected in out:
+        assert set(files.values()) == {"remote"} and "another save" in rejected["*"]
+
+
+def test_retention_keeps_the_newest_per_tier(s3_url, tmp_path):
+    locals_ = run_ranks(2, _save_steps, s3_url, str(tmp_path), [1, 2, 3, 4], keep_local=1, keep_remote=2)
+    assert locals_ == [["iter_0000004"]] * 2
+    names = open_store(s3_url).list()
+    committed = sorted(n.split("/")[0] for n in names if n.endswith("/metadata.json"))
+    assert committed == ["iter_0000003", "iter_0000004"]
+    assert not any(n.startswith(("iter_0000001/", "iter_0000002/")) for n in names)
+    assert open_store(s3_url).get("latest_checkpointed_iteration.txt") == b"4"
+
+
+def test_an_upload_cut_off_is_finished_from_the_local_copies_at_restart(s3_url, tmp_path):
+    run_ranks(2, _save_steps, s3_url, str(tmp_path), [5])
+    run_ranks(2, _save_steps, s3_url, str(tmp_path), [6], close=False)  # uploads cancelled
+    names = open_store(s3_url).list()
+    assert "iter_0000006/metadata.json" not in names
+    out = run_ranks(2, _load_report, s3_url, str(tmp_path))
+    assert [o[:3] for o in out] == [(6, [], 6)] * 2
+    assert "iter_0000006/metadata.json" in open_store(s3_url).list()
+
+
+def test_a_lost_node_without_replicas_leaves_the_previous_remote_checkpoint_newest(s3_url, tmp_path):
+    run_ranks(2, _save_steps, s3_url, str(tmp_path), [5])
+    run_ranks(2, _save_steps, s3_url, str(tmp_path), [6], close=False)
+    __import__("shutil").rmtree(tmp_path / "node1" / "iter_0000006")
+    out = run_ranks(2, _load_report, s3_url, str(tmp_path))
+    assert [o[:3] for o in out] == [(5, [], 5)] * 2
+    assert "iter_0000006/metadata.json" not in open_store(s3_url).list()
+
+
+def test_a_replica_on_a_peer_finishes_the_upload_of_a_lost_node(s3_url, tmp_path):
+    opts = dict(replication_factor=2, node_size=1)
+    run_ranks(2, _save_steps, s3_url, str(tmp_path), [6], close=False, **opts)
+    __import__("shutil").rmtree(tmp_path / "node1")
+    out = run_ranks(2, _load_report, s3_url, str(tmp_path), **opts)
+    assert [o[:3] for o in out] == [(6, [], 6)] * 2
+    assert "iter_0000006/metadata.json" in open_store(s3_url).list()
