@@ -14,6 +14,8 @@ A checkpoint holds::
 ``run_with_recovery`` trains with two checkpoint tiers, as a long job would: the local tier
 (:class:`distckpt.local.LocalCheckpointManager`, node-local and replicated to peers) every few
 iterations, a persistent checkpoint every many; on start it resumes from whichever is newer.
+``run_tiered`` saves tiered checkpoints instead (:mod:`distckpt.tiered`: node-local first, then
+uploaded to a remote store in the background) and resumes from the nearest intact copy.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from distckpt.examples.parallel import (
 )
 from distckpt.local import LocalCheckpointManager
 from distckpt.mapping import ShardedStateDict, ShardedTensor, ShardedTensorFactory, StateDict
+from distckpt.strategies.async_utils import AsyncCallsQueue
+from distckpt.tiered import TieredCheckpointManager
 
 Optimizer = Adam | DistributedAdam
 
@@ -309,6 +313,69 @@ def run_with_recovery(
             and iteration % plan.persistent_every == 0
         ):
             save_checkpoint(plan.persistent_path(iteration), model, optimizer, iteration)
+    return RunResult(ps.rank, first, losses if ps.is_last_stage else None, resumed_from)
+
+
+@dataclass(frozen=True)
+class TieredPlan:
+    """Tiered checkpoints (see docs/tiered.md): every ``every`` iterations to each node's
+    ``local_root/node<rank // node_size>`` first, uploaded to ``remote`` in the background."""
+
+    remote: str
+    local_root: str
+    every: int
+    node_size: int = 1
+    keep_local: int = 2
+    keep_remote: int | None = 3
+    async_save: bool = False
+
+    def manager(self, rank: int) -> TieredCheckpointManager:
+        return TieredCheckpointManager(
+            self.remote,
+            Path(self.local_root) / f"node{rank // self.node_size}",
+            keep_local=self.keep_local,
+            keep_remote=self.keep_remote,
+            node_size=self.node_size,
+        )
+
+
+def run_tiered(
+    layout: Layout | str, until: int, train_cfg: TrainConfig, plan: TieredPlan, stop_at: int | None = None
+) -> RunResult:
+    """Every rank: resume from the newest tiered checkpoint (each file from this node's copy when
+    it is intact, else from the remote; any layout), train up to ``until`` saving every
+    ``plan.every`` iterations. ``stop_at`` ends the run early without waiting for the uploads,
+    as a crash would. ``resumed_from`` says how many files came from each tier."""
+    layout = Layout.parse(layout) if isinstance(layout, str) else layout
+    ps, model, optimizer = build(layout, train_cfg)
+    tiers = plan.manager(ps.rank)
+    latest = tiers.find_latest()
+    iteration, resumed_from = 0, None
+    if latest is not None:
+        iteration = _restore(lambda request: tiers.load(request, latest), model, optimizer, None)["iteration"]
+        sources = list(tiers.last_load.files.values())
+        resumed_from = f"{sources.count('local')} files local, {sources.count('remote')} remote"
+    first = iteration
+    losses: list[float | None] = []
+    end = until if stop_at is None else min(until, stop_at)
+    queue = AsyncCallsQueue() if plan.async_save else None
+    while iteration < end:
+        tokens = batch(train_cfg.model, iteration, train_cfg.global_batch_size)
+        losses.append(train_step(model, optimizer, ps, tokens))
+        iteration += 1
+        if queue is not None:
+            queue.maybe_finalize_async_calls()
+        if iteration % plan.every == 0:
+            state = checkpoint_sharded_state_dict(model, optimizer, iteration)
+            if queue is not None:
+                queue.schedule_async_request(tiers.save(state, iteration, async_sharded_save=True))
+            else:
+                tiers.save(state, iteration)
+        tiers.finalize()
+    if stop_at is None or stop_at >= until:
+        if queue is not None:
+            queue.close()
+        tiers.close()
     return RunResult(ps.rank, first, losses if ps.is_last_stage else None, resumed_from)
 
 

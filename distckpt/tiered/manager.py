@@ -195,14 +195,13 @@ class TieredCheckpointManager:
         markers.write_marker(directory, marker)
         if self.replication is not None:
             replicate.replicate(directory, marker, self.replication)
-        if self.rank == 0:
-            # The token goes up first, so that a load can tell this save's local copies from others.
-            self.remote_of(iteration).put(TOKEN_NAME, marker_token_json(token))
         upload = Upload(
             iteration,
             directory,
             self.remote_of(iteration),
             [n for n in names if n != CONFIG_FNAME],
+            # The token goes up first: a load tells this save's local copies from others by it.
+            first={TOKEN_NAME: marker_token_json(token)} if self.rank == 0 else None,
             **self.upload_options,
         ).start()
         self._pending[iteration] = (upload, token)

@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from distckpt import containment
 from distckpt.core import CheckpointingException
@@ -81,8 +81,10 @@ class Upload:
         retries: int = 5,
         backoff_s: float = 1.0,
         chunk_bytes: int = CHUNK_BYTES,
+        first: Optional[Dict[str, bytes]] = None,
     ):
         self.iteration, self.local, self.remote = iteration, local, remote
+        self.first = dict(first or {})
         self.names = list(names)
         self.threads, self.retries, self.backoff_s = max(1, threads), max(0, retries), backoff_s
         self.chunk_bytes = chunk_bytes
@@ -106,6 +108,8 @@ class Upload:
         """Upload every file (in this thread); sets ``state`` and ``error``."""
         start = time.perf_counter()
         try:
+            for name, data in self.first.items():
+                self._with_retries(name, lambda n=name, d=data: self.remote.put(n, d) or len(d))
             if self.names:
                 with ThreadPoolExecutor(min(self.threads, len(self.names))) as pool:
                     for _ in pool.map(self._one, self.names):
@@ -118,13 +122,18 @@ class Upload:
             self.seconds = time.perf_counter() - start
 
     def _one(self, name: str) -> None:
+        self._with_retries(
+            name, lambda: copy_file(self.local, self.remote, name, self.chunk_bytes, self._cancel)
+        )
+
+    def _with_retries(self, name: str, send) -> None:
         for attempt in range(self.retries + 1):
             if self._cancel.is_set():
                 raise Cancelled(f"upload of {self.local / name} cancelled")
             with self._lock:
                 self.attempts += 1
             try:
-                n = copy_file(self.local, self.remote, name, self.chunk_bytes, self._cancel)
+                n = send()
                 with self._lock:
                     self.bytes += n
                 return

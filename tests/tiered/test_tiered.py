@@ -167,3 +167,210 @@ def test_a_replica_on_a_peer_finishes_the_upload_of_a_lost_node(s3_url, tmp_path
     out = run_ranks(2, _load_report, s3_url, str(tmp_path), **opts)
     assert [o[:3] for o in out] == [(6, [], 6)] * 2
     assert "iter_0000006/metadata.json" in open_store(s3_url).list()
+
+
+def _async_save_then_close(url, tmp, step):
+    from distckpt.strategies.async_utils import AsyncCallsQueue
+
+    tiers = TieredCheckpointManager(url, _node(tmp))
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(tiers.save(_state(step), step, async_sharded_save=True))
+    queue.maybe_finalize_async_calls(blocking=True)
+    pending = tiers.pending
+    tiers.close()
+    queue.close()
+    return pending
+
+
+def test_an_async_tiered_save_uploads_after_its_local_commit(s3_url, tmp_path):
+    assert run_ranks(2, _async_save_then_close, s3_url, str(tmp_path), 7) == [[7], [7]]
+    out = run_ranks(2, _load_report, s3_url, str(tmp_path))
+    assert [o[:3] for o in out] == [(7, [], 7)] * 2
+
+
+class FlakyStore(__import__("distckpt").storage.Store):
+    """A real store whose writes of data files fail the first ``failures`` times (each write
+    counts), on this process only: a store that refuses uploads, as a broken network would."""
+
+    def __init__(self, inner, failures, counter=None):
+        self.inner, self.failures = inner, failures
+        self.counter = counter if counter is not None else [0]
+        self.supports_conditional_put = inner.supports_conditional_put
+
+    def _maybe_fail(self, name):
+        if name.endswith(".distcp") and self.counter[0] < self.failures:
+            self.counter[0] += 1
+            raise OSError(f"injected upload failure of {name}")
+
+    url = property(lambda self: self.inner.url)
+
+    def child(self, name):
+        return FlakyStore(self.inner.child(name), self.failures, self.counter)
+
+    def put(self, name, data):
+        self._maybe_fail(name)
+        self.inner.put(name, data)
+
+    def open_writer(self, name):
+        self._maybe_fail(name)
+        return self.inner.open_writer(name)
+
+    def put_if_absent(self, name, data):
+        return self.inner.put_if_absent(name, data)
+
+    def get(self, name):
+        return self.inner.get(name)
+
+    def get_ranges(self, name, starts, lengths):
+        return self.inner.get_ranges(name, starts, lengths)
+
+    def size(self, name):
+        return self.inner.size(name)
+
+    def delete(self, name):
+        self.inner.delete(name)
+
+    def list(self, prefix=""):
+        return self.inner.list(prefix)
+
+    def begin_save(self, commit_names, overwrite):
+        self.inner.begin_save(commit_names, overwrite)
+
+    def commit(self, name, data):
+        self.inner.commit(name, data)
+
+
+def _save_through_flaky(url, tmp, failures, flaky_rank):
+    from distckpt.tiered import UploadFailedError
+
+    remote = open_store(url)
+    if ddist.get_rank() == flaky_rank:
+        remote = FlakyStore(remote, failures)
+    tiers = TieredCheckpointManager(remote, _node(tmp), upload_retries=2, upload_backoff_s=0.05)
+    tiers.save(_state(8), 8)
+    try:
+        tiers.close()
+        return "committed"
+    except UploadFailedError as e:
+        return str(e)
+
+
+def test_a_failed_upload_is_retried_then_committed(s3_url, tmp_path):
+    assert run_ranks(2, _save_through_flaky, s3_url, str(tmp_path), 2, 1) == ["committed"] * 2
+    assert "iter_0000008/metadata.json" in open_store(s3_url).list()
+
+
+def test_an_upload_that_keeps_failing_is_reported_on_every_rank_and_keeps_the_local_copy(s3_url, tmp_path):
+    run_ranks(2, _save_steps, s3_url, str(tmp_path), [5])
+    out = run_ranks(2, _save_through_flaky, s3_url, str(tmp_path), 100, 1)
+    for text in out:
+        assert "upload of iter_0000008" in text and "rank 1" in text and "after 3 attempts" in text, text
+        assert "injected upload failure" in text
+    assert "iter_0000008/metadata.json" not in open_store(s3_url).list()
+    assert (tmp_path / "node1" / "iter_0000008" / ".distckpt_tier" / "owner00001.json").exists()
+    # The local copies are complete: a restart finishes the upload from them.
+    out = run_ranks(2, _load_report, s3_url, str(tmp_path))
+    assert [o[:3] for o in out] == [(8, [], 8)] * 2
+
+
+def _save_rows(url, tmp, step, rows):
+    tiers = TieredCheckpointManager(url, _node(tmp))
+    tiers.save(_state(step, rows=rows), step)
+    tiers.close()
+
+
+def _save_and_die_mid_upload(url, tmp):
+    import signal
+    import time
+
+    from distckpt.storage.throttled import ThrottledStore
+
+    # 2 MiB per rank through a 1 MiB/s remote: the upload takes about two seconds.
+    remote = ThrottledStore(open_store(url), write_bytes_per_s=1 << 20)
+    tiers = TieredCheckpointManager(remote, _node(tmp))
+    tiers.save(_state(20, rows=2048), 20)
+    if ddist.get_rank() == 1:
+        time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+    tiers.close()
+
+
+def _load_rows(url, tmp, rows):
+    tiers = TieredCheckpointManager(url, _node(tmp))
+    latest = tiers.find_latest()
+    loaded = tiers.load(_state(fill=False, rows=rows))
+    return latest, _wrong(loaded, latest, rows)
+
+
+def _load_remote_only(url, step, rows):
+    loaded = distckpt.load(_state(fill=False, rows=rows), f"{url}/iter_{step:07d}")
+    return _wrong(loaded, step, rows), loaded["common"]["step"]
+
+
+def test_sigkill_during_the_background_upload_leaves_the_previous_checkpoint_newest(s3_url, tmp_path):
+    from tests.support.harness import RankFailure
+
+    run_ranks(2, _save_rows, s3_url, str(tmp_path), 10, 2048)
+    with __import__("pytest").raises(RankFailure) as failure:
+        run_ranks(2, _save_and_die_mid_upload, s3_url, str(tmp_path), timeout=90)
+    assert "SIGKILL" in failure.value.errors[1]
+    names = open_store(s3_url).list()
+    assert "iter_0000020/metadata.json" not in names and "iter_0000010/metadata.json" in names
+    assert not distckpt.check_is_distributed_checkpoint(f"{s3_url}/iter_0000020")
+    assert run_ranks(2, _load_remote_only, s3_url, 10, 2048) == [([], 10)] * 2
+    # Node 1 is lost with its copy: the restart takes iteration 10 ...
+    __import__("shutil").rmtree(tmp_path / "node1" / "iter_0000020")
+    assert run_ranks(2, _load_rows, s3_url, str(tmp_path), 2048) == [(10, [])] * 2
+    assert "iter_0000020/metadata.json" not in open_store(s3_url).list()
+
+
+def _plant_hostile_marker(tmp, outside):
+    from distckpt.tiered.markers import Marker, write_marker
+
+    for rank in (0, 1):
+        directory = __import__("pathlib").Path(_node(tmp, rank)) / "iter_0000009"
+        files = {f"../../../{os.path.basename(outside)}": 6}
+        write_marker(directory, Marker("tok", 9, 2, rank, {"ok": 1}))
+        raw = (directory / ".distckpt_tier" / f"owner{rank:05d}.json").read_text()
+        raw = raw.replace('"ok":1', ",".join(f'"{k}":{v}' for k, v in files.items()))
+        (directory / ".distckpt_tier" / f"owner{rank:05d}.json").write_text(raw)
+
+
+def test_a_hostile_local_marker_is_ignored_and_nothing_outside_is_uploaded(s3_url, tmp_path):
+    run_ranks(2, _save_steps, s3_url, str(tmp_path), [5])
+    outside = tmp_path / "secret"
+    outside.write_bytes(b"secret")
+    _plant_hostile_marker(str(tmp_path), str(outside))
+    out = run_ranks(2, _load_report, s3_url, str(tmp_path))
+    assert [o[:3] for o in out] == [(5, [], 5)] * 2
+    assert not any("secret" in n or n.startswith("iter_0000009") for n in open_store(s3_url).list())
+    assert outside.read_bytes() == b"secret"
+
+
+def test_train_script_saves_tiered_to_s3_crashes_and_resumes_at_the_last_save(s3_url, tmp_path, capsys):
+    """The crash leaves the upload of iteration 4 committed or not (timing); either way the
+    restart resumes at 4: committed, or finished from the local copies first."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "train_script", Path(__file__).parents[2] / "examples" / "train.py"
+    )
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    argv = [
+        "--layout",
+        "1,1,2",
+        "--resume-layout",
+        "1,1,2",
+        "--optimizer",
+        "adam",
+        "--resume-optimizer",
+        "adam",
+    ]
+    argv += ["--steps", "5", "--resume-steps", "2", "--tiered-every", "2"]
+    argv += ["--remote", s3_url, "--dir", str(tmp_path)]
+    assert script.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "restarted at iteration 4" in out and "losses match bitwise" in out, out
+    assert "iter_0000004/metadata.json" in open_store(s3_url).list()
