@@ -190,9 +190,13 @@ class TieredCheckpointManager:
         """Every rank, once the local save is committed: marker, replicas, start the upload."""
         directory = self.local_of(iteration)
         names = tier.written
-        files = {name: tier.local.size(name) for name in names}
-        marker = Marker(token, iteration, self.world, self.rank, files)
-        markers.write_marker(directory, marker)
+        marker, exc = None, None
+        try:
+            marker = Marker(token, iteration, self.world, self.rank, {n: tier.local.size(n) for n in names})
+            markers.write_marker(directory, marker)
+        except Exception as e:  # noqa: BLE001 - one rank's full disk fails the save on every rank
+            exc = e
+        dist.sync_errors("tiered save (marker)", exc)
         if self.replication is not None:
             replicate.replicate(directory, marker, self.replication)
         upload = Upload(
@@ -443,7 +447,12 @@ def read_tier(remote: Store, local_dir: Optional[Path]) -> ReadTier:
     rejected = None
     if local_dir is not None and local_dir.is_dir() and manifest is not None:
         tokens = set()
-        for owner in markers.owners_in(local_dir):
+        try:
+            owners = markers.owners_in(local_dir)
+        except (OSError, CheckpointingException) as e:
+            logger.warning("ignoring the local copy %s: %s", local_dir, e)
+            owners = []
+        for owner in owners:
             try:
                 tokens.add(markers.read_marker(local_dir, owner).token)
             except (OSError, CheckpointingException) as e:

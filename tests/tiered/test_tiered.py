@@ -374,3 +374,14 @@ def test_train_script_saves_tiered_to_s3_crashes_and_resumes_at_the_last_save(s3
     out = capsys.readouterr().out
     assert "restarted at iteration 4" in out and "losses match bitwise" in out, out
     assert "iter_0000004/metadata.json" in open_store(s3_url).list()
+
+
+def test_a_local_copy_missing_a_file_cannot_finish_its_upload_and_the_remote_newest_is_taken(
+    s3_url, tmp_path
+):
+    run_ranks(2, _save_steps, s3_url, str(tmp_path), [5])
+    run_ranks(2, _save_steps, s3_url, str(tmp_path), [6], close=False)
+    (tmp_path / "node1" / "iter_0000006" / "__1_0.distcp").unlink()  # the marker still names it
+    out = run_ranks(2, _load_report, s3_url, str(tmp_path))
+    assert [o[:3] for o in out] == [(5, [], 5)] * 2
+    assert "iter_0000006/metadata.json" not in open_store(s3_url).list()
