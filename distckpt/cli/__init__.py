@@ -23,6 +23,7 @@ from distckpt.cli.commands.convert import convert
 from distckpt.cli.commands.demo import demo
 from distckpt.cli.commands.inspect_show import inspect, show
 from distckpt.cli.commands.surgery import rename, rm_prefix
+from distckpt.cli.commands.tiers import tiers
 
 # The command objects stay importable from here, where they were defined before the split.
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "rename",
     "rm_prefix",
     "show",
+    "tiers",
     "verify",
 ]
 

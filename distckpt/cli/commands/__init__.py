@@ -11,7 +11,8 @@ from distckpt.cli.commands.convert import convert
 from distckpt.cli.commands.demo import demo
 from distckpt.cli.commands.inspect_show import inspect, show
 from distckpt.cli.commands.surgery import rename, rm_prefix
+from distckpt.cli.commands.tiers import tiers
 
-COMMANDS = (inspect, show, verify, diff, convert, rm_prefix, rename, demo)
+COMMANDS = (inspect, show, verify, diff, convert, rm_prefix, rename, demo, tiers)
 
 __all__ = ["COMMANDS"]

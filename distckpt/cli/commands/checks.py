@@ -29,6 +29,8 @@ from distckpt.cli.app import (
     storage_options_option,
     trust_option,
 )
+from distckpt.cli.commands.tiers import check_local_copy, local_copy_option, print_local_report
+from distckpt.storage import open_store
 from distckpt.tools.diff import diff_sources
 from distckpt.tools.verify import verify_checkpoint
 
@@ -50,7 +52,16 @@ _PROBLEMS_SHOWN = 100
 @json_option
 @trust_option
 @storage_options_option
-def verify(ckpt: Path, no_checksums: bool, deep: bool, as_json: bool, trust: bool, storage_options) -> None:
+@local_copy_option
+def verify(
+    ckpt: Path,
+    no_checksums: bool,
+    deep: bool,
+    as_json: bool,
+    trust: bool,
+    storage_options,
+    local_copy: Optional[Path],
+) -> None:
     """Check that CKPT is complete and intact; exit 1 if anything is wrong.
 
     Checks the commit marker (metadata.json), the structure (torch_dist: every chunk has a storage
@@ -63,14 +74,28 @@ def verify(ckpt: Path, no_checksums: bool, deep: bool, as_json: bool, trust: boo
       distckpt verify ckpt/
       distckpt verify ckpt/ --no-checksums      # sizes only
       distckpt verify megatron-ckpt/ --deep     # no manifest: read everything back
+      distckpt verify s3://bucket/run/iter_0000100 --local-copy /local_nvme/run/iter_0000100
+
+    With --local-copy (a tiered save's node-local copy of CKPT), also checks every file the copy
+    holds against CKPT's manifest (ok / damaged / absent) and that its markers carry CKPT's save
+    token; exit 1 also when a local file is damaged or the copy is not this save's.
     """
     ckpt = open_locations("--storage-option", storage_options, ckpt)
+    local = None
     with RichProgress() as progress:
         report = verify_checkpoint(
             ckpt, checksums=not no_checksums, deep=deep, trusted=trust, progress=progress
         )
+        if local_copy is not None:
+            local = check_local_copy(
+                open_store(ckpt), local_copy, checksums=not no_checksums, progress=progress
+            )
     if as_json:
-        json_out(report.to_json())
+        doc = report.to_json()
+        if local is not None:
+            doc["local_copy"] = local.to_json()
+            doc["ok"] = report.ok and local.ok
+        json_out(doc)
     else:
         out = out_console()
         out.print(f"[bold]{escape(report.path)}[/]  ({report.backend or 'unknown backend'})")
@@ -97,7 +122,9 @@ def verify(ckpt: Path, no_checksums: bool, deep: bool, as_json: bool, trust: boo
             out.print("[bold green]OK[/]" + (f" ({', '.join(done)})" if done else ""))
         else:
             out.print(f"[bold red]{len(report.problems)} problem(s)[/]")
-    if not report.ok:
+        if local is not None:
+            print_local_report(local)
+    if not report.ok or (local is not None and not local.ok):
         sys.exit(EXIT_PROBLEMS)
 
 

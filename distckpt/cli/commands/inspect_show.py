@@ -28,6 +28,8 @@ from distckpt.cli.app import (
     storage_options_option,
     trust_option,
 )
+from distckpt.cli.commands.tiers import local_copy_option, print_read_plan, read_plan
+from distckpt.storage import open_store
 from distckpt.tools.inspection import inspect_source, key_tree_rows, open_source, read_tensor
 from distckpt.tools.sources import dtype_name
 
@@ -45,6 +47,7 @@ from distckpt.tools.sources import dtype_name
 @click.option("--keys", "pattern", metavar="REGEX", help="Only keys matching this regular expression.")
 @trust_option
 @storage_options_option
+@local_copy_option
 def inspect(
     ckpt: Path,
     as_json: bool,
@@ -53,6 +56,7 @@ def inspect(
     pattern: Optional[str],
     trust: bool,
     storage_options,
+    local_copy: Optional[Path],
 ) -> None:
     """Describe CKPT from its metadata: format, keys with shape, dtype, chunks and bytes, objects,
     common state, content metadata. Reads no tensor data.
@@ -68,9 +72,15 @@ def inspect(
       distckpt inspect ckpt/ --flat --keys 'layers\\.0\\.'
       distckpt inspect ckpt/ --json | jq '.tensors[].key'
       distckpt inspect s3://bucket/run/iter_100 -o endpoint=http://minio:9000 -o allow_http=true
+      distckpt inspect s3://bucket/run/iter_0000100 --local-copy /local_nvme/run/iter_0000100
+
+    With --local-copy (a tiered save's node-local copy of CKPT), also lists every file of CKPT's
+    manifest with where a load would read it from (local or remote) and why a local file would
+    not be used; the local files are checksummed against the manifest, nothing is written.
     """
     ckpt = open_locations("--storage-option", storage_options, ckpt)
     info = inspect_source(ckpt, trusted=trust)
+    plan = read_plan(open_store(ckpt), local_copy) if local_copy is not None else None
     if pattern:
         try:
             rx = re.compile(pattern)
@@ -79,9 +89,14 @@ def inspect(
         info.tensors = [t for t in info.tensors if rx.search(t.key)]
         info.objects = [o for o in info.objects if rx.search(o.key)]
     if as_json:
-        json_out(info.to_json())
+        doc = info.to_json()
+        if plan is not None:
+            doc["local_copy"] = plan.to_json()
+        json_out(doc)
         return
     _print_info(info, flat, depth)
+    if plan is not None:
+        print_read_plan(plan)
 
 
 def _print_info(info, flat: bool, depth: Optional[int]) -> None:
