@@ -22,23 +22,35 @@ from distckpt.storage.base import Store, Writer
 
 
 class Bucket:
-    """A token bucket: :meth:`take` blocks until ``n`` bytes fit under ``rate`` bytes/s."""
+    """A token bucket over a shared schedule: each transfer of ``n`` bytes reserves ``n / rate``
+    seconds of it, and the caller, once its transfer is done, waits until the end of its slot.
+    The transfer's own time counts towards the slot (a link slower than the limit is not slowed
+    further), and credit left unused for more than 0.1 s is dropped (no long bursts)."""
 
     def __init__(self, rate: Optional[float]):
         self.rate = None if not rate else float(rate)
         self._lock = threading.Lock()
         self._next = time.monotonic()
 
-    def take(self, n: int) -> None:
+    def reserve(self, n: int) -> Optional[float]:
+        """Reserve a slot for ``n`` bytes; returns when it ends (None: no limit)."""
         if self.rate is None or n <= 0:
-            return
+            return None
         with self._lock:
-            now = time.monotonic()
-            start = max(self._next, now - 0.1)  # at most 0.1 s of unused credit
-            self._next = start + n / self.rate
-            wait = self._next - now
-        if wait > 0:
-            time.sleep(wait)
+            self._next = max(self._next, time.monotonic() - 0.1) + n / self.rate
+            return self._next
+
+    @staticmethod
+    def settle(until: Optional[float]) -> None:
+        """Wait until the end of a reserved slot."""
+        if until is not None:
+            wait = until - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+
+    def take(self, n: int) -> None:
+        """Reserve and wait (for a transfer already done)."""
+        self.settle(self.reserve(n))
 
 
 class _PacedWriter(Writer):
@@ -46,8 +58,10 @@ class _PacedWriter(Writer):
         self.inner, self.bucket = inner, bucket
 
     def write(self, data) -> int:
-        self.bucket.take(memoryview(data).nbytes)
-        return self.inner.write(data)
+        slot = self.bucket.reserve(memoryview(data).nbytes)
+        written = self.inner.write(data)
+        self.bucket.settle(slot)
+        return written
 
     def close(self) -> None:
         self.inner.close()
@@ -89,12 +103,15 @@ class ThrottledStore(Store):
         return ThrottledStore(self.inner.child(name), _buckets=(self.writes, self.reads))
 
     def put(self, name: str, data) -> None:
-        self.writes.take(memoryview(data).nbytes)
+        slot = self.writes.reserve(memoryview(data).nbytes)
         self.inner.put(name, data)
+        self.writes.settle(slot)
 
     def put_if_absent(self, name: str, data) -> bool:
-        self.writes.take(memoryview(data).nbytes)
-        return self.inner.put_if_absent(name, data)
+        slot = self.writes.reserve(memoryview(data).nbytes)
+        done = self.inner.put_if_absent(name, data)
+        self.writes.settle(slot)
+        return done
 
     def get(self, name: str) -> bytes:
         data = self.inner.get(name)
@@ -102,8 +119,9 @@ class ThrottledStore(Store):
         return data
 
     def get_ranges(self, name: str, starts: Sequence[int], lengths: Sequence[int]) -> List[memoryview]:
+        slot = self.reads.reserve(sum(lengths))
         out = self.inner.get_ranges(name, starts, lengths)
-        self.reads.take(sum(len(v) for v in out))
+        self.reads.settle(slot)
         return out
 
     def size(self, name: str) -> int:

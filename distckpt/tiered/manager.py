@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from distckpt import containment, dist, storage, timings
+from distckpt.commit import COMMIT_NAMES
 from distckpt.core import CONFIG_FNAME, CheckpointingException, PathLike
 from distckpt.manifest import read_manifest
 from distckpt.storage.base import Store
@@ -206,6 +207,7 @@ class TieredCheckpointManager:
             [n for n in names if n != CONFIG_FNAME],
             # The token goes up first: a load tells this save's local copies from others by it.
             first={TOKEN_NAME: marker_token_json(token)} if self.rank == 0 else None,
+            stale=[n for n in COMMIT_NAMES if n not in names] if self.rank == 0 else (),
             **self.upload_options,
         ).start()
         self._pending[iteration] = (upload, token)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 from typing import Dict, List, Optional, Sequence
 
+from distckpt.checksum import crc32c
 from distckpt.core import CheckpointingException
 from distckpt.manifest import MANIFEST_FNAME, Manifest, verify_files
 from distckpt.storage.base import Store, Writer
@@ -27,6 +28,7 @@ from distckpt.storage.local import LocalStore
 
 LOCAL = "local"
 REMOTE = "remote"
+CANDIDATE = "candidate"  # a local copy of the right size, its bytes checked as they are read
 
 
 class _Recorded(Writer):
@@ -112,9 +114,19 @@ class SaveTier(Store):
         return _Recorded(self.local.open_writer(name), lambda: self._record(name))
 
     def begin_save(self, commit_names: Sequence[str], overwrite: Optional[bool]) -> None:
-        # The remote decides whether this save may replace what is there; the local directory
+        # The remote decides whether this save may replace what is there. One HEAD when it may
+        # not: nothing is uploaded before the save is committed locally, and rank 0's upload
+        # removes stale commit files before the commit. With ``overwrite`` the remote checkpoint
+        # is un-committed now, before any rank can start uploading into it. The local directory
         # loses its commit files so that an interrupted save never looks complete there either.
-        self.remote.begin_save(commit_names, overwrite)
+        if overwrite:
+            self.remote.begin_save(commit_names, overwrite)
+        elif self.remote.exists(commit_names[0]):
+            raise CheckpointingException(
+                f"{self.remote.url} already holds a committed checkpoint ({commit_names[0]} exists); "
+                f"a tiered save never replaces it silently: save another iteration, remove it, or pass "
+                f"overwrite=True"
+            )
         self.local.begin_save(commit_names, None)
 
     def commit(self, name: str, data: bytes) -> None:
@@ -124,7 +136,15 @@ class SaveTier(Store):
 
 class ReadTier(Store):
     """Reads each file from the local copy when it checks out against ``manifest``, else from
-    ``remote``. ``local`` None: everything from the remote."""
+    ``remote``. ``local`` None: everything from the remote.
+
+    A load pays one read of the local bytes, not two: a file whose local copy exists with the
+    manifest's size is a *candidate*, and the ranges a load asks of it are checked as they are
+    read (each against the CRC32C the manifest records for exactly that range; a whole-file
+    ``get`` against all of them). The first mismatch rejects the file: that read and every later
+    one go to the remote. A request that does not line up with the manifest's ranges (blocks of a
+    resharded read) checks the whole local file first. :meth:`source` always checks the whole
+    file (the CLI's question: would a load use it?)."""
 
     supports_rename = False
     supports_mmap = False
@@ -133,7 +153,7 @@ class ReadTier(Store):
 
     def __init__(self, local: Optional[LocalStore], remote: Store, manifest: Optional[Manifest]):
         self.local, self.remote, self.manifest = local, remote, manifest
-        self.sources: Dict[str, str] = {}
+        self._state: Dict[str, str] = {}
         self.rejected: Dict[str, str] = {}
         self.bytes_read = {LOCAL: 0, REMOTE: 0}
         self._lock = threading.Lock()
@@ -149,71 +169,133 @@ class ReadTier(Store):
     def child(self, name: str) -> Store:
         raise CheckpointingException(f"{self.url}: a tiered checkpoint has no sub-checkpoints ({name})")
 
+    @property
+    def sources(self) -> Dict[str, str]:
+        """Each file read (or asked about) so far: ``"local"`` or ``"remote"``."""
+        with self._lock:
+            return {n: REMOTE if st == REMOTE else LOCAL for n, st in self._state.items()}
+
     # ------------------------------------------------------------------ which copy
 
-    def source(self, name: str) -> str:
-        """Where ``name`` is read from: checked once (first use), then remembered."""
+    def _reject(self, name: str, why: str) -> str:
         with self._lock:
-            known = self.sources.get(name)
-            if known is not None:
-                return known
-            lock = self._file_locks.setdefault(name, threading.Lock())
-        with lock:
-            with self._lock:
-                known = self.sources.get(name)
-            if known is None:
-                known = self._decide(name)
-                with self._lock:
-                    self.sources[name] = known
-        return known
+            self.rejected.setdefault(name, why)
+            self._state[name] = REMOTE
+        return REMOTE
 
-    def _decide(self, name: str) -> str:
+    def _first_look(self, name: str) -> str:
+        """REMOTE, or CANDIDATE when a local copy of the manifest's size exists (cheap)."""
+        with self._lock:
+            known = self._state.get(name)
+        if known is not None:
+            return known
         m = self.manifest
         if self.local is None or m is None or name not in m.files or name == MANIFEST_FNAME:
-            return REMOTE
-        try:
-            if not self.local.exists(name):
-                return REMOTE  # not on this node: nothing to reject
-        except (OSError, CheckpointingException) as e:
-            with self._lock:
-                self.rejected[name] = f"{name}: {e}"
-            return REMOTE
-        single = Manifest(m.save_id, m.backend, {name: m.files[name]}, {name: m.ranges.get(name, [])})
-        if name in m.blocks:
-            single.blocks[name] = m.blocks[name]
-        try:
-            problems = verify_files(self.local, single)
-        except (OSError, CheckpointingException) as e:
-            problems = [f"{name}: {e}"]
-        if problems:
-            with self._lock:
-                self.rejected[name] = problems[0] + (
-                    f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
-                )
-            return REMOTE
-        return LOCAL
-
-    def _store(self, name: str) -> Store:
-        return self.local if self.source(name) == LOCAL else self.remote
-
-    def _count(self, name: str, n: int) -> None:
+            state = REMOTE
+        else:
+            try:
+                size = self.local.size(name)
+                state = CANDIDATE if size == m.files[name] else None
+                if state is None:
+                    return self._reject(name, f"{name}: size {size} bytes, expected {m.files[name]}")
+            except FileNotFoundError:
+                state = REMOTE  # not on this node: nothing to reject
+            except (OSError, CheckpointingException) as e:
+                return self._reject(name, f"{name}: {e}")
         with self._lock:
-            self.bytes_read[self.sources[name]] += n
+            return self._state.setdefault(name, state)
+
+    def source(self, name: str) -> str:
+        """Where ``name`` is read from, after checking every byte of its local copy."""
+        if self._first_look(name) != CANDIDATE:
+            return self._state[name]
+        with self._lock:
+            lock = self._file_locks.setdefault(name, threading.Lock())
+        with lock:
+            if self._state[name] != CANDIDATE:
+                return self._state[name]
+            m = self.manifest
+            single = Manifest(m.save_id, m.backend, {name: m.files[name]}, {name: m.ranges.get(name, [])})
+            if name in m.blocks:
+                single.blocks[name] = m.blocks[name]
+            try:
+                problems = verify_files(self.local, single)
+            except (OSError, CheckpointingException) as e:
+                problems = [f"{name}: {e}"]
+            if problems:
+                more = f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""
+                return self._reject(name, problems[0] + more)
+            with self._lock:
+                self._state[name] = LOCAL
+            return LOCAL
+
+    def _mismatch(self, name: str, starts: Sequence[int], data: Sequence) -> Optional[str]:
+        """Why the local bytes read do not match the manifest (None: they do); "unaligned" when
+        a range is not exactly one the manifest checksums."""
+        by_place = {(r.offset, r.length): r for r in self.manifest.ranges.get(name, [])}
+        for start, view in zip(starts, data):
+            r = by_place.get((start, len(view)))
+            if r is None:
+                return "unaligned"
+            got = crc32c(view)
+            if got != r.crc32c:
+                return (
+                    f"{name}: key {r.key!r} at offset {r.offset}: CRC32C mismatch "
+                    f"(stored {r.crc32c:#010x}, computed {got:#010x})"
+                )
+        return None
+
+    def _count(self, source: str, n: int) -> None:
+        with self._lock:
+            self.bytes_read[source] += n
 
     # ------------------------------------------------------------------ reads
 
     def get(self, name: str) -> bytes:
-        data = self._store(name).get(name)
-        self._count(name, len(data))
+        if self._first_look(name) == CANDIDATE:
+            data = self.local.get(name)
+            ranges = sorted(self.manifest.ranges.get(name, []), key=lambda r: r.offset)
+            covered = sum(r.length for r in ranges) == len(data) and all(
+                a.offset + a.length == b.offset for a, b in zip(ranges, ranges[1:])
+            )
+            why = (
+                self._mismatch(
+                    name,
+                    [r.offset for r in ranges],
+                    [memoryview(data)[r.offset : r.offset + r.length] for r in ranges],
+                )
+                if covered and ranges and ranges[0].offset == 0
+                else f"{name}: the manifest does not checksum every byte of it"
+            )
+            if why is None:
+                with self._lock:
+                    self._state[name] = LOCAL
+                self._count(LOCAL, len(data))
+                return data
+            self._reject(name, why)
+        source = self.source(name)
+        data = (self.local if source == LOCAL else self.remote).get(name)
+        self._count(source, len(data))
         return data
 
     def get_ranges(self, name: str, starts: Sequence[int], lengths: Sequence[int]) -> List[memoryview]:
-        out = self._store(name).get_ranges(name, starts, lengths)
-        self._count(name, sum(len(v) for v in out))
+        if self._first_look(name) == CANDIDATE:
+            out = self.local.get_ranges(name, starts, lengths)
+            why = self._mismatch(name, starts, out)
+            if why is None:
+                self._count(LOCAL, sum(len(v) for v in out))
+                return out
+            if why != "unaligned":
+                self._reject(name, why)
+        source = self.source(name)
+        out = (self.local if source == LOCAL else self.remote).get_ranges(name, starts, lengths)
+        self._count(source, sum(len(v) for v in out))
         return out
 
     def size(self, name: str) -> int:
-        return self._store(name).size(name)
+        if self._first_look(name) == CANDIDATE:
+            return self.manifest.files[name]
+        return (self.local if self._state.get(name) == LOCAL else self.remote).size(name)
 
     def list(self, prefix: str = "") -> Dict[str, int]:
         return self.remote.list(prefix)
@@ -243,10 +325,10 @@ class ReadTier(Store):
 
     def summary(self) -> Dict[str, object]:
         """Files and bytes per source, and the local files that were rejected (with why)."""
+        files = {LOCAL: 0, REMOTE: 0}
+        for src in self.sources.values():
+            files[src] += 1
         with self._lock:
-            files = {LOCAL: 0, REMOTE: 0}
-            for src in self.sources.values():
-                files[src] += 1
             return {
                 "local files": files[LOCAL],
                 "local bytes": self.bytes_read[LOCAL],

@@ -11,7 +11,9 @@ A file whose upload fails is tried again after ``backoff_s * 2**k`` seconds (wit
 most 60 s), ``retries`` times, on top of the store client's own retries of throttling and
 transient HTTP errors; then the upload is failed, and says which file and why. ``cancel()``
 stops it between chunks (an object store's multipart upload is aborted, nothing half-written is
-left visible).
+left visible). Before anything else, ``stale`` names are deleted (commit files of an earlier,
+uncommitted upload to the same place that this save does not write) and the ``first`` objects
+put (the save token).
 """
 
 from __future__ import annotations
@@ -82,9 +84,11 @@ class Upload:
         backoff_s: float = 1.0,
         chunk_bytes: int = CHUNK_BYTES,
         first: Optional[Dict[str, bytes]] = None,
+        stale: Sequence[str] = (),
     ):
         self.iteration, self.local, self.remote = iteration, local, remote
         self.first = dict(first or {})
+        self.stale = list(stale)
         self.names = list(names)
         self.threads, self.retries, self.backoff_s = max(1, threads), max(0, retries), backoff_s
         self.chunk_bytes = chunk_bytes
@@ -108,6 +112,8 @@ class Upload:
         """Upload every file (in this thread); sets ``state`` and ``error``."""
         start = time.perf_counter()
         try:
+            for name in self.stale:
+                self._with_retries(name, lambda n=name: self.remote.delete(n) or 0)
             for name, data in self.first.items():
                 self._with_retries(name, lambda n=name, d=data: self.remote.put(n, d) or len(d))
             if self.names:
