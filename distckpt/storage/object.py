@@ -187,9 +187,14 @@ class ObjectStore(Store):
         return f"{self._prefix}/{name}" if self._prefix else name
 
     def child(self, name: str) -> ObjectStore:
-        return ObjectStore(
-            f"{self._url}/{containment.check_name(name.strip('/'), self._url, 'folder name')}", self.options
-        )
+        # The same client (building one costs milliseconds: credentials, TLS, connection pool),
+        # with the folder added to the key prefix.
+        folder = containment.check_name(name.strip("/"), self._url, "folder name")
+        sub = object.__new__(type(self))  # not copy.copy: __setstate__ would build a new client
+        sub.__dict__.update(self.__dict__)
+        sub._url = f"{self._url}/{folder}"
+        sub._prefix = f"{self._prefix}/{folder}" if self._prefix else folder
+        return sub
 
     def _fail(self, name: str, what: str, e: BaseException):
         if isinstance(e, CheckpointingException):  # a name the containment rule refused

@@ -197,9 +197,16 @@ class TieredCheckpointManager:
             markers.write_marker(directory, marker)
         except Exception as e:  # noqa: BLE001 - one rank's full disk fails the save on every rank
             exc = e
-        dist.sync_errors("tiered save (marker)", exc)
         if self.replication is not None:
+            dist.sync_errors("tiered save (marker)", exc)
             replicate.replicate(directory, marker, self.replication)
+        elif exc is not None:
+            # No collective here (it would cost every save a round trip): the upload counts as
+            # failed, and the next finalize reports it on every rank.
+            failed = Upload(iteration, directory, self.remote_of(iteration), [])
+            failed.state, failed.error = FAILED, exc
+            self._pending[iteration] = (failed, token)
+            return
         upload = Upload(
             iteration,
             directory,
@@ -219,7 +226,9 @@ class TieredCheckpointManager:
         retention rules, and raise :class:`UploadFailedError` (every rank) for an upload that
         failed on any rank. ``blocking``: wait for every upload first. Returns the iterations
         committed by this call."""
-        if not dist.all_reduce_max([len(self._pending)], stage="tiered finalize")[0]:
+        # Every rank holds the same pending iterations (the same saves, the same verdicts), so
+        # an empty set needs no collective: a training loop may call this every step for free.
+        if not self._pending:
             return []
         if blocking:
             for upload, _ in self._pending.values():
@@ -408,7 +417,7 @@ class TieredCheckpointManager:
     def close(self, wait: bool = True) -> None:
         """Every rank: wait for the uploads and commit them (``wait``), or cancel them."""
         if wait:
-            while dist.all_reduce_max([len(self._pending)], stage="tiered close")[0]:
+            while self._pending:
                 self.finalize(blocking=True)
         else:
             for upload, _ in self._pending.values():

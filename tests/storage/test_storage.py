@@ -54,6 +54,13 @@ def test_list_names_every_object_below_the_location_relative_to_it(store):
     assert store.child("d").list() == {"1": 2, "2": 2}
 
 
+def test_a_child_of_a_child_addresses_the_same_objects_as_the_nested_name(store):
+    store.child("a").child("b").put("c", b"xyz")
+    assert bytes(store.get("a/b/c")) == b"xyz"
+    assert store.list() == {"a/b/c": 3} and store.child("a").list() == {"b/c": 3}
+    assert store.child("a").child("b").where("c") == store.where("a/b/c")
+
+
 def test_put_if_absent_writes_once(store):
     assert store.put_if_absent("marker", b"first")
     assert not store.put_if_absent("marker", b"second")
