@@ -140,6 +140,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def lose_node(local_root: str, node: int | None) -> None:
+    """Delete one simulated node's local directory (a replaced node)."""
+    if node is not None:
+        shutil.rmtree(Path(local_root) / f"node{node}", ignore_errors=True)
+        print(f"node {node} replaced: its local directory is gone")
+
+
+def compare_losses(after: list[float], resumed: list[float], first: int, tolerant: bool) -> int:
+    """Print the losses side by side; 0 when they match (bitwise, or within LOSS_RTOL when
+    ``tolerant``: the layouts differ), else 1."""
+    print(f"\n{'step':>4}  {'uninterrupted':>14}  {'resumed':>14}")
+    for i, (a, b) in enumerate(zip(after, resumed)):
+        print(f"{first + i + 1:>4}  {a:>14.9f}  {b:>14.9f}")
+    if after == resumed:
+        print("losses match bitwise")
+        return 0
+    if tolerant and losses_match(after, resumed, LOSS_RTOL):
+        print(f"losses match within a relative {LOSS_RTOL:g}")
+        return 0
+    print("MISMATCH: the resumed losses differ from the uninterrupted run")
+    return 1
+
+
 def main_tiered(args: argparse.Namespace) -> int:
     """Train, crash with uploads in flight, optionally lose a node, resume (under
     --resume-layout) from the nearest intact copy, compare the losses."""
@@ -160,9 +183,7 @@ def main_tiered(args: argparse.Namespace) -> int:
             f"{layout}: tiered checkpoint every {args.tiered_every} to {remote}; "
             f"crashed at iteration {crash_at}"
         )
-        if args.lose_node is not None:
-            shutil.rmtree(Path(plan.local_root) / f"node{args.lose_node}", ignore_errors=True)
-            print(f"node {args.lose_node} replaced: its local directory is gone")
+        lose_node(plan.local_root, args.lose_node)
         start = time.perf_counter()
         resume = args.resume_layout
         results = launch(resume.world_size, run_tiered, resume, total, resume_cfg, plan)
@@ -171,18 +192,7 @@ def main_tiered(args: argparse.Namespace) -> int:
             f"{resume}: restarted at iteration {first} (rank 0 read {results[0].resumed_from or 'nothing'}), "
             f"trained to {total} ({time.perf_counter() - start:.1f} s)"
         )
-    after, resumed = reference[first:], last_stage_losses(results)
-    print(f"\n{'step':>4}  {'uninterrupted':>14}  {'resumed':>14}")
-    for i, (a, b) in enumerate(zip(after, resumed)):
-        print(f"{first + i + 1:>4}  {a:>14.9f}  {b:>14.9f}")
-    if after == resumed:
-        print("losses match bitwise")
-        return 0
-    if str(resume) != str(layout) and losses_match(after, resumed, LOSS_RTOL):
-        print(f"losses match within a relative {LOSS_RTOL:g}")
-        return 0
-    print("MISMATCH: the resumed losses differ from the uninterrupted run")
-    return 1
+    return compare_losses(reference[first:], last_stage_losses(results), first, str(resume) != str(layout))
 
 
 def main_local(args: argparse.Namespace) -> int:
@@ -210,9 +220,7 @@ def main_local(args: argparse.Namespace) -> int:
             f"persistent every {args.persistent_every or '-'}; "
             f"crashed at iteration {crash_at}"
         )
-        if args.lose_node is not None:
-            shutil.rmtree(Path(plan.local_root) / f"node{args.lose_node}", ignore_errors=True)
-            print(f"node {args.lose_node} replaced: its local directory is gone")
+        lose_node(plan.local_root, args.lose_node)
         start = time.perf_counter()
         results = launch(layout.world_size, run_with_recovery, layout, total, cfg, plan)
         first, source = results[0].first_iteration, results[0].resumed_from
@@ -220,15 +228,7 @@ def main_local(args: argparse.Namespace) -> int:
             f"restarted from the {source or 'no'} checkpoint at iteration {first}, trained to {total} "
             f"({time.perf_counter() - start:.1f} s)"
         )
-    after, resumed = reference[first:], last_stage_losses(results)
-    print(f"\n{'step':>4}  {'uninterrupted':>14}  {'resumed':>14}")
-    for i, (a, b) in enumerate(zip(after, resumed)):
-        print(f"{first + i + 1:>4}  {a:>14.9f}  {b:>14.9f}")
-    if after == resumed:
-        print("losses match bitwise")
-        return 0
-    print("MISMATCH: the resumed losses differ from the uninterrupted run")
-    return 1
+    return compare_losses(reference[first:], last_stage_losses(results), first, tolerant=False)
 
 
 def main(argv: list[str] | None = None) -> int:
