@@ -253,7 +253,9 @@ class LocalCheckpointManager:
                 self._in_flight.discard(iteration)
 
         if is_async:
-            return AsyncRequest(write, (), [finalize])
+            # A queue runs none of distckpt's finalize fns after a failed write (on any rank):
+            # the iteration is then no longer being saved, and may be saved again.
+            return AsyncRequest(write, (), [finalize], [lambda: self._in_flight.discard(iteration)])
         exc = None
         try:
             write()

@@ -10,6 +10,20 @@ Knows nothing of file formats. A strategy splits a save in three parts:
 3. ``finalize_fns`` (the training thread, every rank, in order): e.g. write the index and commit.
    They may use collectives.
 
+When part 2 fails on some rank, every rank learns it from the same all-reduce. What happens next
+depends on who wrote each finalize fn (see :func:`is_distckpt_finalize_fn`):
+
+* a finalize fn written outside distckpt (Megatron-LM's, NVRx's local checkpoint manager's, a
+  user's) still runs, as Megatron-Core's queue runs it: such a request's finalize fns are its own
+  failure handling (NVRx's checks that every rank wrote, cleans up and raises its own error);
+* distckpt's own finalize fns (a strategy's index write, ``save``'s commit of ``metadata.json``)
+  never run after a failed write: the chain stops at the first of them with the agreed
+  :class:`~distckpt.dist.RankErrors`, so nothing is committed and a finalize fn added after them
+  (e.g. Megatron-LM's tracker update) does not run either.
+
+An exception raised by a finalize fn is what the caller gets, on the rank(s) where it is raised;
+every other rank gets the agreed error (also when no finalize fn raised at all).
+
 An :class:`AsyncCallsQueue` runs part 2 and, when every rank's part 2 is done, part 3::
 
     queue = AsyncCallsQueue()
@@ -33,6 +47,7 @@ docs/async-and-parallel.md.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import threading
 from concurrent.futures import Future
@@ -53,7 +68,7 @@ from distckpt.strategies.staging import (  # noqa: F401
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncRequest", "AsyncCallsQueue", "StagingBuffers", "StagedBatch"]
+__all__ = ["AsyncRequest", "AsyncCallsQueue", "StagingBuffers", "StagedBatch", "is_distckpt_finalize_fn"]
 
 
 # --------------------------------------------------------------------------- requests
@@ -69,7 +84,15 @@ class AsyncRequest:
         async_fn_args: positional arguments of ``async_fn``.
         finalize_fns: zero-argument functions run in order, in the training thread, on every
             rank, once every rank's ``async_fn`` has returned. They may use collectives; when one
-            fails it must fail on every rank alike (as ``SaveShardedStrategy.save`` does).
+            fails it must fail on every rank alike (as ``SaveShardedStrategy.save`` does). After a
+            failed ``async_fn`` an :class:`AsyncCallsQueue` still runs those not written in
+            distckpt (Megatron-Core's contract: they find out and clean up themselves), up to the
+            first of distckpt's own; see the module docstring.
+
+        failure_fns: zero-argument functions run on every rank, in order, when the background
+            work failed on some rank (before the finalize fns above that still run): local
+            clean-up of distckpt's own, which must not use a process group. An exception they
+            raise is logged, not raised.
 
     A request is frozen when it is scheduled: from then on it cannot be changed.
     """
@@ -77,6 +100,7 @@ class AsyncRequest:
     async_fn: Optional[Callable[..., Any]]
     async_fn_args: Tuple[Any, ...] = ()
     finalize_fns: List[Callable[[], None]] = field(default_factory=list)
+    failure_fns: List[Callable[[], None]] = field(default_factory=list)
     _frozen: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -96,11 +120,28 @@ class AsyncRequest:
             )
         self.finalize_fns.append(fn)
 
+    def add_failure_fn(self, fn: Callable[[], None]) -> None:
+        """Append a local clean-up to run if the background work fails on any rank."""
+        if self._frozen:
+            raise CheckpointingException(
+                "AsyncRequest is frozen (already scheduled); cannot add a failure fn"
+            )
+        self.failure_fns.append(fn)
+
+    def run_failure_fns(self) -> None:
+        """Run the failure fns (each one's exception logged, the others still run)."""
+        for fn in self.failure_fns:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - clean-up after a failure must not mask it
+                logger.error("a failure fn of an async request raised %s: %s", type(e).__name__, e)
+
     def freeze(self) -> AsyncRequest:
         """Make the request immutable (finalize_fns become a tuple); returns it."""
         if not self._frozen:
             self.async_fn_args = tuple(self.async_fn_args)
             self.finalize_fns = tuple(self.finalize_fns)  # type: ignore[assignment]
+            self.failure_fns = tuple(self.failure_fns)  # type: ignore[assignment]
             super().__setattr__("_frozen", True)
         return self
 
@@ -117,7 +158,11 @@ class AsyncRequest:
                 self.async_fn(*self.async_fn_args)
         except Exception as e:  # noqa: BLE001 - shared with every rank below
             exc = e
-        _agree_on_failure("synchronous save", exc, no_dist)
+        try:
+            _agree_on_failure("synchronous save", exc, no_dist)
+        except CheckpointingException:
+            self.run_failure_fns()
+            raise
         for fn in self.finalize_fns:
             fn()
 
@@ -131,6 +176,28 @@ def _agree_on_failure(stage: str, exc: Optional[BaseException], no_dist: bool) -
     (failed,) = dist.all_reduce_max([int(exc is not None)], stage=stage)
     if failed:
         dist.sync_errors(stage, exc)
+
+
+_PACKAGE = __name__.split(".")[0]
+
+
+def is_distckpt_finalize_fn(fn: Callable[[], Any]) -> bool:
+    """Whether ``fn`` was written in distckpt itself (decided by the module that defines it).
+
+    Those are the finalize fns distckpt's strategies and ``save`` build: index writes and the
+    commit. They assume the background write succeeded, so a queue never runs them after a failed
+    one. Any other finalize fn (Megatron-LM's, NVRx's, a user's) is the request owner's own and
+    still runs then. ``functools.partial`` and bound methods count as the function they wrap.
+    """
+    for _ in range(16):  # a partial of a partial of ...: bounded
+        if not isinstance(fn, functools.partial):
+            break
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
+    module = getattr(fn, "__module__", None)
+    if not isinstance(module, str):
+        module = type(fn).__module__ or ""
+    return module == _PACKAGE or module.startswith(_PACKAGE + ".")
 
 
 def _raise_local(stage: str, exc: BaseException) -> None:
@@ -267,16 +334,28 @@ class AsyncCallsQueue:
             The call indices finalized by this call, in order.
 
         Raises:
-            CheckpointingException (the same on every rank): the background work of the oldest
-                unfinalized request failed on some rank; the message names the rank and its
-                error. That request is dropped without running its finalize fns; requests
-                finalized before it stay finalized and later ones stay queued, unaffected.
+            The background work of the oldest unfinalized request failed on some rank. That
+                request is dropped: its finalize fns written outside distckpt run in order up to
+                the first one of distckpt's (which, like every later one, does not run: nothing
+                is committed). An exception one of them raises is raised on the rank(s) where it
+                was raised; every other rank raises the same CheckpointingException
+                (:class:`~distckpt.dist.RankErrors`, naming the failed rank and its error).
+                Requests finalized before it stay finalized and later ones stay queued,
+                unaffected.
         """
+        finalized, error = self._finalize_ready(blocking, no_dist)
+        if error is not None:
+            raise error
+        return finalized
+
+    def _finalize_ready(self, blocking: bool, no_dist: bool) -> Tuple[List[int], Optional[BaseException]]:
+        """:meth:`maybe_finalize_async_calls`, but a failed call's error is returned, not raised
+        (whatever its type): :meth:`close` then finalizes the rest on every rank alike."""
         if self._closed:
             raise CheckpointingException("AsyncCallsQueue is closed")
         if not self._calls:
             # Every rank scheduled the same requests, so every rank returns here alike.
-            return []
+            return [], None
         if blocking:
             for call in self._calls:
                 _wait_quietly(call.future)
@@ -302,19 +381,15 @@ class AsyncCallsQueue:
                 fn()
             finalized.append(call.idx)
         if first_failure < ready:
-            call = self._calls.popleft()
-            exc = call.future.exception()
-            stage = f"async save (call {call.idx})"
-            logger.error("%s failed; its finalization (commit) is skipped", stage)
-            _agree_on_failure(stage, exc, no_dist)
-        return finalized
+            return finalized, _finalize_failed(self._calls.popleft(), no_dist)
+        return finalized, None
 
     def close(self, abort: bool = False) -> None:
         """Shut the queue down.
 
         ``abort=False`` (every rank calls it): wait for all background work and finalize every
-        request (collectives); if some failed, the first such error is raised, the same on every
-        rank, after the rest were finalized.
+        request (collectives); if some failed, the first such error is raised after the rest were
+        finalized (as :meth:`maybe_finalize_async_calls` would have raised it on this rank).
         ``abort=True`` (any rank alone, no collective): stop waiting. Requests not started are
         cancelled, none is finalized, so nothing is committed; a write already running finishes
         in its daemon thread and is left uncommitted.
@@ -324,13 +399,14 @@ class AsyncCallsQueue:
         if abort:
             self._abort()
             return
-        first_error: Optional[CheckpointingException] = None
+        first_error: Optional[BaseException] = None
         try:
             while self._calls:
                 try:
-                    self.maybe_finalize_async_calls(blocking=True)
+                    _, error = self._finalize_ready(blocking=True, no_dist=False)
                 except CheckpointingException as e:
-                    first_error = first_error or e
+                    error = e
+                first_error = first_error or error
         except BaseException:
             self._abort()
             raise
@@ -356,6 +432,43 @@ class AsyncCallsQueue:
             logger.warning(
                 "AsyncCallsQueue dropped with %d unfinalized calls; call close()", len(self._calls)
             )
+
+
+def _finalize_failed(call: _Call, no_dist: bool) -> BaseException:
+    """Finalize a call whose background work failed on some rank; return what to raise here.
+
+    Every rank runs the same collectives: the error gather (every rank learns the failed ranks'
+    messages), then the request's own finalize fns, which are the same on every rank.
+    """
+    stage = f"async save (call {call.idx})"
+    agreed: Optional[BaseException] = None
+    try:
+        _agree_on_failure(stage, call.future.exception(), no_dist)
+    except CheckpointingException as e:
+        agreed = e
+    if agreed is None:  # not reached: the all-reduce said that some rank failed
+        agreed = CheckpointingException(f"{stage} failed on another rank")
+    call.request.run_failure_fns()
+    fns = list(call.request.finalize_fns)
+    for i, fn in enumerate(fns):
+        if is_distckpt_finalize_fn(fn):
+            logger.error(
+                "%s failed; distckpt's finalization (commit) and the %d finalize fn(s) after it are "
+                "skipped: %s",
+                stage,
+                len(fns) - i - 1,
+                agreed,
+            )
+            return agreed
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - the request's own verdict on its failure
+            if e.__context__ is None:
+                e.__context__ = agreed
+            logger.error("%s failed; a finalize fn of the request raised %s: %s", stage, type(e).__name__, e)
+            return e
+    logger.error("%s failed; the request's %d finalize fn(s) ran: %s", stage, len(fns), agreed)
+    return agreed
 
 
 def _wait_quietly(future: Future) -> None:

@@ -230,7 +230,8 @@ def test_filesystem_writer_async_writes_through_its_patchable_hook(tmp_path):
 
 
 def _failing_async_save(ckpt: str):
-    """distckpt's way to inject a writer failure: wrap the request's background write."""
+    """distckpt's way to inject a writer failure: wrap the request's background write. A finalize
+    fn added after distckpt's (as Megatron-LM adds its tracker update) must not run."""
     from distckpt.strategies.async_utils import AsyncCallsQueue
 
     rank, world = ddist.get_rank(), ddist.get_world_size()
@@ -243,14 +244,72 @@ def _failing_async_save(ckpt: str):
             raise OSError("injected writer failure")
 
         request.async_fn = failing
+    request.add_finalize_fn(lambda: Path(f"{ckpt}.tracker_{rank}").write_text("1"))
     queue = AsyncCallsQueue()
     queue.schedule_async_request(request)
-    queue.maybe_finalize_async_calls(blocking=True)
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+    except CheckpointingException as e:
+        left = queue.get_num_unfinalized_calls()
+        queue.close()
+        raise CheckpointingException(f"{type(e).__name__} ({left} left): {e}") from e
 
 
 def test_distckpts_writer_failure_is_injected_through_the_request(run_ranks, tmp_path):
-    expect_all_ranks_raise(WORLD, _failing_async_save, str(tmp_path / "c"), match="injected writer failure")
+    expect_all_ranks_raise(
+        WORLD,
+        _failing_async_save,
+        str(tmp_path / "c"),
+        match=r"RankErrors \(0 left\): async save \(call 0\) failed on rank\(s\) 1: "
+        r"OSError: injected writer failure",
+    )
     assert not distckpt.check_is_distributed_checkpoint(tmp_path / "c")
+    assert not (tmp_path / "c" / "metadata.json").exists()
+    assert not list(tmp_path.glob("c.tracker_*"))  # the chain stopped at distckpt's commit
+
+
+class _LocalSaveFailed(Exception):
+    """The request owner's own exception (NVRx's local manager raises its CheckpointingException)."""
+
+
+def _foreign_request_fails_as_in_megatron(tmp: str):
+    """A request built outside distckpt, as NVRx's local checkpoint manager builds one for
+    Megatron-LM: rank 1's write raises; the finalize fn finds the save incomplete with a collective,
+    cleans up and raises the owner's exception, which Megatron-LM's caller expects."""
+    from distckpt.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+
+    rank = ddist.get_rank()
+    piece = Path(tmp) / f"iter_1_{rank}.pt"
+
+    def write():
+        if rank == 1:
+            raise Exception("TEST")
+        piece.write_bytes(b"x")
+
+    def finalize():
+        complete = [None] * ddist.get_world_size()
+        torch.distributed.all_gather_object(complete, piece.exists())
+        if not all(complete):
+            piece.unlink(missing_ok=True)
+            raise _LocalSaveFailed("Failure during saving local checkpoint from iteration 1")
+
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(AsyncRequest(write, (), [finalize]))
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+    except _LocalSaveFailed as e:
+        return f"{e} (context: {e.__context__})", piece.exists(), queue.get_num_unfinalized_calls()
+    finally:
+        queue.close()
+    return None
+
+
+def test_a_foreign_requests_finalize_fns_run_after_its_write_failed_as_megatron_does(run_ranks, tmp_path):
+    results = run_ranks(WORLD, _foreign_request_fails_as_in_megatron, str(tmp_path))
+    for message, piece_left, calls_left in results:
+        assert message.startswith("Failure during saving local checkpoint from iteration 1 (context: ")
+        assert "async save (call 0) failed on rank(s) 1: Exception: TEST" in message
+        assert (piece_left, calls_left) == (False, 0)
 
 
 def test_mcore_load_planner_checks_global_shapes_with_plain_dcp(tmp_path):

@@ -299,6 +299,34 @@ def test_a_failed_background_write_fails_every_rank_and_keeps_the_previous_itera
     assert run_ranks(WORLD, _restore, str(tmp_path), timeout=TIMEOUT) == [(1, "local", [], True)] * WORLD
 
 
+def _fail_async_then_save_again(root: str, iteration: int) -> str:
+    """An async save of ``iteration`` whose write fails on rank 1, then the same iteration again."""
+    rank, world = ddist.get_rank(), ddist.get_world_size()
+    manager, queue = _manager(root), AsyncCallsQueue()
+
+    def no_space(piece, path):
+        raise OSError(28, "No space left on device (injected)")
+
+    with faults.patched(local_manager, "write_piece", no_space if rank == 1 else local_manager.write_piece):
+        queue.schedule_async_request(manager.save(state(rank, world, iteration), iteration, is_async=True))
+        try:
+            queue.maybe_finalize_async_calls(blocking=True)
+            first = "committed"
+        except CheckpointingException as e:
+            first = type(e).__name__
+    manager.save(state(rank, world, iteration), iteration)
+    return first
+
+
+def test_an_iteration_whose_async_write_failed_can_be_saved_again(tmp_path):
+    run_ranks(WORLD, _save, str(tmp_path), [1], timeout=TIMEOUT)
+    assert (
+        run_ranks(WORLD, _fail_async_then_save_again, str(tmp_path), 2, timeout=TIMEOUT)
+        == ["RankErrors"] * WORLD
+    )
+    assert run_ranks(WORLD, _restore, str(tmp_path), timeout=TIMEOUT) == [(2, "local", [], True)] * WORLD
+
+
 def test_replaced_node_recovers_bit_exactly_from_peers_and_is_healed(tmp_path):
     run_ranks(WORLD, _save, str(tmp_path), [1], timeout=TIMEOUT)
     shutil.rmtree(_node(tmp_path, 1))

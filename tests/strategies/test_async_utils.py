@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -11,8 +12,13 @@ import pytest
 import torch
 
 from distckpt import dist as ddist
-from distckpt.core import CheckpointingException
-from distckpt.strategies.async_utils import AsyncCallsQueue, AsyncRequest, StagingBuffers
+from distckpt.core import CheckpointingException, atomic_write_bytes
+from distckpt.strategies.async_utils import (
+    AsyncCallsQueue,
+    AsyncRequest,
+    StagingBuffers,
+    is_distckpt_finalize_fn,
+)
 from tests.support.harness import expect_all_ranks_raise, run_ranks
 
 TIMEOUT = 30
@@ -30,8 +36,18 @@ def _fail_after(delay: float, message: str):
 
 
 def _commit(path):
-    """A fake finalize step: marks the save committed."""
+    """A fake finalize step of the caller's own: marks the save committed."""
     Path(path).write_text("committed")
+
+
+def _own_commit(path):
+    """A finalize step that counts as distckpt's own (a distckpt function): never run after a
+    failed write, like ``save``'s commit of ``metadata.json``."""
+    return functools.partial(atomic_write_bytes, str(path), b"committed")
+
+
+class _CleanedUp(Exception):
+    """Raised by a request owner's finalize fn that found its save incomplete (as NVRx's does)."""
 
 
 # --------------------------------------------------------------------------- AsyncRequest
@@ -196,7 +212,13 @@ def _failure_in_one_worker(tmp):
         if rank == 1
         else (_write_after, (f"{tmp}/d0_{rank}", b"x"))
     )
-    queue.schedule_async_request(AsyncRequest(fn, args, [lambda: _commit(f"{tmp}/commit0_{rank}")]))
+    # The caller's own fn runs (it does not raise); distckpt's commit and what follows it do not.
+    finalize_fns = [
+        lambda: _commit(f"{tmp}/checked0_{rank}"),
+        _own_commit(f"{tmp}/commit0_{rank}"),
+        lambda: _commit(f"{tmp}/tracker0_{rank}"),
+    ]
+    queue.schedule_async_request(AsyncRequest(fn, args, finalize_fns))
     queue.schedule_async_request(
         AsyncRequest(
             _write_after, (f"{tmp}/d1_{rank}", b"y", 0.1), [lambda: _commit(f"{tmp}/commit1_{rank}")]
@@ -210,10 +232,8 @@ def _failure_in_one_worker(tmp):
     after_failure = queue.get_num_unfinalized_calls()
     later = queue.maybe_finalize_async_calls(blocking=True)
     queue.close()
-    commits = sorted(
-        p.name for p in Path(tmp).iterdir() if p.name.startswith("commit") and p.name.endswith(f"_{rank}")
-    )
-    return error, after_failure, later, commits
+    marks = sorted(p.name for p in Path(tmp).iterdir() if p.name.endswith(f"_{rank}") and p.name[0] != "d")
+    return error, after_failure, later, marks
 
 
 def test_a_failed_write_on_one_rank_raises_on_every_rank_and_commits_nothing(tmp_path):
@@ -223,17 +243,19 @@ def test_a_failed_write_on_one_rank_raises_on_every_rank_and_commits_nothing(tmp
     error = errors.pop()
     assert "async save (call 0) failed on rank(s) 1" in error
     assert "OSError: injected write failure on rank 1" in error
-    for rank, (_, after_failure, later, commits) in enumerate(results):
+    for rank, (_, after_failure, later, marks) in enumerate(results):
         assert after_failure == 1  # call 0 dropped, call 1 still queued
         assert later == [1]  # the later request is unaffected
-        assert commits == [f"commit1_{rank}"]  # call 0 committed nowhere, not even on rank 0
+        # call 0: the caller's check ran on every rank; distckpt's commit and the fn after it
+        # ran nowhere, not even on rank 0 whose write succeeded
+        assert marks == [f"checked0_{rank}", f"commit1_{rank}"]
 
 
 def _close_with_a_failure(tmp):
     rank = ddist.get_rank()
     queue = AsyncCallsQueue()
     fn, args = (_fail_after, (0.0, "boom")) if rank == 0 else (_write_after, (f"{tmp}/x{rank}", b"x"))
-    queue.schedule_async_request(AsyncRequest(fn, args, [lambda: _commit(f"{tmp}/c0_{rank}")]))
+    queue.schedule_async_request(AsyncRequest(fn, args, [_own_commit(f"{tmp}/c0_{rank}")]))
     queue.schedule_async_request(AsyncRequest(None, (), [lambda: _commit(f"{tmp}/c1_{rank}")]))
     try:
         queue.close()
@@ -248,6 +270,95 @@ def test_close_finalizes_the_rest_then_raises_the_failure_on_every_rank(tmp_path
     message, committed0, committed1 = results[0]
     assert "failed on rank(s) 0: OSError: boom" in message
     assert (committed0, committed1) == (False, True)
+
+
+def _owner_judges_its_failed_save(tmp, fail_on_ranks):
+    """A request built outside distckpt (as NVRx's local checkpoint manager builds one): its
+    finalize fn finds out with a collective whether every rank wrote, cleans up this rank's file
+    and raises its own exception; a later finalize fn (Megatron-LM's tracker update) must not run."""
+    rank = ddist.get_rank()
+    queue = AsyncCallsQueue()
+    mine = Path(tmp) / f"piece_{rank}"
+    fn, args = (_fail_after, (0.1, "TEST")) if rank == 1 else (_write_after, (mine, b"x"))
+
+    def check_and_clean_up():
+        written = [None] * ddist.get_world_size()
+        torch.distributed.all_gather_object(written, mine.exists())
+        if not all(written):
+            mine.unlink(missing_ok=True)
+            if rank in fail_on_ranks:
+                raise _CleanedUp(f"save incomplete on ranks {[r for r, w in enumerate(written) if not w]}")
+
+    queue.schedule_async_request(
+        AsyncRequest(fn, args, [check_and_clean_up, lambda: _commit(f"{tmp}/tracker_{rank}")])
+    )
+    try:
+        queue.maybe_finalize_async_calls(blocking=True)
+        outcome = "returned"
+    except _CleanedUp as e:
+        outcome = f"own: {e}"
+    except CheckpointingException as e:
+        outcome = f"agreed: {e}"
+    left = queue.get_num_unfinalized_calls()
+    # The ranks still agree on every collective: a next request is finalized normally.
+    queue.schedule_async_request(AsyncRequest(None, (), [lambda: _commit(f"{tmp}/next_{rank}")]))
+    after = queue.maybe_finalize_async_calls()
+    queue.close()
+    return outcome, left, after, mine.exists()
+
+
+def test_a_failed_requests_own_finalize_fns_run_and_their_exception_reaches_the_caller(tmp_path):
+    results = run_ranks(2, _owner_judges_its_failed_save, str(tmp_path), (0, 1), timeout=TIMEOUT)
+    for outcome, left, after, still_there in results:
+        assert outcome == "own: save incomplete on ranks [1]"
+        assert (left, after, still_there) == (0, [1], False)  # rank 0's piece was cleaned up
+    assert not list(tmp_path.glob("tracker_*"))
+    assert (tmp_path / "next_0").exists() and (tmp_path / "next_1").exists()
+
+
+def test_a_finalize_fn_raising_on_one_rank_leaves_the_agreed_error_on_the_others(tmp_path):
+    results = run_ranks(2, _owner_judges_its_failed_save, str(tmp_path), (1,), timeout=TIMEOUT)
+    assert results[1][0] == "own: save incomplete on ranks [1]"
+    assert results[0][0].startswith("agreed: async save (call 0) failed on rank(s) 1: OSError: TEST")
+    assert [r[1:] for r in results] == [(0, [1], False)] * 2
+    # Rank 0's fns all ran (none raised there), rank 1's stopped at the one that raised.
+    assert [p.name for p in tmp_path.glob("tracker_*")] == ["tracker_0"]
+
+
+def test_without_collectives_a_failed_request_runs_its_own_finalize_fns(tmp_path):
+    order = []
+
+    def cleanup():
+        order.append("cleanup")
+        raise _CleanedUp("cleaned up")
+
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(AsyncRequest(_fail_after, (0.0, "disk full"), [cleanup, order.clear]))
+    with pytest.raises(_CleanedUp, match="cleaned up") as info:
+        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+    assert "OSError: disk full" in str(info.value.__context__)  # the write's failure, chained
+    assert order == ["cleanup"]
+    # Nobody raises: the write's failure is raised after the fns ran.
+    queue.schedule_async_request(AsyncRequest(_fail_after, (0.0, "disk full"), [lambda: order.append("ran")]))
+    with pytest.raises(CheckpointingException, match="OSError: disk full"):
+        queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+    assert order == ["cleanup", "ran"]
+    queue.close()
+
+
+def test_finalize_fns_written_in_distckpt_are_told_apart_from_the_callers():
+    class Committer:
+        def commit(self):
+            pass
+
+    assert is_distckpt_finalize_fn(_own_commit("x"))
+    assert is_distckpt_finalize_fn(functools.partial(_own_commit("x")))
+    assert is_distckpt_finalize_fn(ddist.get_rank)
+    assert is_distckpt_finalize_fn(StagingBuffers.discard_unsealed)
+    assert not is_distckpt_finalize_fn(lambda: None)
+    assert not is_distckpt_finalize_fn(Committer().commit)
+    assert not is_distckpt_finalize_fn(functools.partial(_commit, "x"))
+    assert not is_distckpt_finalize_fn(print)
 
 
 def _queue_on_rank0_only(tmp):
