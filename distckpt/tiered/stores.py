@@ -17,12 +17,13 @@ what it read from where.
 
 from __future__ import annotations
 
+import bisect
 import threading
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from distckpt.checksum import crc32c
 from distckpt.core import CheckpointingException
-from distckpt.manifest import MANIFEST_FNAME, Manifest, verify_files
+from distckpt.manifest import MANIFEST_FNAME, Manifest, RangeChecksum, verify_files
 from distckpt.storage.base import Store, Writer
 from distckpt.storage.local import LocalStore
 
@@ -94,7 +95,21 @@ class SaveTier(Store):
         return done
 
     def get(self, name: str) -> bytes:
-        return self.local.get(name)
+        if self._first_look(name) == CANDIDATE:
+            data = self.local.get(name)
+            why = self._mismatch(name, [0], [data])
+            if why is None:
+                with self._lock:
+                    self._state[name] = LOCAL
+                self._count(LOCAL, len(data))
+                return data
+            self._reject(
+                name, why if why != "unaligned" else f"{name}: the manifest does not checksum every byte"
+            )
+        source = self.source(name)
+        data = (self.local if source == LOCAL else self.remote).get(name)
+        self._count(source, len(data))
+        return data
 
     def get_ranges(self, name: str, starts: Sequence[int], lengths: Sequence[int]) -> List[memoryview]:
         return self.local.get_ranges(name, starts, lengths)
@@ -158,6 +173,7 @@ class ReadTier(Store):
         self.bytes_read = {LOCAL: 0, REMOTE: 0}
         self._lock = threading.Lock()
         self._file_locks: Dict[str, threading.Lock] = {}
+        self._sorted: Dict[str, Tuple[List[int], List[RangeChecksum]]] = {}
 
     @property
     def url(self) -> str:
@@ -229,20 +245,42 @@ class ReadTier(Store):
                 self._state[name] = LOCAL
             return LOCAL
 
+    def _ranges_of(self, name: str) -> Tuple[List[int], List[RangeChecksum]]:
+        """The manifest's ranges of ``name`` sorted by offset, and their offsets (cached)."""
+        with self._lock:
+            known = self._sorted.get(name)
+        if known is None:
+            ranges = sorted(self.manifest.ranges.get(name, []), key=lambda r: r.offset)
+            known = ([r.offset for r in ranges], ranges)
+            with self._lock:
+                self._sorted[name] = known
+        return known
+
     def _mismatch(self, name: str, starts: Sequence[int], data: Sequence) -> Optional[str]:
-        """Why the local bytes read do not match the manifest (None: they do); "unaligned" when
-        a range is not exactly one the manifest checksums."""
-        by_place = {(r.offset, r.length): r for r in self.manifest.ranges.get(name, [])}
+        """Why the local bytes read do not match the manifest (None: they do). Each request must
+        be exactly a run of consecutive checksummed ranges (one item, or several a reader
+        coalesced), each then checked against its CRC32C; "unaligned" when it is not."""
+        offsets, ranges = self._ranges_of(name)
         for start, view in zip(starts, data):
-            r = by_place.get((start, len(view)))
-            if r is None:
+            view = memoryview(view).cast("B")
+            end, i = start + len(view), bisect.bisect_left(offsets, start)
+            if len(view) == 0:
+                continue
+            if i == len(offsets) or offsets[i] != start:
                 return "unaligned"
-            got = crc32c(view)
-            if got != r.crc32c:
-                return (
-                    f"{name}: key {r.key!r} at offset {r.offset}: CRC32C mismatch "
-                    f"(stored {r.crc32c:#010x}, computed {got:#010x})"
-                )
+            at = start
+            while at < end:
+                if i == len(ranges) or ranges[i].offset != at or at + ranges[i].length > end:
+                    return "unaligned"
+                r = ranges[i]
+                got = crc32c(view[at - start : at - start + r.length])
+                if got != r.crc32c:
+                    return (
+                        f"{name}: key {r.key!r} at offset {r.offset}: CRC32C mismatch "
+                        f"(stored {r.crc32c:#010x}, computed {got:#010x})"
+                    )
+                at += r.length
+                i += 1
         return None
 
     def _count(self, source: str, n: int) -> None:
