@@ -415,13 +415,18 @@ class TieredCheckpointManager:
     # ------------------------------------------------------------------ end
 
     def close(self, wait: bool = True) -> None:
-        """Every rank: wait for the uploads and commit them (``wait``), or cancel them."""
+        """Every rank: wait for the uploads and commit them (``wait``), or cancel them (each stops
+        at its next chunk or file; returns once none writes any more). Nothing is committed then:
+        :meth:`find_latest` finishes such an iteration from the local copies later."""
         if wait:
             while self._pending:
                 self.finalize(blocking=True)
         else:
             for upload, _ in self._pending.values():
                 upload.cancel()
+            # Cancelled uploads stop at their next chunk or file; nothing is written after this.
+            for upload, _ in self._pending.values():
+                upload.wait()
             self._pending.clear()
 
     @property
