@@ -9,9 +9,6 @@ the params) and DistributedAdam (flat DP slices), including loading one's checkp
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -29,6 +26,7 @@ from distckpt.examples.training import (
 )
 from distckpt.utils import extract_sharded_tensors_and_factories
 from tests.support.harness import run_ranks
+from tests.support.train_script import load_train_script
 
 SAVE_LAYOUT = Layout(tp=2, pp=2, dp=2)
 STEPS_BEFORE_SAVE = 3
@@ -165,11 +163,7 @@ def test_layouts_read_from_the_command_line_and_order_ranks_tp_first():
 
 
 def test_train_script_resumes_and_reports_matching_losses(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location(
-        "train_script", Path(__file__).parents[1] / "examples" / "train.py"
-    )
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_train_script()
     argv = [
         "--layout",
         "1,1,1",
@@ -213,11 +207,7 @@ def test_example_adam_computes_the_same_bits_as_torch_adam():
 
 
 def test_train_script_restarts_from_the_local_tier(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location(
-        "train_script", Path(__file__).parents[1] / "examples" / "train.py"
-    )
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_train_script()
     argv = [
         "--layout",
         "1,1,1",

@@ -12,6 +12,7 @@ from distckpt import dist as ddist
 from distckpt.storage import open_store
 from distckpt.tiered import TieredCheckpointManager
 from tests.support.harness import run_ranks
+from tests.support.train_script import load_train_script
 
 
 def _node(tmp, rank=None):
@@ -350,14 +351,7 @@ def test_a_hostile_local_marker_is_ignored_and_nothing_outside_is_uploaded(s3_ur
 def test_train_script_saves_tiered_to_s3_crashes_and_resumes_at_the_last_save(s3_url, tmp_path, capsys):
     """The crash leaves the upload of iteration 4 committed or not (timing); either way the
     restart resumes at 4: committed, or finished from the local copies first."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(
-        "train_script", Path(__file__).parents[2] / "examples" / "train.py"
-    )
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_train_script()
     argv = [
         "--layout",
         "1,1,2",
