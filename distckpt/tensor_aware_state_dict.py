@@ -245,7 +245,11 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
     ):
         """The state dict ``sharded_state_dict`` asks for, from this container; every rank of the
         group calls it. Strict modes as in :func:`distckpt.load` (a raising mode raises on every
-        rank); ``return_mismatch_keys`` adds ``(missing, unexpected)`` to the result."""
+        rank; the logging modes log), except that a requested key the container lacks
+        ("unexpected") is never skipped: in every mode that does not raise first, the fill fails
+        on every rank with :class:`LocalShardMissingError` (Megatron-Core's container fails its
+        assertion there). ``return_mismatch_keys`` adds ``(missing, unexpected)`` to the result
+        (then ``unexpected`` is always empty: otherwise the call raised)."""
         self._require(False, "to_state_dict")
         _check_algo(algo)
         strict = parse_strict_flag(strict)
@@ -283,10 +287,11 @@ class MCoreTensorAwareStateDict(TensorAwareStateDict):
                     stored_keys, local_keys, global_keys
                 )
                 handle_mismatched_keys(strict, missing, unexpected, "local checkpoint")
-                if unexpected:
-                    sharded, _ = extract_matching_values(
-                        sharded, lambda v: isinstance(v, ShardedBase) and v.key not in unexpected
-                    )
+                # The non-raising modes have logged (or will return) them; the request is still
+                # filled whole, as Megatron-Core's container fills it, so a key this local
+                # checkpoint lacks fails below on every rank (LocalShardMissingError, also an
+                # AssertionError) instead of leaving that tensor unloaded: the caller falls back
+                # to a checkpoint that has it.
         except Exception as e:  # noqa: BLE001 - raised on every rank below
             exc = e
         dist.sync_errors("tensor-aware load (keys)", exc, group=parallelization_group)

@@ -415,9 +415,32 @@ def test_tensor_aware_state_dict_round_trips(run_ranks, algo):
         assert w == [[float(rank)] * 4] and rep == [7.0, 7.0] and obj == {"v": 1} and step == 5
 
 
+def _tensor_aware_mismatch(strict: str, ask_extra: bool):
+    """A container holding "w" and "old"; the request drops "old" and, with ``ask_extra``, asks
+    for "nope" too. Returns (missing, unexpected, loaded w) or the error's type and key named."""
+    from distckpt.tensor_aware_state_dict import MCoreTensorAwareStateDict
+
+    rank, world = ddist.get_rank(), ddist.get_world_size()
+    old = ShardedTensor.from_rank_offsets("old", torch.ones(1), replica_id=rank)
+    tasd, _ = MCoreTensorAwareStateDict.from_state_dict({"w": _row(rank, world, 1.0), "old": old}, "atomic")
+    request = {"w": _row(rank, world, 0.0)}
+    if ask_extra:
+        request["nope"] = ShardedTensor.from_rank_offsets("nope", torch.zeros(1), replica_id=rank)
+    try:
+        out, missing, unexpected = tasd.to_state_dict(request, strict=strict, return_mismatch_keys=True)
+    except AssertionError as e:
+        return type(e).__name__, "'nope'" in str(e)
+    return sorted(missing), sorted(unexpected), out["w"].tolist()
+
+
 def test_tensor_aware_state_dict_reports_mismatched_keys(run_ranks):
-    results = run_ranks(WORLD, _tensor_aware, "atomic", "return_all", timeout=TIMEOUT)
-    assert results == [([], ["nope"], False)] * WORLD
+    # A stored key nobody asks for is reported; a requested key the container lacks is never
+    # skipped: every non-raising mode fails the fill on every rank, as Megatron-Core's does.
+    results = run_ranks(WORLD, _tensor_aware_mismatch, "return_all", False, timeout=TIMEOUT)
+    assert results == [(["old"], [], [[rank + 1.0] * 4]) for rank in range(WORLD)]
+    for mode in ("return_all", "log_unexpected", "ignore_all"):
+        results = run_ranks(WORLD, _tensor_aware_mismatch, mode, True, timeout=TIMEOUT)
+        assert results == [("LocalShardMissingError", True)] * WORLD, mode
     expect_all_ranks_raise(WORLD, _tensor_aware, "atomic", "raise_all", match="Unexpected keys.*nope")
 
 
