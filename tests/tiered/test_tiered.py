@@ -379,3 +379,19 @@ def test_a_local_copy_missing_a_file_cannot_finish_its_upload_and_the_remote_new
     out = run_ranks(2, _load_report, s3_url, str(tmp_path))
     assert [o[:3] for o in out] == [(5, [], 5)] * 2
     assert "iter_0000006/metadata.json" not in open_store(s3_url).list()
+
+
+def _zarr_save_then_load(url, tmp):
+    from distckpt.strategies.zarr import ZarrSaveShardedStrategy
+
+    tiers = TieredCheckpointManager(url, _node(tmp))
+    tiers.save(_state(3), 3, sharded_strategy=ZarrSaveShardedStrategy())
+    tiers.close()
+    loaded = tiers.load(_state(fill=False))
+    sources = set(tiers.last_load.files.values())
+    return _wrong(loaded, 3), loaded["common"]["step"], "local" in sources
+
+
+def test_a_zarr_tiered_checkpoint_round_trips_and_reads_local_chunks(s3_url, tmp_path):
+    assert run_ranks(2, _zarr_save_then_load, s3_url, str(tmp_path)) == [([], 3, True)] * 2
+    assert distckpt.check_is_distributed_checkpoint(f"{s3_url}/iter_0000003")
