@@ -74,6 +74,20 @@ class Store(ABC):
         return None
 
     @property
+    def direct_root(self) -> Optional[Path]:
+        """A local directory where a strategy may create this store's data objects itself, as
+        plain files written by path (``pwritev``, no temp file), telling the store each one with
+        :meth:`created` once it is complete. Only that: the rest (commit, small objects, reads)
+        still goes through the store. None for most stores (a :class:`LocalStore` offers the
+        whole POSIX path through :attr:`local_root` instead); the tiered save's store offers it,
+        so that its local writes take the fast path."""
+        return None
+
+    def created(self, name: str) -> None:
+        """A strategy wrote ``name`` under :attr:`direct_root` itself, completely and durably."""
+        return None
+
+    @property
     @abstractmethod
     def url(self) -> str:
         """The location as a URL (or a plain path for local directories)."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from distckpt.checksum import crc32c
@@ -75,6 +76,16 @@ class SaveTier(Store):
     @property
     def url(self) -> str:
         return self.local.url
+
+    @property
+    def direct_root(self) -> Optional[Path]:
+        # A strategy may write its data files here by path (the local fast path); it reports
+        # each with ``created``, which records it like any other write.
+        self.local.root.mkdir(parents=True, exist_ok=True)
+        return self.local.root
+
+    def created(self, name: str) -> None:
+        self._record(name)
 
     def where(self, name: str) -> str:
         return self.local.where(name)

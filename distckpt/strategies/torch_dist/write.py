@@ -21,6 +21,7 @@ import os
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -60,6 +61,10 @@ class Output:
         self.fd = -1
         self.writer = None
         root = storage.local_root(location)
+        # A store that lets its data files be written by path (the tiered save's local tier).
+        self.direct = root is None and direct_root(location) is not None
+        if self.direct:
+            root = direct_root(location)
         if root is None:
             self.writer = location.open_writer(name)
             self.sink: ChecksummingSink = WriterSink(self.writer)
@@ -106,6 +111,8 @@ class Output:
             finally:
                 os.close(self.fd)
                 self.fd = -1
+            if self.direct:
+                self.location.created(self.name)
         if self.blocks:
             data = blockcrc.encode(self.blocks)
             name = blockcrc.table_name(self.name)
@@ -122,6 +129,11 @@ class Output:
                 self.fd = -1
         except Exception:  # noqa: BLE001 - the first error is the one reported
             logger.debug("closing %s after a failure", self.name, exc_info=True)
+
+
+def direct_root(location: Resolved) -> Optional[Path]:
+    """The directory a store lets its data files be written into by path, or None."""
+    return None if isinstance(location, Path) else location.direct_root
 
 
 # How a plain save's item reaches its file without a staged copy (see :func:`routes_of`).
@@ -143,7 +155,9 @@ def routes_of(plan: SavePlan) -> Routes:
     Their ``copies`` flag is cleared: they cost the waves nothing."""
     if plan.staging is not None:
         return {}
-    local = storage.local_root(plan.checkpoint_dir) is not None
+    local = (
+        storage.local_root(plan.checkpoint_dir) is not None or direct_root(plan.checkpoint_dir) is not None
+    )
     routes: Routes = {}
     for _, items in plan.jobs:
         for it in items:
