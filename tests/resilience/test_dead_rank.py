@@ -44,6 +44,13 @@ def _rank(
     store = tdist.TCPStore(
         "127.0.0.1", port, WORLD, is_master=host_store and rank == 0, timeout=timedelta(seconds=START_S)
     )
+    # Every rank has imported torch before any starts the group: with five worlds starting at once
+    # on 2 cores, a rank can take longer to import than a short group timeout (5 s) allows gloo
+    # to connect, and the scenario must start with every rank there.
+    store.add("imported", 1)
+    deadline = time.monotonic() + START_S
+    while store.add("imported", 0) < WORLD and time.monotonic() < deadline:
+        time.sleep(0.05)
     tdist.init_process_group(
         "gloo", store=store, rank=rank, world_size=WORLD, timeout=timedelta(seconds=pg_timeout_s)
     )
