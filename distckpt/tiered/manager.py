@@ -35,7 +35,7 @@ from distckpt.storage.local import LocalStore
 from distckpt.tiered import markers, replicate, retention
 from distckpt.tiered.markers import Marker, iteration_name
 from distckpt.tiered.stores import ReadTier, SaveTier
-from distckpt.tiered.upload import DONE, FAILED, Upload, upload_now
+from distckpt.tiered.upload import DONE, FAILED, Upload
 
 logger = logging.getLogger(__name__)
 
@@ -276,12 +276,7 @@ class TieredCheckpointManager:
                 out[it] = ("pending", "")
         newest = None
         if any(v == "committed" for v, _ in out.values()):
-            pending = {i for i, (v, _) in out.items() if v == "pending"}
-            try:
-                retention.trim_remote(self.remote, self.keep_remote, pending)
-                newest = max(retention.committed(self.remote), default=None)
-            except Exception as e:  # noqa: BLE001 - retention is best effort; the commit stands
-                logger.warning("retention on %s failed: %s", self.remote.url, e)
+            newest = self._after_commits({i for i, (v, _) in out.items() if v == "pending"})
         return out, newest
 
     def _failure_text(self, iteration: int, failed: List[Tuple[int, str]]) -> str:
@@ -294,16 +289,27 @@ class TieredCheckpointManager:
         )
 
     def _commit_remote(self, iteration: int, holder_dir: Optional[Path] = None) -> None:
-        """Write ``metadata.json`` to the remote with a conditional put (the commit), then the
-        tracker. Runs on the rank that holds owner 0's local files."""
+        """Write ``metadata.json`` to the remote with a conditional put (the commit). Runs on the
+        rank that holds owner 0's local files."""
         directory = holder_dir or self.local_of(iteration)
         data = containment.read_beneath(directory, CONFIG_FNAME, directory, "commit marker")
         self.remote_of(iteration).commit(CONFIG_FNAME, data)
+
+    def _after_commits(self, pending: set) -> Optional[int]:
+        """After one or more commits, on the committing rank: one listing of the remote for the
+        retention rule and Megatron-LM's tracker file; returns the newest committed iteration
+        (None if the listing failed: retention and the tracker are best effort, the commits
+        stand)."""
         try:
-            newest = max(retention.committed(self.remote), default=iteration)
-            self.remote.put(TRACKER_NAME, str(newest).encode())
-        except Exception as e:  # noqa: BLE001 - the tracker is a convenience for Megatron-LM's tools
-            logger.warning("could not update %s: %s", self.remote.where(TRACKER_NAME), e)
+            state = retention.iterations(self.remote)
+            removed = set(retention.trim_remote(self.remote, self.keep_remote, pending, state))
+            newest = max((it for it, ok in state.items() if ok and it not in removed), default=None)
+            if newest is not None:
+                self.remote.put(TRACKER_NAME, str(newest).encode())
+            return newest
+        except Exception as e:  # noqa: BLE001
+            logger.warning("retention or the tracker file on %s failed: %s", self.remote.url, e)
+            return None
 
     # ------------------------------------------------------------------ restart
 
@@ -359,7 +365,8 @@ class TieredCheckpointManager:
                 if holder == self.rank:
                     names += [n for n in markers.read_marker(directory, owner).files if n != CONFIG_FNAME]
             remote = self.remote_of(iteration)
-            up = upload_now(iteration, directory, remote, names, **self.upload_options)
+            up = Upload(iteration, directory, remote, names, **self.upload_options)
+            up.run()  # in this thread: the resumption is part of find_latest
             if up.error is not None:
                 raise up.error
             if plan[0] == self.rank:
@@ -372,6 +379,7 @@ class TieredCheckpointManager:
         try:
             if plan[0] == self.rank:
                 self._commit_remote(iteration, directory)
+                self._after_commits(set())
         except Exception as e:  # noqa: BLE001
             exc = e
         dist.sync_errors("tiered resume commit", exc)
@@ -462,17 +470,10 @@ def read_tier(remote: Store, local_dir: Optional[Path]) -> ReadTier:
     token = remote_token(remote)
     rejected = None
     if local_dir is not None and local_dir.is_dir() and manifest is not None:
-        tokens = set()
-        try:
-            owners = markers.owners_in(local_dir)
-        except (OSError, CheckpointingException) as e:
-            logger.warning("ignoring the local copy %s: %s", local_dir, e)
-            owners = []
-        for owner in owners:
-            try:
-                tokens.add(markers.read_marker(local_dir, owner).token)
-            except (OSError, CheckpointingException) as e:
-                logger.warning("ignoring a local tier marker: %s", e)
+        found, problems = markers.read_all(local_dir)
+        for problem in problems:
+            logger.warning("ignoring a local tier marker: %s", problem)
+        tokens = {m.token for m in found.values()}
         if token is not None and token in tokens:
             local = LocalStore(local_dir)
         elif tokens:

@@ -152,6 +152,23 @@ def owners_in(directory: Path) -> List[int]:
     return sorted(int(m.group(1)) for m in map(_OWNER.match, folder) if m)
 
 
+def read_all(directory: Path) -> Tuple[Dict[int, Marker], List[str]]:
+    """Every readable marker of the iteration ``directory`` (owner -> marker), and why each
+    unreadable one (or the marker folder) was not read."""
+    try:
+        owners = owners_in(directory)
+    except (OSError, CheckpointingException) as e:
+        return {}, [f"{directory / MARKER_DIR}: {e}"]
+    found: Dict[int, Marker] = {}
+    problems: List[str] = []
+    for owner in owners:
+        try:
+            found[owner] = read_marker(directory, owner)
+        except (OSError, CheckpointingException) as e:
+            problems.append(str(e))
+    return found, problems
+
+
 def scan(root: Path, newer_than: Optional[int] = None) -> Dict[int, Dict[int, Marker]]:
     """Every readable marker under ``root``: iteration -> owner -> marker (damaged ones are
     skipped with a warning). ``newer_than``: only iterations above it."""
@@ -159,17 +176,10 @@ def scan(root: Path, newer_than: Optional[int] = None) -> Dict[int, Dict[int, Ma
     for it, directory in iteration_dirs(root):
         if newer_than is not None and it <= newer_than:
             continue
-        try:
-            owners = owners_in(directory)
-        except (OSError, CheckpointingException) as e:
-            logger.warning("ignoring the local copy %s: %s", directory, e)
-            continue
-        for owner in owners:
-            try:
-                marker = read_marker(directory, owner)
-            except (OSError, CheckpointingException) as e:
-                logger.warning("ignoring a local tier marker: %s", e)
-                continue
+        found, problems = read_all(directory)
+        for problem in problems:
+            logger.warning("ignoring a local tier marker: %s", problem)
+        for owner, marker in found.items():
             if marker.iteration != it:
                 logger.warning(
                     "ignoring %s: it names iteration %d", directory / marker_name(owner), marker.iteration

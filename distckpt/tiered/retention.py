@@ -57,11 +57,11 @@ def remove_remote(remote: Store, iteration: int) -> None:
         store.delete(name)
 
 
-def trim_remote(remote: Store, keep: Optional[int], pending: Set[int]) -> List[int]:
-    """Rank 0: apply the remote retention rule; returns the iterations removed."""
+def trim_remote(remote: Store, keep: Optional[int], pending: Set[int], state: dict) -> List[int]:
+    """Rank 0: apply the remote retention rule to ``state`` (:func:`iterations` of ``remote``);
+    returns the iterations removed."""
     if keep is None:
         return []
-    state = iterations(remote)
     done = sorted(it for it, ok in state.items() if ok)
     if not done:
         return []

@@ -21,10 +21,9 @@ from __future__ import annotations
 import os
 import random
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 from distckpt import containment
 from distckpt.core import CheckpointingException
@@ -94,11 +93,7 @@ class Upload:
         self.chunk_bytes = chunk_bytes
         self.state = RUNNING
         self.error: Optional[BaseException] = None
-        self.bytes = 0
-        self.attempts = 0
-        self.seconds = 0.0
         self._cancel = threading.Event()
-        self._lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
 
     def start(self) -> Upload:
@@ -110,12 +105,11 @@ class Upload:
 
     def run(self) -> None:
         """Upload every file (in this thread); sets ``state`` and ``error``."""
-        start = time.perf_counter()
         try:
             for name in self.stale:
-                self._with_retries(name, lambda n=name: self.remote.delete(n) or 0)
+                self._with_retries(name, lambda n=name: self.remote.delete(n))
             for name, data in self.first.items():
-                self._with_retries(name, lambda n=name, d=data: self.remote.put(n, d) or len(d))
+                self._with_retries(name, lambda n=name, d=data: self.remote.put(n, d))
             if self.names:
                 with ThreadPoolExecutor(min(self.threads, len(self.names))) as pool:
                     for _ in pool.map(self._one, self.names):
@@ -124,8 +118,6 @@ class Upload:
         except BaseException as e:  # noqa: BLE001 - reported to every rank at finalize
             self.error = e
             self.state = FAILED
-        finally:
-            self.seconds = time.perf_counter() - start
 
     def _one(self, name: str) -> None:
         self._with_retries(
@@ -136,12 +128,8 @@ class Upload:
         for attempt in range(self.retries + 1):
             if self._cancel.is_set():
                 raise Cancelled(f"upload of {self.local / name} cancelled")
-            with self._lock:
-                self.attempts += 1
             try:
-                n = send()
-                with self._lock:
-                    self.bytes += n
+                send()
                 return
             except Cancelled:
                 raise
@@ -169,14 +157,3 @@ class Upload:
 
     def cancel(self) -> None:
         self._cancel.set()
-
-    @property
-    def done(self) -> bool:
-        return self.state != RUNNING
-
-
-def upload_now(iteration: int, local: Path, remote: Store, names: List[str], **kwargs) -> Upload:
-    """Run an upload in the calling thread (resuming an upload at restart)."""
-    up = Upload(iteration, local, remote, names, **kwargs)
-    up.run()
-    return up

@@ -111,17 +111,8 @@ def _owners(owners: List[int]) -> str:
 def copy_owner(remote: Store, directory: Path) -> CopyOwner:
     """Read the markers of ``directory`` and the remote's save token (nothing is written)."""
     found = CopyOwner(directory, remote_token(remote))
-    try:
-        owners = markers.owners_in(directory)
-    except (OSError, CheckpointingException) as e:
-        found.damaged.append(f"{markers.MARKER_DIR}: {e}")
-        return found
-    for owner in owners:
-        try:
-            marker = markers.read_marker(directory, owner)
-        except (OSError, CheckpointingException) as e:
-            found.damaged.append(str(e))
-            continue
+    read, found.damaged = markers.read_all(directory)
+    for owner, marker in read.items():
         found.tokens[owner] = marker.token
         found.files[owner] = marker.files
     return found

@@ -62,9 +62,9 @@ class Output:
         self.writer = None
         root = storage.local_root(location)
         # A store that lets its data files be written by path (the tiered save's local tier).
-        self.direct = root is None and direct_root(location) is not None
-        if self.direct:
-            root = direct_root(location)
+        direct = direct_root(location) if root is None else None
+        self.direct = direct is not None
+        root = root if direct is None else direct
         if root is None:
             self.writer = location.open_writer(name)
             self.sink: ChecksummingSink = WriterSink(self.writer)
