@@ -9,8 +9,8 @@ layer norms) and times, median of ``--reps`` runs after one unrecorded warm-up:
 
 - the limits: a pinned device-to-host copy of the same bytes (``D2H``; pinning the buffers is
   timed once), the copy back (``H2D``), a raw write and a raw read of the same bytes with
-  ``bench.common.raw_write``/``raw_read``, one thread per file, as many files as distckpt's
-  default save writes (or ``--threads``);
+  ``bench.common.raw_write``/``raw_read``, one thread per file, as many threads as distckpt's
+  default save writes with (or ``--threads``);
 - PyTorch DCP on the same tensors: ``dcp.save`` with its defaults and with
   ``FileSystemWriter(thread_count=8)``, ``dcp.async_save`` with its defaults and with one
   ``DefaultStager()`` kept across saves (blocking part: until its staging completed; skipped with a
@@ -148,8 +148,8 @@ SECONDS_ROWS = [
     ("pinning", "pinning the D2H buffers (allocate + register), once"),
     ("D2H pinned", "D2H, pinned, bare"),
     ("H2D pinned", "H2D, pinned, bare"),
-    ("raw write", "raw write (one thread per file)"),
-    ("raw read", "raw read (one thread per file)"),
+    ("raw write", "raw write (the save's threads, a file each)"),
+    ("raw read", "raw read (the load's threads, a file each)"),
     ("dcp.save default", "dcp.save, defaults"),
     ("dcp.save thread_count=8", "dcp.save, FileSystemWriter(thread_count=8)"),
     ("dcp.async_save default blocking", "dcp.async_save, defaults: blocking"),
@@ -188,8 +188,11 @@ def render(report: dict) -> str:
         + " | goal |",
         "|---|" + "---:|" * len(results) + "---|",
     ]
-    files = " | ".join(f"{r['save_files']} files, {r['threads']} threads" for r in results)
-    lines.append(f"| default save's files; raw I/O threads | {files} | |")
+    files = " | ".join(
+        f"{r['save_files']} files; {r['threads']} write, {r.get('read_threads', r['threads'])} read threads"
+        for r in results
+    )
+    lines.append(f"| default save's files; threads of the save and load (and of raw I/O) | {files} | |")
     for key, label in SECONDS_ROWS:
         if all(r["seconds"].get(key) is None for r in results):
             continue
@@ -253,6 +256,20 @@ class Clock:
         out = fn(*args, **kwargs)
         self.sync()
         return time.perf_counter() - t0, out
+
+
+def _default_threads(distckpt, ckpt) -> tuple:
+    """The threads distckpt's default save writes ``ckpt``'s files with and its default load reads
+    them with (0 where it cannot say: an older distckpt, one thread per file)."""
+    try:
+        from distckpt.strategies.torch_dist.load import TorchDistLoadShardedStrategy
+        from distckpt.strategies.torch_dist.save import TorchDistSaveShardedStrategy
+
+        save = int(TorchDistSaveShardedStrategy().writer_threads(ckpt))
+        load = int(TorchDistLoadShardedStrategy().reader_threads(ckpt))
+    except Exception:  # noqa: BLE001
+        return 0, 0
+    return save, load
 
 
 def _on_device(sd, device: str, fill: bool):
@@ -321,6 +338,8 @@ class Run:
         self.failed: set = set()  # paths that raised: not tried again
         self.keep = False  # record this repetition (False: the warm-up)
         self.save_files = None  # data files distckpt's default save wrote
+        self.save_threads = None  # threads distckpt's default save writes them with
+        self.load_threads = None  # and its default load reads them with
 
     def rec(self, name: str, seconds: float) -> None:
         if self.keep:
@@ -364,6 +383,9 @@ class Run:
         self.phases["save"] = str(distckpt.last_timings("save"))
         if self.save_files is None:
             self.save_files = len(list(ckpt.glob("*.distcp"))) or 1
+            self.save_threads, self.load_threads = _default_threads(distckpt, ckpt)
+            self.save_threads = self.save_threads or self.save_files
+            self.load_threads = self.load_threads or self.save_files
         for name, layout in (("load", sd), ("load resharded", self.reshard)):
             request = _on_device(layout, clock.device, fill=False)
             seconds, out = clock.time(distckpt.load, request, ckpt)
@@ -441,8 +463,9 @@ class Run:
             (self.problems if ours else self.notes).append(f"{name} failed: {type(e).__name__}: {e}")
             traceback.print_exc()
 
-    def limits(self, pinned, threads: int) -> None:
-        """The same bytes through the copy engine, and through plain file I/O with ``threads``."""
+    def limits(self, pinned, threads: int, read_threads: int) -> None:
+        """The same bytes through the copy engine, and through plain file I/O: written with
+        ``threads`` threads (a file each), read back with ``read_threads``."""
         clock, tensors = self.clock, self.tensors
         d2h = clock.time(lambda: [p.copy_(t, non_blocking=True) for p, t in zip(pinned, tensors)])[0]
         self.rec("D2H pinned", d2h)
@@ -454,6 +477,12 @@ class Run:
             "raw write", clock.time(parallel_raw_write, files, [[pinned[i] for i in g] for g in groups])[0]
         )
         host = [torch.zeros_like(p) for p in pinned]  # pages touched now: the read pays no faults
+        if read_threads != threads:  # the same bytes in as many files as threads read them
+            for path in files:
+                path.unlink()
+            groups = balanced_groups(list(range(len(pinned))), read_threads, lambda i: pinned[i].numel())
+            files = [self.fresh(f"raw_{g}.bin") for g in range(len(groups))]
+            parallel_raw_write(files, [[pinned[i] for i in g] for g in groups])
         self.rec("raw read", clock.time(parallel_raw_read, files, [[host[i] for i in g] for g in groups])[0])
         for path in files:
             path.unlink()
@@ -494,7 +523,13 @@ def measure(size_gib: float, args, clock: Clock, first_save: bool) -> dict:
         run.attempt("dcp.async_save", run.dcp_async_default, dcp, ours=False)
         if stager is not None:
             run.attempt("dcp.async_save with DefaultStager()", run.dcp_async_stager, dcp, stager, ours=False)
-        run.attempt("limits", run.limits, pinned, args.threads or run.save_files or 1)
+        run.attempt(
+            "limits",
+            run.limits,
+            pinned,
+            args.threads or run.save_threads or 1,
+            args.threads or run.load_threads or 1,
+        )
         rep_seconds.append(time.perf_counter() - rep_t0)
         done = rep + 1
         if 1 <= done < args.reps and args.max_seconds:
@@ -516,7 +551,8 @@ def measure(size_gib: float, args, clock: Clock, first_save: bool) -> dict:
         hidden=hidden,
         layers=layers,
         save_files=run.save_files,
-        threads=args.threads or run.save_files,
+        threads=args.threads or run.save_threads,
+        read_threads=args.threads or run.load_threads,
         reps=done,
         phases=run.phases,
         notes=run.notes,
@@ -716,7 +752,9 @@ def parse_args(argv=None):
         "--hidden", type=int, default=0, help="hidden size (default: bench.common.model_dims)"
     )
     parser.add_argument("--reps", type=int, default=3, help="recorded repetitions after one warm-up")
-    parser.add_argument("--threads", type=int, default=0, help="raw I/O threads (default: the save's files)")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="raw I/O threads (default: the default save's writer threads)"
+    )
     parser.add_argument("--max-seconds", type=float, default=0, help="stop repeating past this (0: never)")
     parser.add_argument("--out", default="bench_out")
     parser.add_argument(

@@ -68,12 +68,21 @@ from bench.common import (
 # --------------------------------------------------------------------------- measurements
 
 
+_WRITE_THREADS = None  # --write-threads, set in each rank
+
+
+def _save_strategy(threads):
+    from distckpt.strategies.torch_dist import TorchDistSaveShardedStrategy
+
+    return TorchDistSaveShardedStrategy(thread_count=threads, write_threads=_WRITE_THREADS)
+
+
 def _time_save_and_loads(backend, sd, reshard, location, threads, record, results) -> None:
     """Record one save of ``sd`` to ``location``, then a same-layout and a resharded load."""
     import distckpt
-    from distckpt.strategies.torch_dist import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
+    from distckpt.strategies.torch_dist import TorchDistLoadShardedStrategy
 
-    strategy = TorchDistSaveShardedStrategy(thread_count=threads) if backend == "torch_dist" else (backend, 1)
+    strategy = _save_strategy(threads) if backend == "torch_dist" else (backend, 1)
     record(f"{backend} save", barrier_time(distckpt.save, sd, location, sharded_strategy=strategy)[0])
     record(f"{backend} load", barrier_time(distckpt.load, empty_like_request(sd), location)[0])
     counting = TorchDistLoadShardedStrategy() if backend == "torch_dist" else None
@@ -115,6 +124,8 @@ def _report(tdist, rank: int, results: dict, times: dict, queue) -> None:
 def _rank_main_object_store(rank, world, port, args, queue):
     """The object-store run: raw obstore put/get against distckpt save/load of the same bytes."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    global _WRITE_THREADS
+    _WRITE_THREADS = args.write_threads
     torch.set_num_threads(1)  # one intra-op thread per rank, as under torchrun (the variable came too late)
     import obstore
     import torch.distributed as tdist
@@ -169,6 +180,8 @@ def _rank_main_object_store(rank, world, port, args, queue):
 
 def _rank_main(rank, world, port, args, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    global _WRITE_THREADS
+    _WRITE_THREADS = args.write_threads
     torch.set_num_threads(1)  # one intra-op thread per rank, as under torchrun (the variable came too late)
     import psutil
     import torch.distributed as tdist
@@ -177,7 +190,7 @@ def _rank_main(rank, world, port, args, queue):
     import distckpt
     from distckpt.strategies.async_utils import AsyncCallsQueue
     from distckpt.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
-    from distckpt.strategies.torch_dist import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
+    from distckpt.strategies.torch_dist import TorchDistLoadShardedStrategy
 
     tdist.init_process_group("gloo", rank=rank, world_size=world)
     root = Path(args.dir)
@@ -192,13 +205,13 @@ def _rank_main(rank, world, port, args, queue):
 
     reshard = build_state(rank, world, hidden, layers, pieces_per_rank=2, with_data=False)
     full_req = build_state(rank, world, hidden, layers, with_data=False, full=True)
-    async_strategy = TorchDistSaveShardedStrategy(thread_count=args.threads)
+    async_strategy = _save_strategy(args.threads)
     # Peak RSS first, before any other buffer exists: freed buffers stay in the allocator and
     # would be counted against the save.
     ckpt = root / "ckpt_rss"
     tdist.barrier()
     with PeakRss() as rss:
-        distckpt.save(sd, ckpt, sharded_strategy=TorchDistSaveShardedStrategy(thread_count=args.threads))
+        distckpt.save(sd, ckpt, sharded_strategy=_save_strategy(args.threads))
     results["save peak RSS above baseline (x local bytes)"] = (rss.peak - rss_before_state) / local_bytes(sd)
     tdist.barrier()
     if rank == 0:
@@ -282,7 +295,7 @@ def _rss_pass(rank, root, sd, reshard, full_req, threads, tdist):
     import distckpt
     from distckpt.strategies.async_utils import AsyncCallsQueue
     from distckpt.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
-    from distckpt.strategies.torch_dist import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
+    from distckpt.strategies.torch_dist import TorchDistLoadShardedStrategy
 
     ckpt, peaks = root / "ckpt_rss_paths", {}
 
@@ -299,7 +312,7 @@ def _rss_pass(rank, root, sd, reshard, full_req, threads, tdist):
             distckpt.save(
                 sd,
                 ckpt,
-                sharded_strategy=TorchDistSaveShardedStrategy(thread_count=threads),
+                sharded_strategy=_save_strategy(threads),
                 async_sharded_save=True,
             )
         )
@@ -309,7 +322,7 @@ def _rss_pass(rank, root, sd, reshard, full_req, threads, tdist):
         drop(ckpt)
     measure(
         "save",
-        lambda: distckpt.save(sd, ckpt, sharded_strategy=TorchDistSaveShardedStrategy(thread_count=threads)),
+        lambda: distckpt.save(sd, ckpt, sharded_strategy=_save_strategy(threads)),
     )
     tdist.barrier()
     if rank == 0:
@@ -475,6 +488,12 @@ def main() -> int:
         default=None,
         help="torch_dist save thread_count (files and writer threads per rank; default: "
         "the library's: 2 files, at most one writer thread per core of the rank)",
+    )
+    parser.add_argument(
+        "--write-threads",
+        type=int,
+        default=None,
+        help="torch_dist save: writer threads per rank, whatever the files (they share them)",
     )
     parser.add_argument("--out", default="bench_out")
     parser.add_argument(

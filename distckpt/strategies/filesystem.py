@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import threading
 from contextlib import contextmanager
 from typing import Iterable, Iterator, List, Optional, Tuple
 
@@ -70,29 +69,24 @@ __all__ = [
 
 # --------------------------------------------------------------------------- writing
 
-_crc_lock = threading.Lock()
-_crc_users = 0
-_crc_saved: Optional[bool] = None
-
 
 @contextmanager
 def zip_crc_disabled() -> Iterator[None]:
-    """Switch off torch.save's zip CRC32 for the duration (reference-counted across threads)."""
-    global _crc_users, _crc_saved
+    """Switch off torch.save's zip CRC32 in the calling thread for the duration.
+
+    torch keeps its serialization config per context (a ``ContextVar``): a new thread starts
+    with the defaults, CRC32 on. So every thread that may ``torch.save`` an item (each writer
+    thread) enters this itself; a setting made by the thread that started the save does not
+    reach them (it did not before: a writer thread's ``torch.save`` items carried a zip CRC32,
+    and their bytes depended on which thread wrote them)."""
     from torch.utils.serialization import config
 
-    with _crc_lock:
-        if _crc_users == 0:
-            _crc_saved = config.save.compute_crc32
-            config.save.compute_crc32 = False
-        _crc_users += 1
+    saved = config.save.compute_crc32
+    config.save.compute_crc32 = False
     try:
         yield
     finally:
-        with _crc_lock:
-            _crc_users -= 1
-            if _crc_users == 0:
-                config.save.compute_crc32 = _crc_saved
+        config.save.compute_crc32 = saved
 
 
 class ChecksummingSink:

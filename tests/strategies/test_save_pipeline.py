@@ -30,7 +30,7 @@ from distckpt.strategies.filesystem import (
     write_tensor_pieces,
 )
 from distckpt.strategies.torch_dist import write as write_module
-from distckpt.strategies.torch_dist.plan import DEFAULT_FILES_PER_RANK, default_files_per_rank, io_threads
+from distckpt.strategies.torch_dist.plan import DEFAULT_FILES_PER_RANK, writer_threads
 from distckpt.strategies.torch_dist.save import TorchDistSaveShardedStrategy
 from distckpt.strategies.torch_dist.write import slot_bytes_for, write_plan
 from tests.support import faults
@@ -122,22 +122,22 @@ def test_slot_size_shrinks_with_the_budget_and_never_below_one_block():
     assert slot_bytes_for(1, 16) == PIECE_ALIGN
 
 
-@pytest.mark.parametrize("local_ranks, files", [(1, 8), (2, 8), (4, 4), (8, 2), (16, 2)])
-def test_default_files_per_rank_follow_the_cores_of_a_16_core_host(monkeypatch, local_ranks, files):
-    """A 16-core GPU host: one file (and writer thread) per core of the rank, 2 to 8."""
+@pytest.mark.parametrize("local_ranks, threads", [(1, 8), (2, 8), (4, 4), (8, 2), (16, 1)])
+def test_default_writer_threads_follow_the_cores_of_a_16_core_host(monkeypatch, local_ranks, threads):
+    """A 16-core GPU host: one writer thread per core of the rank, at most 8; the files stay 2."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)))
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_ranks))
-    assert default_files_per_rank() == files
-    assert io_threads(files, False, None) == min(files, 16 // local_ranks)  # a thread per core
+    assert writer_threads(DEFAULT_FILES_PER_RANK, False, None) == threads
+    assert TorchDistSaveShardedStrategy().thread_count == DEFAULT_FILES_PER_RANK == 2
+    assert writer_threads(3, True, None) == 3  # a count given is used as it is
 
 
-def test_default_files_per_rank_keep_two_on_a_host_with_a_core_per_rank(monkeypatch):
+def test_default_writer_threads_are_one_on_a_host_with_a_core_per_rank(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    assert default_files_per_rank() == DEFAULT_FILES_PER_RANK == 2
-    assert io_threads(2, False, None) == 1  # one writer thread per core
+    assert writer_threads(DEFAULT_FILES_PER_RANK, False, None) == 1
 
 
 # --------------------------------------------------------------------------- one item from pieces
@@ -301,7 +301,7 @@ def _save_failing_mid_pipeline(ckpt: str) -> tuple:
     rank = ddist.get_rank()
     with streamed("cpu"), contextlib.ExitStack() as stack:
         if rank == 1:
-            stack.enter_context(faults.patched(write_module, "ChecksummingSink", faults.FaultySink))
+            faults.sinks_patched(stack, faults.FaultySink, faults.FaultyPositionedSink)
         try:
             distckpt.save(_state(rank), ckpt)
         except Exception as e:  # noqa: BLE001 - what every rank raised is the test's subject

@@ -58,7 +58,9 @@ from distckpt.strategies.filesystem import ChecksummingSink, read_archive_layout
 from distckpt.strategies.torch import TorchDistSaveShardedStrategy
 from distckpt.strategies.torch_dist import read as torch_dist_read
 from distckpt.strategies.torch_dist import save as torch_dist_save
+from distckpt.strategies.torch_dist import spans as torch_dist_spans
 from distckpt.strategies.torch_dist import write as torch_dist_write
+from distckpt.strategies.torch_dist.spans import PositionedSink
 from tests.support import layouts
 
 SAVE_STAGES = (
@@ -176,8 +178,8 @@ class FaultySink(ChecksummingSink):
 
     writes_before_failure = 1
 
-    def __init__(self, fd: int):
-        super().__init__(fd)
+    def __init__(self, fd: int, *args):
+        super().__init__(fd, *args)
         self.writes = 0
 
     def write(self, data) -> int:
@@ -185,6 +187,18 @@ class FaultySink(ChecksummingSink):
         if self.writes > self.writes_before_failure:
             raise _os_error(errno.ENOSPC, "mid_file")
         return super().write(data)
+
+
+class FaultyPositionedSink(FaultySink, PositionedSink):
+    """:class:`FaultySink` for the threads that share a file (each part's writer fails after
+    its first write)."""
+
+
+def sinks_patched(stack: contextlib.ExitStack, one_thread: type, shared: type) -> None:
+    """Write ``.distcp`` files through ``one_thread`` (a file written by one thread) and
+    ``shared`` (the parts of a file that several threads write) for the stack's duration."""
+    stack.enter_context(patched(torch_dist_write, "ChecksummingSink", one_thread))
+    stack.enter_context(patched(torch_dist_spans, "PositionedSink", shared))
 
 
 # --------------------------------------------------------------------------- patching
@@ -235,7 +249,7 @@ def injected(fault: Fault) -> Iterator[None]:
                     patched(torch_dist_save, "write_plan", _failing_after(torch_dist_save.write_plan, stage))
                 )
             elif stage == "mid_file":
-                stack.enter_context(patched(torch_dist_write, "ChecksummingSink", FaultySink))
+                sinks_patched(stack, FaultySink, FaultyPositionedSink)
             elif stage == "metadata_write":
                 stack.enter_context(
                     patched(torch_dist_save, "atomic_write_bytes", _failing(stage, errno.EIO))
@@ -406,8 +420,8 @@ class StallingSink(ChecksummingSink):
 
     marker: Optional[Path] = None
 
-    def __init__(self, fd: int):
-        super().__init__(fd)
+    def __init__(self, fd: int, *args):
+        super().__init__(fd, *args)
         self.writes = 0
 
     def write(self, data) -> int:
@@ -417,6 +431,10 @@ class StallingSink(ChecksummingSink):
             self.marker.write_text(str(self.position))
             time.sleep(600)
         return super().write(data)
+
+
+class StallingPositionedSink(StallingSink, PositionedSink):
+    """:class:`StallingSink` for the threads that share a file."""
 
 
 def _stalling_save_config(marker: Path):
@@ -460,7 +478,7 @@ def _sigkill_rank(args: argparse.Namespace) -> int:
         if args.rank == args.victim:
             if args.window == "mid_write":
                 StallingSink.marker = stalled
-                stack.enter_context(patched(torch_dist_write, "ChecksummingSink", StallingSink))
+                sinks_patched(stack, StallingSink, StallingPositionedSink)
             else:
                 stack.enter_context(patched(commit, "save_config", _stalling_save_config(stalled)))
         try:

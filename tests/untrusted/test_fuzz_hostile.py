@@ -1,8 +1,8 @@
 """The generated hostile suite (tests/support/hostile_fuzz.py) in the default run, and proof that it can fail.
 
-The default run takes ``DISTCKPT_FUZZ_CASES`` cases (100: the control cases, then every byte
-class and mutator in a seeded order) against every entry point, in one worker process. Thousands,
-another order, or longer limits::
+The default run takes ``DISTCKPT_FUZZ_CASES`` cases (40: the control cases, then byte classes
+and mutators in a seeded order) against every entry point, in one worker process; the ``slow``
+run 300 more in another order. Thousands, another order, or longer limits::
 
     DISTCKPT_FUZZ_CASES=3000 DISTCKPT_FUZZ_SEED=7 pytest -q -s tests/untrusted/test_fuzz_hostile.py
     python -m tests.support.hostile_fuzz run --cases 3000 --report fuzz.md     # the same, tables only
@@ -15,15 +15,18 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from tests.support import hostile_fuzz as hf
 
-CASES = int(os.environ.get("DISTCKPT_FUZZ_CASES", "100"))
+CASES = int(os.environ.get("DISTCKPT_FUZZ_CASES", "40"))
+SLOW_CASES, SLOW_SEED = 300, 1
 SEED = int(os.environ.get("DISTCKPT_FUZZ_SEED", "0"))
 TIME_LIMIT = float(os.environ.get("DISTCKPT_FUZZ_TIME_LIMIT", "5"))
 
 
-def test_generated_hostile_checkpoints_are_refused_or_read_exactly():
-    rows = hf.run_cases(CASES, seed=SEED, time_limit=TIME_LIMIT)
+def _check(cases: int, seed: int) -> None:
+    rows = hf.run_cases(cases, seed=seed, time_limit=TIME_LIMIT)
     table = hf.summarize(rows)
     print(table)
     assert {r["ep"] for r in rows} == set(hf.ENTRY_POINTS)
@@ -31,6 +34,15 @@ def test_generated_hostile_checkpoints_are_refused_or_read_exactly():
     assert controls and all(r["outcome"] in ("ok", "ok-exact") for r in controls), table
     bad = [r for r in rows if r["outcome"] in hf.FAILURES]
     assert not bad, f"{len(bad)} failing runs\n{table}"
+
+
+def test_generated_hostile_checkpoints_are_refused_or_read_exactly():
+    _check(CASES, SEED)
+
+
+@pytest.mark.slow
+def test_many_more_generated_hostile_checkpoints_are_refused_or_read_exactly():
+    _check(SLOW_CASES, SLOW_SEED)
 
 
 def test_the_fuzzer_classifies_planted_failures():

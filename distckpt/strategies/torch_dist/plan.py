@@ -169,12 +169,13 @@ def plan_waves(jobs: List[Tuple[str, List[WriteItem]]], budget: Optional[int]) -
     return waves
 
 
-# Files per rank of a save that does not say (Megatron-Core's default thread_count), at least.
+# Files per rank of a save that does not say (Megatron-Core's default thread_count).
 DEFAULT_FILES_PER_RANK = 2
-# At most this many files per rank by default, however many cores a rank has (a GPU host gives
-# each rank 8-16): issue #36 measured a save of 2.6 GiB of CUDA tensors to tmpfs at 1.30 s with 8
-# files and threads against 1.58-2.2 s with 2 (one H200, 16 cores; before the pinned pipeline).
-MAX_DEFAULT_FILES_PER_RANK = 8
+# At most this many writer threads per rank by default, however many cores it has (a GPU host gives
+# each rank 8-16; they share the rank's files, see spans.py): issue #36 measured a save of 2.6 GiB
+# of CUDA tensors to tmpfs at 1.30 s with 8 threads against 1.58-2.2 s with 2 (one H200, 16 cores;
+# before the pinned pipeline).
+MAX_WRITER_THREADS = 8
 # Files a load reads at once when it does not say (at most; see reader_threads).
 DEFAULT_READERS_PER_RANK = 4
 
@@ -188,17 +189,19 @@ def checked_thread_count(thread_count: Optional[int], default: int) -> Tuple[int
     return thread_count, True
 
 
-def default_files_per_rank() -> int:
-    """Files (each written by its own thread) of a save that does not give ``thread_count``: one
-    per core this rank may count on (:func:`distckpt.budget.cores_per_rank`), at least
-    :data:`DEFAULT_FILES_PER_RANK` (so a host with a core or two per rank keeps Megatron-Core's
-    layout) and at most :data:`MAX_DEFAULT_FILES_PER_RANK`. Asked when a save plans (the ranks on
-    the host are known by then), not when its strategy is made."""
-    return max(DEFAULT_FILES_PER_RANK, min(MAX_DEFAULT_FILES_PER_RANK, cores_per_rank()))
+def writer_threads(count: int, given: bool, checkpoint_dir: Optional[storage.Location]) -> int:
+    """Threads that write a rank's ``count`` files: ``count`` if it was given, or on an object
+    store (one upload stream per file); by default on a file system one per core this rank may
+    count on (:func:`distckpt.budget.cores_per_rank`), at most :data:`MAX_WRITER_THREADS`. The
+    threads share the files' bytes (:mod:`.spans`), so the files a save writes do not depend on
+    the host. Asked when a save writes (the ranks on the host are known by then)."""
+    if given or storage.is_remote(checkpoint_dir):
+        return count
+    return max(1, min(MAX_WRITER_THREADS, cores_per_rank()))
 
 
 def io_threads(count: int, given: bool, checkpoint_dir: Optional[storage.Location]) -> int:
-    """Threads that write or read ``count`` files at once: all of them if the count was given
+    """Threads that read ``count`` files at once: all of them if the count was given
     or the location is an object store (each request waits on the network); by default on a
     file system at most :func:`distckpt.budget.cores_per_rank` (page-cache I/O is memory
     copies, which more threads than cores only interleave)."""

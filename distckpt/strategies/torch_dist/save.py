@@ -32,9 +32,9 @@ from distckpt.strategies.torch_dist.plan import (
     DEFAULT_FILES_PER_RANK,
     SavePlan,
     checked_thread_count,
-    io_threads,
     plan_save,
     plan_waves,
+    writer_threads,
 )
 from distckpt.strategies.torch_dist.records import (
     LAST_SAVE,
@@ -54,12 +54,14 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     """Writes main replicas in DCP format (``torch_dist``, version 1).
 
     Args:
-        thread_count: files per rank, each written by its own thread. Default (None): 2 files,
-            written by at most as many threads as this rank has cores
-            (:func:`distckpt.budget.cores_per_rank`): writes to a page cache are memory copies,
-            and on 2 cores shared by 2 ranks a second writer per rank slowed the writes by up to
-            16% (docs/performance-history.md). A number given here is used as it is, threads included:
-            more threads than cores pay off where writes wait on the storage, not on the CPU.
+        thread_count: files per rank (Megatron-Core's meaning) and, when given, the threads
+            that write them. Default (None): 2 files, written on a file system by one thread per
+            core this rank may count on (:func:`distckpt.budget.cores_per_rank`), at most 8,
+            which share the files' bytes (:mod:`.spans`): a GPU host's 8-16 cores per rank all
+            write, and the files do not depend on the host. On 2 cores shared by 2 ranks that is
+            one writer per rank (a second slowed page-cache writes by up to 16%,
+            docs/performance-history.md). A number given here is used as it is: more threads
+            than cores pay off where writes wait on the storage, not on the CPU.
         separation_hint: keys starting with this prefix go to separate files named
             ``<hint>__R_B.distcp`` so they can later be dropped without rewriting the rest.
         cached_metadata: remember this save's structure; a later save through the same strategy
@@ -71,6 +73,8 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
             always staged (into pinned host buffers).
         write_index: rank 0 also writes the sidecar index ``.distckpt_index`` (the chunk
             records in a layout a loading rank reads partially; see docs/formats.md).
+        write_threads: the threads that write this rank's files, whatever their number (they
+            share the files' bytes); None: as ``thread_count`` says above.
     """
 
     records_phases = True  # distckpt.timings: it begins its own phases (planning, writing, commit)
@@ -84,9 +88,11 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         cached_metadata: bool = False,
         stage_cpu_tensors: bool = True,
         write_index: bool = True,
+        write_threads: Optional[int] = None,
     ):
         super().__init__(backend, version)
         self.write_index = write_index
+        self._write_threads = checked_thread_count(write_threads, 0)[0] if write_threads is not None else None
         self.stage_cpu_tensors = stage_cpu_tensors
         self._prestaged: Optional[staging.StagingBuffers] = None  # prestage's copies, for async_save
         self.thread_count, self._threads_given = checked_thread_count(thread_count, DEFAULT_FILES_PER_RANK)
@@ -133,8 +139,11 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         )
 
     def writer_threads(self, checkpoint_dir: Optional[storage.Location] = None) -> int:
-        """Threads that write this rank's ``thread_count`` files (see :func:`io_threads`)."""
-        return io_threads(self.thread_count, self._threads_given, checkpoint_dir)
+        """Threads that write this rank's ``thread_count`` files: ``write_threads`` if given, else
+        :func:`.plan.writer_threads`."""
+        if self._write_threads is not None:
+            return self._write_threads
+        return writer_threads(self.thread_count, self._threads_given, checkpoint_dir)
 
     def _plan_and_write(
         self, sharded_state_dict: ShardedStateDict, checkpoint_dir: storage.Location

@@ -3,10 +3,12 @@
 Each file of a :class:`~distckpt.strategies.torch_dist.plan.SavePlan` is an :class:`Output` (a raw
 file descriptor on a local directory, a store's streaming writer elsewhere) written wave by wave
 by a pool of writer threads; :func:`write_plan` returns the plan with the records of where every
-item landed. Large tensor items get per-block CRC32Cs, written as the file's block table.
+item landed. Large tensor items get per-block CRC32Cs, written as the file's block table. The
+threads share the local files: each wave's items are placed at their offsets and cut into parts
+any thread writes (:mod:`.spans`), so a rank with more cores than files uses them all.
 
 A plain (synchronous) save does not copy a CUDA tensor to host memory whole before writing it:
-each writer thread streams its file's CUDA items through a few pinned slots
+each writer thread streams the CUDA items of its parts through a few pinned slots
 (:class:`~distckpt.strategies.device_io.DeviceToHost`), the next pieces' device-to-host copies
 running on a side stream while the current piece is checksummed and written. A contiguous CPU
 view that does not own its storage is written from the caller's memory (no copy). Both give the
@@ -21,6 +23,7 @@ import os
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -44,6 +47,7 @@ from distckpt.strategies.filesystem import (
 from distckpt.strategies.torch_dist.metadata import Resolved
 from distckpt.strategies.torch_dist.plan import SavePlan, Wave, WriteItem, plan_waves, standalone_cpu
 from distckpt.strategies.torch_dist.records import Record
+from distckpt.strategies.torch_dist.spans import DIRECT, RING, Routes, place, run, settle, tasks
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +81,10 @@ class Output:
     ) -> None:
         """Append ``items``: staged ones from their payload, routed ones (``routes``, see
         :func:`routes_of`) from their source, through slots of ``slot_bytes`` or directly."""
-        routes = routes or {}
+        with zip_crc_disabled():  # this thread's torch.save (the setting is per thread)
+            self._write(items, routes or {}, slot_bytes)
+
+    def _write(self, items: List[WriteItem], routes: Routes, slot_bytes: int) -> None:
         ringed = [it for it in items if routes.get(id(it)) == RING]
         ring = DeviceToHost(slot_bytes) if ringed else None
         try:
@@ -98,6 +105,26 @@ class Output:
         finally:
             if ring is not None:
                 ring.close()
+
+    def place(self, items: List[WriteItem], routes: Routes) -> Optional[List[Any]]:
+        """The places of ``items``, next in this file, for threads to write at their offsets
+        (:mod:`.spans`); None: this file's wave is written by one thread (:meth:`write`), a
+        store's streaming writer or an item whose length is not known before it is written."""
+        if self.fd < 0:
+            return None
+        self.sink.drain()  # what was gathered goes out at the fd's position first
+        return place(items, self.sink.position, routes)
+
+    def settle(self, placed: List[Any]) -> None:
+        """Record the items :meth:`place` placed once every part of them is written."""
+        written, entries = settle(placed)
+        self.written.extend(written)
+        self.blocks.extend(entries)
+        if placed:
+            self.sink.position = placed[-1].end
+            os.lseek(self.fd, self.sink.position, os.SEEK_SET)  # a later one-thread wave goes on here
+        for p in placed:
+            p.item.source = None
 
     def close(self) -> int:
         """Make the file (and its block table, if it has large items) complete and durable;
@@ -135,11 +162,6 @@ def direct_root(location: Resolved) -> Optional[Path]:
     """The directory a store lets its data files be written into by path, or None."""
     return None if isinstance(location, Path) else location.direct_root
 
-
-# How a plain save's item reaches its file without a staged copy (see :func:`routes_of`).
-RING = "ring"  # in pieces through a writer thread's slots (DeviceToHost)
-DIRECT = "direct"  # from the source's own memory (a contiguous CPU view)
-Routes = Dict[int, str]  # id(item) -> RING or DIRECT; items not in it are staged
 
 # Devices whose tensors a plain save streams through slots. CPU tensors go the direct way (or, if
 # they own their storage, as they are); tests add "cpu" to run the slot path without a GPU.
@@ -229,29 +251,70 @@ def _write_wave(
     routes: Optional[Routes] = None,
     slot_bytes: int = SLOT_BYTES,
 ) -> None:
-    def one(name: str, items: List[WriteItem]) -> None:
-        out = plan.outputs.get(name)
-        if out is None:
-            out = plan.outputs[name] = Output(plan.checkpoint_dir, name)
-        out.write(items, routes, slot_bytes)
-        for it in items:
-            it.payload = None
-        if last:
-            plan.file_sizes[name] = out.close()
-            if out.table is not None:
-                table, size, crc = out.table
-                plan.file_sizes[table] = size
-                plan.table_crcs[table] = crc
-
+    """Write the wave's items (and, ``last``, close every file). With a ``pool`` the threads
+    share the files: each local file's items are placed and cut into tasks (:mod:`.spans`), so
+    more threads than files all write; a file that cannot be placed is one task."""
+    routes = routes or {}
     names = dict(wave)
     if last:  # every file closes in the last wave, also those it adds nothing to
         names = {name: names.get(name, []) for name, _ in plan.jobs}
+    outs = {}
+    for name in names:
+        out = plan.outputs.get(name)
+        if out is None:
+            out = plan.outputs[name] = Output(plan.checkpoint_dir, name)
+        outs[name] = out
     if pool is None:
         for name, items in names.items():
-            one(name, items)
-        return
-    for fut in [pool.submit(one, name, items) for name, items in names.items()]:
-        fut.result()
+            outs[name].write(items, routes, slot_bytes)
+    else:
+        work: List[Tuple[int, Any]] = []  # (bytes, call)
+        spread: Dict[str, List[Any]] = {}
+        for name, items in names.items():
+            out = outs[name]
+            placed = out.place(items, routes) if items else None
+            if placed is None:
+                work.append((sum(it.nbytes for it in items), partial(out.write, items, routes, slot_bytes)))
+                continue
+            spread[name] = placed
+            work.extend((t.nbytes, partial(run, t, slot_bytes)) for t in tasks(out.fd, placed))
+        work.sort(key=lambda w: -w[0])  # the largest first: the threads finish together
+        _run_all(pool, [call for _, call in work])
+        for name, placed in spread.items():
+            outs[name].settle(placed)
+    for items in names.values():
+        for it in items:
+            it.payload = None
+    if last:
+        calls = [partial(_close, plan, name, outs[name]) for name in names]
+        if pool is None:
+            for call in calls:
+                call()
+        else:
+            _run_all(pool, calls)
+
+
+def _close(plan: SavePlan, name: str, out: Output) -> None:
+    plan.file_sizes[name] = out.close()
+    if out.table is not None:
+        table, size, crc = out.table
+        plan.file_sizes[table] = size
+        plan.table_crcs[table] = crc
+
+
+def _run_all(pool: ThreadPoolExecutor, calls: List[Any]) -> None:
+    """Run ``calls`` on the pool and wait for all of them (none may still write when a failure
+    aborts the files); the first failure is raised."""
+    futures = [pool.submit(call) for call in calls]
+    error: Optional[BaseException] = None
+    for fut in futures:
+        try:
+            fut.result()
+        except BaseException as e:  # noqa: BLE001 - the first is raised once all have stopped
+            if error is None:
+                error = e
+    if error is not None:
+        raise error
 
 
 def _abort_outputs(plan: SavePlan) -> None:
@@ -266,13 +329,17 @@ INLINE_WRITE_BYTES = 4 << 20
 
 
 def _workers(plan: SavePlan, thread_count: int) -> int:
+    """``thread_count`` threads for files written by path (they share the files' bytes), at
+    most one per file for a store's streaming writers."""
+    if storage.local_root(plan.checkpoint_dir) is not None or direct_root(plan.checkpoint_dir) is not None:
+        return max(1, thread_count)
     return max(1, min(thread_count, len(plan.jobs)))
 
 
 @contextmanager
 def _writer_pool(plan: SavePlan, thread_count: int) -> Iterator[Optional[ThreadPoolExecutor]]:
-    """The writer threads of ``plan`` (one per file up to ``thread_count``), or None: write
-    inline (a single file, one thread, or a small plan)."""
+    """The writer threads of ``plan`` (:func:`_workers`), or None: write inline (one thread, or
+    a small plan)."""
     workers = _workers(plan, thread_count)
     if workers == 1 or sum(it.nbytes for _, items in plan.jobs for it in items) <= INLINE_WRITE_BYTES:
         yield None
@@ -308,7 +375,8 @@ def write_waves(plan: SavePlan, waves: List[Wave], thread_count: int) -> None:
 
 
 def write_plan(plan: SavePlan, thread_count: int = 2, budget: Optional[int] = None) -> SavePlan:
-    """Write the files of ``plan`` (threads, one per file up to ``thread_count``); no collectives.
+    """Write the files of ``plan`` with ``thread_count`` threads (at most one per file for a store's
+    streaming writers, see :func:`_workers`); no collectives.
 
     Writes what is left: the pending wave of an async save, or (a plain save) every item, in
     waves of at most ``budget`` bytes of host copies (None: :func:`distckpt.budget.host_memory_budget`).
