@@ -37,7 +37,9 @@ class Writer(ABC):
 
     @abstractmethod
     def write(self, data) -> int:
-        """Append a bytes-like ``data`` (may be kept until the next part is full)."""
+        """Append a bytes-like ``data``. The caller may reuse or change its buffer as soon as
+        this returns: a writer that keeps bytes until a part is full keeps a copy (or the
+        immutable ``bytes`` object itself)."""
 
     @abstractmethod
     def close(self) -> None:

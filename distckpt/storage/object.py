@@ -93,6 +93,12 @@ class _ObjectWriter(Writer):
         self._done = False
 
     def write(self, data) -> int:
+        if not isinstance(data, bytes):
+            # obstore keeps a reference to what it is given until its part is uploaded, and
+            # uploads whatever that memory then holds: a buffer its caller reuses (a staging
+            # buffer's next wave, a pinned slot's next piece) would go out changed, under the
+            # CRC32C of the bytes it had. A copy of the bytes is what it keeps instead.
+            data = bytes(data)
         try:
             return self._file.write(data)
         except Exception as e:  # noqa: BLE001 - every client error becomes ours, with the object

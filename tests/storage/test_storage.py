@@ -80,6 +80,18 @@ def test_a_writer_publishes_on_close_and_leaves_nothing_on_abort(store):
     assert set(store.list()) == {"w"}
 
 
+def test_a_writer_does_not_depend_on_the_callers_buffer_after_write_returns(store):
+    """The caller reuses its buffer at once (a staging buffer's next wave, a pinned slot's next
+    piece): the object holds the bytes the buffer had at each write."""
+    buf = bytearray(b"a" * 1000)
+    with store.open_writer("reused") as w:
+        w.write(buf)
+        buf[:] = b"b" * 1000
+        w.write(memoryview(buf)[:500])
+        buf[:] = b"c" * 1000
+    assert bytes(store.get("reused")) == b"a" * 1000 + b"b" * 500
+
+
 def test_commit_markers_follow_the_store_s_overwrite_rule(store):
     names = ("metadata.json", ".metadata")
     store.begin_save(names, None)

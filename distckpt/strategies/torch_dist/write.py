@@ -171,15 +171,12 @@ STREAMED_DEVICES = {"cuda"}
 def routes_of(plan: SavePlan) -> Routes:
     """The items of a plain save (no staging pool) written without a whole host copy: plain
     contiguous tensors that :func:`write_tensor_pieces` frames, from a device of
-    :data:`STREAMED_DEVICES` through slots (local files only: a store's writer may keep the bytes
-    it is given until its part is full, and a slot is refilled at once), and CPU views into a
-    larger storage directly (the copy they had was for ``torch.save``, which writes whole storages).
-    Their ``copies`` flag is cleared: they cost the waves nothing."""
+    :data:`STREAMED_DEVICES` through slots, and CPU views into a larger storage directly (the
+    copy they had was for ``torch.save``, which writes whole storages). On an object store too:
+    a store's writer keeps a copy of what it buffers (see ``storage.Writer.write``), so a slot is
+    refilled at once. Their ``copies`` flag is cleared: they cost the waves nothing."""
     if plan.staging is not None:
         return {}
-    local = (
-        storage.local_root(plan.checkpoint_dir) is not None or direct_root(plan.checkpoint_dir) is not None
-    )
     routes: Routes = {}
     for _, items in plan.jobs:
         for it in items:
@@ -192,8 +189,6 @@ def routes_of(plan: SavePlan) -> Routes:
             ):
                 continue
             if src.device.type in STREAMED_DEVICES:
-                if not local:
-                    continue
                 routes[id(it)] = RING
             elif src.device.type == "cpu" and it.copies and _shares_storage(src):
                 routes[id(it)] = DIRECT

@@ -1,0 +1,99 @@
+"""What a save hands an object store's writer: memory it reuses right after (a staging buffer's
+next wave, a pinned slot's next piece). The object must hold the bytes that memory had when
+they were written, on the S3 server the fixture starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+
+import torch
+
+import distckpt
+from distckpt import ShardedTensor
+from distckpt import dist as ddist
+from distckpt.storage import open_store
+from distckpt.strategies.async_utils import AsyncCallsQueue
+from distckpt.strategies.device_io import save_slot_bytes
+from distckpt.strategies.torch_dist import write as write_module
+from tests.support.harness import run_ranks
+
+WORLD = 2
+TIMEOUT = 120
+
+
+def _state(rank: int) -> dict:
+    """16 tensors of 1 MiB per rank, each value telling key and rank apart."""
+    return {
+        f"t{i}": ShardedTensor.from_rank_offsets(
+            f"t{i}", torch.full((1, 256, 1024), float(100 * i + rank)), (0, rank, WORLD)
+        )
+        for i in range(16)
+    }
+
+
+def _loads_back(url: str) -> bool:
+    rank = ddist.get_rank()
+    want = _state(rank)
+    back = {k: ShardedTensor.from_rank_offsets(k, torch.zeros(1, 256, 1024), (0, rank, WORLD)) for k in want}
+    out = distckpt.load(back, url, verify=True)
+    return all(torch.equal(out[k], want[k].data) for k in want)
+
+
+def _async_save_in_waves(url: str) -> bool:
+    """An async save whose staged copies (16 MiB) are cut into waves of 3 MiB: the staging
+    buffers of one wave are refilled by the next while the upload may still hold its bytes."""
+    distckpt.set_host_memory_budget("3MiB")
+    try:
+        request = distckpt.save(_state(ddist.get_rank()), url, async_sharded_save=True)
+        queue = AsyncCallsQueue()
+        queue.schedule_async_request(request)
+        queue.maybe_finalize_async_calls(blocking=True)
+        queue.close()
+    finally:
+        distckpt.set_host_memory_budget(None)
+    return _loads_back(url)
+
+
+def test_an_async_save_in_waves_uploads_the_bytes_each_wave_had(s3_url):
+    assert run_ranks(WORLD, _async_save_in_waves, s3_url, timeout=TIMEOUT) == [True] * WORLD
+
+
+@contextlib.contextmanager
+def _streamed_cpu():
+    write_module.STREAMED_DEVICES.add("cpu")
+    try:
+        yield
+    finally:
+        write_module.STREAMED_DEVICES.discard("cpu")
+
+
+def _save_through_slots(url: str) -> tuple:
+    """A plain save whose tensors go through the writer threads' slots (as CUDA tensors do)."""
+    before = save_slot_bytes(reset_peak=True)[0]
+    with _streamed_cpu():
+        distckpt.save(_state(ddist.get_rank()), url)
+    live, peak = save_slot_bytes()
+    return live - before, peak - before
+
+
+def _save_plain(path: str) -> None:
+    distckpt.save(_state(ddist.get_rank()), path)
+
+
+def _data_digests(url: str) -> dict:
+    store = open_store(url)
+    return {
+        name: hashlib.sha256(bytes(store.get(name))).hexdigest()
+        for name in store.list()
+        if name.endswith(".distcp") or name.endswith(".distcp.crc")
+    }
+
+
+def test_tensors_streamed_through_slots_to_s3_are_the_bytes_a_local_save_writes(s3_url, tmp_path):
+    slots = run_ranks(WORLD, _save_through_slots, s3_url, timeout=TIMEOUT)
+    assert all(live == 0 and peak > 0 for live, peak in slots), slots  # the slots were used
+    run_ranks(WORLD, _save_plain, str(tmp_path / "local"), timeout=TIMEOUT)
+    assert _data_digests(s3_url) == _data_digests(str(tmp_path / "local"))
+    assert run_ranks(WORLD, _loads_back, s3_url, timeout=TIMEOUT) == [True] * WORLD
