@@ -70,19 +70,37 @@ def release_slots() -> int:
     return freed
 
 
-def side_stream(streams: Dict[torch.device, torch.cuda.Stream], device: torch.device):
+def side_stream(
+    streams: Dict[torch.device, torch.cuda.Stream],
+    device: torch.device,
+    after: Optional[Dict[torch.device, torch.cuda.Stream]] = None,
+):
     """The side CUDA stream of ``device`` in ``streams`` (made on first use), or None off CUDA.
 
     A new side stream first waits for whatever the caller queued on the device's current stream
     (the tensors' last writes, the allocation and zeroing of load targets), so copies on it never
-    see bytes older than the caller's work."""
+    see bytes older than the caller's work. ``after``: the caller's streams by device, taken in
+    the caller's thread (:func:`caller_streams`); without it, this thread's current stream."""
     if device.type != "cuda":
         return None
     stream = streams.get(device)
     if stream is None:
         stream = streams[device] = torch.cuda.Stream(device=device)
-        stream.wait_stream(torch.cuda.current_stream(device))
+        waited = (after or {}).get(device)
+        stream.wait_stream(waited if waited is not None else torch.cuda.current_stream(device))
     return stream
+
+
+def caller_streams(tensors: Sequence[torch.Tensor]) -> Dict[torch.device, torch.cuda.Stream]:
+    """The calling thread's current stream on each CUDA device of ``tensors``: what the side
+    streams of writer threads must wait for. A thread's current stream is its own (the default
+    stream in a new thread), so a save made under ``with torch.cuda.stream(s)`` would otherwise
+    copy before the work queued on ``s``."""
+    out: Dict[torch.device, torch.cuda.Stream] = {}
+    for t in tensors:
+        if t.device.type == "cuda" and t.device not in out:
+            out[t.device] = torch.cuda.current_stream(t.device)
+    return out
 
 
 class _Slot:
@@ -113,7 +131,12 @@ class HostBounce:
     ``dst`` (tests) they are plain copies through the same slots.
     """
 
-    def __init__(self, slot_bytes: int = SLOT_BYTES, slots: int = SLOTS):
+    def __init__(
+        self,
+        slot_bytes: int = SLOT_BYTES,
+        slots: int = SLOTS,
+        after: Optional[Dict[torch.device, torch.cuda.Stream]] = None,
+    ):
         self.slot_bytes = max(1, int(slot_bytes))
         self.count = max(1, int(slots))
         self._slots: List[_Slot] = []
@@ -121,6 +144,7 @@ class HostBounce:
         self._streams: Dict[torch.device, torch.cuda.Stream] = {}
         self._scratch: Dict[torch.device, torch.Tensor] = {}
         self._pinned = False
+        self._after = after  # the caller's streams (see side_stream), when made in another thread
 
     def _slot(self, device: torch.device) -> _Slot:
         if not self._slots:
@@ -137,7 +161,7 @@ class HostBounce:
         return slot
 
     def _stream(self, device: torch.device) -> Optional[torch.cuda.Stream]:
-        return side_stream(self._streams, device)
+        return side_stream(self._streams, device, self._after)
 
     def _read(
         self,
@@ -286,7 +310,12 @@ class DeviceToHost:
     :meth:`close` waits for the copies in flight and hands the slots back to the process-wide pool.
     """
 
-    def __init__(self, slot_bytes: int = SLOT_BYTES, slots: int = SLOTS):
+    def __init__(
+        self,
+        slot_bytes: int = SLOT_BYTES,
+        slots: int = SLOTS,
+        after: Optional[Dict[torch.device, torch.cuda.Stream]] = None,
+    ):
         if slot_bytes < PIECE_ALIGN or slot_bytes % PIECE_ALIGN:
             raise ValueError(f"slot_bytes must be a positive multiple of {PIECE_ALIGN}, got {slot_bytes}")
         self.slot_bytes = int(slot_bytes)
@@ -294,9 +323,10 @@ class DeviceToHost:
         self._free: List[_Slot] = []
         self._held: List[Tuple[_Slot, bool]] = []  # every slot taken: (slot, pinned)
         self._streams: Dict[torch.device, torch.cuda.Stream] = {}
+        self._after = after  # the caller's streams (see side_stream), when made in another thread
 
     def _stream(self, device: torch.device) -> Optional[torch.cuda.Stream]:
-        return side_stream(self._streams, device)
+        return side_stream(self._streams, device, self._after)
 
     def _slot(self, pinned: bool) -> _Slot:
         for i, slot in enumerate(self._free):

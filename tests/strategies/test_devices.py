@@ -231,3 +231,20 @@ def test_the_save_slots_on_cpu_tensors_never_call_torch_cuda(monkeypatch):
         ring.close()
     assert b"".join(b for i, b in got if i == 0) == tensors[0].numpy().tobytes()
     assert [b for i, b in got if i == 1] == [tensors[1].numpy().tobytes()]
+
+
+@pytest.mark.cuda
+def test_a_load_under_a_busy_side_stream_lands_after_the_targets_zeroing(tmp_path):
+    """The targets are zeroed by work still queued on the caller's stream ``s`` when ``load``
+    starts; the reader threads' copies wait for ``s`` (not their own default streams), so the
+    loaded values are not overwritten by the zeroing."""
+    want = torch.arange(8 * 1024 * 1024, dtype=torch.float32).reshape(8, 1024, 1024)
+    distckpt.save({"t": ShardedTensor.from_rank_offsets("t", want)}, tmp_path)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        target = torch.empty(8, 1024, 1024, device="cuda")
+        torch.cuda._sleep(50_000_000)  # keep the caller's stream busy
+        target.zero_()
+        out = distckpt.load({"t": ShardedTensor.from_rank_offsets("t", target)}, tmp_path)
+    torch.cuda.synchronize()
+    assert torch.equal(out["t"].cpu(), want)

@@ -63,11 +63,11 @@ def counted_tasks() -> Iterator[dict]:
     seen: dict = {"tasks": 0, "threads": set()}
     lock, real = threading.Lock(), write_module.run
 
-    def counting(task, slot_bytes):
+    def counting(task, *args):
         with lock:
             seen["tasks"] += 1
             seen["threads"].add(threading.get_ident())
-        return real(task, slot_bytes)
+        return real(task, *args)
 
     write_module.run = counting
     try:
@@ -250,3 +250,17 @@ def test_a_failing_part_on_one_rank_fails_the_save_on_every_rank_alike(tmp_path)
     assert out[0] is not None and out[0] == out[1]
     assert "No space left on device" in out[0] and "rank(s) 1" in out[0]
     assert not ckpt.exists()
+
+
+@pytest.mark.cuda
+def test_writer_threads_copy_after_the_work_queued_on_the_callers_stream(tmp_path):
+    """A save made under ``torch.cuda.stream(s)``: the writer threads (4, sharing the files) wait
+    for ``s``, where a kernel still fills the tensor when ``save`` starts."""
+    side = torch.cuda.Stream()
+    t = torch.zeros(8, 1024, 1024, device="cuda")  # 32 MiB: many parts of a block
+    with small_parts(), torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # keep the caller's stream busy
+        t.fill_(3.0)
+        distckpt.save({"t": ShardedTensor.from_rank_offsets("t", t)}, tmp_path, ManyWriters())
+    out = distckpt.load({"t": ShardedTensor.from_rank_offsets("t", torch.zeros(8, 1024, 1024))}, tmp_path)
+    assert torch.equal(out["t"], torch.full((8, 1024, 1024), 3.0))

@@ -24,7 +24,7 @@ from distckpt.strategies import blockcrc
 from distckpt.strategies.blockread import BlockReader
 from distckpt.strategies.byteio import pread_exact, pread_into
 from distckpt.strategies.common import safe_torch_load
-from distckpt.strategies.device_io import HostBounce
+from distckpt.strategies.device_io import HostBounce, caller_streams
 from distckpt.strategies.filesystem import copy_framed_from, read_framed_crc, read_framed_into
 from distckpt.strategies.resharding import CopyOp, copy_boxes, copy_from_mapping
 from distckpt.strategies.torch_dist.loadplan import LoadPlan
@@ -244,6 +244,9 @@ class _PlanReads:
         for st in plan.ops:
             self.by_file[st.relative_path].append(st)
         self.rank = dist.get_rank()
+        # The loading thread's streams: the reader threads' copies wait for the work queued there
+        # (the targets' allocation and zeroing), not for their own default streams.
+        self.after = caller_streams([op.dst for ops in plan.ops.values() for op in ops])
         self.counted: List[int] = []  # per-file byte counts; list.append is atomic across reader threads
         self.gets: List[int] = []  # object stores: GET requests per batch
 
@@ -379,7 +382,7 @@ class _PlanReads:
                 )
             ):
                 table, vouched = local_block_table(root, name, checksums)
-            bounce = HostBounce(self.pinned_slot_bytes) if self.pinned_slot_bytes else None
+            bounce = HostBounce(self.pinned_slot_bytes, after=self.after) if self.pinned_slot_bytes else None
             try:
                 for st in items:
                     blocks = None

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -204,14 +204,14 @@ def tasks(fd: int, placed: List[Placed], part_bytes: Optional[int] = None) -> Li
     return out
 
 
-def run(task: Task, slot_bytes: int) -> None:
+def run(task: Task, ring: Callable[[], DeviceToHost] = DeviceToHost) -> None:
     """Write ``task`` (any thread), recording each part's CRC32C, length and block CRC32Cs in
-    its item's ``results``. RING parts come through this call's own slots."""
+    its item's ``results``. RING parts come through slots of their own (``ring()``)."""
     sink = PositionedSink(task.fd, task.offset)
     ringed = [part for part in task.parts if part.placed.route == RING and part.hi > part.lo]
-    ring = DeviceToHost(slot_bytes) if ringed else None
+    slots = ring() if ringed else None
     try:
-        pieces = ring.pieces([_device_bytes(part) for part in ringed]) if ring is not None else iter(())
+        pieces = slots.pieces([_device_bytes(part) for part in ringed]) if slots is not None else iter(())
         for part in task.parts:
             p = part.placed
             sink.crc = 0
@@ -232,8 +232,8 @@ def run(task: Task, slot_bytes: int) -> None:
             p.results[part.index] = (sink.crc, part.nbytes, crcs)
         sink.drain()
     finally:
-        if ring is not None:
-            ring.close()
+        if slots is not None:
+            slots.close()
 
 
 def _device_bytes(part: Part) -> torch.Tensor:

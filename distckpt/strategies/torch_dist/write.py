@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -33,7 +33,14 @@ from distckpt import storage
 from distckpt.budget import host_memory_budget
 from distckpt.checksum import crc32c
 from distckpt.strategies import blockcrc
-from distckpt.strategies.device_io import PIECE_ALIGN, SLOT_BYTES, SLOTS, DeviceToHost, is_plain
+from distckpt.strategies.device_io import (
+    PIECE_ALIGN,
+    SLOT_BYTES,
+    SLOTS,
+    DeviceToHost,
+    caller_streams,
+    is_plain,
+)
 from distckpt.strategies.filesystem import (
     ChecksummingSink,
     WriterSink,
@@ -50,6 +57,8 @@ from distckpt.strategies.torch_dist.records import Record
 from distckpt.strategies.torch_dist.spans import DIRECT, RING, Routes, place, run, settle, tasks
 
 logger = logging.getLogger(__name__)
+
+Ring = Callable[[], DeviceToHost]  # makes a writer thread's slots
 
 
 class Output:
@@ -77,16 +86,16 @@ class Output:
             self.sink = ChecksummingSink(self.fd)
 
     def write(
-        self, items: List[WriteItem], routes: Optional[Routes] = None, slot_bytes: int = SLOT_BYTES
+        self, items: List[WriteItem], routes: Optional[Routes] = None, ring: Ring = DeviceToHost
     ) -> None:
         """Append ``items``: staged ones from their payload, routed ones (``routes``, see
-        :func:`routes_of`) from their source, through slots of ``slot_bytes`` or directly."""
+        :func:`routes_of`) from their source, through slots (``ring()``) or directly."""
         with zip_crc_disabled():  # this thread's torch.save (the setting is per thread)
-            self._write(items, routes or {}, slot_bytes)
+            self._write(items, routes or {}, ring)
 
-    def _write(self, items: List[WriteItem], routes: Routes, slot_bytes: int) -> None:
+    def _write(self, items: List[WriteItem], routes: Routes, make_ring: Ring) -> None:
         ringed = [it for it in items if routes.get(id(it)) == RING]
-        ring = DeviceToHost(slot_bytes) if ringed else None
+        ring = make_ring() if ringed else None
         try:
             pieces = ring.pieces([it.source for it in ringed]) if ring is not None else iter(())
             for it in items:
@@ -244,7 +253,7 @@ def _write_wave(
     pool: Optional[ThreadPoolExecutor],
     last: bool,
     routes: Optional[Routes] = None,
-    slot_bytes: int = SLOT_BYTES,
+    ring: Ring = DeviceToHost,
 ) -> None:
     """Write the wave's items (and, ``last``, close every file). With a ``pool`` the threads
     share the files: each local file's items are placed and cut into tasks (:mod:`.spans`), so
@@ -261,7 +270,7 @@ def _write_wave(
         outs[name] = out
     if pool is None:
         for name, items in names.items():
-            outs[name].write(items, routes, slot_bytes)
+            outs[name].write(items, routes, ring)
     else:
         work: List[Tuple[int, Any]] = []  # (bytes, call)
         spread: Dict[str, List[Any]] = {}
@@ -269,10 +278,10 @@ def _write_wave(
             out = outs[name]
             placed = out.place(items, routes) if items else None
             if placed is None:
-                work.append((sum(it.nbytes for it in items), partial(out.write, items, routes, slot_bytes)))
+                work.append((sum(it.nbytes for it in items), partial(out.write, items, routes, ring)))
                 continue
             spread[name] = placed
-            work.extend((t.nbytes, partial(run, t, slot_bytes)) for t in tasks(out.fd, placed))
+            work.extend((t.nbytes, partial(run, t, ring)) for t in tasks(out.fd, placed))
         work.sort(key=lambda w: -w[0])  # the largest first: the threads finish together
         _run_all(pool, [call for _, call in work])
         for name, placed in spread.items():
@@ -386,17 +395,22 @@ def write_plan(plan: SavePlan, thread_count: int = 2, budget: Optional[int] = No
                 if budget is None:
                     budget = host_memory_budget()
                 routes = routes_of(plan)
-                slot_bytes = SLOT_BYTES
+                ring: Ring = DeviceToHost
                 if RING in routes.values():
                     threads = _workers(plan, thread_count) if pool is not None else 1
                     slot_bytes = slot_bytes_for(budget, threads)
                     budget = max(1, budget - threads * SLOTS * slot_bytes)  # the slots' share
+                    # the writer threads' copies wait for this thread's streams, not their own
+                    after = caller_streams(
+                        [it.source for _, items in plan.jobs for it in items if routes.get(id(it)) == RING]
+                    )
+                    ring = partial(DeviceToHost, slot_bytes, SLOTS, after)
                 waves = plan_waves(plan.jobs, budget)
                 plan.waves = len(waves)
                 for i, wave in enumerate(waves):
                     staged = _stage_wave(plan, wave, routes)
                     try:
-                        _write_wave(plan, wave, pool, i == len(waves) - 1, routes, slot_bytes)
+                        _write_wave(plan, wave, pool, i == len(waves) - 1, routes, ring)
                     finally:
                         if staged is not None:
                             staged.release()
