@@ -5,7 +5,6 @@ they were written, on the S3 server the fixture starts.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 
 import torch
@@ -16,7 +15,7 @@ from distckpt import dist as ddist
 from distckpt.storage import open_store
 from distckpt.strategies.async_utils import AsyncCallsQueue
 from distckpt.strategies.device_io import save_slot_bytes
-from distckpt.strategies.torch_dist import write as write_module
+from tests.support.devices import streamed
 from tests.support.harness import run_ranks
 
 WORLD = 2
@@ -60,19 +59,10 @@ def test_an_async_save_in_waves_uploads_the_bytes_each_wave_had(s3_url):
     assert run_ranks(WORLD, _async_save_in_waves, s3_url, timeout=TIMEOUT) == [True] * WORLD
 
 
-@contextlib.contextmanager
-def _streamed_cpu():
-    write_module.STREAMED_DEVICES.add("cpu")
-    try:
-        yield
-    finally:
-        write_module.STREAMED_DEVICES.discard("cpu")
-
-
 def _save_through_slots(url: str) -> tuple:
     """A plain save whose tensors go through the writer threads' slots (as CUDA tensors do)."""
     before = save_slot_bytes(reset_peak=True)[0]
-    with _streamed_cpu():
+    with streamed("cpu"):
         distckpt.save(_state(ddist.get_rank()), url)
     live, peak = save_slot_bytes()
     return live - before, peak - before

@@ -34,23 +34,12 @@ from distckpt.strategies.torch_dist.plan import DEFAULT_FILES_PER_RANK, writer_t
 from distckpt.strategies.torch_dist.save import TorchDistSaveShardedStrategy
 from distckpt.strategies.torch_dist.write import slot_bytes_for, write_plan
 from tests.support import faults
+from tests.support.devices import streamed
 from tests.support.harness import run_ranks
 
 KiB, MiB = 1 << 10, 1 << 20
 WORLD = 2
 TIMEOUT = 120
-
-
-@contextlib.contextmanager
-def streamed(*devices: str) -> Iterator[None]:
-    """Tensors of ``devices`` (besides CUDA) go through the slots for the duration."""
-    saved = set(write_module.STREAMED_DEVICES)
-    write_module.STREAMED_DEVICES.update(devices)
-    try:
-        yield
-    finally:
-        write_module.STREAMED_DEVICES.clear()
-        write_module.STREAMED_DEVICES.update(saved)
 
 
 def _data_files(root: Path) -> Dict[str, str]:

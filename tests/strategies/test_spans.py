@@ -27,6 +27,7 @@ from distckpt.strategies.torch_dist.plan import DEFAULT_FILES_PER_RANK
 from distckpt.strategies.torch_dist.save import TorchDistSaveShardedStrategy
 from distckpt.strategies.torch_dist.write import write_plan
 from tests.support import faults
+from tests.support.devices import streamed
 from tests.support.harness import run_ranks
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -44,17 +45,6 @@ def small_parts(part_bytes: int = BLOCK) -> Iterator[None]:
         yield
     finally:
         spans.PART_BYTES = saved
-
-
-@contextlib.contextmanager
-def streamed(*devices: str) -> Iterator[None]:
-    saved = set(write_module.STREAMED_DEVICES)
-    write_module.STREAMED_DEVICES.update(devices)
-    try:
-        yield
-    finally:
-        write_module.STREAMED_DEVICES.clear()
-        write_module.STREAMED_DEVICES.update(saved)
 
 
 @contextlib.contextmanager

@@ -219,7 +219,7 @@ def run(task: Task, ring: Callable[[], DeviceToHost] = DeviceToHost) -> None:
                 sink.write(p.header)
             crcs: List[int] = []
             if p.route == RING:
-                chunks: Iterator = _next_bytes(pieces, part.hi - part.lo)
+                chunks: Iterator = next_bytes(pieces, part.hi - part.lo)
             else:
                 chunks = iter((p.content()[part.lo : part.hi],))
             for chunk in chunks:
@@ -242,7 +242,9 @@ def _device_bytes(part: Part) -> torch.Tensor:
     return src[part.lo : part.hi]
 
 
-def _next_bytes(pieces: Iterator[Tuple[int, int, memoryview]], nbytes: int) -> Iterator[memoryview]:
+def next_bytes(pieces: Iterator[Tuple[int, int, memoryview]], nbytes: int) -> Iterator[memoryview]:
+    """The next pieces of ``pieces`` (``DeviceToHost.pieces``) up to ``nbytes`` bytes: one item's
+    or part's bytes."""
     done = 0
     while done < nbytes:
         _, _, view = next(pieces)

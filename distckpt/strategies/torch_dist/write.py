@@ -54,7 +54,7 @@ from distckpt.strategies.filesystem import (
 from distckpt.strategies.torch_dist.metadata import Resolved
 from distckpt.strategies.torch_dist.plan import SavePlan, Wave, WriteItem, plan_waves, standalone_cpu
 from distckpt.strategies.torch_dist.records import Record
-from distckpt.strategies.torch_dist.spans import DIRECT, RING, Routes, place, run, settle, tasks
+from distckpt.strategies.torch_dist.spans import DIRECT, RING, Routes, next_bytes, place, run, settle, tasks
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class Output:
                 route = routes.get(id(it))
                 if route is not None:
                     src = it.source
-                    chunks = _item_pieces(pieces, it.nbytes) if route == RING else [byte_view(src)]
+                    chunks = next_bytes(pieces, it.nbytes) if route == RING else [byte_view(src)]
                     done = write_tensor_pieces(self.sink, src.dtype, it.chunk_size, chunks, self.blocks)
                     assert done is not None  # routes_of routes framed tensors only
                     self.written.append((it, *done))
@@ -217,15 +217,6 @@ def slot_bytes_for(budget: int, threads: int) -> int:
     threads' slots take at most a quarter of ``budget``; a multiple of ``PIECE_ALIGN``."""
     fit = budget // (4 * max(1, threads) * SLOTS) // PIECE_ALIGN * PIECE_ALIGN
     return max(PIECE_ALIGN, min(SLOT_BYTES, fit))
-
-
-def _item_pieces(pieces: Iterator[Tuple[int, int, memoryview]], nbytes: int) -> Iterator[memoryview]:
-    """The next pieces of ``pieces`` up to ``nbytes`` bytes: one item's bytes."""
-    done = 0
-    while done < nbytes:
-        _, _, view = next(pieces)
-        done += len(view)
-        yield view
 
 
 def _stage_wave(plan: SavePlan, wave: Wave, routes: Optional[Routes] = None) -> Optional[Any]:
