@@ -136,8 +136,9 @@ class _World:
 _GRACE_4 = {"DISTCKPT_HEARTBEAT_GRACE": "4"}
 _WORLDS = {
     # The reported case: a group created with timeout=120 s, one rank SIGKILLed right after
-    # init_process_group, before it ever beat; the library's defaults otherwise (grace 10 s).
-    "killed_before_beating": dict(pg_timeout_s=120, plan={"victim": 2}),
+    # init_process_group, before it ever beat; the library's defaults otherwise, but a grace of
+    # 4 s instead of 10 (the default's value is checked below without waiting for it).
+    "killed_before_beating": dict(pg_timeout_s=120, plan={"victim": 2}, env=_GRACE_4),
     # Rank 0 decides the stages run through the store, so the others watch it alone. It beats
     # for 2 s (its heartbeat goes stale rather than never coming), then dies.
     "rank_0_killed": dict(pg_timeout_s=120, plan={"victim": 0, "beats_s": 2}, env=_GRACE_4),
@@ -184,9 +185,9 @@ def test_a_rank_killed_before_its_save_is_named_by_every_survivor_within_seconds
     results = worlds["killed_before_beating"].results()
     seconds = _survivors_raised(results, 2)
     message = next(iter(results.values()))["message"]
-    assert "rank(s) 2 did not arrive: no heartbeat from its process for 10 s" in message, message
+    assert "rank(s) 2 did not arrive: no heartbeat from its process for 4 s" in message, message
     # Not the group's 120 s, nor the library's 300 s.
-    assert 10 <= min(seconds) and max(seconds) < 20, seconds
+    assert 4 <= min(seconds) and max(seconds) < 10, seconds
 
 
 def test_a_dead_rank_0_is_named_by_the_ranks_that_wait_for_its_decision_rank_0_killed(worlds):
@@ -234,7 +235,7 @@ def test_the_heartbeat_grace_rejects_nonsense(monkeypatch):
     monkeypatch.setenv(ddist.HEARTBEAT_GRACE_ENV, "0")
     assert ddist.heartbeat_grace() == 0
     monkeypatch.delenv(ddist.HEARTBEAT_GRACE_ENV)
-    assert ddist.heartbeat_grace() == ddist.DEFAULT_HEARTBEAT_GRACE_S
+    assert ddist.heartbeat_grace() == ddist.DEFAULT_HEARTBEAT_GRACE_S == 10  # seconds, by default
     with pytest.raises(CheckpointingException):
         ddist.set_heartbeat_grace(float("nan"))
     ddist.set_heartbeat_grace(None)
