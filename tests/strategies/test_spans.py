@@ -21,6 +21,7 @@ from distckpt import ShardedObject, ShardedTensor
 from distckpt import dist as ddist
 from distckpt.core import CheckpointingException
 from distckpt.strategies import blockcrc
+from distckpt.strategies.device_io import SLOTS, save_slot_bytes
 from distckpt.strategies.torch_dist import spans
 from distckpt.strategies.torch_dist import write as write_module
 from distckpt.strategies.torch_dist.plan import DEFAULT_FILES_PER_RANK
@@ -128,6 +129,17 @@ def test_threads_sharing_the_files_write_what_one_thread_writes(tmp_path, thread
     assert seen["tasks"] > 10 and threading.main_thread().ident not in seen["threads"], seen
     if budget is not None:
         assert ref[3] >= 3  # several waves: placed ones and the fp8 item's one-thread wave alternate
+
+
+def test_shared_writers_take_slots_of_a_quarter_part_each_task_overlapping_copies_and_writes(tmp_path):
+    """Slots of a quarter of a part: a task's next piece is copied while its current one is
+    written; all threads' slots together stay within threads x SLOTS x that size."""
+    with small_parts(4 * BLOCK):
+        assert write_module.shared_slot_bytes() == BLOCK
+        start = save_slot_bytes(reset_peak=True)[0]
+        _write(tmp_path / "many", 3, devices=("cpu",))
+        live, peak = save_slot_bytes()
+    assert live == start and 0 < peak - start <= 3 * SLOTS * BLOCK
 
 
 def test_a_file_with_an_item_that_cannot_be_placed_is_written_by_one_thread(tmp_path):

@@ -51,6 +51,7 @@ from distckpt.strategies.filesystem import (
     write_tensor_pieces,
     zip_crc_disabled,
 )
+from distckpt.strategies.torch_dist import spans
 from distckpt.strategies.torch_dist.metadata import Resolved
 from distckpt.strategies.torch_dist.plan import SavePlan, Wave, WriteItem, plan_waves, standalone_cpu
 from distckpt.strategies.torch_dist.records import Record
@@ -205,6 +206,12 @@ def routes_of(plan: SavePlan) -> Routes:
                 continue
             it.copies = False
     return routes
+
+
+def shared_slot_bytes() -> int:
+    """The slot size of writer threads that share files: a quarter of a part (each task's next
+    piece copies while its current one is written), a multiple of ``PIECE_ALIGN``."""
+    return max(PIECE_ALIGN, spans.PART_BYTES // 4 // PIECE_ALIGN * PIECE_ALIGN)
 
 
 def _shares_storage(t: torch.Tensor) -> bool:
@@ -390,6 +397,10 @@ def write_plan(plan: SavePlan, thread_count: int = 2, budget: Optional[int] = No
                 if RING in routes.values():
                     threads = _workers(plan, thread_count) if pool is not None else 1
                     slot_bytes = slot_bytes_for(budget, threads)
+                    if pool is not None:
+                        # A part (spans.PART_BYTES) is one thread's task: its copies overlap its
+                        # writes only if it takes several slots' worth.
+                        slot_bytes = min(slot_bytes, shared_slot_bytes())
                     budget = max(1, budget - threads * SLOTS * slot_bytes)  # the slots' share
                     # the writer threads' copies wait for this thread's streams, not their own
                     after = caller_streams(
