@@ -3,7 +3,8 @@
 After every trial the target holds the complete new checkpoint or the complete old one (for a
 fresh target: nothing), never a mix, and every surviving rank ended — returned (the kill came
 after its last collective) or raised a CheckpointingException within the collective timeout of
-the kill. Marked ``slow``; the default run includes it (about a minute per scenario on 2 cores).
+the kill. Marked ``slow``: left out of the default run, run by CI after it (``pytest -m slow``; about
+half a minute per scenario on 2 cores).
 ``DISTCKPT_FAULT_TRIALS`` changes the trial count. A summary line per scenario is printed and
 written to ``<tmp>/summary.json`` (the figures in docs/reliability.md come from it).
 """
