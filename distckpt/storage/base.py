@@ -112,7 +112,8 @@ class Store(ABC):
 
     @abstractmethod
     def put(self, name: str, data) -> None:
-        """Store ``data`` (bytes-like) as ``name``, replacing it; atomic and durable on return."""
+        """Store ``data`` (bytes-like) as ``name``, replacing it; atomic and durable on return. The
+        caller may reuse its buffer then: a store that keeps the bytes keeps a copy."""
 
     @abstractmethod
     def put_if_absent(self, name: str, data) -> bool:

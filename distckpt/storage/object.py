@@ -84,6 +84,15 @@ def _short(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
+def owned(data) -> bytes:
+    """``data`` as bytes obstore may keep. obstore takes buffers without copying them: its
+    writer holds what it is given until the part is uploaded, and an in-memory store holds a put's
+    buffer for good, each sending or serving whatever that memory then holds. A buffer its caller
+    reuses (a staging buffer's next wave, a pinned slot's next piece) would go out changed, under
+    the CRC32C of the bytes it had. So a mutable buffer is copied; ``bytes`` go as they are."""
+    return data if isinstance(data, bytes) else bytes(data)
+
+
 class _ObjectWriter(Writer):
     def __init__(self, store: ObjectStore, name: str):
         self.where = store.where(name)
@@ -93,14 +102,8 @@ class _ObjectWriter(Writer):
         self._done = False
 
     def write(self, data) -> int:
-        if not isinstance(data, bytes):
-            # obstore keeps a reference to what it is given until its part is uploaded, and
-            # uploads whatever that memory then holds: a buffer its caller reuses (a staging
-            # buffer's next wave, a pinned slot's next piece) would go out changed, under the
-            # CRC32C of the bytes it had. A copy of the bytes is what it keeps instead.
-            data = bytes(data)
         try:
-            return self._file.write(data)
+            return self._file.write(owned(data))
         except Exception as e:  # noqa: BLE001 - every client error becomes ours, with the object
             self.abort()
             raise CheckpointingException(f"{self.where}: upload failed ({_short(e)})") from e
@@ -214,7 +217,7 @@ class ObjectStore(Store):
             obstore.put(
                 self._store,
                 self._key(name),
-                data,
+                owned(data),
                 chunk_size=self.part_size,
                 max_concurrency=self.max_concurrency,
             )
@@ -223,7 +226,7 @@ class ObjectStore(Store):
 
     def put_if_absent(self, name: str, data) -> bool:
         try:
-            obstore.put(self._store, self._key(name), data, mode="create")
+            obstore.put(self._store, self._key(name), owned(data), mode="create")
             return True
         except obe.AlreadyExistsError:
             return False

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 
+import pytest
 import torch
 
 import distckpt
@@ -15,6 +16,7 @@ from distckpt import dist as ddist
 from distckpt.storage import open_store
 from distckpt.strategies.async_utils import AsyncCallsQueue
 from distckpt.strategies.device_io import save_slot_bytes
+from distckpt.strategies.zarr import ZarrSaveShardedStrategy
 from tests.support.devices import streamed
 from tests.support.harness import run_ranks
 
@@ -22,41 +24,53 @@ WORLD = 2
 TIMEOUT = 120
 
 
-def _state(rank: int) -> dict:
+def _state(rank: int, world: int = WORLD) -> dict:
     """16 tensors of 1 MiB per rank, each value telling key and rank apart."""
     return {
         f"t{i}": ShardedTensor.from_rank_offsets(
-            f"t{i}", torch.full((1, 256, 1024), float(100 * i + rank)), (0, rank, WORLD)
+            f"t{i}", torch.full((1, 256, 1024), float(100 * i + rank)), (0, rank, world)
         )
         for i in range(16)
     }
 
 
-def _loads_back(url: str) -> bool:
+def _loads_back(url: str, world: int = WORLD) -> bool:
     rank = ddist.get_rank()
-    want = _state(rank)
-    back = {k: ShardedTensor.from_rank_offsets(k, torch.zeros(1, 256, 1024), (0, rank, WORLD)) for k in want}
+    want = _state(rank, world)
+    back = {k: ShardedTensor.from_rank_offsets(k, torch.zeros(1, 256, 1024), (0, rank, world)) for k in want}
     out = distckpt.load(back, url, verify=True)
     return all(torch.equal(out[k], want[k].data) for k in want)
 
 
-def _async_save_in_waves(url: str) -> bool:
+def _async_save_in_waves(url: str, backend: str, world: int = WORLD) -> bool:
     """An async save whose staged copies (16 MiB) are cut into waves of 3 MiB: the staging
     buffers of one wave are refilled by the next while the upload may still hold its bytes."""
+    strategy = ZarrSaveShardedStrategy("zarr", 2) if backend == "zarr" else None
     distckpt.set_host_memory_budget("3MiB")
     try:
-        request = distckpt.save(_state(ddist.get_rank()), url, async_sharded_save=True)
+        request = distckpt.save(_state(ddist.get_rank(), world), url, strategy, async_sharded_save=True)
         queue = AsyncCallsQueue()
         queue.schedule_async_request(request)
         queue.maybe_finalize_async_calls(blocking=True)
         queue.close()
     finally:
         distckpt.set_host_memory_budget(None)
-    return _loads_back(url)
+    return _loads_back(url, world)
 
 
-def test_an_async_save_in_waves_uploads_the_bytes_each_wave_had(s3_url):
-    assert run_ranks(WORLD, _async_save_in_waves, s3_url, timeout=TIMEOUT) == [True] * WORLD
+@pytest.mark.parametrize("backend", ["torch_dist", "zarr"])
+def test_an_async_save_in_waves_uploads_the_bytes_each_wave_had(s3_url, backend):
+    assert run_ranks(WORLD, _async_save_in_waves, s3_url, backend, timeout=TIMEOUT) == [True] * WORLD
+
+
+def test_an_async_save_in_waves_to_an_in_memory_store_keeps_the_bytes_each_wave_had():
+    """memory:// keeps every put's buffer itself: one process (the store lives in it)."""
+    url = "memory://waves-test/ckpt"
+    assert run_ranks(1, _one_rank_async_save_in_waves, url, timeout=TIMEOUT) == [True]
+
+
+def _one_rank_async_save_in_waves(url: str) -> bool:
+    return _async_save_in_waves(url, "zarr", 1) and _async_save_in_waves(url + "2", "torch_dist", 1)
 
 
 def _save_through_slots(url: str) -> tuple:

@@ -80,9 +80,9 @@ def test_a_writer_publishes_on_close_and_leaves_nothing_on_abort(store):
     assert set(store.list()) == {"w"}
 
 
-def test_a_writer_does_not_depend_on_the_callers_buffer_after_write_returns(store):
+def test_writes_and_puts_do_not_depend_on_the_callers_buffer_after_they_return(store):
     """The caller reuses its buffer at once (a staging buffer's next wave, a pinned slot's next
-    piece): the object holds the bytes the buffer had at each write."""
+    piece): the object holds the bytes the buffer had at each write or put."""
     buf = bytearray(b"a" * 1000)
     with store.open_writer("reused") as w:
         w.write(buf)
@@ -90,6 +90,11 @@ def test_a_writer_does_not_depend_on_the_callers_buffer_after_write_returns(stor
         w.write(memoryview(buf)[:500])
         buf[:] = b"c" * 1000
     assert bytes(store.get("reused")) == b"a" * 1000 + b"b" * 500
+    for name, put in (("put", store.put), ("once", store.put_if_absent)):
+        buf[:] = b"d" * 1000
+        put(name, memoryview(buf))
+        buf[:] = b"e" * 1000  # an in-memory store would otherwise serve the buffer itself
+        assert bytes(store.get(name)) == b"d" * 1000, name
 
 
 def test_commit_markers_follow_the_store_s_overwrite_rule(store):
