@@ -134,7 +134,7 @@ def place(items: List[WriteItem], start: int, routes: Routes) -> Optional[List[P
             nbytes = payload.numel() * payload.element_size()
             placed = Placed(it, pos, pair[0], pair[1], nbytes, payload.dtype, None)
         elif isinstance(it.payload, (bytes, bytearray, memoryview)):
-            placed = Placed(it, pos, b"", b"", len(it.payload), None, None)
+            placed = Placed(it, pos, b"", b"", memoryview(it.payload).nbytes, None, None)
         else:
             return None
         out.append(placed)
