@@ -1,6 +1,6 @@
 """The generated hostile suite (tests/support/hostile_fuzz.py) in the default run, and proof that it can fail.
 
-The default run takes ``DISTCKPT_FUZZ_CASES`` cases (40: the control cases, then byte classes
+The default run takes ``DISTCKPT_FUZZ_CASES`` cases (30: the control cases, then byte classes
 and mutators in a seeded order) against every entry point, in one worker process; the ``slow``
 run 300 more in another order. Thousands, another order, or longer limits::
 
@@ -19,7 +19,7 @@ import pytest
 
 from tests.support import hostile_fuzz as hf
 
-CASES = int(os.environ.get("DISTCKPT_FUZZ_CASES", "40"))
+CASES = int(os.environ.get("DISTCKPT_FUZZ_CASES", "30"))
 SLOW_CASES, SLOW_SEED = 300, 1
 SEED = int(os.environ.get("DISTCKPT_FUZZ_SEED", "0"))
 TIME_LIMIT = float(os.environ.get("DISTCKPT_FUZZ_TIME_LIMIT", "5"))
