@@ -285,7 +285,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         self.requests += requests
 
     def reader_threads(self, checkpoint_dir: Optional[storage.Location] = None) -> int:
-        """Files (objects) read at once (see :func:`io_threads`)."""
+        """Threads that read: files (objects) at once, or shares of local files when there are
+        more threads than files (see :func:`io_threads`, ``read._PlanReads.shares``)."""
         return io_threads(self.thread_count, self._threads_given, checkpoint_dir)
 
     def _load_object(

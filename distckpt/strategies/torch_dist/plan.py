@@ -176,7 +176,7 @@ DEFAULT_FILES_PER_RANK = 2
 # of CUDA tensors to tmpfs at 1.30 s with 8 threads against 1.58-2.2 s with 2 (one H200, 16 cores;
 # before the pinned pipeline).
 MAX_WRITER_THREADS = 8
-# Files a load reads at once when it does not say (at most; see reader_threads).
+# Reader threads of a load that does not say (at most; see reader_threads): files, or shares of them.
 DEFAULT_READERS_PER_RANK = 4
 
 
@@ -201,7 +201,7 @@ def writer_threads(count: int, given: bool, checkpoint_dir: Optional[storage.Loc
 
 
 def io_threads(count: int, given: bool, checkpoint_dir: Optional[storage.Location]) -> int:
-    """Threads that read ``count`` files at once: all of them if the count was given
+    """Threads a load reads with (``count``: its ``thread_count``): all of them if the count was given
     or the location is an object store (each request waits on the network); by default on a
     file system at most :func:`distckpt.budget.cores_per_rank` (page-cache I/O is memory
     copies, which more threads than cores only interleave)."""

@@ -261,11 +261,34 @@ class _PlanReads:
             f"{where}: {what} is missing (needed for keys {keys}, rank {self.rank})"
         )
 
-    def read(self, name: str) -> None:
+    def read(self, name: str, items: Optional[List[Stored]] = None) -> None:
+        """Read ``name``'s items (``items``: a consecutive share of them, local files only)."""
         if self.root is None:
             self.read_object(name)
         else:
-            self.read_file(name)
+            self.read_file(name, items)
+
+    def shares(self, names: List[str], threads: int) -> List[Tuple[str, Optional[List[Stored]]]]:
+        """The reads of ``names`` for ``threads`` threads: a file each, or (local files, more
+        threads than files) each file's items cut into consecutive shares of about an equal
+        part of the bytes, so that every thread reads (an item is never cut: one larger than a
+        share is a share of its own). A rank's 2 files then keep 4 or 8 readers busy."""
+        if self.root is None or threads <= len(names):
+            return [(name, None) for name in names]
+        target = max(1, sum(st.length for st in self.plan.ops) // threads)
+        out: List[Tuple[str, Optional[List[Stored]]]] = []
+        for name in names:
+            share: List[Stored] = []
+            size = 0
+            for st in self.items(name):
+                share.append(st)
+                size += st.length
+                if size >= target:
+                    out.append((name, share))
+                    share, size = [], 0
+            if share:
+                out.append((name, share))
+        return out
 
     def read_object(self, name: str) -> None:
         """Object store: ranged GETs of the bytes this rank needs, concurrent, in batches of at
@@ -330,13 +353,14 @@ class _PlanReads:
             self.gets.append(len(requests))
         self.counted.append(nbytes)
 
-    def read_file(self, name: str) -> None:
+    def read_file(self, name: str, items: Optional[List[Stored]] = None) -> None:
         """Local file: ``pread`` into place, strided copies out of a mapping, small items out of
         one read of the span they lie in, parts of large items block by block against the
-        file's block table (:class:`~distckpt.strategies.blockread.BlockReader`)."""
+        file's block table (:class:`~distckpt.strategies.blockread.BlockReader`). ``items``: a
+        share of the file's items in offset order (default: all of them)."""
         root, plan, checksums, rank, verify = self.root, self.plan, self.checksums, self.rank, self.verify
         path = root / name
-        items = self.items(name)
+        items = self.items(name) if items is None else items
         try:
             fd = containment.open_beneath(root, name, root / METADATA_FNAME)
         except FileNotFoundError:
@@ -429,8 +453,9 @@ def execute_plan(
     pinned_slot_bytes: int,
     threads: int,
 ) -> Tuple[int, int]:
-    """Read every stored item ``plan`` copies from (``threads`` files at once), then run its
-    finalizers; returns the bytes read from storage and (object stores) the requests made."""
+    """Read every stored item ``plan`` copies from (``threads`` files, or shares of local files,
+    at once: :meth:`_PlanReads.shares`), then run its finalizers; returns the bytes read from
+    storage and (object stores) the requests made."""
     reads = _PlanReads(plan, checkpoint_dir, checksums, verify, pinned_slot_bytes)
     names = sorted(reads.by_file)
     if len(names) > 1:
@@ -450,8 +475,9 @@ def execute_plan(
         # cores unless OMP_NUM_THREADS says otherwise, as torchrun does). Two ranks on two
         # cores, each copying from its main thread with two intra-op threads, made a
         # resharded load 2-4x slower; from a worker thread it runs as one thread.
-        with ThreadPoolExecutor(max_workers=max(1, min(threads, len(names)))) as pool:
-            for fut in [pool.submit(reads.read, n) for n in names]:
+        work = reads.shares(names, threads)
+        with ThreadPoolExecutor(max_workers=max(1, min(threads, len(work)))) as pool:
+            for fut in [pool.submit(reads.read, n, share) for n, share in work]:
                 fut.result()
     for fin in plan.finalizers:
         fin()
