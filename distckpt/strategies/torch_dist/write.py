@@ -91,7 +91,7 @@ class Output:
     ) -> None:
         """Append ``items``: staged ones from their payload, routed ones (``routes``, see
         :func:`routes_of`) from their source, through slots (``ring()``) or directly."""
-        with zip_crc_disabled():  # this thread's torch.save (the setting is per thread)
+        with zip_crc_disabled():  # per thread (torch keeps it per context): here, not around the save
             self._write(items, routes or {}, ring)
 
     def _write(self, items: List[WriteItem], routes: Routes, make_ring: Ring) -> None:
@@ -356,7 +356,7 @@ def write_waves(plan: SavePlan, waves: List[Wave], thread_count: int) -> None:
     ``write_plan`` (so every rank learns of it at finalization)."""
     plan.waves = len(waves)
     try:
-        with zip_crc_disabled(), _writer_pool(plan, thread_count) as pool:
+        with _writer_pool(plan, thread_count) as pool:
             for wave in waves[:-1]:
                 staged = _stage_wave(plan, wave)
                 try:
@@ -386,7 +386,7 @@ def write_plan(plan: SavePlan, thread_count: int = 2, budget: Optional[int] = No
     try:
         if plan.error is not None:
             raise plan.error
-        with zip_crc_disabled(), _writer_pool(plan, thread_count) as pool:
+        with _writer_pool(plan, thread_count) as pool:
             if plan.pending is not None:
                 _write_wave(plan, plan.pending, pool, last=True)
             else:
