@@ -21,6 +21,7 @@ from distckpt.core import CheckpointingException
 from distckpt.strategies.index_format import FORMAT, HEADER, INDEX_FNAME, MAGIC, VERSION, Box
 
 _PLAIN_BOXES = 4  # a query of at most this many boxes per key searches small leaves in Python
+_MEET_BLOCK = 1 << 20  # box-axis comparisons per block of a vectorised test (~1 MiB temporaries)
 
 
 class IndexReader:
@@ -44,6 +45,7 @@ class IndexReader:
         self.data_start = data_start
         self.bytes_read = bytes_read  # everything fetched (the first read may overshoot)
         self.node_bytes_read = 0  # bytes of tree nodes fetched by queries
+        self.box_tests = 0  # (node entry or record, query box) pairs tested by queries
 
     @classmethod
     def open(cls, location: storage.Location, head_guess: int = 16 << 10) -> Optional[IndexReader]:
@@ -112,18 +114,21 @@ class IndexReader:
         """For each key, every stored chunk whose box meets one of ``boxes[key]`` (stored
         coordinates): ``(offset, size, file, file offset, length, crc32c)`` in offset order.
 
-        Walks every key's tree level by level; each level is one batch of ranged reads.
+        Walks every key's tree level by level; each level is one batch of ranged reads. A node
+        is searched only with the query boxes that meet its bounding box (its parent found
+        them), so a key of ``n`` records queried with ``b`` boxes costs about
+        ``b x fanout x depth`` box tests plus the records found -- not ``b x n``: a
+        Mixture-of-Experts rank asks for thousands of boxes (one per expert and layer) of a key
+        holding ``layers x experts`` records.
         """
         out: Dict[str, List[Any]] = {k: [] for k in boxes}
         parsed_names: Dict[bytes, List[str]] = {}
-        frontier = []  # (key, ndim, ref, levels below, query lo tuples, query hi tuples)
+        frontier: List[_Visit] = []
         for fqn, bxs in boxes.items():
             e = self.entry(fqn)
             if e is None or not bxs or not e.get("count") or e.get("bytes"):
                 continue
             ndim = len(e["size"])
-            # Plain tuples (a key of a few boxes needs no numpy); arrays only where a node or a
-            # large leaf is searched.
             qlo, qhi = [], []
             for b_off, b_size in bxs:
                 if len(b_off) != ndim or len(b_size) != ndim:
@@ -132,78 +137,86 @@ class IndexReader:
                 qhi.append(tuple(map(operator.add, b_off, b_size)))
             lo, hi = e["bbox"]
             if _box_meets_any(lo, hi, qlo, qhi):
-                frontier.append((fqn, ndim, e["root"], e["depth"] - 1, qlo, qhi))
+                frontier.append(_Visit(fqn, ndim, e["root"], e["depth"] - 1, _Boxes(qlo, qhi)))
         while frontier:
-            blobs = self._fetch([f[2] for f in frontier])
-            nxt = []
-            for (fqn, ndim, _, below, qlo_list, qhi_list), raw in zip(frontier, blobs):
-                if below:
-                    if len(raw) % (8 * (3 + 2 * ndim)):
-                        raise self._malformed(fqn, f"an inner node of {len(raw)} bytes")
-                    qlo, qhi = _arrays(qlo_list, qhi_list, ndim)
-                    table = np.frombuffer(raw, dtype="<i8").reshape(-1, 3 + 2 * ndim)
-                    lo, hi = table[:, 3 : 3 + ndim], table[:, 3 + ndim :]
-                    hit = np.zeros(len(table), dtype=bool)
-                    for a, b in zip(qlo, qhi):
-                        hit |= np.all((lo < b) & (hi > a), axis=1)
-                    nxt.extend(
-                        (fqn, ndim, ref, below - 1, qlo_list, qhi_list) for ref in table[hit, :3].tolist()
-                    )
-                    continue
-                # A node passed its CRC32C, which says only that it was written so: its framing,
-                # names and name references are checked before use.
-                width = 2 * ndim + 4
-                (nn,) = struct.unpack_from("<I", raw) if len(raw) >= 4 else (len(raw),)
-                if 4 + nn > len(raw) or (len(raw) - 4 - nn) % (8 * width):
-                    raise self._malformed(fqn, f"a leaf of {len(raw)} bytes with {nn} bytes of names")
-                names_raw = bytes(raw[4 : 4 + nn])
-                names = parsed_names.get(names_raw)
-                if names is None:  # leaves mostly name the same few files: parse each list once
-                    try:
-                        names = json.loads(names_raw)
-                    except (ValueError, RecursionError) as e:
-                        raise self._malformed(fqn, f"a leaf's file names: {e}") from None
-                    if type(names) is not list:
-                        raise self._malformed(fqn, "a leaf's file names are not a list")
-                    parsed_names[names_raw] = names
-                if len(qlo_list) <= _PLAIN_BOXES and len(raw) - 4 - nn <= 8 * width * 16:
-                    # A small leaf and a few boxes (a small key, loaded whole or in a few
-                    # pieces): plain Python, cheaper than numpy on arrays of a few rows.
-                    flat = _int64s(len(raw) - 4 - nn).unpack_from(raw, 4 + nn)
-                    found = out[fqn]
-                    for i in range(0, len(flat), width):
-                        off = flat[i : i + ndim]
-                        size = flat[i + ndim : i + 2 * ndim]
-                        if _box_meets_any(off, tuple(map(operator.add, off, size)), qlo_list, qhi_list):
-                            f, foff, length, crc = flat[i + 2 * ndim : i + width]
-                            if not 0 <= f < len(names):
-                                raise self._malformed(fqn, f"a record names file {f} of {len(names)}")
-                            found.append((off, size, names[f], foff, length, crc))
-                    continue
-                qlo, qhi = _arrays(qlo_list, qhi_list, ndim)
-                rows = np.frombuffer(raw, dtype="<i8", offset=4 + nn).reshape(-1, width)
-                off, end = rows[:, :ndim], rows[:, :ndim] + rows[:, ndim : 2 * ndim]
-                hit = np.zeros(len(rows), dtype=bool)
-                for lo, hi in zip(qlo, qhi):
-                    hit |= np.all((off < hi) & (end > lo), axis=1)
-                picked = rows[hit]
-                if len(picked) and not 0 <= picked[:, 2 * ndim].min() <= picked[:, 2 * ndim].max() < len(
-                    names
-                ):
-                    raise self._malformed(fqn, f"a record names a file outside the leaf's {len(names)}")
-                for r in picked.tolist():
-                    out[fqn].append(
-                        (
-                            tuple(r[:ndim]),
-                            tuple(r[ndim : 2 * ndim]),
-                            names[r[2 * ndim]],
-                            r[2 * ndim + 1],
-                            r[2 * ndim + 2],
-                            r[2 * ndim + 3],
-                        )
-                    )
+            blobs = self._fetch([v.ref for v in frontier])
+            nxt: List[_Visit] = []
+            for visit, raw in zip(frontier, blobs):
+                if visit.below:
+                    nxt.extend(self._inner(visit, raw))
+                else:
+                    out[visit.fqn].extend(self._leaf(visit, raw, parsed_names))
             frontier = nxt
         return out
+
+    def _inner(self, visit: _Visit, raw: memoryview) -> List[_Visit]:
+        """The children of an inner node that meet the visit's boxes, each with the boxes it meets."""
+        ndim = visit.ndim
+        if len(raw) % (8 * (3 + 2 * ndim)):
+            raise self._malformed(visit.fqn, f"an inner node of {len(raw)} bytes")
+        table = np.frombuffer(raw, dtype="<i8").reshape(-1, 3 + 2 * ndim)
+        meets = visit.boxes.meets(table[:, 3 : 3 + ndim], table[:, 3 + ndim :])
+        self.box_tests += meets.size
+        refs = table[:, :3].tolist()
+        return [
+            _Visit(visit.fqn, ndim, refs[j], visit.below - 1, visit.boxes.subset(meets[j]))
+            for j in np.flatnonzero(meets.any(axis=1)).tolist()
+        ]
+
+    def _leaf(self, visit: _Visit, raw: memoryview, parsed_names: Dict[bytes, List[str]]) -> List[Any]:
+        """The records of a leaf that meet the visit's boxes."""
+        # A node passed its CRC32C, which says only that it was written so: its framing,
+        # names and name references are checked before use.
+        fqn, ndim = visit.fqn, visit.ndim
+        width = 2 * ndim + 4
+        (nn,) = struct.unpack_from("<I", raw) if len(raw) >= 4 else (len(raw),)
+        if 4 + nn > len(raw) or (len(raw) - 4 - nn) % (8 * width):
+            raise self._malformed(fqn, f"a leaf of {len(raw)} bytes with {nn} bytes of names")
+        names_raw = bytes(raw[4 : 4 + nn])
+        names = parsed_names.get(names_raw)
+        if names is None:  # leaves mostly name the same few files: parse each list once
+            try:
+                names = json.loads(names_raw)
+            except (ValueError, RecursionError) as e:
+                raise self._malformed(fqn, f"a leaf's file names: {e}") from None
+            if type(names) is not list:
+                raise self._malformed(fqn, "a leaf's file names are not a list")
+            parsed_names[names_raw] = names
+        found = []
+        boxes = visit.boxes
+        if boxes.plain and len(raw) - 4 - nn <= 8 * width * 16:
+            # A small leaf and a few boxes (a small key, loaded whole or in a few pieces):
+            # plain Python, cheaper than numpy on arrays of a few rows.
+            flat = _int64s(len(raw) - 4 - nn).unpack_from(raw, 4 + nn)
+            self.box_tests += len(flat) // width * len(boxes.lo)
+            for i in range(0, len(flat), width):
+                off = flat[i : i + ndim]
+                size = flat[i + ndim : i + 2 * ndim]
+                if _box_meets_any(off, tuple(map(operator.add, off, size)), boxes.lo, boxes.hi):
+                    f, foff, length, crc = flat[i + 2 * ndim : i + width]
+                    if not 0 <= f < len(names):
+                        raise self._malformed(fqn, f"a record names file {f} of {len(names)}")
+                    found.append((off, size, names[f], foff, length, crc))
+            return found
+        rows = np.frombuffer(raw, dtype="<i8", offset=4 + nn).reshape(-1, width)
+        off = rows[:, :ndim]
+        meets = boxes.meets(off, off + rows[:, ndim : 2 * ndim])
+        self.box_tests += meets.size
+        picked = rows[meets.any(axis=1)]
+        if len(picked) and not 0 <= picked[:, 2 * ndim].min() <= picked[:, 2 * ndim].max() < len(names):
+            raise self._malformed(fqn, f"a record names a file outside the leaf's {len(names)}")
+        for r in picked.tolist():
+            found.append(
+                (
+                    tuple(r[:ndim]),
+                    tuple(r[ndim : 2 * ndim]),
+                    names[r[2 * ndim]],
+                    r[2 * ndim + 1],
+                    r[2 * ndim + 2],
+                    r[2 * ndim + 3],
+                )
+            )
+        return found
 
     def _malformed(self, fqn: str, what: str) -> CheckpointingException:
         return CheckpointingException(f"{self.where}: malformed sidecar index: key {fqn!r}: {what}")
@@ -275,13 +288,64 @@ def _check_entry(where: str, fqn: str, e: Any) -> None:
         raise bad("bbox (not a box of naturals with lo < hi)", bbox)
 
 
-def _arrays(
-    qlo: List[Tuple[int, ...]], qhi: List[Tuple[int, ...]], ndim: int
-) -> Tuple[np.ndarray, np.ndarray]:
-    return (
-        np.array(qlo, dtype=np.int64).reshape(len(qlo), ndim),
-        np.array(qhi, dtype=np.int64).reshape(len(qhi), ndim),
-    )
+class _Boxes:
+    """Query boxes ``[lo[k], hi[k])`` of one key: plain tuples while they are few, arrays (made
+    once, on first need) for the vectorised tests."""
+
+    __slots__ = ("lo", "hi", "_arrays")
+
+    def __init__(self, lo, hi):
+        self.lo, self.hi = lo, hi
+        self._arrays: Optional[Tuple[np.ndarray, np.ndarray]] = None
+
+    @property
+    def plain(self) -> bool:
+        return len(self.lo) <= _PLAIN_BOXES
+
+    def arrays(self) -> Tuple[np.ndarray, np.ndarray]:
+        if self._arrays is None:
+            if isinstance(self.lo, np.ndarray):
+                self._arrays = (self.lo, self.hi)
+            else:
+                ndim = len(self.lo[0])
+                self._arrays = (
+                    np.array(self.lo, dtype=np.int64).reshape(len(self.lo), ndim),
+                    np.array(self.hi, dtype=np.int64).reshape(len(self.hi), ndim),
+                )
+        return self._arrays
+
+    def meets(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """``[row, box]``: whether box ``[lo[row], hi[row])`` meets query box ``box``, in blocks
+        of rows that bound the temporary arrays."""
+        qlo, qhi = self.arrays()
+        out = np.empty((len(lo), len(qlo)), dtype=bool)
+        step = max(1, _MEET_BLOCK // max(1, len(qlo) * lo.shape[1]))
+        for a in range(0, len(lo), step):
+            b = a + step
+            np.all(
+                (lo[a:b, None, :] < qhi[None, :, :]) & (hi[a:b, None, :] > qlo[None, :, :]),
+                axis=2,
+                out=out[a:b],
+            )
+        return out
+
+    def subset(self, mask: np.ndarray) -> _Boxes:
+        qlo, qhi = self.arrays()
+        if mask.all():
+            return self
+        lo, hi = qlo[mask], qhi[mask]
+        if len(lo) <= _PLAIN_BOXES:
+            return _Boxes([tuple(r) for r in lo.tolist()], [tuple(r) for r in hi.tolist()])
+        return _Boxes(lo, hi)
+
+
+class _Visit:
+    """A node of one key's tree to visit, with the query boxes that meet its bounding box."""
+
+    __slots__ = ("fqn", "ndim", "ref", "below", "boxes")
+
+    def __init__(self, fqn: str, ndim: int, ref: List[int], below: int, boxes: _Boxes):
+        self.fqn, self.ndim, self.ref, self.below, self.boxes = fqn, ndim, ref, below, boxes
 
 
 def _box_meets_any(

@@ -206,6 +206,45 @@ def fp8(rank: int, world: int) -> List[Piece]:
     return out
 
 
+def experts(
+    rank: int,
+    world: int,
+    layers: int = 4,
+    count: int = 8,
+    ep: Optional[int] = None,
+    etp: int = 1,
+    shift: int = 0,
+) -> List[Piece]:
+    """Mixture-of-Experts weights as Megatron-Core's ``SequentialMLP`` describes them: one
+    ShardedTensor per expert weight, a layer and an expert axis prepended, so ``experts.fc1`` is
+    one key of ``layers x count`` chunks (``x etp`` with expert-TP, which splits axis 2). The
+    experts are cut into ``ep`` groups (default: ``world // etp``); ranks beyond ``ep x etp`` hold
+    replicas. ``shift``: this rank's expert group is ``shift`` groups further on (a load where
+    every rank asks for another rank's experts)."""
+    ep = ep or world // etp
+    group = (rank // etp + shift) % ep
+    part = rank % etp
+    replica = rank // (ep * etp)
+    local = count // ep
+    out = []
+    for key, shape in (("experts.fc1", (4, 3)), ("experts.fc2", (2, 6))):
+        rows = shape[0] // etp
+        for layer in range(layers):
+            for e in range(group * local, (group + 1) * local):
+                out.append(
+                    Piece(
+                        f"{key}.{layer}.{e}",
+                        key,
+                        (layers, count) + shape,
+                        (layer, e, part * rows, 0),
+                        (rows, shape[1]),
+                        prepend=2,
+                        replica=replica,
+                    )
+                )
+    return out
+
+
 LAYOUTS: Dict[str, Callable[..., List[Piece]]] = {
     "tp_dp": tp_dp,
     "grid": grid,
@@ -215,6 +254,7 @@ LAYOUTS: Dict[str, Callable[..., List[Piece]]] = {
     "flat_optimizer": flat_optimizer,
     "fp8": fp8,
     "wide": wide,
+    "experts": experts,
 }
 
 

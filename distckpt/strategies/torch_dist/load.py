@@ -120,6 +120,11 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         self.use_index = use_index
         self.index_bytes_read = 0  # bytes of the sidecar index read (all loads)
         self.index_node_bytes_read = 0  # of which chunk-record tree nodes
+        # What finding the stored chunks cost (all loads): (record, box) pairs the sidecar query
+        # tested, and stored chunks the planning tested against requested boxes. Both grow with
+        # what the requests meet, not with the keys' chunk grids (tests pin it).
+        self.index_box_tests = 0
+        self.chunks_examined = 0
         self.last_load_used_index = False
         # The sidecar reader ``load_common_items`` opened, for the ``load`` that follows it: its
         # directory is parsed once per load. Kept with the tree's identity, and taken only while
@@ -392,6 +397,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             checksums = own
         self.index_bytes_read += reader.bytes_read
         self.index_node_bytes_read += reader.node_bytes_read
+        self.index_box_tests += reader.box_tests
         return index, checksums
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: storage.Location) -> StateDict:
@@ -402,6 +408,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         check_allocations(sharded_state_dict, index, checkpoint_dir)
         plan = LoadPlan()
         commits: List[Callable[[], None]] = []
+        examined: Dict[str, int] = {}
 
         def prepare(sh: Any) -> Any:
             if isinstance(sh, ShardedObject):
@@ -421,11 +428,14 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 commits.append(lambda t=target, d=dest: t.copy_(d))
             else:
                 dest = target.detach()  # same memory; copies into its views bypass autograd
-            plan.keys[sh.key] = stored
+            if sh.key not in plan.keys:
+                plan.keys[sh.key] = stored
+                examined[sh.key] = stored.examined  # a key indexed by an earlier load counts from here
             plan_tensor(plan, sh, stored, dest)
             return sh
 
         dict_list_map_inplace(prepare, sharded_state_dict)
+        self.chunks_examined += sum(s.examined - examined[k] for k, s in plan.keys.items())
         timings.begin("reading")
         self._execute(plan, checkpoint_dir, checksums)
         with torch.no_grad():

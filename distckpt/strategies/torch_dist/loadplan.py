@@ -51,23 +51,15 @@ def _plan_flat_slices(
     origin: int,
 ) -> None:
     """Copy elements ``[f_lo, f_hi)`` of flattened chunk ``idx`` from the stored slices that hold
-    them into the 1-D ``target``, whose element 0 is flat element ``origin``. The slices (sorted
-    by start) must hold each of those elements exactly once: a gap would load as whatever the
-    target held, an overlap is damaged metadata."""
+    them into the 1-D ``target``, whose element 0 is flat element ``origin``. The slices (disjoint,
+    :meth:`StoredKey.flat_cell`) must hold each of those elements: a gap would load as whatever
+    the target held."""
     covered = 0
-    end = f_lo
-    for ch in stored.flat_index.get(idx, []):
+    for ch in stored.flat_cell(idx).meeting(f_lo, f_hi):
         s = ch.offset[-1]
         a, b = max(s, f_lo), min(s + ch.size[-1], f_hi)
-        if b > a:
-            if a < end:
-                raise CheckpointingException(
-                    f"{stored.source}: key {key!r}: stored flattened ranges of chunk {list(idx)} overlap at "
-                    f"elements [{a}, {min(b, end)}) (the metadata is damaged)"
-                )
-            covered += b - a
-            end = b
-            plan.add(ch, CopyOp(key, a - s, (b - a,), (1,), target[a - origin : b - origin]))
+        covered += b - a
+        plan.add(ch, CopyOp(key, a - s, (b - a,), (1,), target[a - origin : b - origin]))
     if covered != f_hi - f_lo:
         raise CheckpointingException(
             f"{stored.source}: key {key!r}: stored flattened ranges of chunk {list(idx)} hold {covered} of "
@@ -133,26 +125,27 @@ def plan_tensor(plan: LoadPlan, sh: ShardedTensor, stored: StoredKey, dest: torc
 
 
 def _plan_box_from_regular(plan, key, stored: StoredKey, off, size, view) -> None:
+    """Copies filling the box ``(off, size)`` from the stored chunks it meets, found through the
+    key's :class:`~distckpt.strategies.chunk_index.ChunkIndex` (never by scanning the key)."""
+    index = stored.index
+    exact = index.exact(off, size)
+    if exact is not None:
+        # The request is this chunk (a load in the layout it was saved in): all of it.
+        plan.add(stored.chunks[exact], CopyOp(key, 0, size, contiguous_strides(size), view))
+        return
     met = []
-    for ch in stored.chunks:
-        if ch.offset == off and ch.size == size:
-            # The request is this chunk (a load in the layout it was saved in): all of it.
-            plan.add(ch, CopyOp(key, 0, size, contiguous_strides(size), view))
-            met.append((off, size))
-            continue
-        inter = intersect(off, size, ch.offset, ch.size)
-        if inter is None:
-            continue
-        met.append(inter)
-        lo = tuple(a - b for a, b in zip(inter[0], ch.offset))
+    for i, lo, shape in index.overlapping(off, size):
+        ch = stored.chunks[i]
+        met.append((lo, shape))
+        rel = tuple(a - b for a, b in zip(lo, ch.offset))
         plan.add(
             ch,
             CopyOp(
                 key,
-                ravel(lo, ch.size),
-                inter[1],
+                ravel(rel, ch.size),
+                shape,
                 contiguous_strides(ch.size),
-                view[rel_slices(*inter, off)],
+                view[rel_slices(lo, shape, off)],
             ),
         )
     if len(met) != 1 or met[0] != (off, size):
@@ -182,14 +175,10 @@ def _plan_box_from_flat(plan, key, stored: StoredKey, off, size, view) -> None:
             # The box is one flat range of the stored chunk: read straight into place.
             _plan_flat_slices(plan, key, stored, idx, f_lo, f_hi, dst.reshape(-1), f_lo)
             continue
-        holder = next(
-            (
-                ch
-                for ch in stored.flat_index.get(idx, [])
-                if ch.offset[-1] <= f_lo and f_hi <= ch.offset[-1] + ch.size[-1]
-            ),
-            None,
-        )
+        holders = stored.flat_cell(idx).meeting(f_lo, f_hi)
+        holder = holders[0] if len(holders) == 1 and holders[0].offset[-1] <= f_lo else None
+        if holder is not None and f_hi > holder.offset[-1] + holder.size[-1]:
+            holder = None
         if holder is not None:
             # One stored slice holds the whole box: copy it out strided, no staging.
             plan.add(holder, CopyOp(key, f_lo - holder.offset[-1], inter[1], strides, dst))
@@ -220,25 +209,36 @@ def check_allocations(
         return
     source = storage.join(checkpoint_dir, METADATA_FNAME)
     sizes: Dict[str, int] = {}
+    stored_bytes: Dict[str, int] = {}  # per key: every record checked once, whatever the requests
     for sh in wanted:
-        stored = index[sh.key]
-        have = 0
-        for c in stored.chunks:
-            if c.relative_path not in sizes:
-                try:
-                    sizes[c.relative_path] = stored_file_size(checkpoint_dir, c.relative_path, source)
-                except FileNotFoundError:
-                    sizes[c.relative_path] = 0
-            if c.file_offset + c.length > sizes[c.relative_path]:
-                raise CheckpointingException(
-                    f"{storage.join(checkpoint_dir, c.relative_path)}: key {sh.key!r}: "
-                    f"record at offset {c.file_offset} "
-                    f"of {c.length} bytes: file is truncated ({sizes[c.relative_path]} bytes)"
-                )
-            have += c.length
+        have = stored_bytes.get(sh.key)
+        if have is None:
+            have = stored_bytes[sh.key] = _checked_stored_bytes(index[sh.key], checkpoint_dir, source, sizes)
         need = math.prod(sh.local_shape) * sh.dtype.itemsize
         if need > have:
             raise CheckpointingException(
                 f"{source}: key {sh.key!r}: loading {list(sh.local_shape)} needs {need} bytes, the "
                 f"checkpoint stores {have} for this key; refusing to allocate it"
             )
+
+
+def _checked_stored_bytes(
+    stored: StoredKey, checkpoint_dir: Resolved, source: str, sizes: Dict[str, int]
+) -> int:
+    """The bytes ``stored``'s records hold, each record checked to lie inside its file
+    (``sizes``: the file sizes found so far)."""
+    have = 0
+    for c in stored.chunks:
+        if c.relative_path not in sizes:
+            try:
+                sizes[c.relative_path] = stored_file_size(checkpoint_dir, c.relative_path, source)
+            except FileNotFoundError:
+                sizes[c.relative_path] = 0
+        if c.file_offset + c.length > sizes[c.relative_path]:
+            raise CheckpointingException(
+                f"{storage.join(checkpoint_dir, c.relative_path)}: key {stored.fqn!r}: "
+                f"record at offset {c.file_offset} "
+                f"of {c.length} bytes: file is truncated ({sizes[c.relative_path]} bytes)"
+            )
+        have += c.length
+    return have

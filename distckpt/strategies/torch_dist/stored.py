@@ -9,6 +9,7 @@ manifest's CRC32C of its range (:class:`DefaultChecks`: what a default load chec
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 from collections import defaultdict
@@ -24,6 +25,7 @@ from distckpt.core import CheckpointingException
 from distckpt.dict_utils import nested_values
 from distckpt.manifest import MANIFEST_FNAME, RangeChecksum, read_manifest
 from distckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor
+from distckpt.strategies.chunk_index import ChunkIndex
 from distckpt.strategies.index_format import INDEX_FNAME, dtype_of
 from distckpt.strategies.index_read import IndexReader
 from distckpt.strategies.resharding import Shape
@@ -58,6 +60,34 @@ class StoredKey:
     orig_shape: Optional[Shape] = None  # set for flattened (N-D reformulated) keys
     flat_index: Dict[Shape, List[Stored]] = field(default_factory=dict)
     source: str = ""  # the file that describes it (.metadata or the sidecar)
+    _index: Optional[ChunkIndex] = field(default=None, repr=False, compare=False)
+    _flat_cells: Dict[Shape, FlatCell] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def examined(self) -> int:
+        """Chunks the queries of :attr:`index` have tested so far."""
+        return 0 if self._index is None else self._index.examined
+
+    @property
+    def index(self) -> ChunkIndex:
+        """The chunks indexed for box queries (built on first use: a load may never ask)."""
+        if self._index is None:
+            self._index = ChunkIndex([c.offset for c in self.chunks], [c.size for c in self.chunks])
+        return self._index
+
+    def flat_cell(self, idx: Shape) -> FlatCell:
+        """The stored slices of chunk ``idx`` of a flattened key's grid, checked disjoint on
+        first use (overlapping slices would claim the same elements twice: damaged metadata)."""
+        cell = self._flat_cells.get(idx)
+        if cell is None:
+            cell = self._flat_cells[idx] = FlatCell(self.flat_index.get(idx, []))
+            overlap = cell.overlap()
+            if overlap is not None:
+                raise CheckpointingException(
+                    f"{self.source}: key {self.fqn!r}: stored flattened ranges of chunk {list(idx)} "
+                    f"overlap at elements [{overlap[0]}, {overlap[1]}) (the metadata is damaged)"
+                )
+        return cell
 
     @property
     def logical_shape(self) -> Shape:
@@ -67,6 +97,34 @@ class StoredKey:
     def chunk_local_shape(self) -> Shape:
         """For a flattened key: the shape of one chunk of the original tensor's grid."""
         return tuple(o // g for o, g in zip(self.orig_shape, self.size[:-1]))
+
+
+class FlatCell:
+    """The stored slices of one chunk of a flattened key (sorted by start), found by bisection:
+    a distributed optimizer cuts each chunk into a slice per data-parallel rank, and a request
+    of one slice must not walk all of them."""
+
+    __slots__ = ("slices", "starts", "ends")
+
+    def __init__(self, slices: List[Stored]):
+        slices = [c for c in slices if c.size[-1] > 0]  # an empty slice holds nothing to find
+        self.slices = slices
+        self.starts = [c.offset[-1] for c in slices]
+        self.ends = [c.offset[-1] + c.size[-1] for c in slices]
+
+    def overlap(self) -> Optional[Tuple[int, int]]:
+        """The first elements two slices both claim, or None."""
+        for k in range(1, len(self.slices)):
+            if self.starts[k] < self.ends[k - 1]:
+                return self.starts[k], min(self.ends[k - 1], self.ends[k])
+        return None
+
+    def meeting(self, lo: int, hi: int) -> List[Stored]:
+        """The slices holding any of elements ``[lo, hi)``, in order (the slices are disjoint,
+        so their ends are sorted too)."""
+        first = bisect.bisect_right(self.ends, lo)
+        end = bisect.bisect_left(self.starts, hi, first)
+        return self.slices[first:end]
 
 
 def stored_file_size(checkpoint_dir: Resolved, relative_path: str, source: Any) -> int:
