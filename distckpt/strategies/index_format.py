@@ -15,9 +15,12 @@ Layout (version 1; see docs/formats.md)::
     directory  JSON: {"format", "version", "metadata_bytes", "fanout", "keys": {fqn: entry}}
     nodes      node blobs; offsets below are relative to the end of the directory
 
-A tensor key's entry: ``{"dtype", "size", "orig_shape", "count", "depth", "root": [offset,
-length, crc32c], "bbox": [lo, hi]}``; an object/byte key's entry: ``{"bytes": true, "item":
-[file, offset, length, crc32c]}`` (``item`` absent if it has no stored bytes).
+A tensor key's entry: ``{"dtype", "size", "orig_shape", "count", "nbytes", "depth", "root":
+[offset, length, crc32c], "bbox": [lo, hi]}`` (``nbytes``, the bytes of the key's records, is
+absent from sidecars written before it existed); an object/byte key's entry: ``{"bytes": true,
+"item": [file, offset, length, crc32c]}`` (``item`` absent if it has no stored bytes). The
+directory alone answers the metadata queries (keys, dtypes, shapes), so they never read the
+records, nor ``.metadata``.
 A leaf node: ``u32 n_names | JSON list of file names | int64[n, 2*ndim + 4]`` rows
 ``offset[ndim], size[ndim], name index, file offset, length, crc32c`` sorted by ``offset``.
 An inner node: ``int64[m, 3 + 2*ndim]`` rows ``child offset, child length, child crc32c,

@@ -308,6 +308,8 @@ def _write_index(
             entry.update(_build_key(blob, fqn, arrays[fqn], ndim, fanout, leaf, quoted))
         else:
             entry["count"] = 0
+        # The bytes its records hold (what `distckpt inspect` reports without reading .metadata).
+        entry["nbytes"] = int(arrays[fqn][:, -2].sum()) if fqn in arrays else 0
         directory[fqn] = entry
     if not template:
         return _framed(directory, metadata_bytes, fanout, leaf, blob.parts)

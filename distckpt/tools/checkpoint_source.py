@@ -17,15 +17,22 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from distckpt import containment, storage
+from distckpt import bounds, containment, storage
 from distckpt.core import CONFIG_FNAME, CheckpointingException
 from distckpt.dcp_native import checkpoint_config, describe_missing_config, is_dcp_native
 from distckpt.manifest import read_manifest
 from distckpt.mapping import ShardedObject, ShardedTensor
 from distckpt.serialization import CONTENT_METADATA_KEY, read_common_state
 from distckpt.strategies.base import StrategyAction, get_default_strategy
+from distckpt.strategies.index_read import IndexReader
 from distckpt.strategies.torch_dist.claims import check_claims
-from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, plain_byte_items, read_metadata
+from distckpt.strategies.torch_dist.metadata import (
+    METADATA_FNAME,
+    is_object_key,
+    plain_byte_items,
+    read_metadata,
+)
+from distckpt.strategies.torch_dist.stored import directory_keys
 from distckpt.strategies.zarr import layout as zarr_layout
 from distckpt.tools.sources import ObjectMeta, Shape, TensorMeta, TensorSource, did_you_mean
 
@@ -100,6 +107,9 @@ class CheckpointSource(TensorSource):
         return self._tensors
 
     def _torch_dist_metas(self) -> Tuple[Dict[str, TensorMeta], Dict[str, ObjectMeta]]:
+        reader = IndexReader.open(self.path)
+        if reader is not None:
+            return _sidecar_metas(reader)
         md = self.dcp_metadata()
         values = plain_byte_items(md)  # a dcp.save's non-tensor values: common state, not objects
         mcore = getattr(md, "mcore_data", None) or {}
@@ -244,6 +254,30 @@ class CheckpointSource(TensorSource):
         if self.sharded.can_handle_sharded_objects:
             return self.sharded.load(request, self.path)[unique_key]
         return self.common_strategy.load_sharded_objects(request, self.path)[unique_key]
+
+
+def _sidecar_metas(reader: IndexReader) -> Tuple[Dict[str, TensorMeta], Dict[str, ObjectMeta]]:
+    """Every key's facts from the sidecar's directory alone (no record, no ``.metadata``, which
+    holds every chunk of every key: ``show`` of one slice costs what the keys cost)."""
+    tensors, objects = {}, {}
+    for k in directory_keys(reader):
+        nbytes = k.entry.get("nbytes")
+        tensors[k.fqn] = TensorMeta(
+            k.fqn,
+            k.shape,
+            k.dtype,
+            k.size if k.orig_shape is not None else None,
+            k.entry["count"],
+            None,
+            nbytes if bounds.fits(nbytes) else None,
+        )
+    for fqn in reader.keys:
+        # Byte items not named like an object piece are a dcp.save's values: common state.
+        e = reader.entry(fqn)
+        if e.get("bytes") and is_object_key(fqn):
+            item = e.get("item")
+            objects[fqn] = ObjectMeta(fqn, item[2], f"{item[0]}@{item[1]}") if item else ObjectMeta(fqn)
+    return tensors, objects
 
 
 def _zarr_chunk_bytes(array_dir: Path) -> int:

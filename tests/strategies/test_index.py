@@ -70,6 +70,21 @@ def test_load_reads_only_the_requested_keys_records_and_not_metadata(many):
     assert strategy.index_bytes_read < total
 
 
+def test_metadata_queries_and_the_tools_answer_from_the_sidecar_directory_not_metadata(many):
+    # Garbage of the same length in .metadata: a query that unpickled it would fail. At scale
+    # .metadata holds every chunk of every key (hundreds of MB) and every rank would read it.
+    size = (many / ".metadata").stat().st_size
+    (many / ".metadata").write_bytes(b"\0" * size)
+    metas = distckpt.load_tensors_metadata(many)
+    assert len(metas) == N_KEYS and metas["k7"].global_shape == (16,) and metas["k7"].dtype == torch.float32
+    assert "obj/shard_0_1" in distckpt.load_sharded_metadata(many)
+    from distckpt.tools.checkpoint_source import CheckpointSource
+
+    src = CheckpointSource(many)
+    assert src.meta("k3").chunks == 1 and src.meta("k3").disk_bytes > 64
+    assert torch.equal(src.read("k3", (4,), (2,)), torch.tensor([7.0, 8.0]))
+
+
 def test_a_load_opens_the_sidecar_once(many, monkeypatch):
     opened = []
     real = IndexReader.open.__func__

@@ -434,6 +434,8 @@ def test_verify_checks_the_sidecar_records_against_metadata(three):
 
 
 def test_tensor_metadata_of_a_damaged_metadata_is_refused_when_a_manifest_exists(three):
+    # Without the sidecar, .metadata answers the queries (with it, its directory does).
+    _metadata_lie(three, lambda md: None, sidecar=False)
     raw = (three / ".metadata").read_bytes()
     # One byte: opt.f's original shape [4, 6] becomes [4, 7], a claim consistent with the rest.
     at = raw.index(b"K\x04K\x06", raw.index(b"nd_reformulated_orig_global_shape"))  # BININT1 4, BININT1 6
@@ -545,12 +547,14 @@ def _drop_key(md, key):
 )
 def test_default_queries_refuse_key_declarations_the_manifest_contradicts(three, edit, match, sidecar):
     _metadata_lie(three, edit, sidecar)
+    # With a sidecar the queries read its directory (never .metadata): the error names it.
+    source = r"\.distckpt_index: " if sidecar else r"\.metadata: "
     for query in (
         distckpt.load_plain_tensors,
         distckpt.load_tensors_metadata,
         distckpt.load_sharded_metadata,
     ):
-        with pytest.raises(CheckpointingException, match=r"\.metadata: " + match):
+        with pytest.raises(CheckpointingException, match=source + match):
             query(three)
 
 

@@ -55,6 +55,7 @@ from distckpt.strategies.torch_dist.stored import (
     StoredKey,
     check_item,
     cross_check_manifest,
+    directory_tensors,
     index_from_sidecar,
     index_metadata,
     stored_file_size,
@@ -199,10 +200,38 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             )
         return md
 
+    def _query_reader(self, checkpoint_dir: Resolved) -> Optional[IndexReader]:
+        """The sidecar whose directory answers a metadata query (keys, dtypes, shapes) without
+        ``.metadata``, which holds every chunk of every key (hundreds of MB at scale, read by
+        every rank that asks); None: ``.metadata`` answers (no sidecar, ``use_index=False``, or
+        ``verify=True``, which checks ``.metadata`` itself)."""
+        if not self.use_index or self.verify:
+            return None
+        return self._open_index(checkpoint_dir, keep=True)
+
+    def _declared(self, checkpoint_dir: Resolved) -> Optional[Dict[str, Tuple]]:
+        """The manifest's key declarations a query's answer is checked against (None: no
+        manifest, or ``checksums=False``): the sidecar's directory is what a writer wrote, and a
+        buggy one could write it wrong consistently with ``.metadata``."""
+        return read_declared_keys(checkpoint_dir) if self.checksums else None
+
     def load_tensors_metadata(self, checkpoint_dir: storage.Location) -> ShardedStateDict:
+        checkpoint_dir = storage.resolve(checkpoint_dir)
+        reader = self._query_reader(checkpoint_dir)
+        if reader is not None:
+            return directory_tensors(reader, self._declared(checkpoint_dir))
         return tensors_metadata(self._queried_metadata(checkpoint_dir))
 
     def load_sharded_metadata(self, checkpoint_dir: storage.Location) -> ShardedStateDict:
+        checkpoint_dir = storage.resolve(checkpoint_dir)
+        reader = self._query_reader(checkpoint_dir)
+        if reader is not None:
+            out = directory_tensors(reader, self._declared(checkpoint_dir))
+            for fqn in reader.keys:
+                e = reader.entry(fqn)
+                if e.get("bytes") and is_object_key(fqn):
+                    out[fqn] = ShardedObject.empty_from_unique_key(fqn)
+            return out
         md = self._queried_metadata(checkpoint_dir)
         out = tensors_metadata(md)
         for fqn, meta in md.state_dict_metadata.items():

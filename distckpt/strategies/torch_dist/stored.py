@@ -31,6 +31,8 @@ from distckpt.strategies.index_read import IndexReader
 from distckpt.strategies.resharding import Shape
 from distckpt.strategies.torch_dist.claims import (
     check_claims,
+    check_declared,
+    check_key_name,
     check_reformulated,
     cross_check,
     orig_shapes,
@@ -338,6 +340,65 @@ def index_from_sidecar(
         )
         if checksums is not None:
             checksums[(path, foff)] = RangeChecksum(foff, length, crc, key)
+    return out
+
+
+@dataclass(frozen=True)
+class DirectoryKey:
+    """A tensor key as the sidecar's directory declares it, checked (name, dtype, shapes)."""
+
+    fqn: str
+    dtype: torch.dtype
+    size: Shape  # stored (possibly N-D reformulated) shape
+    orig_shape: Optional[Shape]
+    entry: Dict[str, Any]
+
+    @property
+    def shape(self) -> Shape:
+        return self.orig_shape if self.orig_shape is not None else self.size
+
+
+def directory_keys(reader: IndexReader) -> List[DirectoryKey]:
+    """Every tensor key of the sidecar's directory, checked as ``.metadata``'s claims are."""
+    out = []
+    for fqn in reader.keys:
+        e = reader.entry(fqn)
+        if e.get("bytes"):
+            continue
+        check_key_name(fqn, reader.where)
+        try:
+            dtype = dtype_of(e["dtype"])
+        except ValueError as err:
+            raise CheckpointingException(f"{reader.where}: key {fqn!r}: {err}") from None
+        size = tuple(e["size"])
+        orig = check_reformulated(fqn, size, e["orig_shape"], reader.where) if e.get("orig_shape") else None
+        out.append(DirectoryKey(fqn, dtype, size, orig, e))
+    return out
+
+
+def directory_tensors(
+    reader: IndexReader, declared: Optional[Dict[str, Tuple]] = None
+) -> Dict[str, ShardedTensor]:
+    """key -> data-free ShardedTensor of the whole tensor (original shape for flattened keys),
+    from the sidecar's directory alone (what ``load_tensors_metadata`` returns). ``declared``
+    (the integrity manifest's key declarations): every key the directory declares must be one
+    the writer declared, with the same dtype and shapes, and none of those may be missing, as
+    for ``.metadata`` (:func:`check_all_declared`)."""
+    out = {}
+    manifest_source = storage.join(reader.location, MANIFEST_FNAME)
+    for k in directory_keys(reader):
+        if declared:
+            check_declared(k.fqn, k.dtype, k.size, k.orig_shape, declared, reader.where, manifest_source)
+        out[k.fqn] = ShardedTensor.from_rank_offsets(
+            k.fqn, torch.empty(k.shape, dtype=k.dtype, device="meta")
+        )
+    if declared and len(out) != len(declared):
+        missing = sorted(k for k in declared if k not in out)
+        more = " ..." if len(missing) > 3 else ""
+        raise CheckpointingException(
+            f"{reader.where}: does not declare tensor key(s) {missing[:3]}{more} "
+            f"that {manifest_source} says the writer wrote (the metadata is damaged)"
+        )
     return out
 
 
