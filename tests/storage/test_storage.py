@@ -1,5 +1,5 @@
-"""The Store protocol: one set of behaviours every store must show (local, memory, S3 on moto,
-Azure on Azurite where it is installed; see docs/storage.md for GCS)."""
+"""The Store protocol: one set of behaviours every store must show (local, memory, and real servers
+on 127.0.0.1: S3 on moto, GCS on fake-gcs-server, Azure Blob on Azurite; tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import pytest
 
 from distckpt import CheckpointingException
 from distckpt.storage import LocalStore, is_remote, open_store, resolve
+from tests.support import clouds
 
-STORES = ["local", "memory", "s3", "azure"]
+STORES = ["local", "memory", "s3", "gcs", "azure"]
 
 
 @pytest.fixture(params=STORES)
@@ -19,9 +20,7 @@ def store(request, tmp_path):
         return open_store(str(tmp_path / "ckpt"))
     if request.param == "memory":
         return open_store(f"memory://unit-{uuid.uuid4().hex[:8]}/ckpt")
-    if request.param == "azure":
-        return open_store(request.getfixturevalue("az_url"))
-    return open_store(request.getfixturevalue("s3_url"))
+    return open_store(request.getfixturevalue(clouds.URL_FIXTURES[request.param]))
 
 
 def test_put_get_size_exists_delete(store):
