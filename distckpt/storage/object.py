@@ -282,7 +282,7 @@ class ObjectStore(Store):
         try:
             obstore.delete(self._store, self._key(name))
         except (obe.NotFoundError, FileNotFoundError):
-            pass  # S3 and GCS answer 204 for a missing key; Azure answers 404 (BlobNotFound)
+            pass  # S3 answers 204 for a missing key; GCS 404 (NoSuchKey), Azure 404 (BlobNotFound)
         except Exception as e:  # noqa: BLE001
             self._fail(name, "delete", e)
 
