@@ -66,6 +66,17 @@ def test_put_if_absent_writes_once(store):
     assert bytes(store.get("marker")) == b"first"
 
 
+def test_of_concurrent_puts_if_absent_exactly_one_wins(store):
+    """The commit's guarantee: of saves committing at once, one commits (S3 and Azure
+    ``If-None-Match: *``, GCS generation precondition 0, local ``link(2)``)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as pool:
+        won = list(pool.map(lambda i: store.put_if_absent("race", b"%d" % i), range(8)))
+    assert won.count(True) == 1
+    assert bytes(store.get("race")) == b"%d" % won.index(True)
+
+
 def test_a_writer_publishes_on_close_and_leaves_nothing_on_abort(store):
     with store.open_writer("w") as w:
         w.write(b"ab")
