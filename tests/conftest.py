@@ -107,6 +107,17 @@ def s3_url(s3_server, request):
 # --------------------------------------------------------------------------- Azure and GCS
 
 
+@contextlib.contextmanager
+def _serving(server: servers.Server, url: str):
+    """``url`` on ``server``, with the environment that reaches it set (:func:`_server_env`); the
+    server is stopped afterwards, whatever happened."""
+    try:
+        with _server_env(server.env):
+            yield url
+    finally:
+        server.stop()
+
+
 def _prefix_for(base: str, request) -> str:
     """A fresh, empty prefix below ``base`` for one test, named after it."""
     import re
@@ -127,11 +138,8 @@ def azure_server(tmp_path_factory):
     the set-up, not a skip.
     """
     server = servers.start_azurite(AZURE_CONTAINER, tmp_path_factory.mktemp("azurite"))
-    try:
-        with _server_env(server.env):
-            yield f"az://{AZURE_CONTAINER}"
-    finally:
-        server.stop()
+    with _serving(server, f"az://{AZURE_CONTAINER}") as url:
+        yield url
 
 
 @pytest.fixture
@@ -150,11 +158,8 @@ def gcs_server(tmp_path_factory):
     ``STORAGE_EMULATOR_HOST``, set in this process and in every rank-pool worker.
     """
     server = servers.start_gcs(GCS_BUCKET, tmp_path_factory.mktemp("fake-gcs-server"))
-    try:
-        with _server_env(server.env):
-            yield f"gs://{GCS_BUCKET}"
-    finally:
-        server.stop()
+    with _serving(server, f"gs://{GCS_BUCKET}") as url:
+        yield url
 
 
 @pytest.fixture
