@@ -32,6 +32,13 @@ per-rank bytes (one object per rank, multipart with the same part size and concu
 same run. ``--moto`` first starts a local moto S3 server and creates the bucket::
 
     python -m bench.throughput --dir s3://bench/run --moto --size-gib 0.25 --ranks 2 --reps 2
+
+``--emulator`` starts the local server of any object-store URL's cloud, as the tests do (S3: moto;
+GCS: fake-gcs-server behind the tests' XML-upload gateway; Azure: Azurite; the last two installed
+by ``scripts/setup.sh``) and creates its bucket or container::
+
+    python -m bench.throughput --dir gs://bench/run --emulator --size-gib 0.1 --ranks 2 --reps 3
+    python -m bench.throughput --dir az://bench/run --emulator --size-gib 0.1 --ranks 2 --reps 3
 """
 
 from __future__ import annotations
@@ -467,6 +474,27 @@ def _chart(results, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _start_emulator(url: str):
+    """The local server of ``url``'s cloud with its bucket; what reaches it goes into the
+    environment (the ranks inherit it). Has ``stop()``."""
+    import tempfile
+
+    scheme, rest = url.split("://", 1)
+    if scheme in ("s3", "s3a"):
+        return start_moto(url)
+    from tests.support import servers  # the tests' launchers (run from the repository root)
+
+    bucket, workdir = rest.split("/", 1)[0], Path(tempfile.mkdtemp(prefix="bench-emulator-"))
+    if scheme in ("gs", "gcs"):
+        server = servers.start_gcs(bucket, workdir)
+    elif scheme in ("az", "abfs", "abfss", "adl", "azure"):
+        server = servers.start_azurite(bucket, workdir)
+    else:
+        raise SystemExit(f"--emulator: no local server for {scheme}:// URLs")
+    os.environ.update(server.env)
+    return server
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -508,6 +536,12 @@ def main() -> int:
         help="with an s3:// --dir: start a local moto S3 server (and the bucket) first",
     )
     parser.add_argument(
+        "--emulator",
+        action="store_true",
+        help="with an object-store --dir: start the local server of its cloud first (s3: moto, "
+        "gs: fake-gcs-server, az: Azurite), as the tests do",
+    )
+    parser.add_argument(
         "--sweep",
         action="store_true",
         help="instead of the full bench: torch_dist save/load/resharded load against raw I/O "
@@ -526,7 +560,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     remote = "://" in args.dir
-    server = start_moto(args.dir) if remote and args.moto else None
+    server = _start_emulator(args.dir) if remote and (args.moto or args.emulator) else None
     if not remote:
         Path(args.dir).mkdir(parents=True, exist_ok=True)
 

@@ -1,4 +1,6 @@
-"""Session-wide test set-up: the rank-pool fixture and the ``cuda`` marker's skip."""
+"""Session-wide test set-up: the rank-pool fixture, the ``cuda`` marker's skip, and the object-store
+servers (S3: moto; Azure: Azurite; GCS: fake-gcs-server), one of each per session, started on first
+use."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import os
 
 import pytest
 
-from tests.support import harness
+from tests.support import clouds, harness, servers
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -39,6 +41,8 @@ def run_ranks():
 
 
 S3_BUCKET = "distckpt-test"
+GCS_BUCKET = "distckpt-test"
+AZURE_CONTAINER = "distckpt-test"
 
 
 @contextlib.contextmanager
@@ -97,132 +101,75 @@ def s3_server():
 @pytest.fixture
 def s3_url(s3_server, request):
     """A fresh, empty prefix in the test bucket for one test."""
+    return _prefix_for(s3_server, request)
+
+
+# --------------------------------------------------------------------------- Azure and GCS
+
+
+@contextlib.contextmanager
+def _serving(server: servers.Server, url: str):
+    """``url`` on ``server``, with the environment that reaches it set (:func:`_server_env`); the
+    server is stopped afterwards, whatever happened."""
+    try:
+        with _server_env(server.env):
+            yield url
+    finally:
+        server.stop()
+
+
+def _prefix_for(base: str, request) -> str:
+    """A fresh, empty prefix below ``base`` for one test, named after it."""
     import re
     import uuid
 
     name = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name)[:60]
-    return f"{s3_server}/{name}-{uuid.uuid4().hex[:8]}"
-
-
-# --------------------------------------------------------------------------- Azure (Azurite)
-
-AZURE_CONTAINER = "distckpt-test"
-# Azurite's one built-in account and its published key (the Azure storage emulator's well-known
-# development credentials; not a secret).
-AZURITE_ACCOUNT = "devstoreaccount1"
-AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
-
-
-def azurite_binary():
-    """The Azurite blob server to run, or None: ``$DISTCKPT_AZURITE`` (a path), else
-    ``azurite-blob`` / ``azurite`` on PATH. Azurite is an npm package (``npm install -g azurite``),
-    not part of scripts/setup.sh, so the Azure tests skip where it is absent."""
-    import shutil
-
-    given = os.environ.get("DISTCKPT_AZURITE")
-    if given:
-        return given if shutil.which(given) else None
-    return shutil.which("azurite-blob") or shutil.which("azurite")
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _azurite_create_container(endpoint: str, name: str) -> None:
-    """Create a container on Azurite: one Shared-Key-signed REST call (obstore has no
-    create-container; this is test set-up, like the unsigned PUT that makes moto's bucket)."""
-    import base64
-    import hashlib
-    import hmac
-    import urllib.request
-    from email.utils import formatdate
-
-    headers = {"x-ms-date": formatdate(usegmt=True), "x-ms-version": "2021-08-06"}
-    canonical = "".join(f"{k}:{v}\n" for k, v in sorted(headers.items()))
-    resource = f"/{AZURITE_ACCOUNT}/{AZURITE_ACCOUNT}/{name}\nrestype:container"
-    to_sign = "PUT\n" + "\n" * 11 + canonical + resource
-    mac = hmac.new(base64.b64decode(AZURITE_KEY), to_sign.encode(), hashlib.sha256).digest()
-    headers["Authorization"] = f"SharedKey {AZURITE_ACCOUNT}:{base64.b64encode(mac).decode()}"
-    request = urllib.request.Request(
-        f"{endpoint}/{AZURITE_ACCOUNT}/{name}?restype=container", method="PUT", headers=headers
-    )
-    urllib.request.urlopen(request, timeout=10)
+    return f"{base}/{name}-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture(scope="session")
 def azure_server(tmp_path_factory):
-    """A real Azure Blob server (Azurite, in memory) on 127.0.0.1 with one container, for the whole
-    session; skips when no Azurite binary is found (see :func:`azurite_binary`).
+    """A real Azure Blob server (Azurite, in memory; installed by scripts/setup.sh) on 127.0.0.1 with
+    one container, for the whole session. Yields ``az://<container>``.
 
-    Yields ``az://<container>``. obstore reaches it through its emulator mode
-    (``AZURE_STORAGE_USE_EMULATOR=true``: the well-known devstoreaccount1 key, plain http) at
-    ``AZURITE_BLOB_STORAGE_URL``; both go into this process's and the rank-pool workers'
-    environment, as in :func:`s3_server`.
+    It is reached as an Azure CLI user reaches an account: ``AZURE_STORAGE_CONNECTION_STRING``
+    (account ``devstoreaccount1``, Azurite's published key, the server's blob endpoint), set in this
+    process and in every rank-pool worker, as in :func:`s3_server`. A missing Azurite is an error of
+    the set-up, not a skip.
     """
-    import socket
-    import subprocess
-    import time
-    from pathlib import Path
-
-    binary = azurite_binary()
-    if binary is None:
-        pytest.skip(
-            "Azurite not found: install it with `npm install -g azurite` or point DISTCKPT_AZURITE "
-            "at an azurite-blob binary (npm package; not installed by scripts/setup.sh)"
-        )
-    port = _free_port()
-    args = [
-        binary,
-        "--blobHost",
-        "127.0.0.1",
-        "--blobPort",
-        str(port),
-        "--inMemoryPersistence",
-        "--disableTelemetry",
-        "--silent",
-        "--skipApiVersionCheck",
-    ]
-    if Path(binary).name.split(".")[0] == "azurite":  # the all-services binary: keep off the default ports
-        args += ["--queuePort", str(_free_port()), "--tablePort", str(_free_port())]
-    log = tmp_path_factory.mktemp("azurite") / "azurite.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=log.parent)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"Azurite did not start ({' '.join(args)}): {log.read_text()[-2000:]}"
-                    ) from None
-                time.sleep(0.1)
-        endpoint = f"http://127.0.0.1:{port}"
-        _azurite_create_container(endpoint, AZURE_CONTAINER)
-        env = {"AZURE_STORAGE_USE_EMULATOR": "true", "AZURITE_BLOB_STORAGE_URL": endpoint}
-        with _server_env(env):
-            yield f"az://{AZURE_CONTAINER}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    server = servers.start_azurite(AZURE_CONTAINER, tmp_path_factory.mktemp("azurite"))
+    with _serving(server, f"az://{AZURE_CONTAINER}") as url:
+        yield url
 
 
 @pytest.fixture
 def az_url(azure_server, request):
     """A fresh, empty prefix in the Azurite test container for one test."""
-    import re
-    import uuid
+    return _prefix_for(azure_server, request)
 
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name)[:60]
-    return f"{azure_server}/{name}-{uuid.uuid4().hex[:8]}"
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+    """A real GCS server (fake-gcs-server, in memory; installed by scripts/setup.sh, behind the
+    XML-upload gateway of tests/support/gcs_gateway.py) on 127.0.0.1 with one bucket, for the whole
+    session. Yields ``gs://<bucket>``.
+
+    It is reached as a user of Google's client libraries reaches an emulator:
+    ``STORAGE_EMULATOR_HOST``, set in this process and in every rank-pool worker.
+    """
+    server = servers.start_gcs(GCS_BUCKET, tmp_path_factory.mktemp("fake-gcs-server"))
+    with _serving(server, f"gs://{GCS_BUCKET}") as url:
+        yield url
+
+
+@pytest.fixture
+def gcs_url(gcs_server, request):
+    """A fresh, empty prefix in the GCS test bucket for one test."""
+    return _prefix_for(gcs_server, request)
+
+
+@pytest.fixture
+def cloud_url(request, cloud):
+    """A fresh prefix on the server of the test's ``cloud`` parameter (``s3``, ``gcs``, ``azure``;
+    see :func:`tests.support.clouds.clouds`)."""
+    return request.getfixturevalue(clouds.URL_FIXTURES[cloud])

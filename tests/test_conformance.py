@@ -2,9 +2,8 @@
 
 Each test saves with real gloo ranks under one parallel layout and loads under another; a new
 strategy is added to BACKENDS and gets the whole suite. Tests that take the ``location`` fixture
-run on a local directory, on S3 (the moto server of the ``s3_server`` fixture) and on Azure
-Blob Storage (Azurite, ``azure_server``; skipped where Azurite is not installed): one suite,
-strategy x store. GCS has no emulator obstore can talk to (docs/storage.md).
+run on a local directory and on the three clouds' servers on 127.0.0.1 (S3: moto; GCS:
+fake-gcs-server; Azure Blob: Azurite; tests/conftest.py): one suite, strategy x store.
 """
 
 from __future__ import annotations
@@ -28,12 +27,12 @@ from distckpt.commit import is_leftover
 from distckpt.serialization import get_default_save_sharded_strategy
 from distckpt.storage import open_store
 from distckpt.strategies.base import SaveShardedStrategy
-from tests.support import layouts
+from tests.support import clouds, layouts
 from tests.support.faults import tree_digest
 from tests.support.harness import expect_all_ranks_raise, run_ranks
 
 BACKENDS = ["torch_dist", "zarr", "torch_dcp"]  # torch_dcp: DCP's own engine, torch_dist format
-STORES = ["local", "s3", "azure"]
+STORES = ["local", "s3", "gcs", "azure"]
 # DCP's engine writes through its own (local) storage writer, so it runs on local directories.
 BACKEND_STORES = [(b, s) for b in BACKENDS for s in STORES if not (b == "torch_dcp" and s != "local")]
 
@@ -41,11 +40,11 @@ BACKEND_STORES = [(b, s) for b in BACKENDS for s in STORES if not (b == "torch_d
 @pytest.fixture
 def location(request, tmp_path):
     """Where the test's checkpoint goes, after the test's ``store`` parameter: a local directory
-    or a fresh S3 / Azure prefix (a str)."""
+    or a fresh S3 / GCS / Azure prefix (a str)."""
     store = request.node.callspec.params["store"]
     if store == "local":
         return str(tmp_path)
-    return request.getfixturevalue("az_url" if store == "azure" else "s3_url")
+    return request.getfixturevalue(clouds.URL_FIXTURES[store])
 
 
 def _load_strategy(backend):
@@ -111,25 +110,27 @@ ROUND_TRIPS = [
 ]
 
 
-# On S3 (slow through moto) every third case runs: each layout family and flat <-> regular.
-# DCP's engine goes through the same layouts once each (and flat <-> regular both ways): the
-# whole list again would add a minute to the suite for no new path.
-_S3_ROUND_TRIPS = set(range(0, len(ROUND_TRIPS), 3))
-# On Azure (Azurite, where installed) every sixth: one case of each layout family.
-_AZURE_ROUND_TRIPS = set(range(0, len(ROUND_TRIPS), 6))
+# On the object stores every third case runs: each layout family and flat <-> regular. On S3 all
+# of them by default; on GCS and Azure every sixth (one case of each layout family) by default and
+# the rest under ``slow``. DCP's engine goes through the same layouts once each (and flat <->
+# regular both ways): the whole list again would add a minute to the suite for no new path.
+_OBJECT_ROUND_TRIPS = set(range(0, len(ROUND_TRIPS), 3))
+_OTHER_CLOUDS_DEFAULT = set(range(0, len(ROUND_TRIPS), 6))
 _DCP_ROUND_TRIPS = {0, 4, 7, 9, 11, 15, 18, 20, 22, 24}
 
 
 def _runs(backend, store, i):
-    if store == "s3":
-        return i in _S3_ROUND_TRIPS
-    if store == "azure":
-        return i in _AZURE_ROUND_TRIPS
+    if store != "local":
+        return i in _OBJECT_ROUND_TRIPS
     return backend != "torch_dcp" or i in _DCP_ROUND_TRIPS
 
 
+def _marks(store, i):
+    return pytest.mark.slow if store in ("gcs", "azure") and i not in _OTHER_CLOUDS_DEFAULT else ()
+
+
 ROUND_TRIP_PARAMS = [
-    pytest.param(b, st, c, id=f"{b}-{st}-{c[0]}-w{c[1]}-{c[3]}-w{c[4]}-{c[5]}")
+    pytest.param(b, st, c, id=f"{b}-{st}-{c[0]}-w{c[1]}-{c[3]}-w{c[4]}-{c[5]}", marks=_marks(st, i))
     for b, st in BACKEND_STORES
     for i, c in enumerate(ROUND_TRIPS)
     if _runs(b, st, i)

@@ -37,6 +37,7 @@ from obstore.store import MemoryStore, from_url
 
 from distckpt import containment
 from distckpt.core import CheckpointingException
+from distckpt.storage import cloud_env
 from distckpt.storage.base import Store, Writer
 
 DEFAULT_PART_SIZE = 16 << 20
@@ -143,7 +144,8 @@ class ObjectStore(Store):
     def __init__(self, url: str, storage_options: Optional[Dict[str, Any]] = None):
         self._url = url.rstrip("/")
         self.options = dict(storage_options or {})
-        opts = dict(self.options)
+        # what the clouds' own tools read (STORAGE_EMULATOR_HOST, AZURE_STORAGE_CONNECTION_STRING)
+        opts = cloud_env.fill(urlparse(self._url).scheme, dict(self.options))
         self.part_size = _positive_int(self._url, opts, "part_size", DEFAULT_PART_SIZE)
         self.max_concurrency = _positive_int(self._url, opts, "max_concurrency", DEFAULT_MAX_CONCURRENCY)
         self.coalesce = _positive_int(self._url, opts, "coalesce", DEFAULT_COALESCE, minimum=0)
@@ -280,7 +282,7 @@ class ObjectStore(Store):
         try:
             obstore.delete(self._store, self._key(name))
         except (obe.NotFoundError, FileNotFoundError):
-            pass  # S3 and GCS answer 204 for a missing key; Azure answers 404 (BlobNotFound)
+            pass  # S3 answers 204 for a missing key; GCS 404 (NoSuchKey), Azure 404 (BlobNotFound)
         except Exception as e:  # noqa: BLE001
             self._fail(name, "delete", e)
 

@@ -1,5 +1,5 @@
-"""The Store protocol: one set of behaviours every store must show (local, memory, S3 on moto,
-Azure on Azurite where it is installed; see docs/storage.md for GCS)."""
+"""The Store protocol: one set of behaviours every store must show (local, memory, and real servers
+on 127.0.0.1: S3 on moto, GCS on fake-gcs-server, Azure Blob on Azurite; tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import pytest
 
 from distckpt import CheckpointingException
 from distckpt.storage import LocalStore, is_remote, open_store, resolve
+from tests.support import clouds
 
-STORES = ["local", "memory", "s3", "azure"]
+STORES = ["local", "memory", "s3", "gcs", "azure"]
 
 
 @pytest.fixture(params=STORES)
@@ -19,9 +20,7 @@ def store(request, tmp_path):
         return open_store(str(tmp_path / "ckpt"))
     if request.param == "memory":
         return open_store(f"memory://unit-{uuid.uuid4().hex[:8]}/ckpt")
-    if request.param == "azure":
-        return open_store(request.getfixturevalue("az_url"))
-    return open_store(request.getfixturevalue("s3_url"))
+    return open_store(request.getfixturevalue(clouds.URL_FIXTURES[request.param]))
 
 
 def test_put_get_size_exists_delete(store):
@@ -65,6 +64,17 @@ def test_put_if_absent_writes_once(store):
     assert store.put_if_absent("marker", b"first")
     assert not store.put_if_absent("marker", b"second")
     assert bytes(store.get("marker")) == b"first"
+
+
+def test_of_concurrent_puts_if_absent_exactly_one_wins(store):
+    """The commit's guarantee: of saves committing at once, one commits (S3 and Azure
+    ``If-None-Match: *``, GCS generation precondition 0, local ``link(2)``)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as pool:
+        won = list(pool.map(lambda i: store.put_if_absent("race", b"%d" % i), range(8)))
+    assert won.count(True) == 1
+    assert bytes(store.get("race")) == b"%d" % won.index(True)
 
 
 def test_a_writer_publishes_on_close_and_leaves_nothing_on_abort(store):

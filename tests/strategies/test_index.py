@@ -18,6 +18,7 @@ from distckpt.storage import open_store
 from distckpt.strategies.index import INDEX_FNAME, IndexReader, build_index
 from distckpt.strategies.torch import TorchDistLoadShardedStrategy
 from tests.support import faults, layouts
+from tests.support.clouds import clouds
 from tests.support.harness import run_ranks
 
 N_KEYS = 200
@@ -320,11 +321,12 @@ def test_remove_sharded_tensors_rebuilds_the_sidecar(many):
     assert verify_files(many, read_manifest(many)) == []
 
 
-def test_sidecar_on_s3_is_read_with_ranged_reads(many, s3_url):
-    store = open_store(s3_url)
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_sidecar_on_an_object_store_is_read_with_ranged_reads(many, cloud_url):
+    store = open_store(cloud_url)
     for p in many.iterdir():
         store.put(p.name, p.read_bytes())
-    out, strategy = _load_some(s3_url, {"k5"})
+    out, strategy = _load_some(cloud_url, {"k5"})
     assert strategy.last_load_used_index
     assert torch.equal(out["k5"], torch.arange(16, dtype=torch.float32) + 5)
     assert strategy.index_bytes_read < store.size(INDEX_FNAME)
@@ -334,7 +336,7 @@ def test_sidecar_on_s3_is_read_with_ranged_reads(many, s3_url):
     raw[item.offset + item.length - 30] ^= 0x40
     store.put(fname, bytes(raw))
     with pytest.raises(CheckpointingException, match="k5.*CRC32C"):
-        _load_some(s3_url, {"k5"})
+        _load_some(cloud_url, {"k5"})
 
 
 def test_sidecar_directory_is_json_with_the_documented_fields(many):

@@ -1,16 +1,20 @@
-"""Two-tier checkpoints (distckpt.tiered): local first, S3 (moto) in the background, restart from
-the nearest copy. Real gloo ranks; each rank gets its own local directory (a node of its own)."""
+"""Two-tier checkpoints (distckpt.tiered): local first, an object store in the background (S3 on
+moto; GCS on fake-gcs-server and Azure on Azurite: one test each by default, the rest under
+``slow``), restart from the nearest copy. Real gloo ranks; each rank gets its own local directory
+(a node of its own)."""
 
 from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 import distckpt
 from distckpt import dist as ddist
 from distckpt.storage import open_store
 from distckpt.tiered import TieredCheckpointManager
+from tests.support.clouds import clouds
 from tests.support.harness import run_ranks
 from tests.support.train_script import load_train_script
 
@@ -49,13 +53,14 @@ def _save_then_load(url, tmp):
     return latest, _wrong(loaded, 20), loaded["common"], str(tiers.last_load), tiers.last_load.remote_bytes
 
 
-def test_tiered_save_commits_remotely_and_loads_from_the_local_copies(s3_url, tmp_path):
-    out = run_ranks(2, _save_then_load, s3_url, str(tmp_path))
+@pytest.mark.parametrize("cloud", clouds())
+def test_tiered_save_commits_remotely_and_loads_from_the_local_copies(cloud_url, tmp_path):
+    out = run_ranks(2, _save_then_load, cloud_url, str(tmp_path))
     for latest, wrong, common, report, _ in out:
         assert latest == 20 and wrong == [] and common == {"step": 20}, report
-    names = open_store(s3_url).list()
+    names = open_store(cloud_url).list()
     assert "iter_0000020/metadata.json" in names and "iter_0000010/metadata.json" in names
-    assert distckpt.check_is_distributed_checkpoint(f"{s3_url}/iter_0000020")
+    assert distckpt.check_is_distributed_checkpoint(f"{cloud_url}/iter_0000020")
 
 
 def _load_report(url, tmp, **kwargs):
@@ -77,9 +82,10 @@ def _save_steps(url, tmp, steps, close=True, **kwargs):
     return sorted(p.name for p in __import__("pathlib").Path(_node(tmp)).glob("iter_*"))
 
 
-def test_each_rank_reads_its_own_files_locally_and_the_rest_remotely(s3_url, tmp_path):
-    run_ranks(2, _save_steps, s3_url, str(tmp_path), [5])
-    out = run_ranks(2, _load_report, s3_url, str(tmp_path))
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_each_rank_reads_its_own_files_locally_and_the_rest_remotely(cloud_url, tmp_path):
+    run_ranks(2, _save_steps, cloud_url, str(tmp_path), [5])
+    out = run_ranks(2, _load_report, cloud_url, str(tmp_path))
     for rank, (latest, wrong, step, files, rejected) in enumerate(out):
         assert (latest, wrong, step, rejected) == (5, [], 5, {})
         assert files[f"__{rank}_0.distcp"] == "local"
@@ -94,80 +100,88 @@ def _timings_after_load(url, tmp):
     return distckpt.last_timings("load").sources, str(distckpt.last_timings("load"))
 
 
-def test_last_timings_of_the_load_says_where_the_bytes_came_from(s3_url, tmp_path):
-    run_ranks(2, _save_steps, s3_url, str(tmp_path), [5])
-    for sources, text in run_ranks(2, _timings_after_load, s3_url, str(tmp_path)):
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_last_timings_of_the_load_says_where_the_bytes_came_from(cloud_url, tmp_path):
+    run_ranks(2, _save_steps, cloud_url, str(tmp_path), [5])
+    for sources, text in run_ranks(2, _timings_after_load, cloud_url, str(tmp_path)):
         assert sources["local files"] >= 1 and sources["local bytes"] > 0, text
         assert "read from: local files" in text
 
 
-def test_a_lost_local_directory_falls_back_to_the_remote(s3_url, tmp_path):
-    run_ranks(2, _save_steps, s3_url, str(tmp_path), [5])
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_a_lost_local_directory_falls_back_to_the_remote(cloud_url, tmp_path):
+    run_ranks(2, _save_steps, cloud_url, str(tmp_path), [5])
     __import__("shutil").rmtree(tmp_path / "node1")
-    out = run_ranks(2, _load_report, s3_url, str(tmp_path))
+    out = run_ranks(2, _load_report, cloud_url, str(tmp_path))
     assert [o[:3] for o in out] == [(5, [], 5)] * 2
     assert set(out[1][3].values()) == {"remote"}
 
 
-def test_a_damaged_local_file_is_not_used_and_the_remote_is_read(s3_url, tmp_path):
-    run_ranks(2, _save_steps, s3_url, str(tmp_path), [5])
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_a_damaged_local_file_is_not_used_and_the_remote_is_read(cloud_url, tmp_path):
+    run_ranks(2, _save_steps, cloud_url, str(tmp_path), [5])
     target = tmp_path / "node0" / "iter_0000005" / "__0_0.distcp"
     data = bytearray(target.read_bytes())
     data[len(data) // 2] ^= 0x40
     target.write_bytes(bytes(data))
-    out = run_ranks(2, _load_report, s3_url, str(tmp_path))
+    out = run_ranks(2, _load_report, cloud_url, str(tmp_path))
     assert [o[:3] for o in out] == [(5, [], 5)] * 2
     assert out[0][3]["__0_0.distcp"] == "remote"
     assert "__0_0.distcp" in out[0][4] and "CRC32C" in out[0][4]["__0_0.distcp"]
 
 
-def test_a_local_copy_of_another_save_is_not_used(s3_url, tmp_path):
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_a_local_copy_of_another_save_is_not_used(cloud_url, tmp_path):
     # The same iteration saved to another remote from the same local directories: the local copy
     # now belongs to that save, and a load from the first remote must not take it.
-    run_ranks(2, _save_steps, s3_url, str(tmp_path), [5])
-    run_ranks(2, _save_steps, s3_url + "-other", str(tmp_path), [5])
-    out = run_ranks(2, _load_report, s3_url, str(tmp_path))
+    run_ranks(2, _save_steps, cloud_url, str(tmp_path), [5])
+    run_ranks(2, _save_steps, cloud_url + "-other", str(tmp_path), [5])
+    out = run_ranks(2, _load_report, cloud_url, str(tmp_path))
     assert [o[:3] for o in out] == [(5, [], 5)] * 2
     for _, _, _, files, rejected in out:
         assert set(files.values()) == {"remote"} and "another save" in rejected["*"]
 
 
-def test_retention_keeps_the_newest_per_tier(s3_url, tmp_path):
-    locals_ = run_ranks(2, _save_steps, s3_url, str(tmp_path), [1, 2, 3, 4], keep_local=1, keep_remote=2)
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_retention_keeps_the_newest_per_tier(cloud_url, tmp_path):
+    locals_ = run_ranks(2, _save_steps, cloud_url, str(tmp_path), [1, 2, 3, 4], keep_local=1, keep_remote=2)
     assert locals_ == [["iter_0000004"]] * 2
-    names = open_store(s3_url).list()
+    names = open_store(cloud_url).list()
     committed = sorted(n.split("/")[0] for n in names if n.endswith("/metadata.json"))
     assert committed == ["iter_0000003", "iter_0000004"]
     assert not any(n.startswith(("iter_0000001/", "iter_0000002/")) for n in names)
-    assert open_store(s3_url).get("latest_checkpointed_iteration.txt") == b"4"
+    assert open_store(cloud_url).get("latest_checkpointed_iteration.txt") == b"4"
 
 
-def test_an_upload_cut_off_is_finished_from_the_local_copies_at_restart(s3_url, tmp_path):
-    run_ranks(2, _save_steps, s3_url, str(tmp_path), [5])
-    run_ranks(2, _save_steps, s3_url, str(tmp_path), [6], close=False)  # uploads cancelled
-    names = open_store(s3_url).list()
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_an_upload_cut_off_is_finished_from_the_local_copies_at_restart(cloud_url, tmp_path):
+    run_ranks(2, _save_steps, cloud_url, str(tmp_path), [5])
+    run_ranks(2, _save_steps, cloud_url, str(tmp_path), [6], close=False)  # uploads cancelled
+    names = open_store(cloud_url).list()
     assert "iter_0000006/metadata.json" not in names
-    out = run_ranks(2, _load_report, s3_url, str(tmp_path))
+    out = run_ranks(2, _load_report, cloud_url, str(tmp_path))
     assert [o[:3] for o in out] == [(6, [], 6)] * 2
-    assert "iter_0000006/metadata.json" in open_store(s3_url).list()
+    assert "iter_0000006/metadata.json" in open_store(cloud_url).list()
 
 
-def test_a_lost_node_without_replicas_leaves_the_previous_remote_checkpoint_newest(s3_url, tmp_path):
-    run_ranks(2, _save_steps, s3_url, str(tmp_path), [5])
-    run_ranks(2, _save_steps, s3_url, str(tmp_path), [6], close=False)
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_a_lost_node_without_replicas_leaves_the_previous_remote_checkpoint_newest(cloud_url, tmp_path):
+    run_ranks(2, _save_steps, cloud_url, str(tmp_path), [5])
+    run_ranks(2, _save_steps, cloud_url, str(tmp_path), [6], close=False)
     __import__("shutil").rmtree(tmp_path / "node1" / "iter_0000006")
-    out = run_ranks(2, _load_report, s3_url, str(tmp_path))
+    out = run_ranks(2, _load_report, cloud_url, str(tmp_path))
     assert [o[:3] for o in out] == [(5, [], 5)] * 2
-    assert "iter_0000006/metadata.json" not in open_store(s3_url).list()
+    assert "iter_0000006/metadata.json" not in open_store(cloud_url).list()
 
 
-def test_a_replica_on_a_peer_finishes_the_upload_of_a_lost_node(s3_url, tmp_path):
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_a_replica_on_a_peer_finishes_the_upload_of_a_lost_node(cloud_url, tmp_path):
     opts = dict(replication_factor=2, node_size=1)
-    run_ranks(2, _save_steps, s3_url, str(tmp_path), [6], close=False, **opts)
+    run_ranks(2, _save_steps, cloud_url, str(tmp_path), [6], close=False, **opts)
     __import__("shutil").rmtree(tmp_path / "node1")
-    out = run_ranks(2, _load_report, s3_url, str(tmp_path), **opts)
+    out = run_ranks(2, _load_report, cloud_url, str(tmp_path), **opts)
     assert [o[:3] for o in out] == [(6, [], 6)] * 2
-    assert "iter_0000006/metadata.json" in open_store(s3_url).list()
+    assert "iter_0000006/metadata.json" in open_store(cloud_url).list()
 
 
 def _async_save_then_close(url, tmp, step):
@@ -183,9 +197,10 @@ def _async_save_then_close(url, tmp, step):
     return pending
 
 
-def test_an_async_tiered_save_uploads_after_its_local_commit(s3_url, tmp_path):
-    assert run_ranks(2, _async_save_then_close, s3_url, str(tmp_path), 7) == [[7], [7]]
-    out = run_ranks(2, _load_report, s3_url, str(tmp_path))
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_an_async_tiered_save_uploads_after_its_local_commit(cloud_url, tmp_path):
+    assert run_ranks(2, _async_save_then_close, cloud_url, str(tmp_path), 7) == [[7], [7]]
+    out = run_ranks(2, _load_report, cloud_url, str(tmp_path))
     assert [o[:3] for o in out] == [(7, [], 7)] * 2
 
 
@@ -256,21 +271,23 @@ def _save_through_flaky(url, tmp, failures, flaky_rank):
         return str(e)
 
 
-def test_a_failed_upload_is_retried_then_committed(s3_url, tmp_path):
-    assert run_ranks(2, _save_through_flaky, s3_url, str(tmp_path), 2, 1) == ["committed"] * 2
-    assert "iter_0000008/metadata.json" in open_store(s3_url).list()
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_a_failed_upload_is_retried_then_committed(cloud_url, tmp_path):
+    assert run_ranks(2, _save_through_flaky, cloud_url, str(tmp_path), 2, 1) == ["committed"] * 2
+    assert "iter_0000008/metadata.json" in open_store(cloud_url).list()
 
 
-def test_an_upload_that_keeps_failing_is_reported_on_every_rank_and_keeps_the_local_copy(s3_url, tmp_path):
-    run_ranks(2, _save_steps, s3_url, str(tmp_path), [5])
-    out = run_ranks(2, _save_through_flaky, s3_url, str(tmp_path), 100, 1)
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_an_upload_that_keeps_failing_is_reported_on_every_rank_and_keeps_the_local_copy(cloud_url, tmp_path):
+    run_ranks(2, _save_steps, cloud_url, str(tmp_path), [5])
+    out = run_ranks(2, _save_through_flaky, cloud_url, str(tmp_path), 100, 1)
     for text in out:
         assert "upload of iter_0000008" in text and "rank 1" in text and "after 3 attempts" in text, text
         assert "injected upload failure" in text
-    assert "iter_0000008/metadata.json" not in open_store(s3_url).list()
+    assert "iter_0000008/metadata.json" not in open_store(cloud_url).list()
     assert (tmp_path / "node1" / "iter_0000008" / ".distckpt_tier" / "owner00001.json").exists()
     # The local copies are complete: a restart finishes the upload from them.
-    out = run_ranks(2, _load_report, s3_url, str(tmp_path))
+    out = run_ranks(2, _load_report, cloud_url, str(tmp_path))
     assert [o[:3] for o in out] == [(8, [], 8)] * 2
 
 
@@ -308,21 +325,22 @@ def _load_remote_only(url, step, rows):
     return _wrong(loaded, step, rows), loaded["common"]["step"]
 
 
-def test_sigkill_during_the_background_upload_leaves_the_previous_checkpoint_newest(s3_url, tmp_path):
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_sigkill_during_the_background_upload_leaves_the_previous_checkpoint_newest(cloud_url, tmp_path):
     from tests.support.harness import RankFailure
 
-    run_ranks(2, _save_rows, s3_url, str(tmp_path), 10, 2048)
+    run_ranks(2, _save_rows, cloud_url, str(tmp_path), 10, 2048)
     with __import__("pytest").raises(RankFailure) as failure:
-        run_ranks(2, _save_and_die_mid_upload, s3_url, str(tmp_path), timeout=90)
+        run_ranks(2, _save_and_die_mid_upload, cloud_url, str(tmp_path), timeout=90)
     assert "SIGKILL" in failure.value.errors[1]
-    names = open_store(s3_url).list()
+    names = open_store(cloud_url).list()
     assert "iter_0000020/metadata.json" not in names and "iter_0000010/metadata.json" in names
-    assert not distckpt.check_is_distributed_checkpoint(f"{s3_url}/iter_0000020")
-    assert run_ranks(2, _load_remote_only, s3_url, 10, 2048) == [([], 10)] * 2
+    assert not distckpt.check_is_distributed_checkpoint(f"{cloud_url}/iter_0000020")
+    assert run_ranks(2, _load_remote_only, cloud_url, 10, 2048) == [([], 10)] * 2
     # Node 1 is lost with its copy: the restart takes iteration 10 ...
     __import__("shutil").rmtree(tmp_path / "node1" / "iter_0000020")
-    assert run_ranks(2, _load_rows, s3_url, str(tmp_path), 2048) == [(10, [])] * 2
-    assert "iter_0000020/metadata.json" not in open_store(s3_url).list()
+    assert run_ranks(2, _load_rows, cloud_url, str(tmp_path), 2048) == [(10, [])] * 2
+    assert "iter_0000020/metadata.json" not in open_store(cloud_url).list()
 
 
 def _plant_hostile_marker(tmp, outside):
@@ -337,18 +355,22 @@ def _plant_hostile_marker(tmp, outside):
         (directory / ".distckpt_tier" / f"owner{rank:05d}.json").write_text(raw)
 
 
-def test_a_hostile_local_marker_is_ignored_and_nothing_outside_is_uploaded(s3_url, tmp_path):
-    run_ranks(2, _save_steps, s3_url, str(tmp_path), [5])
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_a_hostile_local_marker_is_ignored_and_nothing_outside_is_uploaded(cloud_url, tmp_path):
+    run_ranks(2, _save_steps, cloud_url, str(tmp_path), [5])
     outside = tmp_path / "secret"
     outside.write_bytes(b"secret")
     _plant_hostile_marker(str(tmp_path), str(outside))
-    out = run_ranks(2, _load_report, s3_url, str(tmp_path))
+    out = run_ranks(2, _load_report, cloud_url, str(tmp_path))
     assert [o[:3] for o in out] == [(5, [], 5)] * 2
-    assert not any("secret" in n or n.startswith("iter_0000009") for n in open_store(s3_url).list())
+    assert not any("secret" in n or n.startswith("iter_0000009") for n in open_store(cloud_url).list())
     assert outside.read_bytes() == b"secret"
 
 
-def test_train_script_saves_tiered_to_s3_crashes_and_resumes_at_the_last_save(s3_url, tmp_path, capsys):
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_train_script_saves_tiered_to_an_object_store_crashes_and_resumes_at_the_last_save(
+    cloud_url, tmp_path, capsys
+):
     """The crash leaves the upload of iteration 4 committed or not (timing); either way the
     restart resumes at 4: committed, or finished from the local copies first."""
     script = load_train_script()
@@ -363,22 +385,23 @@ def test_train_script_saves_tiered_to_s3_crashes_and_resumes_at_the_last_save(s3
         "adam",
     ]
     argv += ["--steps", "5", "--resume-steps", "2", "--tiered-every", "2"]
-    argv += ["--remote", s3_url, "--dir", str(tmp_path)]
+    argv += ["--remote", cloud_url, "--dir", str(tmp_path)]
     assert script.main(argv) == 0
     out = capsys.readouterr().out
     assert "restarted at iteration 4" in out and "losses match bitwise" in out, out
-    assert "iter_0000004/metadata.json" in open_store(s3_url).list()
+    assert "iter_0000004/metadata.json" in open_store(cloud_url).list()
 
 
+@pytest.mark.parametrize("cloud", clouds("s3"))
 def test_a_local_copy_missing_a_file_cannot_finish_its_upload_and_the_remote_newest_is_taken(
-    s3_url, tmp_path
+    cloud_url, tmp_path
 ):
-    run_ranks(2, _save_steps, s3_url, str(tmp_path), [5])
-    run_ranks(2, _save_steps, s3_url, str(tmp_path), [6], close=False)
+    run_ranks(2, _save_steps, cloud_url, str(tmp_path), [5])
+    run_ranks(2, _save_steps, cloud_url, str(tmp_path), [6], close=False)
     (tmp_path / "node1" / "iter_0000006" / "__1_0.distcp").unlink()  # the marker still names it
-    out = run_ranks(2, _load_report, s3_url, str(tmp_path))
+    out = run_ranks(2, _load_report, cloud_url, str(tmp_path))
     assert [o[:3] for o in out] == [(5, [], 5)] * 2
-    assert "iter_0000006/metadata.json" not in open_store(s3_url).list()
+    assert "iter_0000006/metadata.json" not in open_store(cloud_url).list()
 
 
 def _zarr_save_then_load(url, tmp):
@@ -392,6 +415,7 @@ def _zarr_save_then_load(url, tmp):
     return _wrong(loaded, 3), loaded["common"]["step"], "local" in sources
 
 
-def test_a_zarr_tiered_checkpoint_round_trips_and_reads_local_chunks(s3_url, tmp_path):
-    assert run_ranks(2, _zarr_save_then_load, s3_url, str(tmp_path)) == [([], 3, True)] * 2
-    assert distckpt.check_is_distributed_checkpoint(f"{s3_url}/iter_0000003")
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_a_zarr_tiered_checkpoint_round_trips_and_reads_local_chunks(cloud_url, tmp_path):
+    assert run_ranks(2, _zarr_save_then_load, cloud_url, str(tmp_path)) == [([], 3, True)] * 2
+    assert distckpt.check_is_distributed_checkpoint(f"{cloud_url}/iter_0000003")

@@ -1,27 +1,32 @@
-"""Every ``distckpt`` subcommand on an ``s3://`` URL (moto server of the s3_server fixture), with the
-store reached through the environment or through ``--storage-option``."""
+"""Every ``distckpt`` subcommand on object-store URLs (``s3://``, ``gs://``, ``az://``: the servers of
+tests/conftest.py), with the store reached through the environment each cloud's own tools read or
+through ``--storage-option`` alone."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 import distckpt
 from distckpt.storage import open_store
+from tests.support import servers
+from tests.support.clouds import clouds
 from tests.support.harness import run_ranks
 from tests.tools.test_cli import cli
 from tests.tools.test_tools import WORLD, _save_model_and_optimizer, expected_tensors
 
 
-def _saved_on_s3(url):
+def _saved_on(url):
     run_ranks(WORLD, _save_model_and_optimizer, url, "torch_dist")
     return url
 
 
-def test_inspect_verify_and_show_read_an_s3_checkpoint(s3_url):
-    url = _saved_on_s3(s3_url)
+@pytest.mark.parametrize("cloud", clouds())
+def test_inspect_verify_and_show_read_a_checkpoint_on_an_object_store(cloud_url):
+    url = _saved_on(cloud_url)
     info = json.loads(cli("inspect", url, "--json").stdout)
     want = expected_tensors()
     assert {t["key"] for t in info["tensors"]} == set(want)
@@ -32,8 +37,9 @@ def test_inspect_verify_and_show_read_an_s3_checkpoint(s3_url):
     assert str(round(float(want["row"][0, 1]), 2))[:4] in shown
 
 
-def test_verify_reports_a_corrupted_object_on_s3(s3_url):
-    url = _saved_on_s3(s3_url)
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_verify_reports_a_corrupted_object_on_an_object_store(cloud_url):
+    url = _saved_on(cloud_url)
     store = open_store(url)
     name = next(n for n in store.list() if n.endswith(".distcp"))
     data = bytearray(store.get(name))
@@ -43,16 +49,17 @@ def test_verify_reports_a_corrupted_object_on_s3(s3_url):
     assert any("CRC32C mismatch" in p and name in p for p in report["problems"])
 
 
-def test_convert_local_to_s3_to_local_to_safetensors_keeps_every_tensor(s3_url, tmp_path):
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_convert_local_to_an_object_store_to_local_to_safetensors_keeps_every_tensor(cloud_url, tmp_path):
     local = tmp_path / "ckpt"
     run_ranks(WORLD, _save_model_and_optimizer, str(local), "torch_dist")
-    cli("convert", local, s3_url, "--to", "torch_dist")
-    assert distckpt.check_is_distributed_checkpoint(s3_url)
-    cli("diff", local, s3_url)  # exit 0: same tensors, objects and common state
+    cli("convert", local, cloud_url, "--to", "torch_dist")
+    assert distckpt.check_is_distributed_checkpoint(cloud_url)
+    cli("diff", local, cloud_url)  # exit 0: same tensors, objects and common state
     back = tmp_path / "back"
-    cli("convert", s3_url, back, "--to", "torch_dist")
-    cli("diff", s3_url, back)
-    cli("convert", s3_url, tmp_path / "hf", "--to", "safetensors")
+    cli("convert", cloud_url, back, "--to", "torch_dist")
+    cli("diff", cloud_url, back)
+    cli("convert", cloud_url, tmp_path / "hf", "--to", "safetensors")
     loaded = {}
     for f in sorted((tmp_path / "hf").glob("*.safetensors")):
         loaded.update(load_file(f))
@@ -61,16 +68,18 @@ def test_convert_local_to_s3_to_local_to_safetensors_keeps_every_tensor(s3_url, 
     assert all(torch.equal(loaded[k], want[k]) for k in want)
 
 
-def test_convert_refuses_to_overwrite_a_committed_checkpoint_on_s3(s3_url, tmp_path):
-    url = _saved_on_s3(s3_url)
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_convert_refuses_to_overwrite_a_committed_checkpoint_on_an_object_store(cloud_url, tmp_path):
+    url = _saved_on(cloud_url)
     result = cli("convert", url, url + "-copy", "--to", "torch_dist")
     assert result.exit_code == 0
     out = cli("convert", url, url + "-copy", "--to", "torch_dist", code=2)
     assert "already holds a committed checkpoint" in out.stderr
 
 
-def test_rm_prefix_and_rename_work_in_place_on_s3(s3_url):
-    url = _saved_on_s3(s3_url)
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_rm_prefix_and_rename_work_in_place_on_an_object_store(cloud_url):
+    url = _saved_on(cloud_url)
     cli("rm-prefix", url, "optimizer.")
     keys = set(distckpt.load_tensors_metadata(url))
     assert keys == {k for k in expected_tensors() if not k.startswith("optimizer.")}
@@ -80,15 +89,18 @@ def test_rm_prefix_and_rename_work_in_place_on_s3(s3_url):
     assert json.loads(cli("verify", url, "--json").stdout)["ok"]
 
 
-def test_zarr_checkpoints_convert_to_s3_and_are_inspected_verified_and_diffed_there(s3_url, tmp_path):
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_zarr_checkpoints_convert_to_an_object_store_and_are_inspected_verified_and_diffed_there(
+    cloud_url, tmp_path
+):
     local = tmp_path / "ckpt"
     run_ranks(WORLD, _save_model_and_optimizer, str(local), "zarr")
-    cli("convert", local, s3_url, "--to", "zarr")
-    info = json.loads(cli("inspect", s3_url, "--json").stdout)
+    cli("convert", local, cloud_url, "--to", "zarr")
+    info = json.loads(cli("inspect", cloud_url, "--json").stdout)
     assert info["format"] == "zarr" and {t["key"] for t in info["tensors"]} == set(expected_tensors())
-    assert json.loads(cli("verify", s3_url, "--json").stdout)["ok"]
-    cli("diff", local, s3_url)
-    plain = distckpt.load_plain_tensors(s3_url)
+    assert json.loads(cli("verify", cloud_url, "--json").stdout)["ok"]
+    cli("diff", local, cloud_url)
+    plain = distckpt.load_plain_tensors(cloud_url)
     assert all(torch.equal(plain[k], v) for k, v in expected_tensors().items())
 
 
@@ -129,7 +141,7 @@ def test_storage_options_alone_reach_s3_from_a_process_without_aws_environment(s
     import subprocess
     import sys
 
-    url = _saved_on_s3(s3_url)
+    url = _saved_on(s3_url)
     options = _s3_options()
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")} | _NO_S3_ENV
 
@@ -204,33 +216,52 @@ def test_a_bad_storage_option_is_a_clear_usage_error(s3_url, tmp_path):
     assert "object-store URLs" in out.stderr
 
 
-def test_storage_options_reach_azure_without_emulator_mode(az_url, tmp_path, monkeypatch):
-    """Azure through explicit options (account, key, endpoint) instead of the emulator
-    environment the azure_server fixture sets: convert there, verify, diff back."""
+def _gcs_options(tmp_path):
+    """The GCS emulator as obstore's own emulator mode: a service-account key file holding its
+    ``gcs_base_url`` and ``disable_oauth`` (no token asked for)."""
     import os
 
-    from tests.conftest import AZURITE_ACCOUNT, AZURITE_KEY
+    key = {
+        "gcs_base_url": os.environ["STORAGE_EMULATOR_HOST"],
+        "disable_oauth": True,
+        "client_email": "",
+        "private_key": "",
+        "private_key_id": "",
+    }
+    path = tmp_path / "service-account.json"
+    path.write_text(json.dumps(key))
+    return ["-o", f"service_account_path={path}"]
 
+
+def _azure_options(tmp_path):
+    """Azurite's account, key and blob endpoint (``http://...``, hence ``allow_http``)."""
+    import os
+
+    endpoint = dict(p.split("=", 1) for p in os.environ["AZURE_STORAGE_CONNECTION_STRING"].split(";") if p)[
+        "BlobEndpoint"
+    ]
+    options = {
+        "account_name": servers.AZURITE_ACCOUNT,
+        "account_key": servers.AZURITE_KEY,
+        "endpoint": endpoint,
+        "allow_http": "true",
+    }
+    return [a for k, v in options.items() for a in ("-o", f"{k}={v}")]
+
+
+@pytest.mark.parametrize("cloud", ["gcs", "azure"])  # S3: the tests above
+def test_storage_options_alone_reach_gcs_and_azure(cloud, cloud_url, tmp_path, monkeypatch):
+    """GCS and Azure through ``--storage-option`` alone, with the variable the fixture set for that
+    cloud's tools removed: convert there, verify, diff back, surgery, inspect."""
+    options = _gcs_options(tmp_path) if cloud == "gcs" else _azure_options(tmp_path)
+    monkeypatch.delenv("STORAGE_EMULATOR_HOST" if cloud == "gcs" else "AZURE_STORAGE_CONNECTION_STRING")
     local = tmp_path / "ckpt"
     run_ranks(WORLD, _save_model_and_optimizer, str(local), "torch_dist")
-    endpoint = os.environ["AZURITE_BLOB_STORAGE_URL"]
-    monkeypatch.delenv("AZURE_STORAGE_USE_EMULATOR")
-    monkeypatch.delenv("AZURITE_BLOB_STORAGE_URL")
-    options = [
-        "-o",
-        f"account_name={AZURITE_ACCOUNT}",
-        "-o",
-        f"account_key={AZURITE_KEY}",
-        "-o",
-        f"endpoint={endpoint}/{AZURITE_ACCOUNT}",
-        "-o",
-        "allow_http=true",
-    ]
-    cli("convert", local, az_url, "--to", "torch_dist", *options)
-    assert json.loads(cli("verify", az_url, "--json", *options).stdout)["ok"]
-    cli("diff", local, az_url, *options)
-    cli("rm-prefix", az_url, "optimizer.", *options)
-    info = json.loads(cli("inspect", az_url, "--json", *options).stdout)
+    cli("convert", local, cloud_url, "--to", "torch_dist", *options)
+    assert json.loads(cli("verify", cloud_url, "--json", *options).stdout)["ok"]
+    cli("diff", local, cloud_url, *options)
+    cli("rm-prefix", cloud_url, "optimizer.", *options)
+    info = json.loads(cli("inspect", cloud_url, "--json", *options).stdout)
     assert {t["key"] for t in info["tensors"]} == {
         k for k in expected_tensors() if not k.startswith("optimizer.")
     }

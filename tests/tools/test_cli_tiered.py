@@ -1,5 +1,6 @@
 """``distckpt inspect/verify --local-copy`` and ``distckpt tiers`` on tiered checkpoints: two real
-gloo ranks save through TieredCheckpointManager to S3 (the moto server of the s3_server fixture),
+gloo ranks save through TieredCheckpointManager to an object store (S3 on moto; GCS and Azure under
+``slow``; tests/conftest.py),
 each rank with a local directory of its own (``tmp/node{rank}``: a node each); the CLI then looks
 at the remote checkpoint and one node's local copy."""
 
@@ -10,12 +11,14 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 import distckpt
 from distckpt import dist as ddist
 from distckpt.storage import open_store
 from distckpt.tiered import TieredCheckpointManager
+from tests.support.clouds import clouds
 from tests.support.harness import run_ranks
 from tests.tools.test_cli import cli
 
@@ -38,9 +41,9 @@ def _save(url, tmp, steps, wait=True):
     tiers.close(wait=wait)
 
 
-def _saved(s3_url, tmp_path, steps=(5,)):
-    run_ranks(2, _save, s3_url, str(tmp_path), list(steps))
-    return f"{s3_url}/iter_0000005", tmp_path / "node0" / "iter_0000005"
+def _saved(url, tmp_path, steps=(5,)):
+    run_ranks(2, _save, url, str(tmp_path), list(steps))
+    return f"{url}/iter_0000005", tmp_path / "node0" / "iter_0000005"
 
 
 def _snapshot(url, local: Path):
@@ -63,9 +66,10 @@ def _by_name(rows):
     return {row["name"]: row for row in rows}
 
 
-def test_inspect_says_which_files_a_load_reads_locally_and_changes_nothing(s3_url, tmp_path):
-    remote, local = _saved(s3_url, tmp_path)
-    before = _snapshot(s3_url, local)
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_inspect_says_which_files_a_load_reads_locally_and_changes_nothing(cloud_url, tmp_path):
+    remote, local = _saved(cloud_url, tmp_path)
+    before = _snapshot(cloud_url, local)
     doc = json.loads(cli("inspect", remote, "--local-copy", local, "--json").stdout)
     plan = doc["local_copy"]
     rows = _by_name(plan["files"])
@@ -80,11 +84,12 @@ def test_inspect_says_which_files_a_load_reads_locally_and_changes_nothing(s3_ur
     line = next(x for x in text.splitlines() if x.startswith("__0_0.distcp"))
     assert line.split()[-1] == "local"
     assert "carry the remote's save token" in text and "a load reads" in text
-    assert _snapshot(s3_url, local) == before
+    assert _snapshot(cloud_url, local) == before
 
 
-def test_verify_checks_the_local_copy_and_fails_on_a_damaged_local_file(s3_url, tmp_path):
-    remote, local = _saved(s3_url, tmp_path)
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_verify_checks_the_local_copy_and_fails_on_a_damaged_local_file(cloud_url, tmp_path):
+    remote, local = _saved(cloud_url, tmp_path)
     good = json.loads(cli("verify", remote, "--local-copy", local, "--json").stdout)
     files = _by_name(good["local_copy"]["files"])
     assert good["ok"] and good["local_copy"]["ok"] and good["local_copy"]["save"] == "same save"
@@ -104,10 +109,11 @@ def test_verify_checks_the_local_copy_and_fails_on_a_damaged_local_file(s3_url, 
     assert row["source"] == "remote" and "CRC32C" in row["reason"]
 
 
-def test_a_local_copy_of_another_save_is_reported_and_fails_verify(s3_url, tmp_path):
-    remote, local = _saved(s3_url, tmp_path)
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_a_local_copy_of_another_save_is_reported_and_fails_verify(cloud_url, tmp_path):
+    remote, local = _saved(cloud_url, tmp_path)
     # The same iteration saved to another remote from the same local directories.
-    run_ranks(2, _save, s3_url + "-other", str(tmp_path), [5])
+    run_ranks(2, _save, cloud_url + "-other", str(tmp_path), [5])
     doc = json.loads(cli("verify", remote, "--local-copy", local, "--json", code=1).stdout)
     assert doc["local_copy"]["save"] == "another save" and doc["problems"] == []
     assert any("another save" in p for p in doc["local_copy"]["problems"])
@@ -118,23 +124,25 @@ def test_a_local_copy_of_another_save_is_reported_and_fails_verify(s3_url, tmp_p
     assert _by_name(plan["files"])["__0_0.distcp"]["reason"] == "the local copy is of another save"
 
 
-def test_tiers_lists_committed_and_uncommitted_iterations_and_the_local_owners(s3_url, tmp_path):
-    run_ranks(2, _save, s3_url, str(tmp_path), [5])
-    run_ranks(2, _save, s3_url, str(tmp_path), [6], False)  # upload cancelled: not committed
-    before = _snapshot(s3_url, tmp_path / "node1")
-    doc = json.loads(cli("tiers", s3_url, "--local", tmp_path / "node1", "--json").stdout)
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_tiers_lists_committed_and_uncommitted_iterations_and_the_local_owners(cloud_url, tmp_path):
+    run_ranks(2, _save, cloud_url, str(tmp_path), [5])
+    run_ranks(2, _save, cloud_url, str(tmp_path), [6], False)  # upload cancelled: not committed
+    before = _snapshot(cloud_url, tmp_path / "node1")
+    doc = json.loads(cli("tiers", cloud_url, "--local", tmp_path / "node1", "--json").stdout)
     rows = {r["iteration"]: r for r in doc["iterations"]}
     assert rows[5]["remote"] == "committed" and rows[5]["local_owners"] == [1]
     assert rows[5]["save"] == "same save"
     assert rows[6]["local_owners"] == [1] and rows[6]["remote"] in ("uncommitted", None)
-    text = cli("tiers", s3_url, "--local", tmp_path / "node1").stdout
+    text = cli("tiers", cloud_url, "--local", tmp_path / "node1").stdout
     line = next(x for x in text.splitlines() if x.startswith("iter_0000005"))
     assert line.split()[1:] == ["committed", "owner", "1", "same", "save"]
-    assert _snapshot(s3_url, tmp_path / "node1") == before
+    assert _snapshot(cloud_url, tmp_path / "node1") == before
 
 
-def test_local_copy_must_be_an_existing_directory(s3_url, tmp_path):
-    remote, _ = _saved(s3_url, tmp_path)
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_local_copy_must_be_an_existing_directory(cloud_url, tmp_path):
+    remote, _ = _saved(cloud_url, tmp_path)
     out = cli("verify", remote, "--local-copy", tmp_path / "nowhere", code=2)
     assert "--local-copy" in out.stderr
 
@@ -149,8 +157,9 @@ def test_help_shows_the_tier_options_with_examples():
     assert "tiers" in cli("--help").stdout
 
 
-def test_verify_reports_a_file_the_marker_lists_but_the_local_copy_lost(s3_url, tmp_path):
-    remote, local = _saved(s3_url, tmp_path)
+@pytest.mark.parametrize("cloud", clouds("s3"))
+def test_verify_reports_a_file_the_marker_lists_but_the_local_copy_lost(cloud_url, tmp_path):
+    remote, local = _saved(cloud_url, tmp_path)
     (local / "__0_1.distcp").unlink()
     doc = json.loads(cli("verify", remote, "--local-copy", local, "--json", code=1).stdout)
     assert _by_name(doc["local_copy"]["files"])["__0_1.distcp"]["status"] == "absent"
