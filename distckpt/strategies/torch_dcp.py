@@ -41,6 +41,7 @@ from distckpt.foreign import normalize_sharded_state_dict
 from distckpt.manifest import build_manifest, crc32c, write_manifest
 from distckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from distckpt.strategies.base import SaveShardedStrategy
+from distckpt.strategies.chunk_index import ChunkIndex
 from distckpt.strategies.common import safe_torch_load
 from distckpt.strategies.device_io import is_plain, needs_staging
 from distckpt.strategies.resharding import ORIG_SHAPE, Shape, nd_reformulated
@@ -72,19 +73,20 @@ def _dcp_view(sh: ShardedTensor, data: torch.Tensor) -> Tuple[Shape, Shape, torc
 
 def _complement(shape: Shape, boxes: Sequence[Tuple[Shape, Shape]]) -> List[Tuple[Shape, Shape]]:
     """Boxes that tile ``shape`` minus the (non-overlapping) ``boxes``: the cells of the grid of
-    their cut points that none of them covers."""
+    their cut points that none of them covers. Each cell lies inside a box or outside all of
+    them, so one box found meeting it decides; the boxes are found through an index (a rank's
+    pieces of a Mixture-of-Experts key are thousands, and so are the cells)."""
     cuts = [
         sorted({0, n} | {o[d] for o, _ in boxes} | {o[d] + s[d] for o, s in boxes})
         for d, n in enumerate(shape)
     ]
+    index = ChunkIndex([tuple(o) for o, _ in boxes], [tuple(s) for _, s in boxes])
     out = []
     for cell in itertools.product(*[range(len(c) - 1) for c in cuts]):
         lo = tuple(cuts[d][i] for d, i in enumerate(cell))
-        hi = tuple(cuts[d][i + 1] for d, i in enumerate(cell))
-        if any(h <= lo_ for lo_, h in zip(lo, hi)):
-            continue
-        if not any(all(o[d] <= lo[d] and hi[d] <= o[d] + s[d] for d in range(len(shape))) for o, s in boxes):
-            out.append((lo, tuple(h - lo_ for lo_, h in zip(lo, hi))))
+        size = tuple(cuts[d][i + 1] - cuts[d][i] for d, i in enumerate(cell))
+        if all(size) and next(index.overlapping(lo, size), None) is None:
+            out.append((lo, size))
     return out
 
 
@@ -128,6 +130,10 @@ class DCPPieces:
 
     def __init__(self, shape: Shape, dtype: torch.dtype, pieces: List[Tuple[Shape, torch.Tensor]]):
         self.shape, self.dtype, self.pieces = tuple(shape), dtype, pieces
+        # DCP asks for each piece by its offset: found at once, not by walking all of them.
+        self._by_offset: Dict[Shape, torch.Tensor] = {}
+        for off, t in pieces:
+            self._by_offset.setdefault(tuple(off), t)
 
     def size(self) -> torch.Size:
         return torch.Size(self.shape)
@@ -159,9 +165,9 @@ class DCPPieces:
         return [ChunkStorageMetadata(torch.Size(off), torch.Size(t.shape)) for off, t in self.pieces]
 
     def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
-        for off, t in self.pieces:
-            if tuple(off) == tuple(index.offset):
-                return t
+        t = self._by_offset.get(tuple(index.offset))
+        if t is not None:
+            return t
         raise CheckpointingException(f"key {index.fqn!r}: no local piece at offset {list(index.offset)}")
 
 
