@@ -130,6 +130,10 @@ class StorageWriter(DCPStorageWriter, PoolStager):
         thread_count: data files per rank (default 2, as ``distckpt.save``).
         write_threads: threads that write a rank's files (they share the files' bytes); default
             one per core this rank may count on, at most 8, as ``distckpt.save``.
+        save_name: the name every rank knows this save by: the coordinator posts the save's
+            staging under it. Default: the location (a path or URL, the same on every rank).
+            Give one when the location is a ``Store`` whose URL differs between ranks (the
+            tiered manager's node-local tiers pass their remote URL).
 
     It is also its own ``AsyncStager`` (:class:`~distckpt.dcp.stager.PoolStager`): with
     ``dcp.async_save`` the state is copied into distckpt's reused staging buffers.
@@ -143,8 +147,10 @@ class StorageWriter(DCPStorageWriter, PoolStager):
         overwrite: Optional[bool] = None,
         thread_count: Optional[int] = None,
         write_threads: Optional[int] = None,
+        save_name: Optional[str] = None,
     ):
         super().__init__()
+        self.save_name = save_name
         self.location = location
         self.storage_options = storage_options
         self.overwrite = overwrite
@@ -250,7 +256,7 @@ class StorageWriter(DCPStorageWriter, PoolStager):
     def _announced(self) -> commit.Staging:
         """The staging the coordinator posted for this save (see the module docstring)."""
         store = default_store()
-        key = STAGING_KEY + str(self._target)
+        key = self._staging_key()
         if store is None:
             raise CheckpointingException(
                 f"{self._target}: rank {self.rank} cannot learn where this save writes: the process "
@@ -264,6 +270,10 @@ class StorageWriter(DCPStorageWriter, PoolStager):
                 f"{self._target}: rank {self.rank} did not find the staging of this save in the store "
                 f"(the coordinator's step failed?): {e}"
             ) from e
+
+    def _staging_key(self) -> str:
+        """The store key of this save's staging: the same on every rank, one per target."""
+        return STAGING_KEY + (self.save_name if self.save_name is not None else str(self._target))
 
     # ----------------------------------------------------------------- the coordinator
 
@@ -280,7 +290,7 @@ class StorageWriter(DCPStorageWriter, PoolStager):
         self._staging = staging
         store = default_store()
         if store is not None and len(plans) > 1:
-            store.set(STAGING_KEY + str(target), pickle.dumps(staging))
+            store.set(self._staging_key(), pickle.dumps(staging))
         return [replace(p, storage_data=RankFiles(f"__{i}_")) for i, p in enumerate(plans)]
 
     def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
@@ -337,7 +347,7 @@ class StorageWriter(DCPStorageWriter, PoolStager):
             store = default_store()
             if store is not None:
                 try:
-                    store.delete_key(STAGING_KEY + str(self._target))
+                    store.delete_key(self._staging_key())
                 except Exception:  # noqa: BLE001 - a store without deletes keeps one small key
                     pass
 

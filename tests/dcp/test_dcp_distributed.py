@@ -22,6 +22,7 @@ from tests.support.dcp_states import (
     distribute_rows,
     fsdp2_model,
     full_state,
+    quiet,
     train_steps,
 )
 
@@ -192,3 +193,31 @@ def test_object_store_round_trip_reads_only_the_needed_ranges_and_refuses_an_ove
         # Each rank needs half of one stored item (1 MiB): the blocks holding it, not the item.
         assert nbytes < (1 << 20) * 3 // 4
     assert torch.equal(distckpt.load_plain_tensors(s3_url)["w"], full)
+
+
+# --------------------------------------------------------------------------- the tiered manager
+
+
+def _tiered_save_and_load(remote, tmp):
+    import torch.distributed as tdist
+
+    from distckpt.tiered import TieredCheckpointManager
+
+    tiers = TieredCheckpointManager(remote, os.path.join(tmp, f"node{tdist.get_rank()}"))
+    tiers.save_dcp({"w": distribute_rows(W), "step": 4}, 4)
+    tiers.close()  # waits for the uploads and commits them remotely
+    state = {"w": distribute_rows(torch.zeros_like(W)), "step": 0}
+    iteration = tiers.load_dcp(state)
+    return iteration, state["w"].full_tensor(), state["step"], tiers.last_load.local_bytes
+
+
+def test_the_tiered_manager_saves_dcp_state_locally_uploads_it_and_loads_the_nearest_copy(
+    run_ranks, tmp_path
+):
+    remote = tmp_path / "remote"
+    for iteration, w, step, local_bytes in run_ranks(2, _tiered_save_and_load, str(remote), str(tmp_path)):
+        assert iteration == 4 and torch.equal(w, W) and step == 4 and local_bytes > 0
+    # The remote copy is a committed checkpoint in DCP's format.
+    state = {"w": torch.zeros_like(W), "step": 0}
+    quiet(dcp.load, state, storage_reader=FileSystemReader(remote / "iter_0000004"), no_dist=True)
+    assert torch.equal(state["w"], W) and state["step"] == 4
