@@ -170,3 +170,10 @@ def test_a_pickled_value_loads_under_the_allowlist_unless_the_checkpoint_is_trus
         distckpt.dcp.StorageReader(tmp_path / "ckpt", trusted=True), {"w": torch.zeros_like(W), "extra": None}
     )
     assert marker.exists() and state["extra"] == str(marker)
+
+
+def test_distckpt_reader_reads_what_distckpt_save_wrote(tmp_path):
+    sd = {"w": distckpt.ShardedTensor.from_rank_offsets("model.w", W.clone()), "step": 3}
+    distckpt.save(sd, tmp_path / "ckpt")
+    state = _load(distckpt.dcp.StorageReader(tmp_path / "ckpt"), {"model.w": torch.zeros_like(W)})
+    assert torch.equal(state["model.w"], W)
