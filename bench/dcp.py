@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import statistics
 import sys
 import warnings
@@ -38,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import barrier_time, drop, raw_read, raw_write, spawn_ranks, start_moto
+from bench.common import barrier_time, drop, prepare_dir, raw_read, raw_write, spawn_ranks
 
 SAVES = (
     "FileSystemWriter",
@@ -280,17 +279,7 @@ def main() -> int:
         "--moto", action="store_true", help="with an s3:// --dir: start a local moto S3 server first"
     )
     args = parser.parse_args()
-    remote = "://" in args.dir
-    server = start_moto(args.dir) if remote and args.moto else None
-    if not remote:
-        Path(args.dir).mkdir(parents=True, exist_ok=True)
-
-    def cleanup():
-        if not remote:
-            shutil.rmtree(args.dir, ignore_errors=True)
-        if server is not None:
-            server.stop()
-
+    _, cleanup = prepare_dir(args.dir, args.moto)
     results = spawn_ranks(_rank_main, args.ranks, args, cleanup)
     print(report(results, args))
     return 0

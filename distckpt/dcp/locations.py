@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 from distckpt import storage
 from distckpt.core import CheckpointingException
 
-__all__ = ["Location", "is_location", "resolve"]
+__all__ = ["AtLocation", "Location", "is_location", "resolve"]
 
 Location = storage.Location
 
@@ -41,3 +41,19 @@ def resolve(location: Location, storage_options: Optional[Dict[str, Any]]) -> Un
             f"(file://, {', '.join(s + '://' for s in sorted(storage.OBJECT_SCHEMES))})"
         )
     return storage.resolve(location, storage_options)
+
+
+class AtLocation:
+    """What DCP asks of a storage writer or reader about its location: ``validate_checkpoint_id``
+    and ``checkpoint_id`` (DCP logs it); the location is ``self.location``."""
+
+    location: Location
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return is_location(checkpoint_id)
+
+    @property
+    def checkpoint_id(self) -> Location:
+        """The location this writer or reader works on."""
+        return self.location

@@ -75,7 +75,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["StorageReader"]
 
 
-class StorageReader(DCPStorageReader):
+class StorageReader(locations.AtLocation, DCPStorageReader):
     """A DCP ``StorageReader`` that reads through distckpt (see the module docstring).
 
     Args:
@@ -133,15 +133,6 @@ class StorageReader(DCPStorageReader):
             self.location = checkpoint_id
         self.load_id = str(uuid.uuid4())
         self._reset_state()
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return locations.is_location(checkpoint_id)
-
-    @property
-    def checkpoint_id(self) -> locations.Location:
-        """The location this reader reads (DCP logs it)."""
-        return self.location
 
     # ----------------------------------------------------------------- metadata
 

@@ -116,7 +116,7 @@ class ItemWritten:
     table: Optional[Tuple[str, int, int]] = None
 
 
-class StorageWriter(DCPStorageWriter, PoolStager):
+class StorageWriter(locations.AtLocation, DCPStorageWriter, PoolStager):
     """A DCP ``StorageWriter`` that saves through distckpt (see the module docstring).
 
     Args:
@@ -171,15 +171,6 @@ class StorageWriter(DCPStorageWriter, PoolStager):
             self.location = checkpoint_id
         self.save_id = commit.new_save_id()
         self._staging = None
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return locations.is_location(checkpoint_id)
-
-    @property
-    def checkpoint_id(self) -> locations.Location:
-        """The location this writer saves to (DCP logs it)."""
-        return self.location
 
     def storage_meta(self) -> StorageMeta:
         return StorageMeta(checkpoint_id=str(self.location), save_id=self.save_id)
@@ -285,6 +276,8 @@ class StorageWriter(DCPStorageWriter, PoolStager):
             raise CheckpointingException(f"checkpoint path {target} exists and is not a directory")
         _abort_ended_saves()
         protocol.cleanup_leftovers(target)
+        # A fresh id per save, also when DCP reuses this writer without reset() (no checkpoint_id).
+        self.save_id = commit.new_save_id()
         staging = protocol.begin(target, self.save_id, self.overwrite)
         _PENDING.append((protocol, staging, threading.current_thread()))
         self._staging = staging
