@@ -26,8 +26,9 @@ Who calls what (DCP's sequence, DCP's collectives; this writer runs none of its 
    then begins the save with the location's commit protocol: leftovers of interrupted saves
    removed, a staging directory created beside the target (local and shared file systems), or
    an object store's prefix checked (a committed checkpoint is refused unless ``overwrite``).
-   The staging (plain data) is posted in the process group's key-value store under a key of
-   the target; DCP scatters the plans after this step, so every rank finds it there;
+   The staging (plain data) is posted in the process group's key-value store under the
+   save's name (the target, or ``save_name``); DCP scatters the plans after this step, so every
+   rank finds it there, and the next save's post comes after every rank finished this one;
 3. every rank: ``write_data`` reads the staging from the store (the coordinator has it),
    resolves its items through the planner and writes its files with distckpt's writer threads;
    each ``WriteResult`` carries the item's place and CRC32C (and, on a file's first item, the

@@ -170,6 +170,9 @@ def test_a_pickled_value_loads_under_the_allowlist_unless_the_checkpoint_is_trus
         distckpt.dcp.StorageReader(tmp_path / "ckpt", trusted=True), {"w": torch.zeros_like(W), "extra": None}
     )
     assert marker.exists() and state["extra"] == str(marker)
+    marker.unlink()
+    _load(FileSystemReader(tmp_path / "ckpt"), {"w": torch.zeros_like(W), "extra": None})
+    assert marker.exists()  # what DCP's own reader does with the same file
 
 
 def test_distckpt_reader_reads_what_distckpt_save_wrote(tmp_path):
