@@ -335,6 +335,24 @@ def start_moto(url: str):
     return server
 
 
+def prepare_dir(directory: str, moto: bool):
+    """Where a benchmark writes: a local directory (created) or an object-store URL (with
+    ``moto``, a local moto S3 server started first). Returns (whether it is remote, a function
+    that removes the directory or stops the server)."""
+    remote = "://" in directory
+    server = start_moto(directory) if remote and moto else None
+    if not remote:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+
+    def cleanup():
+        if not remote:
+            shutil.rmtree(directory, ignore_errors=True)
+        if server is not None:
+            server.stop()
+
+    return remote, cleanup
+
+
 def pyplot():
     """matplotlib's pyplot on the file-only Agg backend, or None when matplotlib is not installed
     (``pip install -e .[bench]`` adds it)."""

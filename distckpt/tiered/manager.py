@@ -163,17 +163,7 @@ class TieredCheckpointManager:
         """
         from distckpt.saving import save
 
-        if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
-            raise CheckpointingException(f"iteration must be a non-negative int, got {iteration!r}")
-        self.finalize(blocking=len(self._pending) >= self.max_pending)
-        if iteration in self._pending:
-            self.finalize(blocking=True)
-        directory = self.local_of(iteration)
-        # A marker of an earlier save of this iteration must not vouch for files being replaced.
-        markers.remove_markers(directory, markers.owners_in(directory) if directory.is_dir() else [])
-        token = f"{self._run}-{self._count}"
-        self._count += 1
-        tier = SaveTier(LocalStore(directory), self.remote_of(iteration))
+        tier, token = self._local_tier(iteration)
         result = save(
             sharded_state_dict,
             tier,
@@ -186,6 +176,38 @@ class TieredCheckpointManager:
             return result
         self._after_local_commit(iteration, tier, token)
         return None
+
+    def save_dcp(self, state_dict, iteration: int, *, planner=None, overwrite: Optional[bool] = None) -> None:
+        """:meth:`save` for PyTorch DCP users: ``dcp.save(state_dict, planner=planner)`` of
+        ``iteration`` (DCP's state dicts: DTensors, FSDP2's ``get_state_dict``, ``Stateful``
+        objects) to the local tier through :class:`distckpt.dcp.StorageWriter`, then uploaded in
+        the background like any tiered save. Every rank. Synchronous: the upload and its
+        bookkeeping start on the calling thread once the local copy is committed."""
+        import torch.distributed.checkpoint as dcp
+
+        from distckpt.dcp import StorageWriter
+
+        tier, token = self._local_tier(iteration)
+        # Each node's tier is its own local directory: the ranks know the save by its remote URL.
+        writer = StorageWriter(tier, overwrite=overwrite, save_name=self.remote_of(iteration).url)
+        dcp.save(state_dict, storage_writer=writer, planner=planner)
+        self._after_local_commit(iteration, tier, token)
+
+    def _local_tier(self, iteration: int) -> Tuple[SaveTier, str]:
+        """Every rank, before a save of ``iteration``: earlier uploads finalized (waiting while
+        too many are in flight), its local directory's stale markers removed; the store the save
+        writes to and the save's token."""
+        if isinstance(iteration, bool) or not isinstance(iteration, int) or iteration < 0:
+            raise CheckpointingException(f"iteration must be a non-negative int, got {iteration!r}")
+        self.finalize(blocking=len(self._pending) >= self.max_pending)
+        if iteration in self._pending:
+            self.finalize(blocking=True)
+        directory = self.local_of(iteration)
+        # A marker of an earlier save of this iteration must not vouch for files being replaced.
+        markers.remove_markers(directory, markers.owners_in(directory) if directory.is_dir() else [])
+        token = f"{self._run}-{self._count}"
+        self._count += 1
+        return SaveTier(LocalStore(directory), self.remote_of(iteration)), token
 
     def _after_local_commit(self, iteration: int, tier: SaveTier, token: str) -> None:
         """Every rank, once the local save is committed: marker, replicas, start the upload."""
@@ -394,6 +416,28 @@ class TieredCheckpointManager:
         ``load_kwargs`` go to ``distckpt.load`` (``strict``, ``sharded_strategy`` ...)."""
         from distckpt.loading import load
 
+        iteration = self._to_load(iteration)
+        return self._reading(iteration, lambda tier: load(sharded_state_dict, tier, **load_kwargs))
+
+    def load_dcp(self, state_dict, iteration: Optional[int] = None, *, planner=None, **reader_options) -> int:
+        """:meth:`load` for PyTorch DCP users: ``dcp.load(state_dict, planner=planner)`` in place
+        from ``iteration`` (default: :meth:`find_latest`) through
+        :class:`distckpt.dcp.StorageReader` (``reader_options``: ``trusted``, ``verify`` ...),
+        each file from the nearest intact copy. Every rank. Returns the iteration loaded."""
+        import torch.distributed.checkpoint as dcp
+
+        from distckpt.dcp import StorageReader
+
+        iteration = self._to_load(iteration)
+        self._reading(
+            iteration,
+            lambda tier: dcp.load(
+                state_dict, storage_reader=StorageReader(tier, **reader_options), planner=planner
+            ),
+        )
+        return iteration
+
+    def _to_load(self, iteration: Optional[int]) -> int:
         if iteration is None:
             iteration = self.find_latest()
             if iteration is None:
@@ -401,9 +445,13 @@ class TieredCheckpointManager:
                     f"no checkpoint to load: none committed at {self.remote.url}, and the local copies "
                     f"under {self.local_root} cannot complete one"
                 )
+        return iteration
+
+    def _reading(self, iteration: int, read):
+        """``read(tier)`` through the read tier of ``iteration``; records what came from where."""
         tier = self.read_tier(iteration)
         try:
-            state = load(sharded_state_dict, tier, **load_kwargs)
+            return read(tier)
         finally:
             summary = tier.summary()
             self.last_load = TierLoadReport(
@@ -414,7 +462,6 @@ class TieredCheckpointManager:
                 summary["rejected"],
             )
             timings.annotate("load", summary)
-        return state
 
     def read_tier(self, iteration: int) -> ReadTier:
         """The store a load of ``iteration`` reads through (also used by the CLI)."""

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from distckpt import containment, dist, storage, timings
+from distckpt import dist, storage, timings
 from distckpt.commit import tree_identity
 from distckpt.core import CheckpointingException
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
@@ -48,7 +48,7 @@ from distckpt.strategies.torch_dist.metadata import (
     unpickle_metadata,
 )
 from distckpt.strategies.torch_dist.plan import DEFAULT_READERS_PER_RANK, checked_thread_count, io_threads
-from distckpt.strategies.torch_dist.read import execute_plan
+from distckpt.strategies.torch_dist.read import execute_plan, read_item_bytes
 from distckpt.strategies.torch_dist.stored import (
     DefaultChecks,
     Stored,
@@ -58,7 +58,6 @@ from distckpt.strategies.torch_dist.stored import (
     directory_tensors,
     index_from_sidecar,
     index_metadata,
-    stored_file_size,
 )
 
 logger = logging.getLogger(__name__)
@@ -350,29 +349,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             raise CheckpointingException(
                 f"{name} is not in checkpoint {checkpoint_dir} (rank {dist.get_rank()})"
             )
-        source = storage.join(checkpoint_dir, METADATA_FNAME)
-        path = storage.join(checkpoint_dir, stored.relative_path)
-        what = f"{name} in {path} (rank {dist.get_rank()})"
-        try:
-            size = stored_file_size(checkpoint_dir, stored.relative_path, source)
-            if stored.file_offset + stored.length > size:
-                raise CheckpointingException(
-                    f"{what}: file is truncated ({size} bytes, the record ends at "
-                    f"{stored.file_offset + stored.length})"
-                )
-            root = storage.local_root(checkpoint_dir)
-            if root is None:
-                raw = bytes(
-                    checkpoint_dir.get_ranges(stored.relative_path, [stored.file_offset], [stored.length])[0]
-                )
-            else:
-                with open(containment.open_beneath(root, stored.relative_path, source), "rb") as f:
-                    f.seek(stored.file_offset)
-                    raw = f.read(stored.length)
-        except FileNotFoundError:
-            raise CheckpointingException(f"{what}: data file is missing") from None
-        if len(raw) != stored.length:
-            raise CheckpointingException(f"{what}: file is truncated")
+        what = f"{name} in {storage.join(checkpoint_dir, stored.relative_path)} (rank {dist.get_rank()})"
+        raw = read_item_bytes(checkpoint_dir, stored, what)
         check_item(raw, stored, checksums, what, key)
         return safe_torch_load(raw, what=what, trusted=self.trusted)
 

@@ -112,14 +112,23 @@ def _tensor_item(sh: ShardedTensor, stage: bool) -> Tuple[Optional[WriteItem], K
     decl = KeyDecl(False, sh.dtype, shape, orig_shape)
     if math.prod(size) == 0:
         return None, decl
-    data = sh.data.detach()
+    return tensor_write_item(sh.key, offset, size, sh.data, sh.dtype, stage), decl
+
+
+def tensor_write_item(
+    fqn: str, offset: Shape, size: Shape, data: torch.Tensor, dtype: torch.dtype, stage: bool
+) -> WriteItem:
+    """The item of one chunk (``data``, ``size`` elements of key ``fqn`` at ``offset``), its bytes
+    not yet copied (``source``); ``stage``: always copy them (an async save). Also the item of a
+    DCP write item (:mod:`distckpt.dcp`)."""
+    data = data.detach()
     if not is_plain(data):
         # A tensor subclass (e.g. FP8 with a scale): store its values in the nominal dtype
         # without touching the caller's object.
-        data = data.reshape(-1).to(sh.dtype)
+        data = data.reshape(-1).to(dtype)
     copies = stage or data.device.type != "cpu" or not _owns_its_bytes(data)
     nbytes = math.prod(size) * data.element_size()
-    return WriteItem(sh.key, offset, size, None, nbytes, source=data, copies=copies), decl
+    return WriteItem(fqn, offset, size, None, nbytes, source=data, copies=copies)
 
 
 def _object_item(obj: ShardedObject) -> Tuple[WriteItem, KeyDecl]:

@@ -42,6 +42,7 @@ from distckpt.strategies.torch_dist.stored import (
     check_item,
     compare_crc,
     expected_checksum,
+    stored_file_size,
 )
 from distckpt.strategies.zip_archive import framed_layout, read_archive_layout
 
@@ -219,6 +220,34 @@ def read_chunk(
             fd, st.file_offset + base + first * itemsize, last - first, layout.dtype, strided, first, what
         )
     return nbytes
+
+
+def read_item_bytes(checkpoint_dir: Resolved, stored: Stored, what: str) -> bytes:
+    """The bytes of one stored item, read whole (a byte item: a pickled object or value), after
+    its file name passed the containment rule and its range was found inside the file; ``what``
+    names the item in errors. Not checked against a checksum: the caller does that."""
+    source = storage.join(checkpoint_dir, METADATA_FNAME)
+    try:
+        size = stored_file_size(checkpoint_dir, stored.relative_path, source)
+        if stored.file_offset + stored.length > size:
+            raise CheckpointingException(
+                f"{what}: file is truncated ({size} bytes, the record ends at "
+                f"{stored.file_offset + stored.length})"
+            )
+        root = storage.local_root(checkpoint_dir)
+        if root is None:
+            raw = bytes(
+                checkpoint_dir.get_ranges(stored.relative_path, [stored.file_offset], [stored.length])[0]
+            )
+        else:
+            with open(containment.open_beneath(root, stored.relative_path, source), "rb") as f:
+                f.seek(stored.file_offset)
+                raw = f.read(stored.length)
+    except FileNotFoundError:
+        raise CheckpointingException(f"{what}: data file is missing") from None
+    if len(raw) != stored.length:
+        raise CheckpointingException(f"{what}: file is truncated")
+    return raw
 
 
 def _check_claimed_dtype(actual: torch.dtype, claimed: Optional[StoredKey], what: str) -> None:
