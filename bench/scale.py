@@ -59,12 +59,15 @@ import numpy as np
 import psutil
 import torch
 
+from bench import deepseek
 from bench.common import PeakRss
+from distckpt import ShardedTensor
 from distckpt.core import gc_paused
 from distckpt.dist import slot_bytes
 from distckpt.strategies.index_format import INDEX_FNAME
 from distckpt.strategies.index_read import IndexReader
 from distckpt.strategies.metadata_pickle import respell
+from distckpt.strategies.torch_dist.loadplan import LoadPlan, plan_tensor
 from distckpt.strategies.torch_dist.metadata import build_metadata, metadata_bytes_and_head
 from distckpt.strategies.torch_dist.plan import WriteItem
 from distckpt.strategies.torch_dist.plan import buckets as buckets_of
@@ -76,6 +79,7 @@ from distckpt.strategies.torch_dist.records import (
     patched_sidecar_index,
     sidecar_index,
 )
+from distckpt.strategies.torch_dist.stored import index_from_sidecar
 from distckpt.validation import ShardTable, validate_global_integrity
 
 HIDDEN, LAYERS, VOCAB, TP, PP_MAX = 12288, 96, 51200, 8, 16
@@ -178,25 +182,79 @@ def decls_of(world):
     return decls
 
 
-def load_boxes(metas) -> dict:
-    """The boxes (stored coordinates) one rank asks for when it loads its own share."""
-    boxes: dict = {}
-    for key, _, _, _, offset, local, flat, _ in metas:
-        if flat is None:
-            box = (offset, local)
-        else:
-            grid_index = tuple(o // max(1, s) for o, s in zip(offset, local))
-            box = (grid_index + (flat[0],), (1,) * len(grid_index) + (flat[1] - flat[0],))
-        boxes.setdefault(key, []).append(box)
-    return boxes
+def load_share(tmp: Path, metas):
+    """What one rank's load of its own share (same layout) costs before it reads a byte: the
+    sidecar query for its chunks (seconds, bytes read, records found) and the planning of its
+    copies (seconds), and the peak resident memory above the start of both (bytes). The request's
+    tensors are on the meta device: the plan is the same, no memory is filled."""
+    proc = psutil.Process()
+    gc.collect()
+    rss0 = proc.memory_info().rss
+    with PeakRss(proc, interval=0.002) as peak:
+        sd = {}
+        for i, (key, _, dtype, gshape, offset, local, flat, _) in enumerate(metas):
+            dt = getattr(torch, dtype.split(".")[-1])
+            n = math.prod(local) if flat is None else flat[1] - flat[0]
+            data = torch.empty(local if flat is None else (n,), dtype=dt, device="meta")
+            fr = None if flat is None else slice(*flat)
+            sd[i] = ShardedTensor(key, data, dt, local, gshape, offset, None, 0, 0, False, fr)
+        t0 = time.perf_counter()
+        reader = IndexReader.open(tmp)
+        index = index_from_sidecar(reader, sd, {})
+        t_query = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        plan = LoadPlan()
+        for sh in sd.values():
+            plan_tensor(plan, sh, index[sh.key], sh.data)
+        t_plan = time.perf_counter() - t0
+    found = sum(len(k.chunks) for k in index.values() if hasattr(k, "chunks"))
+    return t_query, t_plan, reader.bytes_read, found, peak.peak - rss0
 
 
-def measure(world: int, tmp: Path, profile: bool = False, objects: bool = False) -> dict:
+class Gpt3:
+    """The GPT-3 175B-like model above, at TP8 x PP16 x DP."""
+
+    name = "GPT-3 175B-like"
+
+    def layout(self, world: int) -> str:
+        pp, dp = layout(world)
+        return f"TP{TP}xPP{pp}xDP{dp}"
+
+    def worlds(self, worlds):
+        return list(worlds)
+
+    rank_shards = staticmethod(rank_shards)
+    decls_of = staticmethod(decls_of)
+
+
+class DeepSeek:
+    """The DeepSeek-V3-like MoE model of :mod:`bench.deepseek`, at PP16 x DP with EP ``ep``."""
+
+    def __init__(self, ep: int):
+        self.ep = ep
+        self.name = f"DeepSeek-V3-like, EP{ep}"
+
+    def layout(self, world: int) -> str:
+        pp, dp, edp = deepseek.layout(world, self.ep)
+        return f"PP{pp}xDP{dp} EP{self.ep}xEDP{edp}"
+
+    def worlds(self, worlds):
+        return [w for w in worlds if w // deepseek.PP >= self.ep]
+
+    def rank_shards(self, rank: int, world: int):
+        return deepseek.rank_shards(rank, world, self.ep)
+
+    def decls_of(self, world: int):
+        return deepseek.decls_of(world, self.ep)
+
+
+def measure(world: int, tmp: Path, profile: bool = False, objects: bool = False, model=None) -> dict:
+    model = model or Gpt3()
     queried = (0, world // 2, world - 1)
     all_metas, payloads, records, shards = {}, [], [], 0
-    decls = decls_of(world)
+    decls = model.decls_of(world)
     for rank in range(world):
-        metas, items = rank_shards(rank, world)
+        metas, items = model.rank_shards(rank, world)
         shards += len(metas)
         if rank in queried:
             all_metas[rank] = metas
@@ -280,18 +338,17 @@ def measure(world: int, tmp: Path, profile: bool = False, objects: bool = False)
         t_unpickle = time.perf_counter() - t0
         chunks = sum(len(v.chunks) for v in md.state_dict_metadata.values() if hasattr(v, "chunks"))
         del md
-        read_bytes, read_s, found = [], [], []
+        read_bytes, read_s, plan_s, found, plan_rss = [], [], [], [], []
         for rank in queried:
-            t0 = time.perf_counter()
-            reader = IndexReader.open(tmp)
-            hits = reader.query(load_boxes(all_metas[rank]))
-            read_s.append(time.perf_counter() - t0)
-            read_bytes.append(reader.bytes_read)
-            found.append(sum(len(v) for v in hits.values()))
-    pp, dp = layout(world)
+            q, p, nbytes, records_found, rss = load_share(tmp, all_metas[rank])
+            read_s.append(q)
+            plan_s.append(p)
+            read_bytes.append(nbytes)
+            found.append(records_found)
+            plan_rss.append(rss)
     return {
         "ranks": world,
-        "layout": f"TP{TP}xPP{pp}xDP{dp}",
+        "layout": model.layout(world),
         "shards": shards,
         "written_items": written,
         "gather_s": t_gather,
@@ -313,6 +370,8 @@ def measure(world: int, tmp: Path, profile: bool = False, objects: bool = False)
         "load_records": sum(found) / len(found),
         "load_index_kib": sum(read_bytes) / len(read_bytes) / 2**10,
         "load_index_s": sum(read_s) / len(read_s),
+        "load_plan_s": sum(plan_s) / len(plan_s),
+        "load_rss_mib": max(plan_rss) / 2**20,
         "load_tables_mib": tables_bytes / 2**20,
         # the slot all-gather (world slots) and the verdict's broadcast (one slot)
         "load_other_rank_kib": (world + 1) * slot_bytes(world) / 2**10,
@@ -335,24 +394,39 @@ def main() -> int:
         action="store_true",
         help="cProfile gather + validation + planning + metadata at the largest world size",
     )
+    parser.add_argument(
+        "--model",
+        choices=["gpt3", "deepseek"],
+        default="gpt3",
+        help="GPT-3 175B-like at TP8xPP16xDP, or DeepSeek-V3-like MoE at PP16xDP (bench/deepseek.py)",
+    )
+    parser.add_argument("--ep", type=int, default=8, help="expert parallelism of --model deepseek")
     args = parser.parse_args()
-    worlds = [
+    model = DeepSeek(args.ep) if args.model == "deepseek" else Gpt3()
+    worlds = model.worlds(
         w for w in (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384) if args.min_ranks <= w <= args.max_ranks
-    ]
+    )
+    print(f"{model.name}: rank 0's side of a save with a new structure\n")
     rows = []
     print(
-        f"| {'ranks':>5} | {'layout':>15} | {'shards':>9} | {'items':>9} | {'gather s':>8} | "
+        f"| {'ranks':>5} | {'layout':>22} | {'shards':>9} | {'items':>9} | {'gather s':>8} | "
         f"{'validate s':>10} | "
         f"{'plan s':>7} | {'metadata s':>10} | {'total s':>7} | {'us/shard':>8} | {'RSS +MiB':>8} | "
         f"{'reused s':>8} |"
     )
-    print("|" + "|".join("-" * (n + 2) for n in (5, 15, 9, 9, 8, 10, 7, 10, 7, 8, 8, 8)) + "|")
+    print("|" + "|".join("-" * (n + 2) for n in (5, 22, 9, 9, 8, 10, 7, 10, 7, 8, 8, 8)) + "|")
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
         for world in worlds:
-            r = measure(world, Path(tmp), profile=args.profile and world == worlds[-1], objects=args.objects)
+            r = measure(
+                world,
+                Path(tmp),
+                profile=args.profile and world == worlds[-1],
+                objects=args.objects,
+                model=model,
+            )
             rows.append(r)
             print(
-                f"| {r['ranks']:5d} | {r['layout']:>15} | {r['shards']:9d} | {r['written_items']:9d} | "
+                f"| {r['ranks']:5d} | {r['layout']:>22} | {r['shards']:9d} | {r['written_items']:9d} | "
                 f"{r['gather_s']:8.2f} | {r['validate_s']:10.2f} | "
                 f"{r['plan_s']:7.2f} | {r['metadata_s']:10.2f} | {r['total_s']:7.2f} | "
                 f"{1e6 * r['total_s'] / r['shards']:8.2f} | {r['rss_growth_mib']:8.0f} | "
@@ -373,10 +447,12 @@ def main() -> int:
         f"| {'ranks':>5} | {'.metadata MiB':>13} | {'objects s':>9} | {'unpickle s':>10} | "
         f"{'index MiB':>9} | "
         f"{'build s':>7} | {'template s':>10} | {'patched s':>9} | {'share shards':>12} | "
-        f"{'records read':>12} | {'index KiB read':>14} | {'query s':>7} | "
+        f"{'records read':>12} | {'index KiB read':>14} | {'query s':>7} | {'plan s':>6} | {'RSS +MiB':>8} | "
         f"{'tables MiB':>10} | {'other rank KiB':>14} |"
     )
-    print("|" + "|".join("-" * (n + 2) for n in (5, 13, 9, 10, 9, 7, 10, 9, 12, 12, 14, 7, 10, 14)) + "|")
+    print(
+        "|" + "|".join("-" * (n + 2) for n in (5, 13, 9, 10, 9, 7, 10, 9, 12, 12, 14, 7, 6, 8, 10, 14)) + "|"
+    )
     for r in rows:
         objects = "-" if r["objects_and_pickle_s"] is None else f"{r['objects_and_pickle_s']:.2f}"
         print(
@@ -384,11 +460,14 @@ def main() -> int:
             f"{r['index_mib']:9.1f} | {r['index_build_s']:7.2f} | {r['index_template_s']:10.2f} | "
             f"{r['index_patched_s']:9.2f} | {r['share_shards']:12d} | "
             f"{r['load_records']:12.0f} | {r['load_index_kib']:14.0f} | {r['load_index_s']:7.3f} | "
+            f"{r['load_plan_s']:6.3f} | {r['load_rss_mib']:8.1f} | "
             f"{r['load_tables_mib']:10.1f} | {r['load_other_rank_kib']:14.0f} |"
         )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "scale.json").write_text(json.dumps(rows, indent=2))
+    (out / f"scale_{args.model}{args.ep if args.model == 'deepseek' else ''}.json").write_text(
+        json.dumps(rows, indent=2)
+    )
     return 0
 
 
