@@ -146,6 +146,11 @@ def is_leftover(path: PathLike) -> bool:
     return _LEFTOVER.match(Path(path).name) is not None
 
 
+def leftovers_of(target: Path) -> List[Tuple[str, str, Path]]:
+    """``(kind, save id, path)`` of every leftover of interrupted saves to ``target``."""
+    return _leftovers(target)
+
+
 def _leftovers(target: Path) -> List[Tuple[str, str, Path]]:
     out = []
     try:
