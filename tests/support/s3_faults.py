@@ -60,6 +60,7 @@ _MESSAGES = {
     "InternalError": "We encountered an internal error. Please try again.",
     "AccessDenied": "Access Denied",
     "TooManyRequests": "Too many requests.",
+    "NoSuchBucket": "The specified bucket does not exist",
 }
 
 
@@ -96,9 +97,8 @@ class _Faults:
             return self.app(environ, start_response)
         status, code = answer[0], answer[1]
         body = _ERROR_BODY.format(code=code, message=_MESSAGES.get(code, code)).encode()
-        reason = {403: "Forbidden", 429: "Too Many Requests", 500: "Internal Server Error"}.get(
-            status, "Service Unavailable"
-        )
+        reason = {403: "Forbidden", 404: "Not Found", 429: "Too Many Requests", 500: "Internal Server Error"}
+        reason = reason.get(status, "Service Unavailable")
         start_response(
             f"{status} {reason}", [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))]
         )
@@ -237,10 +237,17 @@ class CountingStore(Store):
     each one fails with :class:`StoreCut` before reaching ``inner``, until :meth:`heal` (an
     outage that begins at a chosen point: what a crash or a lost network does to the code after
     it). ``only_one``: fail request ``cut_at`` alone (a single error the code must handle).
+    ``on_request(n)`` runs before request ``n`` goes out (what else happens at that moment).
     ``log`` lists every request as ``(operation, name)``, the cut ones too."""
 
-    def __init__(self, inner: Store, cut_at: Optional[int] = None, only_one: bool = False):
-        self.inner, self.cut_at, self.only_one = inner, cut_at, only_one
+    def __init__(
+        self,
+        inner: Store,
+        cut_at: Optional[int] = None,
+        only_one: bool = False,
+        on_request: Optional[Callable[[int], None]] = None,
+    ):
+        self.inner, self.cut_at, self.only_one, self.on_request = inner, cut_at, only_one, on_request
         self.count = 0
         self.log: List[tuple] = []
         self._lock = threading.Lock()
@@ -261,6 +268,8 @@ class CountingStore(Store):
             self.count += 1
             self.log.append((operation, name))
             n, cut = self.count, self.cut_at
+        if self.on_request is not None:
+            self.on_request(n)
         if cut is not None and (n == cut if self.only_one else n >= cut):
             raise StoreCut(f"{self.where(name)}: {operation} cut (request {n})")
 
