@@ -120,6 +120,7 @@ class StoreCommit:
 
     def __init__(self, store: Store):
         self.store = store
+        self._kept: Set[str] = set()  # saves whose commit may have landed: never aborted
 
     def where(self, staging: StoreStaging) -> Store:
         """Every rank: the store the strategies write through."""
@@ -172,7 +173,22 @@ class StoreCommit:
         staged.put(CONFIG_FNAME, data)
         _check_complete(self.store, staged)
         record = CommitRecord(staging.token, staging.generation, STAGED, staging.save_id)
-        if not self.store.put_versioned(RECORD_NAME, record.to_bytes(), staging.expected):
+        try:
+            done = self.store.put_versioned(RECORD_NAME, record.to_bytes(), staging.expected)
+        except Exception:
+            # The put may have landed with its answer lost. Unless the record can be read and
+            # names another save, this save's objects may be the checkpoint now: abort keeps them
+            # (the clean-up of a later save decides by generation).
+            try:
+                current = _record(self.store)[0]
+            except Exception:  # noqa: BLE001 - the put's own error is the one to report
+                current = None
+                self._kept.add(staging.token)
+            if current is not None and current.token == staging.token:
+                self.store.committed_version(refresh=True)
+                return
+            raise
+        if not done:
             current, _ = _record(self.store)
             if current is None or current.token != staging.token:  # not our own put, retried
                 now = current.token if current is not None else "none"
@@ -205,7 +221,7 @@ class StoreCommit:
         """rank 0, best effort: remove the objects of a failed overwrite (its staged tree and its
         data files). A failed save in place leaves its objects uncommitted; the next save to the
         prefix writes over them."""
-        if staging.token is None:
+        if staging.token is None or staging.token in self._kept:
             return
         try:
             _delete(self.store, [n for n in self.store.list_objects() if _token_of(n) == staging.token])

@@ -257,22 +257,25 @@ class ObjectStore(Store):
         return self._key(records.placed(self.committed_version(), name))
 
     def _reading(self, name: str, what: str, read):
-        """``read(key)`` of ``name`` through the record. A staged object may vanish once its save
-        is published (the copies at the plain names are the same bytes): then the record is read
-        again and, still naming the same save, the plain name is read."""
+        """``read(key)`` of ``name`` through the record. An object of the committed save is
+        removed only once another save committed, or once a tool made the plain names the
+        checkpoint (``plain``): a read that misses is tried again where the record, read again,
+        places the same save's object; anything else stays the miss (and a load then finds the
+        record changed: "replaced ... load again")."""
         key = self._read_key(name)
         try:
             return read(key)
         except Exception as e:  # noqa: BLE001
             failed = classify(e, self.where(name), what)
-            view = self._view if isinstance(failed, FileNotFoundError) and self._view is not _UNREAD else None
-            if view is None or view.state != records.STAGED or key == self._key(name):
+            view = self._view
+            if not isinstance(failed, FileNotFoundError) or view is _UNREAD or view is None:
                 raise failed from e
         fresh = self.committed_version(refresh=True)
-        if fresh is None or fresh.token != view.token:
+        again = self._read_key(name)
+        if fresh is None or fresh.token != view.token or again == key:
             raise FileNotFoundError(self.where(name))
         try:
-            return read(self._read_key(name))
+            return read(again)
         except Exception as e:  # noqa: BLE001
             self._fail(name, what, e)
 

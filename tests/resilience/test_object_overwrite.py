@@ -137,6 +137,14 @@ def test_a_load_straddling_an_overwrite_returns_the_old_checkpoint_whole_or_says
     assert "replaced" in outcomes
 
 
+def test_a_commit_whose_answer_was_lost_is_taken_as_done_and_nothing_is_aborted(store_url):
+    _, commit = _points(store_url, "torch_dist", every=False)
+    url = _fresh(store_url)
+    assert store_cuts.cut_overwrite(url, "torch_dist", commit, lose_answer=True) is None
+    assert store_cuts.loaded_generation(url) == 2
+    assert store_cuts.leftovers(url) == [] and store_cuts.unpublished(url) == []
+
+
 def test_an_overwrite_writes_no_object_of_the_checkpoint_it_replaces(store_url):
     url = _fresh(store_url)
     store_cuts.save(url, 1, "torch_dist", overwrite=False)

@@ -225,8 +225,7 @@ class _CountingWriter(Writer):
         return self.inner.write(data)
 
     def close(self) -> None:
-        self.store.request("close upload", self.name)
-        self.inner.close()
+        self.store.run("close upload", self.name, self.inner.close)
 
     def abort(self) -> None:
         self.inner.abort()
@@ -237,8 +236,10 @@ class CountingStore(Store):
     each one fails with :class:`StoreCut` before reaching ``inner``, until :meth:`heal` (an
     outage that begins at a chosen point: what a crash or a lost network does to the code after
     it). ``only_one``: fail request ``cut_at`` alone (a single error the code must handle).
-    ``on_request(n)`` runs before request ``n`` goes out (what else happens at that moment).
-    ``log`` lists every request as ``(operation, name)``, the cut ones too."""
+    ``lose_answer``: request ``cut_at`` reaches ``inner`` and is done, then fails (its answer was
+    lost, as when a connection drops after the server acted). ``on_request(n)`` runs before
+    request ``n`` goes out (what else happens at that moment). ``log`` lists every request as
+    ``(operation, name)``, the cut ones too."""
 
     def __init__(
         self,
@@ -246,8 +247,10 @@ class CountingStore(Store):
         cut_at: Optional[int] = None,
         only_one: bool = False,
         on_request: Optional[Callable[[int], None]] = None,
+        lose_answer: bool = False,
     ):
         self.inner, self.cut_at, self.only_one, self.on_request = inner, cut_at, only_one, on_request
+        self.lose_answer = lose_answer
         self.count = 0
         self.log: List[tuple] = []
         self._lock = threading.Lock()
@@ -263,15 +266,21 @@ class CountingStore(Store):
     def heal(self) -> None:
         self.cut_at = None
 
-    def request(self, operation: str, name: str) -> None:
+    def run(self, operation: str, name: str, call):
+        """Count one request and send it (``call()``), or fail it as configured."""
         with self._lock:
             self.count += 1
             self.log.append((operation, name))
             n, cut = self.count, self.cut_at
         if self.on_request is not None:
             self.on_request(n)
-        if cut is not None and (n == cut if self.only_one else n >= cut):
+        hit = cut is not None and (n == cut if self.only_one or self.lose_answer else n >= cut)
+        if hit and not self.lose_answer:
             raise StoreCut(f"{self.where(name)}: {operation} cut (request {n})")
+        result = call()
+        if hit:
+            raise StoreCut(f"{self.where(name)}: {operation} done, its answer lost (request {n})")
+        return result
 
     @property
     def url(self) -> str:
@@ -284,52 +293,42 @@ class CountingStore(Store):
         return self.inner.child(name)
 
     def put(self, name, data) -> None:
-        self.request("put", name)
-        self.inner.put(name, data)
+        self.run("put", name, lambda: self.inner.put(name, data))
 
     def put_if_absent(self, name, data) -> bool:
-        self.request("put_if_absent", name)
-        return self.inner.put_if_absent(name, data)
+        return self.run("put_if_absent", name, lambda: self.inner.put_if_absent(name, data))
 
     def get(self, name):
-        self.request("get", name)
-        return self.inner.get(name)
+        return self.run("get", name, lambda: self.inner.get(name))
 
     def get_ranges(self, name, starts: Sequence[int], lengths: Sequence[int]):
-        self.request("get_ranges", name)
-        return self.inner.get_ranges(name, starts, lengths)
+        return self.run("get_ranges", name, lambda: self.inner.get_ranges(name, starts, lengths))
 
     def size(self, name) -> int:
-        self.request("size", name)
-        return self.inner.size(name)
+        return self.run("size", name, lambda: self.inner.size(name))
 
     def delete(self, name) -> None:
-        self.request("delete", name)
-        self.inner.delete(name)
+        self.run("delete", name, lambda: self.inner.delete(name))
 
     def list(self, prefix: str = ""):
-        self.request("list", prefix)
-        return self.inner.list(prefix)
+        return self.run("list", prefix, lambda: self.inner.list(prefix))
 
     def list_objects(self, prefix: str = ""):
-        self.request("list", prefix)
-        return self.inner.list_objects(prefix)
+        return self.run("list", prefix, lambda: self.inner.list_objects(prefix))
 
     def open_writer(self, name) -> Writer:
-        self.request("open upload", name)
-        return _CountingWriter(self, name, self.inner.open_writer(name))
+        return _CountingWriter(
+            self, name, self.run("open upload", name, lambda: self.inner.open_writer(name))
+        )
 
     def get_versioned(self, name):
-        self.request("get_versioned", name)
-        return self.inner.get_versioned(name)
+        return self.run("get_versioned", name, lambda: self.inner.get_versioned(name))
 
     def put_versioned(self, name, data, expected) -> bool:
-        self.request("put_versioned", name)
-        return self.inner.put_versioned(name, data, expected)
+        return self.run("put_versioned", name, lambda: self.inner.put_versioned(name, data, expected))
 
     def copy(self, src: str, dst: str) -> None:
-        self.request("copy", dst)
-        self.inner.copy(src, dst)
+        self.run("copy", dst, lambda: self.inner.copy(src, dst))
 
     def committed_version(self, refresh: bool = False):
         return self.inner.committed_version(refresh)
@@ -338,5 +337,4 @@ class CountingStore(Store):
         self.inner.begin_save(commit_names, overwrite)
 
     def commit(self, name, data) -> None:
-        self.request("commit", name)
-        self.inner.commit(name, data)
+        self.run("commit", name, lambda: self.inner.commit(name, data))

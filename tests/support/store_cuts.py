@@ -57,11 +57,14 @@ def sample(count: int, commit: int) -> List[int]:
     return sorted({max(1, commit // 2), commit, commit + 1} & set(range(1, count + 1)))
 
 
-def cut_overwrite(url: str, backend: str, cut_at: int, only_one: bool = False) -> Optional[str]:
+def cut_overwrite(
+    url: str, backend: str, cut_at: int, only_one: bool = False, lose_answer: bool = False
+) -> Optional[str]:
     """Save generation 1 fresh at ``url``, then overwrite it with 2 through a store cut at request
-    ``cut_at``; returns the save's error (None when it returned). The store is healed after."""
+    ``cut_at`` (see CountingStore); returns the save's error (None when it returned). The store is
+    healed after."""
     save(url, 1, backend, overwrite=False)
-    store = CountingStore(open_store(url), cut_at=cut_at, only_one=only_one)
+    store = CountingStore(open_store(url), cut_at=cut_at, only_one=only_one, lose_answer=lose_answer)
     try:
         save(store, 2, backend)
     except Exception as e:  # noqa: BLE001 - the caller checks what the save said
