@@ -162,6 +162,11 @@ class Store(ABC):
         """Every object under ``prefix`` (relative names -> sizes). One listing; tools and at most
         rank 0 call it."""
 
+    def is_empty(self) -> bool:
+        """True when no object at all is stored under this location (a wrong prefix); for
+        messages on an error path."""
+        return not self.list_objects()
+
     def list_objects(self, prefix: str = "") -> Dict[str, int]:
         """Every object under ``prefix``, whatever a commit record says (:meth:`list` shows the
         checkpoint the record names): what the commit protocol itself lists."""

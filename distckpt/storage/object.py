@@ -406,6 +406,15 @@ class ObjectStore(Store):
                 found[name] = size
         return dict(sorted(found.items()))
 
+    def is_empty(self) -> bool:
+        base = self._prefix + "/" if self._prefix else None
+        try:
+            for batch in obstore.list(self._store, prefix=base, chunk_size=1):
+                return not batch
+        except Exception as e:  # noqa: BLE001
+            self._fail("", "list", e)
+        return True
+
     def list_objects(self, prefix: str = "") -> Dict[str, int]:
         # A listing prefix need not end at a ``/`` (``"optimizer."``); it is checked as a name
         # without its trailing ``/``.

@@ -53,6 +53,14 @@ def test_a_load_from_a_missing_bucket_says_so_instead_of_not_a_checkpoint(s3):
         distckpt.load(_state(0.0), f"s3://no-such-bucket-{s3.port}/x", storage_options=s3.options())
 
 
+def test_a_load_from_an_empty_prefix_says_nothing_is_stored_there(s3):
+    with pytest.raises(CheckpointingException, match="no object at all is stored under this prefix"):
+        distckpt.load_common_state_dict(s3.url("never-written"), storage_options=s3.options())
+    ObjectStore(s3.url("half-written"), s3.options()).put("common.pt", b"x")
+    with pytest.raises(CheckpointingException, match="metadata.json is missing"):
+        distckpt.load_common_state_dict(s3.url("half-written"), storage_options=s3.options())
+
+
 def test_refused_access_is_reported_once_and_not_retried(s3):
     url = s3.url("denied")
     s3.inject(403, "AccessDenied", times=100, match=lambda r: r.method == "PUT")
