@@ -333,6 +333,7 @@ def flatten(store: Store) -> None:
             f"{store.url}: another save committed while the checkpoint was being edited"
         )
     store.committed_version(refresh=True)
+    collect_garbage(store)  # the staged tree: a reader still on it falls back to the plain names
 
 
 def collect_garbage(store: Store, dry_run: bool = False, uncommitted: bool = False) -> List[str]:

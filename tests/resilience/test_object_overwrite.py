@@ -194,6 +194,19 @@ def test_of_two_overwrites_racing_the_later_commit_fails_and_the_winner_is_whole
     assert store_cuts.leftovers(url) == [] and store_cuts.unpublished(url) == []
 
 
+def test_rm_prefix_in_place_edits_an_overwritten_checkpoint_and_what_loads_follows(store_url):
+    from distckpt.tools.surgery import remove_prefix
+
+    url = _fresh(store_url)
+    store_cuts.save(url, 1, "torch_dist", overwrite=False)
+    store_cuts.save(url, 2, "torch_dist")
+    assert remove_prefix(url, "mask") == ["mask"]
+    assert "mask" not in distckpt.load_sharded_metadata(url)
+    assert store_cuts.leftovers(url) == []  # the staged tree went with the edit
+    store_cuts.save(url, 3, "torch_dist")  # and the next overwrite works from there
+    assert store_cuts.loaded_generation(url) == 3 and store_cuts.leftovers(url) == []
+
+
 def test_a_damaged_commit_record_is_an_error_naming_it(store_url):
     url = _fresh(store_url)
     store_cuts.save(url, 1, "torch_dist", overwrite=False)
