@@ -34,8 +34,9 @@ swap that a crash interrupted half way (only possible with the fallback below).
 * Files in the target that are not checkpoint files (anything the old checkpoint's manifest does
   not list and that does not look like a checkpoint file: ``metadata.json``, ``.metadata``,
   ``common.pt``, ``*.distcp`` and their block tables ``*.distcp.crc``, zarr nodes, object
-  folders) are **carried over** into the new tree
-  (hard links; copies where links are refused) before the swap, and logged. A user's
+  folders, the commit record and staged tree of an object-store checkpoint that was downloaded)
+  are **carried over** into the new tree (hard links; copies where links are refused) before the
+  swap, and logged. A user's
   ``README`` or ``run_config.yaml`` in a checkpoint folder survives an overwrite; stale data of
   the old checkpoint does not.
 * The staging directory's inode and a token file holding the save id (removed just before the
@@ -86,6 +87,7 @@ from distckpt.core import (
     save_config,
 )
 from distckpt.manifest import read_manifest_files
+from distckpt.storage.record import RECORD_NAME, token_in
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +108,7 @@ _CHECKPOINT_FILES = frozenset(
         ".zgroup",
         ".zattrs",
         STAGING_TOKEN,
+        RECORD_NAME,
     }
 )
 _TEMP_FILE = re.compile(r"^\..+\.tmp\.\d+$")
@@ -333,6 +336,8 @@ def _checkpoint_entries(root: Path) -> Set[str]:
 
 def _looks_like_checkpoint_entry(entry: os.DirEntry) -> bool:
     if entry.name.endswith((".distcp", ".distcp.crc")) or _TEMP_FILE.match(entry.name):
+        return True
+    if token_in(entry.name) is not None:  # an object-store save's staged tree, downloaded
         return True
     if entry.is_dir(follow_symlinks=False):
         try:

@@ -214,3 +214,15 @@ def test_a_damaged_commit_record_is_an_error_naming_it(store_url):
     open_store(url).put(RECORD_NAME, b'{"format": "distckpt-commit", "version": 1, "token": "../x"}')
     with pytest.raises(CheckpointingException, match=r"\.distckpt_commit\.json: field 'token'"):
         distckpt.load_common_state_dict(url)
+
+
+def test_a_downloaded_commit_record_and_staged_tree_are_not_carried_into_a_local_overwrite(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    store_cuts.save(ckpt, 1, "torch_dist", overwrite=False)
+    (ckpt / RECORD_NAME).write_text("{}")
+    (ckpt / ".distckpt-g1-0123abcd").mkdir()
+    (ckpt / ".distckpt-g1-0123abcd" / "common.pt").write_bytes(b"x")
+    (ckpt / "README").write_text("kept")
+    store_cuts.save(ckpt, 2, "torch_dist")
+    names = {p.name for p in ckpt.iterdir()}
+    assert "README" in names and RECORD_NAME not in names and ".distckpt-g1-0123abcd" not in names
