@@ -226,3 +226,18 @@ def test_a_downloaded_commit_record_and_staged_tree_are_not_carried_into_a_local
     store_cuts.save(ckpt, 2, "torch_dist")
     names = {p.name for p in ckpt.iterdir()}
     assert "README" in names and RECORD_NAME not in names and ".distckpt-g1-0123abcd" not in names
+
+
+def test_gc_on_a_local_directory_removes_the_leftovers_of_interrupted_saves(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    store_cuts.save(ckpt, 1, "torch_dist", overwrite=False)
+    leftover = tmp_path / ".ckpt.distckpt-staging-0123abcd"
+    leftover.mkdir()
+    (leftover / "__0_0.distcp").write_bytes(b"partial")
+    assert main(["gc", str(ckpt), "--dry-run"], standalone_mode=False) is None
+    assert (
+        leftover.exists()
+        and "1 leftover of earlier or failed saves would be removed" in capsys.readouterr().out
+    )
+    assert main(["gc", str(ckpt)], standalone_mode=False) is None
+    assert not leftover.exists() and store_cuts.loaded_generation(ckpt) == 1
