@@ -34,8 +34,9 @@ swap that a crash interrupted half way (only possible with the fallback below).
 * Files in the target that are not checkpoint files (anything the old checkpoint's manifest does
   not list and that does not look like a checkpoint file: ``metadata.json``, ``.metadata``,
   ``common.pt``, ``*.distcp`` and their block tables ``*.distcp.crc``, zarr nodes, object
-  folders) are **carried over** into the new tree
-  (hard links; copies where links are refused) before the swap, and logged. A user's
+  folders, the commit record and staged tree of an object-store checkpoint that was downloaded)
+  are **carried over** into the new tree (hard links; copies where links are refused) before the
+  swap, and logged. A user's
   ``README`` or ``run_config.yaml`` in a checkpoint folder survives an overwrite; stale data of
   the old checkpoint does not.
 * The staging directory's inode and a token file holding the save id (removed just before the
@@ -52,30 +53,30 @@ an overwrite needs room for two checkpoints until the commit; a symlinked target
 and the real directory replaced (the link keeps pointing at it); two saves to one target at
 once: the last commit wins whole, the other one fails or is replaced whole — never a mix.
 
-Object stores have no rename: :class:`StoreCommit` plugs in behind the same methods. A save
-writes its objects in place under the prefix; ``begin`` refuses a committed checkpoint there
-unless ``overwrite`` (and then deletes its ``metadata.json`` first), and ``commit`` writes
-``metadata.json`` with a conditional put (``If-None-Match: *``), so of two saves racing to one
-prefix at most one commits. An interrupted save leaves objects without ``metadata.json``: never
-a checkpoint. See docs/storage.md.
+Object stores have no rename: :class:`distckpt.commit_store.StoreCommit` plugs in behind the
+same methods (plus ``after_commit``, rank 0's publication once the save is committed). A save to
+a fresh prefix writes in place and commits with a conditional put of ``metadata.json``; an
+overwrite writes under names of its own and commits by replacing a small commit record with a
+versioned put, so the old checkpoint stays whole until that put. See its module docstring and
+docs/storage.md.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
-import json
 import logging
 import os
 import re
 import shutil
 import stat
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional, Set, Tuple, Union
 
 from distckpt import storage
+from distckpt.commit_store import COMMIT_NAMES, StoreCommit  # noqa: F401 - re-exported (their home before)
 from distckpt.core import (
     CONFIG_FNAME,
     CheckpointingConfig,
@@ -86,6 +87,7 @@ from distckpt.core import (
     save_config,
 )
 from distckpt.manifest import read_manifest_files
+from distckpt.storage.record import RECORD_NAME, token_in
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +108,7 @@ _CHECKPOINT_FILES = frozenset(
         ".zgroup",
         ".zattrs",
         STAGING_TOKEN,
+        RECORD_NAME,
     }
 )
 _TEMP_FILE = re.compile(r"^\..+\.tmp\.\d+$")
@@ -144,6 +147,11 @@ def leftover_name(target: Path, kind: str, save_id: str) -> Path:
 def is_leftover(path: PathLike) -> bool:
     """True for a staging / old / trash directory of an interrupted save."""
     return _LEFTOVER.match(Path(path).name) is not None
+
+
+def leftovers_of(target: Path) -> List[Tuple[str, str, Path]]:
+    """``(kind, save id, path)`` of every leftover of interrupted saves to ``target``."""
+    return _leftovers(target)
 
 
 def _leftovers(target: Path) -> List[Tuple[str, str, Path]]:
@@ -235,6 +243,9 @@ class RenameCommit:
                 staging.target,
             )
 
+    def after_commit(self, staging: Staging) -> None:
+        """rank 0, after the commit: nothing is left to do on a file system."""
+
     def cleanup_leftovers(self, target: Path) -> List[Path]:
         """rank 0, before a save: finish a half-done swap, then remove every leftover of earlier
         saves to ``target``. Returns the removed paths."""
@@ -325,6 +336,8 @@ def _checkpoint_entries(root: Path) -> Set[str]:
 
 def _looks_like_checkpoint_entry(entry: os.DirEntry) -> bool:
     if entry.name.endswith((".distcp", ".distcp.crc")) or _TEMP_FILE.match(entry.name):
+        return True
+    if token_in(entry.name) is not None:  # an object-store save's staged tree, downloaded
         return True
     if entry.is_dir(follow_symlinks=False):
         try:
@@ -431,12 +444,24 @@ class TreeIdentity:
     marker: Optional[Tuple[int, int]]
 
 
-def tree_identity(path: Union[Path, storage.Store]) -> Optional[TreeIdentity]:
-    """A file system checkpoint's identity (directory inode, commit marker); None for an object
-    store, whose commit protocol refuses to replace a committed checkpoint in place by default."""
+@dataclass(frozen=True)
+class RecordIdentity:
+    """An object-store checkpoint's identity: the save its commit record names (None: a
+    checkpoint without a record). An overwrite replaces the record; nothing else replaces objects
+    a reader of the record reads."""
+
+    token: Optional[str]
+
+
+def tree_identity(path: Union[Path, storage.Store]) -> Union[TreeIdentity, RecordIdentity, None]:
+    """A file system checkpoint's identity (directory inode, commit marker), or an object-store
+    checkpoint's (the commit record this operation reads through); None where neither applies."""
     root = storage.local_root(path)
     if root is None:
-        return None
+        if not isinstance(path, storage.Store) or not path.supports_versioned_put:
+            return None
+        record = path.committed_version()
+        return RecordIdentity(record.token if record is not None else None)
     try:
         st = os.stat(root)
     except OSError:
@@ -452,51 +477,24 @@ def tree_identity(path: Union[Path, storage.Store]) -> Optional[TreeIdentity]:
 def check_unchanged(path: Union[Path, storage.Store], before: Optional[TreeIdentity]) -> None:
     """Raise if the checkpoint at ``path`` was replaced or edited since ``before`` was taken
     (another job overwrote it during this load: what was read may mix the two saves)."""
-    if before is not None and tree_identity(path) != before:
+    if isinstance(before, RecordIdentity):
+        record = path.committed_version(refresh=True)
+        now = RecordIdentity(record.token if record is not None else None)
+    else:
+        now = tree_identity(path) if before is not None else None
+    if before is not None and now != before:
         raise CheckpointingException(
             f"{path}: the checkpoint was replaced or modified while it was being loaded (another job "
             f"saved to it?); what was read may mix two saves, so it is discarded — load again"
         )
 
 
-class StoreCommit:
-    """Object stores: write in place, ``metadata.json`` by conditional put is the commit (see the
-    module docstring). Bound to its store; rank 0 calls ``begin``, ``commit`` and ``abort``."""
-
-    def __init__(self, store: storage.Store):
-        self.store = store
-
-    def where(self, staging: Staging) -> storage.Store:
-        return self.store
-
-    def begin(self, target: storage.Store, save_id: str, overwrite: Optional[bool] = None) -> Staging:
-        target.begin_save(COMMIT_NAMES, overwrite)
-        return Staging(None, None, save_id, None)
-
-    def commit(self, staging: Staging, config: CheckpointingConfig) -> None:
-        self.store.commit(CONFIG_FNAME, json.dumps(asdict(config)).encode())
-
-    def abort(self, staging: Staging) -> None:
-        """Nothing to undo: the objects written stay uncommitted (no ``metadata.json``), and the
-        next save to the prefix writes over them."""
-
-    def cleanup_leftovers(self, target: storage.Store) -> List[Path]:
-        return []
-
-    def recover(self, target: storage.Store) -> bool:
-        return False
-
-
-# The names whose presence makes a location look like a checkpoint (the commit marker first).
-# The sidecar index goes too: a stale one must never outlive the .metadata it describes.
-COMMIT_NAMES = (CONFIG_FNAME, ".metadata", ".distckpt_manifest.json", ".distckpt_index")
-
 _DEFAULT = RenameCommit()
 
 
 def protocol_for(target: Union[Path, storage.Store]) -> Union[RenameCommit, StoreCommit]:
     """The commit protocol for ``target`` (as :func:`resolve_target` returns it): rename-based
-    on file systems, conditional put on object stores."""
+    on file systems, the commit record's on object stores."""
     if storage.local_root(target) is None:
         return StoreCommit(target)
     return _DEFAULT

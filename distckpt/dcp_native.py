@@ -72,8 +72,14 @@ def describe_missing_config(checkpoint_dir: storage.Location) -> str:
     """Why ``checkpoint_dir`` (a location without a usable config) is not readable."""
     root = storage.local_root(checkpoint_dir)
     if root is None:
+        store = storage.open_store(checkpoint_dir)
+        if store.is_empty():
+            return (
+                f"{store.url} is not a distributed checkpoint: no object at all is stored under this "
+                f"prefix (a wrong path? the bucket exists)"
+            )
         return (
-            f"{storage.open_store(checkpoint_dir).url} is not a distributed checkpoint: "
+            f"{store.url} is not a distributed checkpoint: "
             f"{CONFIG_FNAME} is missing, so it is "
             f"either not a checkpoint or an interrupted save"
         )

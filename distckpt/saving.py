@@ -282,10 +282,12 @@ def _write_and_commit(
         # ``written`` goes into the strategy's manifest; then only the commit itself is left.
         timings.begin_unless_timed(sharded_strategy, "writing")
         merged(sharded_part, ckpt, exc, written, lambda: protocol.commit(staging, config))
+        _after_commit(protocol, staging)
         return None
 
     def commit(exc: Optional[BaseException] = None) -> None:
         dist.gather_and_decide("commit", exc, written, decide)
+        _after_commit(protocol, staging)
 
     if async_sharded_save:
         if not isinstance(sharded_strategy, AsyncSaveShardedStrategy):
@@ -321,6 +323,13 @@ def _write_and_commit(
     timings.begin("commit")
     commit(exc)
     return None
+
+
+def _after_commit(protocol, staging) -> None:
+    """rank 0, once every rank knows the save committed: the protocol's follow-up (an object
+    store's publication and clean-up; best effort, it never fails the committed save)."""
+    if dist.get_rank() == 0:
+        protocol.after_commit(staging)
 
 
 # Digests of global sharding structures that passed validation (most recent last).

@@ -19,6 +19,7 @@ from __future__ import annotations
 from distckpt.cli.app import EXIT_INTERNAL, EXIT_OK, EXIT_PROBLEMS, EXIT_USAGE, main
 from distckpt.cli.commands import COMMANDS
 from distckpt.cli.commands.checks import diff, verify
+from distckpt.cli.commands.cleanup import gc
 from distckpt.cli.commands.convert import convert
 from distckpt.cli.commands.demo import demo
 from distckpt.cli.commands.inspect_show import inspect, show
@@ -34,6 +35,7 @@ __all__ = [
     "convert",
     "demo",
     "diff",
+    "gc",
     "inspect",
     "main",
     "rename",

@@ -4,15 +4,20 @@ A :class:`Store` is rooted at one checkpoint location (a directory, or a key pre
 and addresses objects by their name relative to it (``"__0_0.distcp"``, ``"metadata.json"``).
 Callers ask for *capabilities* instead of testing types:
 
-=========================  ================================================================
-``supports_rename``        an atomic rename exists (local: temp file + ``rename`` commits)
-``supports_mmap``          objects are files that can be mapped and ``pread`` (the local fast
-                           paths: ``pwritev`` writes, strided copies out of a mapping)
+============================  =============================================================
+``supports_rename``           an atomic rename exists (local: temp file + ``rename`` commits)
+``supports_mmap``             objects are files that can be mapped and ``pread`` (the local
+                              fast paths: ``pwritev`` writes, strided copies out of a mapping)
 ``supports_conditional_put``  :meth:`Store.put_if_absent` is atomic against concurrent writers
-                           (S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``, Azure
-                           ``If-None-Match``; local ``link`` of a complete temp file)
-``supports_ranged_read``   :meth:`Store.get_ranges` reads byte ranges without the whole object
-=========================  ================================================================
+                              (S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``, Azure
+                              ``If-None-Match``; local ``link`` of a complete temp file)
+``supports_ranged_read``      :meth:`Store.get_ranges` reads byte ranges without the whole
+                              object
+``supports_versioned_put``    :meth:`Store.put_versioned` replaces an object only if it is
+                              still the version read (S3/Azure ``If-Match``, GCS generation
+                              match) and :meth:`Store.copy` copies server side: what an
+                              overwrite without a window needs (:mod:`distckpt.commit_store`)
+============================  =============================================================
 
 Which rank calls what (the strategies and ``serialization`` follow this):
 
@@ -27,7 +32,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 
 class Writer(ABC):
@@ -66,6 +71,13 @@ class Store(ABC):
     supports_mmap: bool = False
     supports_conditional_put: bool = False
     supports_ranged_read: bool = True
+    supports_versioned_put: bool = False
+
+    file_token: Optional[str] = None
+    """A token the data files of the save being written carry in their names (``<token>__R_B``),
+    so that an overwrite never writes over the files of the checkpoint it replaces; None: the
+    plain names. Set by the store a commit protocol hands the strategies
+    (:class:`distckpt.storage.record.StagedStore`)."""
 
     @property
     def local_root(self) -> Optional[Path]:
@@ -150,9 +162,42 @@ class Store(ABC):
         """Every object under ``prefix`` (relative names -> sizes). One listing; tools and at most
         rank 0 call it."""
 
+    def is_empty(self) -> bool:
+        """True when no object at all is stored under this location (a wrong prefix); for
+        messages on an error path."""
+        return not self.list_objects()
+
+    def list_objects(self, prefix: str = "") -> Dict[str, int]:
+        """Every object under ``prefix``, whatever a commit record says (:meth:`list` shows the
+        checkpoint the record names): what the commit protocol itself lists."""
+        return self.list(prefix)
+
     @abstractmethod
     def open_writer(self, name: str) -> Writer:
         """A streaming :class:`Writer` for ``name`` (multipart upload on object stores)."""
+
+    # ---------------------------------------------------------------- versions (overwrites)
+
+    def get_versioned(self, name: str) -> Tuple[bytes, Any]:
+        """The whole object and its version (an opaque value for :meth:`put_versioned`).
+        Raises FileNotFoundError."""
+        raise NotImplementedError(f"{type(self).__name__} has no versioned puts")
+
+    def put_versioned(self, name: str, data, expected: Any) -> bool:
+        """Store ``data`` as ``name`` only if ``name`` is still at version ``expected`` (None:
+        only if there is no such object); False if it is not."""
+        raise NotImplementedError(f"{type(self).__name__} has no versioned puts")
+
+    def copy(self, src: str, dst: str) -> None:
+        """Copy object ``src`` to ``dst`` (replacing it) without moving its bytes through this
+        process where the store can (a server-side copy)."""
+        raise NotImplementedError(f"{type(self).__name__} has no server-side copy")
+
+    def committed_version(self, refresh: bool = False) -> Any:
+        """The commit record this store reads the checkpoint through (an object-store
+        checkpoint that was overwritten names its current save in one; see
+        :mod:`distckpt.storage.record`), None without one. ``refresh``: read it again."""
+        return None
 
     # ---------------------------------------------------------------- commit protocol
 

@@ -21,6 +21,12 @@ Configuration, lowest precedence first:
    default 1 MiB).
 
 Memory per upload stays below ``part_size * (max_concurrency + 1)``.
+
+Failures are classified (:mod:`distckpt.storage.failures`): a missing bucket, refused access,
+throttling and transient errors each raise their own exception naming the remote object, the
+request and the server's answer; a missing object is a ``FileNotFoundError``. Reads resolve names
+through the prefix's commit record when it has one (:mod:`distckpt.storage.record`, read once per
+operation: the first read after the store was opened, written to, or refreshed).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from __future__ import annotations
 import os
 import threading
 from datetime import timedelta
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 from urllib.parse import urlparse
 
 import obstore
@@ -38,7 +44,9 @@ from obstore.store import MemoryStore, from_url
 from distckpt import containment
 from distckpt.core import CheckpointingException
 from distckpt.storage import cloud_env
+from distckpt.storage import record as records
 from distckpt.storage.base import Store, Writer
+from distckpt.storage.failures import UnavailableError, classify, parse_answer
 
 DEFAULT_PART_SIZE = 16 << 20
 DEFAULT_MAX_CONCURRENCY = 4
@@ -75,14 +83,36 @@ CLIENT_OPTION_KEYS = frozenset(
     }
 )
 
+_UNREAD = object()  # the commit record is yet to be read
+
 # memory:// stores live as long as the process: one per bucket name, shared by every open_store.
 _MEMORY: Dict[str, MemoryStore] = {}
 _MEMORY_LOCK = threading.Lock()
 
 
-def _short(e: BaseException) -> str:
+def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def upload_failure(e: BaseException, where: str) -> BaseException:
+    """The error of a streaming upload. object_store aborts a multipart upload whose part or
+    completion failed, and when the abort (``DELETE ...?uploadId=``) fails too, as it does when
+    the store went away, only the abort's error comes back: the upload is what failed, and is
+    reported so, classified by what the abort met."""
+    answer = parse_answer(e)
+    if answer.request and answer.request.startswith("DELETE") and "uploadId=" in answer.request:
+        note = (
+            "; a part or the completion of this multipart upload failed and its abort failed too (the "
+            "abort's error is shown: obstore reports no other); the incomplete upload stays invisible "
+            "until the bucket's lifecycle rule for incomplete multipart uploads removes it"
+        )
+        failed = classify(e, where, "upload", writing=True)
+        if isinstance(failed, FileNotFoundError):
+            failed = UnavailableError(where, "upload", answer)
+        failed.args = (failed.args[0] + note,)
+        return failed
+    return classify(e, where, "upload", writing=True)
 
 
 def owned(data) -> bytes:
@@ -106,8 +136,9 @@ class _ObjectWriter(Writer):
         try:
             return self._file.write(owned(data))
         except Exception as e:  # noqa: BLE001 - every client error becomes ours, with the object
+            failed = upload_failure(e, self.where)
             self.abort()
-            raise CheckpointingException(f"{self.where}: upload failed ({_short(e)})") from e
+            raise failed from e
 
     def close(self) -> None:
         if self._done:
@@ -116,7 +147,7 @@ class _ObjectWriter(Writer):
         try:
             self._file.close()
         except Exception as e:  # noqa: BLE001
-            raise CheckpointingException(f"{self.where}: upload failed ({_short(e)})") from e
+            raise upload_failure(e, self.where) from e
 
     def abort(self) -> None:
         """Abort: obstore aborts the multipart upload when its writer exits with an exception."""
@@ -140,6 +171,7 @@ class ObjectStore(Store):
     supports_mmap = False
     supports_conditional_put = True
     supports_ranged_read = True
+    supports_versioned_put = True
 
     def __init__(self, url: str, storage_options: Optional[Dict[str, Any]] = None):
         self._url = url.rstrip("/")
@@ -149,6 +181,7 @@ class ObjectStore(Store):
         self.part_size = _positive_int(self._url, opts, "part_size", DEFAULT_PART_SIZE)
         self.max_concurrency = _positive_int(self._url, opts, "max_concurrency", DEFAULT_MAX_CONCURRENCY)
         self.coalesce = _positive_int(self._url, opts, "coalesce", DEFAULT_COALESCE, minimum=0)
+        self._view = _UNREAD
         client_options = dict(opts.pop("client_options", None) or {})
         for key in [k for k in opts if k.lower() in CLIENT_OPTION_KEYS]:
             client_options.setdefault(key.lower(), opts.pop(key))
@@ -179,7 +212,7 @@ class ObjectStore(Store):
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # noqa: BLE001 - obstore can panic (a BaseException) on odd config
-            raise CheckpointingException(f"{self._url}: cannot open object store ({_short(e)})") from e
+            raise CheckpointingException(f"{self._url}: cannot open object store ({_first_line(e)})") from e
 
     def __getstate__(self):
         return {"url": self._url, "options": self.options}
@@ -205,16 +238,85 @@ class ObjectStore(Store):
         sub.__dict__.update(self.__dict__)
         sub._url = f"{self._url}/{folder}"
         sub._prefix = f"{self._prefix}/{folder}" if self._prefix else folder
+        sub._view = _UNREAD  # a folder below a checkpoint is a checkpoint of its own
         return sub
 
-    def _fail(self, name: str, what: str, e: BaseException):
-        if isinstance(e, CheckpointingException):  # a name the containment rule refused
-            raise e
-        if isinstance(e, (obe.NotFoundError, FileNotFoundError)):
-            raise FileNotFoundError(self.where(name)) from None
-        raise CheckpointingException(f"{self.where(name)}: {what} failed ({_short(e)})") from e
+    def _fail(self, name: str, what: str, e: BaseException, writing: bool = False):
+        raise classify(e, self.where(name), what, writing) from e
+
+    # ---------------------------------------------------------------- the commit record
+
+    def committed_version(self, refresh: bool = False) -> Optional[records.CommitRecord]:
+        """The prefix's commit record (None without one), read on first use after the store was
+        opened, written to, or asked to ``refresh``; every read resolves names through it."""
+        if refresh or self._view is _UNREAD:
+            self._view = records.read_record(self.get_versioned, self.where(records.RECORD_NAME))[0]
+        return self._view
+
+    def _read_key(self, name: str) -> str:
+        if records.is_internal(name):
+            return self._key(name)
+        return self._key(records.placed(self.committed_version(), name))
+
+    def _reading(self, name: str, what: str, read):
+        """``read(key)`` of ``name`` through the record. An object of the committed save is
+        removed only once another save committed, or once a tool made the plain names the
+        checkpoint (``plain``): a read that misses is tried again where the record, read again,
+        places the same save's object; anything else stays the miss (and a load then finds the
+        record changed: "replaced ... load again")."""
+        key = self._read_key(name)
+        try:
+            return read(key)
+        except Exception as e:  # noqa: BLE001
+            failed = classify(e, self.where(name), what)
+            view = self._view
+            if not isinstance(failed, FileNotFoundError) or view is _UNREAD or view is None:
+                raise failed from e
+        fresh = self.committed_version(refresh=True)
+        again = self._read_key(name)
+        if fresh is None or fresh.token != view.token or again == key:
+            raise FileNotFoundError(self.where(name))
+        try:
+            return read(again)
+        except Exception as e:  # noqa: BLE001
+            self._fail(name, what, e)
+
+    def _written(self) -> None:
+        self._view = _UNREAD  # this process changed the prefix: read the record anew
+
+    def get_versioned(self, name: str) -> Tuple[bytes, Dict[str, Any]]:
+        try:
+            got = obstore.get(self._store, self._key(name))
+            data = bytes(got.bytes())
+        except Exception as e:  # noqa: BLE001
+            self._fail(name, "get", e)
+        meta = got.meta
+        return data, {"e_tag": meta.get("e_tag"), "version": meta.get("version")}
+
+    def put_versioned(self, name: str, data, expected: Optional[Dict[str, Any]]) -> bool:
+        self._written()
+        mode: Any = "create"
+        if expected is not None:
+            mode = {k: v for k, v in expected.items() if v is not None}
+        try:
+            obstore.put(self._store, self._key(name), owned(data), mode=mode)
+            return True
+        except (obe.AlreadyExistsError, obe.PreconditionError):
+            return False
+        except Exception as e:  # noqa: BLE001
+            self._fail(name, "versioned put", e, writing=True)
+
+    def copy(self, src: str, dst: str) -> None:
+        self._written()
+        try:
+            obstore.copy(self._store, self._key(src), self._key(dst))
+        except Exception as e:  # noqa: BLE001
+            self._fail(dst, f"copy from {src}", e)
+
+    # ---------------------------------------------------------------- objects
 
     def put(self, name: str, data) -> None:
+        self._written()
         try:
             obstore.put(
                 self._store,
@@ -224,9 +326,10 @@ class ObjectStore(Store):
                 max_concurrency=self.max_concurrency,
             )
         except Exception as e:  # noqa: BLE001
-            self._fail(name, "put", e)
+            self._fail(name, "put", e, writing=True)
 
     def put_if_absent(self, name: str, data) -> bool:
+        self._written()
         try:
             obstore.put(self._store, self._key(name), owned(data), mode="create")
             return True
@@ -235,33 +338,39 @@ class ObjectStore(Store):
         except obe.PreconditionError:
             return False
         except Exception as e:  # noqa: BLE001
-            self._fail(name, "conditional put", e)
+            self._fail(name, "conditional put", e, writing=True)
 
     def get(self, name: str) -> bytes:
-        try:
-            return memoryview(obstore.get(self._store, self._key(name)).bytes())
-        except Exception as e:  # noqa: BLE001
-            self._fail(name, "get", e)
+        return self._reading(name, "get", lambda key: memoryview(obstore.get(self._store, key).bytes()))
 
     def get_ranges(self, name: str, starts: Sequence[int], lengths: Sequence[int]) -> List[memoryview]:
         wanted = [i for i, n in enumerate(lengths) if n > 0]
         out: List[memoryview] = [memoryview(b"")] * len(starts)
         if not wanted:
             return out
-        try:
-            got = obstore.get_ranges(
-                self._store,
-                self._key(name),
-                starts=[starts[i] for i in wanted],
-                lengths=[lengths[i] for i in wanted],
-                coalesce=self.coalesce,
-            )
-        except Exception as e:  # noqa: BLE001
-            if "range" in str(e).lower() and not isinstance(e, obe.NotFoundError):
-                raise CheckpointingException(
-                    f"{self.where(name)}: object is truncated (a needed byte range lies past its end)"
-                ) from None
-            self._fail(name, "ranged get", e)
+
+        def ranges(key):
+            try:
+                return obstore.get_ranges(
+                    self._store,
+                    key,
+                    starts=[starts[i] for i in wanted],
+                    lengths=[lengths[i] for i in wanted],
+                    coalesce=self.coalesce,
+                )
+            except Exception as e:  # noqa: BLE001
+                answer = parse_answer(e)
+                if (
+                    answer.status in (None, 416)
+                    and "range" in answer.text.lower()
+                    and not isinstance(e, obe.NotFoundError)
+                ):
+                    raise CheckpointingException(
+                        f"{self.where(name)}: object is truncated (a needed byte range lies past its end)"
+                    ) from None
+                raise
+
+        got = self._reading(name, "ranged get", ranges)
         for i, b in zip(wanted, got):
             view = memoryview(b)
             if len(view) != lengths[i]:
@@ -273,20 +382,42 @@ class ObjectStore(Store):
         return out
 
     def size(self, name: str) -> int:
-        try:
-            return int(obstore.head(self._store, self._key(name))["size"])
-        except Exception as e:  # noqa: BLE001
-            self._fail(name, "head", e)
+        return self._reading(name, "head", lambda key: int(obstore.head(self._store, key)["size"]))
 
     def delete(self, name: str) -> None:
+        self._written()
         try:
             obstore.delete(self._store, self._key(name))
-        except (obe.NotFoundError, FileNotFoundError):
-            pass  # S3 answers 204 for a missing key; GCS 404 (NoSuchKey), Azure 404 (BlobNotFound)
         except Exception as e:  # noqa: BLE001
-            self._fail(name, "delete", e)
+            failed = classify(e, self.where(name), "delete")
+            # S3 answers 204 for a missing key; GCS 404 (NoSuchKey), Azure 404 (BlobNotFound).
+            if not isinstance(failed, FileNotFoundError):
+                raise failed from e
 
     def list(self, prefix: str = "") -> Dict[str, int]:
+        """The checkpoint's objects under ``prefix`` as its commit record shows them: the
+        committed save's staged objects under their plain names, and its data files; without a
+        record (or a ``plain`` one), every object."""
+        view = self.committed_version()
+        if view is None or view.state == records.PLAIN:
+            return self.list_objects(prefix)
+        staged = records.staged_dir(view.token) + "/"
+        found = {n[len(staged) :]: s for n, s in self.list_objects(staged + prefix).items()}
+        for name, size in self.list_objects(prefix).items():
+            if records.is_final(view.token, name) and "/" not in name:
+                found[name] = size
+        return dict(sorted(found.items()))
+
+    def is_empty(self) -> bool:
+        base = self._prefix + "/" if self._prefix else None
+        try:
+            for batch in obstore.list(self._store, prefix=base, chunk_size=1):
+                return not batch
+        except Exception as e:  # noqa: BLE001
+            self._fail("", "list", e)
+        return True
+
+    def list_objects(self, prefix: str = "") -> Dict[str, int]:
         # A listing prefix need not end at a ``/`` (``"optimizer."``); it is checked as a name
         # without its trailing ``/``.
         base = (
@@ -302,10 +433,11 @@ class ObjectStore(Store):
         return dict(sorted((m["path"][cut:], int(m["size"])) for m in metas))
 
     def open_writer(self, name: str) -> Writer:
+        self._written()
         try:
             return _ObjectWriter(self, name)
         except Exception as e:  # noqa: BLE001
-            self._fail(name, "open upload", e)
+            self._fail(name, "open upload", e, writing=True)
 
     def begin_save(self, commit_names: Sequence[str], overwrite: Optional[bool]) -> None:
         """Refuse to write over a committed checkpoint unless ``overwrite=True``; then un-commit

@@ -8,7 +8,7 @@ tests, on top of a real server (moto's S3, a directory)::
 
 The limit holds for the store and every :meth:`child` of it together, across threads (one token
 bucket each way, with a burst of at most 1/10 s worth of bytes). Metadata calls (``size``,
-``list``, ``delete``, the commit) pass unpaced.
+``list``, ``delete``, the commit, server-side copies) pass unpaced.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from distckpt.storage.base import Store, Writer
 
@@ -87,6 +87,7 @@ class ThrottledStore(Store):
         self.supports_mmap = False  # every byte must pass through the pacing
         self.supports_conditional_put = inner.supports_conditional_put
         self.supports_ranged_read = inner.supports_ranged_read
+        self.supports_versioned_put = inner.supports_versioned_put
 
     @property
     def local_root(self) -> Optional[Path]:
@@ -133,8 +134,23 @@ class ThrottledStore(Store):
     def list(self, prefix: str = "") -> Dict[str, int]:
         return self.inner.list(prefix)
 
+    def list_objects(self, prefix: str = "") -> Dict[str, int]:
+        return self.inner.list_objects(prefix)
+
     def open_writer(self, name: str) -> Writer:
         return _PacedWriter(self.inner.open_writer(name), self.writes)
+
+    def get_versioned(self, name: str) -> Tuple[bytes, Any]:
+        return self.inner.get_versioned(name)
+
+    def put_versioned(self, name: str, data, expected: Any) -> bool:
+        return self.inner.put_versioned(name, data, expected)
+
+    def copy(self, src: str, dst: str) -> None:
+        self.inner.copy(src, dst)
+
+    def committed_version(self, refresh: bool = False) -> Any:
+        return self.inner.committed_version(refresh)
 
     def begin_save(self, commit_names: Sequence[str], overwrite: Optional[bool]) -> None:
         self.inner.begin_save(commit_names, overwrite)

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from distckpt import containment, dist, storage, timings
-from distckpt.commit import COMMIT_NAMES
+from distckpt.commit_store import COMMIT_NAMES
 from distckpt.core import CONFIG_FNAME, CheckpointingException, PathLike
 from distckpt.manifest import read_manifest
 from distckpt.storage.base import Store

@@ -7,9 +7,12 @@ a large one streamed through the store's writer (a multipart upload on object st
 the store's ``part_size``), read from the local copy ``chunk_bytes`` at a time, so a rank holds
 at most ``threads * (chunk_bytes + part buffers)`` in memory whatever the checkpoint's size.
 
-A file whose upload fails is tried again after ``backoff_s * 2**k`` seconds (with jitter, at
-most 60 s), ``retries`` times, on top of the store client's own retries of throttling and
-transient HTTP errors; then the upload is failed, and says which file and why. ``cancel()``
+A file whose upload fails with an error that another try may cure — the store's transient
+errors (throttling, 5xx, no answer: :mod:`distckpt.storage.failures`, after the client's own
+retries) and local I/O errors — is tried again after ``backoff_s * 2**k`` seconds (with jitter, at
+most 60 s), ``retries`` times; then the upload is failed, and says which file and why. An error
+no retry can cure fails it at once: a missing bucket, refused access, a local file that is gone,
+a name the containment rule refuses (a local copy whose file is a symlink out of it). ``cancel()``
 stops it between chunks (an object store's multipart upload is aborted, nothing half-written is
 left visible). Before anything else, ``stale`` names are deleted (commit files of an earlier,
 uncommitted upload to the same place that this save does not write) and the ``first`` objects
@@ -28,6 +31,7 @@ from typing import Dict, Optional, Sequence
 from distckpt import containment
 from distckpt.core import CheckpointingException
 from distckpt.storage.base import Store
+from distckpt.storage.failures import is_transient
 
 RUNNING, DONE, FAILED = 0, 1, 2
 SMALL_BYTES = 8 << 20
@@ -134,11 +138,16 @@ class Upload:
             except Cancelled:
                 raise
             except FileNotFoundError as e:
-                # The local copy is gone: retrying cannot help.
+                # The local copy is gone (the store reports its own missing objects and buckets
+                # as StoreErrors): retrying cannot help.
                 raise CheckpointingException(
-                    f"upload of {self.local / name} failed: the file is missing"
+                    f"upload of {self.local / name} failed: the local file is missing ({e})"
                 ) from e
-            except Exception as e:  # noqa: BLE001 - retried, then reported with the file
+            except Exception as e:  # noqa: BLE001 - retried when it may help, reported with the file
+                if isinstance(e, CheckpointingException) and not is_transient(e):
+                    raise CheckpointingException(
+                        f"upload of {self.local / name} to {self.remote.where(name)} failed: {e}"
+                    ) from e
                 if attempt == self.retries:
                     raise CheckpointingException(
                         f"upload of {self.local / name} to {self.remote.where(name)} failed after "

@@ -142,6 +142,7 @@ class DistckptWriter:
             build_manifest(self._staging.save_id, self.backend, self.ranges, self.sizes, blocks=self.blocks),
         )
         self._protocol.commit(self._staging, CheckpointingConfig(self.backend, self.version, "torch", 1))
+        self._protocol.after_commit(self._staging)
         return {
             "path": str(self.target),
             "backend": self.backend,
@@ -267,7 +268,9 @@ class TorchDistWriter(DistckptWriter):
     def _open_next(self) -> None:
         self._close()
         self._file_index += 1
-        self._name = f"__0_{self._file_index}.distcp"
+        # An overwrite on an object store names data files with the save's token (storage.record).
+        token = getattr(self.dst, "file_token", None) or ""
+        self._name = f"{token}__0_{self._file_index}.distcp"
         if self.remote:
             self._fd = self.dst.open_writer(self._name)  # a multipart upload
             self._sink = WriterSink(self._fd)

@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from distckpt import bounds, commit, containment, storage
 from distckpt.commit import exchange_directories
+from distckpt.commit_store import flatten
 from distckpt.core import (
     CONFIG_FNAME,
     CheckpointingException,
@@ -86,6 +87,7 @@ def remove_prefix(
         raise CheckpointingException(f"{root}: no key starts with {prefix!r}{did_you_mean(prefix, before)}")
     _local_output_only(root, out)
     if out is None:
+        _edit_in_place(root)
         remove_sharded_tensors(root, prefix)
         target = root
     else:
@@ -235,6 +237,8 @@ def rename_keys(
     _local_output_only(root, out)
     if out is not None:
         _check_new_output(Path(out))
+    else:
+        _edit_in_place(root)
     if md is not None:
         _rename_torch_dist(root, md, plan, out, progress, refusal)
     elif src.format == "zarr":
@@ -477,6 +481,14 @@ def _committed(checkpoint: storage.Location) -> Union[Path, storage.Store]:
     if maybe_load_config(root) is None:
         raise CheckpointingException(f"{root}: not a committed checkpoint ({CONFIG_FNAME} is missing)")
     return root.resolve()
+
+
+def _edit_in_place(root: Union[Path, storage.Store]) -> None:
+    """Before an edit in place of an object-store checkpoint: make its plain names the checkpoint
+    (an overwritten one is read through its commit record; see distckpt.commit_store.flatten),
+    so that what the edit reads and what it writes are the same objects."""
+    if storage.local_root(root) is None:
+        flatten(root)
 
 
 def _local_output_only(root: Union[Path, storage.Store], out: Optional[PathLike]) -> None:

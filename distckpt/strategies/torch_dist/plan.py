@@ -252,8 +252,12 @@ def plan_save(
     for it in items:
         hint = separation_hint
         groups[hint if hint and it.fqn.startswith(hint) else ""].append(it)
+    # An overwrite on an object store names its files with the save's token, so that it never
+    # writes over a file of the checkpoint it replaces (storage.record; ``.metadata`` records
+    # the names, which DCP and Megatron-Core read as they are).
+    token = getattr(checkpoint_dir, "file_token", None) or ""
     jobs = []
     for prefix, group in sorted(groups.items()):
         for b, bucket in enumerate(buckets(group, files)):
-            jobs.append((f"{prefix}__{rank}_{b}{DATA_SUFFIX}", bucket))
+            jobs.append((f"{prefix}{token}__{rank}_{b}{DATA_SUFFIX}", bucket))
     return SavePlan(checkpoint_dir, rank, jobs, decls, staging=staging)
