@@ -197,7 +197,9 @@ class StorageWriter(locations.AtLocation, DCPStorageWriter, PoolStager):
             staging = self._staging if self.is_coordinator else self._announced()
             location = self._protocol.where(staging)
             items, indices = self._items(plan, planner)
-            prefix = plan.storage_data.prefix
+            # An overwrite on an object store names the data files with its save's token (they
+            # are final where they land: .metadata records them; see distckpt.storage.record).
+            prefix = (getattr(location, "file_token", None) or "") + plan.storage_data.prefix
             jobs = [
                 (f"{prefix}{b}{DATA_SUFFIX}", bucket)
                 for b, bucket in enumerate(buckets(items, self.thread_count))
@@ -344,6 +346,9 @@ class StorageWriter(locations.AtLocation, DCPStorageWriter, PoolStager):
                     store.delete_key(self._staging_key())
                 except Exception:  # noqa: BLE001 - a store without deletes keeps one small key
                     pass
+        # Committed: the protocol's follow-up (an object store's publication of an overwrite and
+        # its clean-up; best effort, it never fails the committed save).
+        protocol.after_commit(staging)
 
 
 def _results(plan: SavePlan, indices: Dict[Tuple, Any]) -> List[WriteResult]:

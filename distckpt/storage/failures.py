@@ -22,8 +22,8 @@ class                      when                                                 
                            its object, so only the bucket can be missing)
 :class:`AccessDeniedError`  401/403, bad or expired credentials, a policy that refuses  no
 :class:`ThrottledError`    429, 503 ``SlowDown``/``ServerBusy``/``TooManyRequests``     yes
-:class:`UnavailableError`  other 5xx, 408, and requests without an answer (connection   yes
-                           refused/reset, timeouts, DNS)
+:class:`UnavailableError`  other 5xx (not 501, 505), 408, and requests without an     yes
+                           answer (connection refused/reset, timeouts, DNS)
 :class:`RequestRefusedError`  any other answer (400 ``InvalidRequest``, 416 ...)         no
 =========================  ==========================================================  =========
 
@@ -227,7 +227,8 @@ def classify(e: BaseException, where: str, operation: str, writing: bool = False
         return AccessDeniedError(where, operation, answer)
     if status == 429 or code in THROTTLE_CODES:
         return ThrottledError(where, operation, answer)
-    if (status is not None and (status >= 500 or status == 408)) or (
+    # 501 Not Implemented and 505 HTTP Version Not Supported say the server will never do it.
+    if (status is not None and (status >= 500 or status == 408) and status not in (501, 505)) or (
         status is None and any(w in answer.text.lower() for w in _NO_ANSWER)
     ):
         return UnavailableError(where, operation, answer)

@@ -7,6 +7,7 @@ saved on N ranks and loaded on M, read back by distckpt's reader and by DCP's
 from __future__ import annotations
 
 import os
+import re
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -15,6 +16,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 import distckpt
 import distckpt.dcp
+from distckpt import storage
 from distckpt.strategies import staging
 from tests.support.dcp_states import (
     AppState,
@@ -193,6 +195,26 @@ def test_object_store_round_trip_reads_only_the_needed_ranges_and_refuses_an_ove
         # Each rank needs half of one stored item (1 MiB): the blocks holding it, not the item.
         assert nbytes < (1 << 20) * 3 // 4
     assert torch.equal(distckpt.load_plain_tensors(s3_url)["w"], full)
+
+
+def _s3_overwrite(url):
+    for value in (1.0, 2.0):
+        state = {"w": distribute_rows(torch.full((64, 8), value)), "step": int(value)}
+        dcp.save(state, storage_writer=distckpt.dcp.StorageWriter(url, overwrite=True))
+    state = {"w": distribute_rows(torch.zeros(64, 8)), "step": 0}
+    dcp.load(state, storage_reader=distckpt.dcp.StorageReader(url))
+    return state["w"].full_tensor(), state["step"]
+
+
+def test_an_overwrite_on_an_object_store_writes_its_data_files_under_its_own_names(run_ranks, s3_url):
+    for w, step in run_ranks(2, _s3_overwrite, s3_url):
+        assert torch.equal(w, torch.full((64, 8), 2.0)) and step == 2
+    names = storage.open_store(s3_url).list_objects()
+    # The overwrite's data files carry its save token (final names, recorded in .metadata): the
+    # first save's stay whole until the commit record moves, then are collected, never copied.
+    data = sorted(n for n in names if n.endswith(".distcp"))
+    assert data and all(re.fullmatch(r"g\d+-[0-9a-f]{8}__\d_\d\.distcp", n) for n in data), data
+    assert ".distckpt_commit.json" in names
 
 
 # --------------------------------------------------------------------------- the tiered manager

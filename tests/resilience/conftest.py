@@ -10,9 +10,9 @@ import pytest
 from tests.support.s3_faults import FaultyS3Server
 
 # The stores the overwrite tests run on. "memory": obstore's in-process store (the same
-# ObjectStore code, no server); "s3": moto (the session's s3_server). GCS and Azure join by name
-# once their emulator fixtures (gs_url, az_url) exist: add them here.
-OVERWRITE_STORES = ["s3", "memory"]
+# ObjectStore code, no server); "s3": moto, "gcs": fake-gcs-server, "az": Azurite (the session's
+# servers, tests/conftest.py).
+OVERWRITE_STORES = ["s3", "memory", "gcs", "az"]
 
 
 @pytest.fixture(params=OVERWRITE_STORES)

@@ -15,6 +15,7 @@ from distckpt import CheckpointingException
 from distckpt.storage.failures import (
     AccessDeniedError,
     BucketNotFoundError,
+    RequestRefusedError,
     ThrottledError,
     UnavailableError,
 )
@@ -98,6 +99,15 @@ def test_a_server_error_that_lasts_is_transient_and_names_the_request(s3):
         ObjectStore(s3.url("failing"), s3.options()).get("x")
     assert "500 InternalError" in str(info.value) and "[GET http://" in str(info.value)
     assert info.value.transient is True
+
+
+def test_a_request_the_server_does_not_implement_is_refused_not_retried(s3):
+    # 501 is a 5xx, but another try gets the same answer: not a transient error.
+    s3.inject(501, "NotImplemented", times=1000, match=lambda r: r.method == "GET")
+    with pytest.raises(RequestRefusedError) as info:
+        ObjectStore(s3.url("unsupported"), s3.options()).get("x")
+    assert "501 NotImplemented" in str(info.value)
+    assert info.value.transient is False
 
 
 def test_a_missing_object_stays_a_file_not_found_error(s3):

@@ -15,8 +15,9 @@ fake-gcs-server enforces under its store lock. The parts of an XML multipart upl
 the gateway until the upload completes (or is aborted), then go up as one object, as GCS only
 publishes a multipart upload on completion. Answers are in the XML API's form: ``ETag`` and
 ``x-goog-generation`` headers, ``InitiateMultipartUploadResult`` / ``CompleteMultipartUploadResult``
-bodies, 412 ``PreconditionFailed``. Object copies (``x-goog-copy-source``) are not carried: they
-answer 501 (distckpt never copies).
+bodies, 412 ``PreconditionFailed``. An object copy (``PUT`` with ``x-goog-copy-source``: an
+overwrite's publication copies its staged objects to their plain names) goes up as the JSON API's
+``copyTo``, with the same generation precondition.
 
 So what the tests exercise against a server is obstore's GCS client end to end (its
 authentication-free emulator mode, its request signing path, its XML parsing) and fake-gcs-server's
@@ -188,7 +189,7 @@ class _Handler(BaseHTTPRequestHandler):
         bucket, name, query = self._target()
         body = self._body()
         if "x-goog-copy-source" in self.headers:
-            return self._reply(501, _xml_error("NotImplemented", "object copies are not carried"))
+            return self._copy(bucket, name, self.headers["x-goog-copy-source"])
         if "uploadId" in query:
             up = self.owner.upload(query["uploadId"][0], bucket, name)
             if up is None:
@@ -243,6 +244,39 @@ class _Handler(BaseHTTPRequestHandler):
             )
             return self._reply(200, result.encode(), headers)
         self._reply(status, headers.pop("body", b""), headers)
+
+    def _copy(self, bucket: str, name: str, source: str) -> None:
+        """An XML-API copy to ``bucket/name`` from ``source`` (``/bucket/object``, URL-encoded),
+        as the JSON API's ``copyTo``; the answer in the XML API's form."""
+        src_bucket, _, src_name = unquote(source).lstrip("/").partition("/")
+        query = ""
+        match = self.headers.get("x-goog-if-generation-match")
+        if match is not None:
+            query = f"?ifGenerationMatch={int(match)}"
+        conn = self._conn()
+        conn.request(
+            "POST",
+            f"/storage/v1/b/{quote(src_bucket, safe='')}/o/{quote(src_name, safe='')}"
+            f"/copyTo/b/{quote(bucket, safe='')}/o/{quote(name, safe='')}{query}",
+            body=b"",
+            headers={"Content-Length": "0"},
+        )
+        resp = conn.getresponse()
+        answer = resp.read()
+        if resp.status == 412:
+            return self._reply(412, _xml_error("PreconditionFailed", "generation precondition not met"))
+        if resp.status == 404:
+            return self._reply(404, _xml_error("NoSuchKey", "the copy's source does not exist"))
+        if resp.status != 200:
+            return self._reply(
+                resp.status, _xml_error("UpstreamError", answer.decode(errors="replace")[:500])
+            )
+        obj = json.loads(answer)
+        etag = f'"{obj.get("md5Hash", "")}"'
+        result = (
+            f"<?xml version='1.0' encoding='UTF-8'?><CopyObjectResult><ETag>{etag}</ETag></CopyObjectResult>"
+        )
+        self._reply(200, result.encode(), {"ETag": etag, "x-goog-generation": str(obj.get("generation", ""))})
 
     def _insert(self, bucket, name, data, content_type, metadata) -> None:
         status, headers = self._insert_upstream(bucket, name, [data], content_type, metadata)
