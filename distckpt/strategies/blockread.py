@@ -44,6 +44,7 @@ class BlockReader:
         self.table = table
         self.base = base
         self.scratch: Optional[torch.Tensor] = None
+        self._held = (0, 0)  # the blocks [a, b) the scratch buffer holds, checked
 
     def _check(self, first: int, view: memoryview) -> None:
         """Compare blocks ``first, first + 1, ...`` (their bytes in ``view``) with the table."""
@@ -60,16 +61,28 @@ class BlockReader:
                 )
 
     def _blocks(self, a: int, b: int) -> torch.Tensor:
-        """Blocks ``[a, b)`` read into the scratch buffer and checked: a uint8 tensor of their bytes."""
-        lo, hi = a * self.block, min(b * self.block, self.entry.payload_length)
+        """Blocks ``[a, b)`` read into the scratch buffer and checked: a uint8 tensor of their bytes.
+        Windows that follow each other share a block where a box's rows cross a block boundary:
+        the blocks the buffer holds already are moved to its front, not read and checked again."""
+        block = self.block
+        lo, hi = a * block, min(b * block, self.entry.payload_length)
         if self.scratch is None or self.scratch.numel() < hi - lo:
-            self.scratch = torch.empty(max(hi - lo, _WINDOW_BYTES + 2 * self.block), dtype=torch.uint8)
+            self.scratch = torch.empty(max(hi - lo, _WINDOW_BYTES + 2 * block), dtype=torch.uint8)
+            self._held = (0, 0)
         out = self.scratch[: hi - lo]
+        held_a, held_b = self._held
+        done = 0
+        if held_a <= a < held_b:
+            done = min(held_b, b) * block - lo
+            done = min(done, hi - lo)
+            if a != held_a:
+                out[:done].copy_(self.scratch[(a - held_a) * block : (a - held_a) * block + done].clone())
         view = byte_view(out)
-        for p in range(0, hi - lo, CRC_PIECE):
+        for p in range(done, hi - lo, CRC_PIECE):
             piece = view[p : p + CRC_PIECE]
             pread_exact(self.fd, piece, self.base + lo + p, self.what)
-            self._check(a + p // self.block, piece)
+            self._check(a + p // block, piece)
+        self._held = (a, b)
         return out
 
     def _range(self, lo: int, hi: int, dst: torch.Tensor, bounce: Optional[HostBounce]) -> None:
