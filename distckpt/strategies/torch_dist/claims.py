@@ -1,9 +1,13 @@
 """The claims of a ``.metadata`` checked before anything uses them, and against the manifest.
 
 A ``.metadata`` is a claim about the files beside it: file names, offsets, lengths, shapes,
-chunk boxes, dtypes. :func:`check_claims` refuses the ones no reader may use (names outside the
-checkpoint, unbounded shapes, boxes outside their tensor); :func:`cross_check` and
-:func:`check_declared` compare them with what the integrity manifest says the writer wrote.
+chunk boxes, dtypes. :func:`check_claims` parses it by schema (every field of every object the
+reader uses has its class, type and range, or the file is refused naming the field) and refuses
+the claims no reader may use (names outside the checkpoint, unbounded shapes, boxes outside
+their tensor); :func:`cross_check` and :func:`check_declared` compare them with what the
+integrity manifest says the writer wrote; :func:`extent_problem` words a record that points
+past the end of its data file as what it is, a claim of the metadata. A load and ``distckpt
+verify`` run these same functions, so the two agree on every ``.metadata``.
 """
 
 from __future__ import annotations
@@ -11,11 +15,19 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
-from distckpt import bounds
+from distckpt import bounds, dist, storage
 from distckpt.core import CheckpointingException
-from distckpt.manifest import dtype_name
+from distckpt.manifest import MANIFEST_FNAME, dtype_name, read_manifest_files
 from distckpt.strategies.resharding import ORIG_SHAPE, Shape
 
 
@@ -28,42 +40,121 @@ def orig_shapes(md: Metadata) -> Dict[str, Shape]:
 
 
 def check_claims(md: Metadata, source: Any) -> None:
-    """Check every claim of ``.metadata`` before anything uses it: file names stay inside the
-    checkpoint, offsets and lengths are naturals, shapes bounded, chunk boxes inside their
-    tensor, dtypes real (``source`` names the file in the error)."""
+    """Check every claim of ``.metadata`` before anything uses them: each object is of the class
+    DCP writes there and each field of the type and range a reader needs (a wrong one is named:
+    ``key 'w': chunks is str, not a list``), file names stay inside the checkpoint, offsets and
+    lengths are naturals, shapes bounded, chunk boxes inside their tensor, dtypes real
+    (``source`` names the file in the error)."""
     try:
         _check_claims(md, source)
     except AttributeError as e:  # an object unpickled without the fields its class has
         raise CheckpointingException(f"{source}: malformed checkpoint metadata: {e}") from None
 
 
+def _wrong(source: Any, what: str, value: Any, want: str) -> CheckpointingException:
+    return CheckpointingException(
+        f"{source}: {what} is {type(value).__name__} {value!r:.80}, not {want} (damaged metadata)"
+    )
+
+
 def _check_claims(md: Metadata, source: Any) -> None:
     for index, info in md.storage_data.items():
-        what = f"storage record of {getattr(index, 'fqn', '?')!r}"
+        if not isinstance(index, MetadataIndex):
+            raise _wrong(source, "a key of storage_data", index, "a MetadataIndex")
+        fqn = index.fqn
+        if type(fqn) is not str:
+            raise _wrong(source, "the key name of a storage record", fqn, "a string")
+        what = f"storage record of {fqn!r}"
+        if not isinstance(info, _StorageInfo):
+            raise _wrong(source, what, info, "a storage record (_StorageInfo)")
         if index.offset is not None:
             bounds.shape(index.offset, source, f"{what}: chunk offset")
         bounds.relative_name(info.relative_path, source, f"{what}: file name")
         bounds.natural(info.offset, source, f"{what}: offset")
         bounds.natural(info.length, source, f"{what}: length")
+        if info.transform_descriptors:
+            # DCP's storage transforms (compression extensions): distckpt reads the bytes as
+            # stored, so it would return the encoded bytes as values.
+            raise CheckpointingException(
+                f"{source}: {what}: stored with DCP storage transforms "
+                f"{list(info.transform_descriptors)!r:.100}, which distckpt does not decode"
+            )
     mcore = getattr(md, "mcore_data", None) or {}
     if not isinstance(mcore, dict):
         raise CheckpointingException(f"{source}: mcore_data is {type(mcore).__name__}, not a dict")
     for fqn, meta in md.state_dict_metadata.items():
         check_key_name(fqn, source)
-        if not isinstance(meta, TensorStorageMetadata):
+        if isinstance(meta, BytesStorageMetadata):
+            entry = mcore.get(fqn)
+            if isinstance(entry, dict) and ORIG_SHAPE in entry:
+                raise CheckpointingException(
+                    f"{source}: key {fqn!r}: mcore_data gives an original shape to a byte item"
+                )
             continue
+        if not isinstance(meta, TensorStorageMetadata):
+            raise _wrong(
+                source, f"the metadata of key {fqn!r}", meta, "TensorStorageMetadata or BytesStorageMetadata"
+            )
+        if not isinstance(meta.properties, TensorProperties):
+            raise _wrong(source, f"key {fqn!r}: properties", meta.properties, "TensorProperties")
         if not isinstance(meta.properties.dtype, torch.dtype):
             raise CheckpointingException(
                 f"{source}: key {fqn!r}: dtype {meta.properties.dtype!r:.100} is not a dtype"
             )
         size = bounds.shape(meta.size, source, f"key {fqn!r}: global shape")
         entry = mcore.get(fqn)
-        if isinstance(entry, dict) and ORIG_SHAPE in entry:
+        if entry is not None and not isinstance(entry, dict):
+            raise _wrong(source, f"mcore_data of key {fqn!r}", entry, "a dict")
+        if entry is not None and ORIG_SHAPE in entry:
             check_reformulated(fqn, size, entry[ORIG_SHAPE], source)
+        if not isinstance(meta.chunks, list):
+            raise _wrong(source, f"key {fqn!r}: chunks", meta.chunks, "a list")
         for c in meta.chunks:
+            if not isinstance(c, ChunkStorageMetadata):
+                raise _wrong(source, f"a chunk of key {fqn!r}", c, "ChunkStorageMetadata")
             offsets = bounds.shape(c.offsets, source, f"key {fqn!r}: chunk offset")
             sizes = bounds.shape(c.sizes, source, f"key {fqn!r}: chunk size")
             bounds.box_inside(offsets, sizes, size, source, f"key {fqn!r}: chunk")
+    for fqn, entry in mcore.items():
+        # Entries of keys it does not declare are never used, but read by orig_shapes.
+        if fqn not in md.state_dict_metadata and isinstance(entry, dict) and ORIG_SHAPE in entry:
+            bounds.shape(entry[ORIG_SHAPE], source, f"mcore_data of {fqn!r}: original shape")
+
+
+def extent_problem(
+    source: Any,
+    record: str,
+    name: Any,
+    offset: int,
+    length: int,
+    size: int,
+    written: Optional[int] = None,
+    manifest_source: Any = None,
+) -> Optional[str]:
+    """Why ``record`` (``key 'w' chunk at [0, 0]``), which ``source`` (``.metadata`` or the
+    sidecar) places at ``offset`` (``length`` bytes) of data file ``name``, cannot be read from
+    that file of ``size`` bytes; None when it lies inside. ``written``: the size the integrity
+    manifest ``manifest_source`` records for the data file, which says who is wrong: the same
+    size, the metadata (the message names it first); another, the data file (named first).
+    Without it the data file is named first (truncation is the common case) and the message
+    says that either may be wrong. Loads and ``distckpt verify`` word it with this one function."""
+    if offset + length <= size:
+        return None
+    claim = f"{record} at offset {offset} of {name} ({length} bytes, up to byte {offset + length})"
+    if written is None:
+        return (
+            f"{name}: holds {size} bytes, {source} places {claim}: the data file is truncated or the "
+            f"metadata damaged"
+        )
+    if written != size:
+        return (
+            f"{name}: truncated: holds {size} bytes, {manifest_source} records {written}; {source} "
+            f"places {claim}"
+        )
+    return (
+        f"{source}: claims {claim}, which holds {size} bytes, the size {manifest_source} records for "
+        f"it: the metadata is damaged"
+    )
 
 
 def check_key_name(fqn: Any, source: Any) -> str:
@@ -205,3 +296,31 @@ def cross_check(md: Metadata, manifest: Any, source: str, manifest_source: str) 
                     f"wrote chunk {list(r.chunk[0])} of size {list(r.chunk[1])} there"
                 )
     return problems
+
+
+def extent_error(
+    location: Any, source: Any, record: str, name: str, offset: int, length: int, size: int
+) -> CheckpointingException:
+    """:func:`extent_problem` as the error a load raises (the record lies past the end of data
+    file ``name`` of checkpoint ``location``); the manifest, read here (an error path), says
+    which file lies. The caller knows the record does not fit."""
+    try:
+        written = read_manifest_files(location)
+    except CheckpointingException:
+        written = None
+    text = extent_problem(
+        source,
+        record,
+        storage.join(location, name),
+        offset,
+        length,
+        size,
+        None if written is None else written.get(name),
+        storage.join(location, MANIFEST_FNAME),
+    )
+    return CheckpointingException(f"{text} (rank {dist.get_rank()})")
+
+
+def record_name(fqn: str, chunk: Optional[Any] = None) -> str:
+    """How messages name a storage record: ``key 'w' chunk at [0, 0]`` (``chunk``: its offset)."""
+    return f"key {fqn!r}" + (f" chunk at {list(chunk)}" if chunk else "")

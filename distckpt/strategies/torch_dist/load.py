@@ -34,7 +34,12 @@ from distckpt.strategies.device_io import needs_staging
 from distckpt.strategies.index_format import INDEX_FNAME
 from distckpt.strategies.index_read import IndexReader
 from distckpt.strategies.torch_dist import surgery
-from distckpt.strategies.torch_dist.claims import check_all_declared, check_claims, check_declared
+from distckpt.strategies.torch_dist.claims import (
+    check_all_declared,
+    check_claims,
+    check_declared,
+    extent_error,
+)
 from distckpt.strategies.torch_dist.loadplan import LoadPlan, check_allocations, plan_tensor
 from distckpt.strategies.torch_dist.metadata import (
     METADATA_FNAME,
@@ -322,9 +327,14 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         try:
             size = stored_file_size(checkpoint_dir, stored.relative_path, source)
             if stored.file_offset + stored.length > size:
-                raise CheckpointingException(
-                    f"{what}: file is truncated ({size} bytes, the record ends at "
-                    f"{stored.file_offset + stored.length})"
+                raise extent_error(
+                    checkpoint_dir,
+                    source,
+                    name,
+                    stored.relative_path,
+                    stored.file_offset,
+                    stored.length,
+                    size,
                 )
             root = storage.local_root(checkpoint_dir)
             if root is None:

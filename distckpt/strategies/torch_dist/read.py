@@ -27,6 +27,7 @@ from distckpt.strategies.common import safe_torch_load
 from distckpt.strategies.device_io import HostBounce, caller_streams
 from distckpt.strategies.filesystem import copy_framed_from, read_framed_crc, read_framed_into
 from distckpt.strategies.resharding import CopyOp, copy_boxes, copy_from_mapping
+from distckpt.strategies.torch_dist.claims import extent_error, record_name
 from distckpt.strategies.torch_dist.loadplan import LoadPlan
 from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, Resolved
 from distckpt.strategies.torch_dist.partial import (
@@ -370,10 +371,16 @@ class _PlanReads:
             file_size = os.fstat(fd).st_size
             for st in items:
                 if st.file_offset + st.length > file_size:
-                    raise CheckpointingException(
-                        f"key {plan.ops[st][0].key!r} in {path} at offset {st.file_offset} "
-                        f"(rank {rank}): file "
-                        f"is truncated ({file_size} bytes, the record ends at {st.file_offset + st.length})"
+                    key = plan.ops[st][0].key
+                    claimed = plan.keys.get(key)
+                    raise extent_error(
+                        self.location,
+                        claimed.source if claimed is not None and claimed.source else root / METADATA_FNAME,
+                        record_name(key, st.offset),
+                        name,
+                        st.file_offset,
+                        st.length,
+                        file_size,
                     )
             span = small_span(items)
             if span is not None:
