@@ -23,6 +23,7 @@ distckpt's reader in the same call.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import itertools
@@ -30,11 +31,11 @@ import math
 import os
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from distckpt import dist
+from distckpt import containment, dist
 from distckpt.core import CheckpointingException
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
 from distckpt.foreign import normalize_sharded_state_dict
@@ -588,6 +589,7 @@ def checked_reader(checkpoint_dir: Path, md: Any, index: Dict[str, Any], checksu
     (``checksums``, :func:`check_item`). ``index``: the stored chunks and objects of ``md``
     (``index_metadata``), which say what each record holds."""
     from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystem
     from torch.distributed.checkpoint.metadata import StorageMeta
 
     records: Dict[Tuple[str, int], Tuple[str, Stored]] = {}
@@ -596,7 +598,27 @@ def checked_reader(checkpoint_dir: Path, md: Any, index: Dict[str, Any], checksu
             records[(st.relative_path, st.file_offset)] = (fqn, st)
     source = checkpoint_dir / METADATA_FNAME
 
+    class BeneathCheckpoint(FileSystem):
+        """DCP's file system, opening data files beneath the checkpoint only (the containment
+        rule: never through a symlink that leads out of it)."""
+
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            name = Path(path).relative_to(checkpoint_dir).as_posix()
+            try:
+                fd = containment.open_beneath(checkpoint_dir, name, source)
+            except FileNotFoundError:
+                raise CheckpointingException(
+                    f"{path}: data file is missing (named by {source}, rank {dist.get_rank()})"
+                ) from None
+            with os.fdopen(fd, "rb") as stream:
+                yield stream
+
     class CheckedReader(FileSystemReader):
+        def __init__(self) -> None:
+            super().__init__(checkpoint_dir)
+            self.fs = BeneathCheckpoint()
+
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             if getattr(md, "storage_meta", None) is None:
                 md.storage_meta = StorageMeta()
@@ -625,7 +647,7 @@ def checked_reader(checkpoint_dir: Path, md: Any, index: Dict[str, Any], checksu
             check_item(raw, st, checksums, what, fqn)
             return io.BytesIO(raw)
 
-    return CheckedReader(checkpoint_dir)
+    return CheckedReader()
 
 
 def _pieces_state(tensors: List[ShardedTensor]) -> Dict[str, Any]:

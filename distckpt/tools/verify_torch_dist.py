@@ -15,11 +15,11 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from distckpt import storage
 from distckpt.core import CheckpointingException
 from distckpt.manifest import MANIFEST_FNAME
-from distckpt.strategies.index_format import INDEX_FNAME
+from distckpt.strategies.index_format import INDEX_FNAME, dtype_of
 from distckpt.strategies.index_format import dtype_name as sidecar_dtype_name
 from distckpt.strategies.index_read import IndexReader
 from distckpt.strategies.tiling import coverage_problem
-from distckpt.strategies.torch_dist.claims import cross_check, extent_problem, record_name
+from distckpt.strategies.torch_dist.claims import check_declared, cross_check, extent_problem, record_name
 from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, plain_byte_items, read_metadata
 from distckpt.strategies.torch_dist.stored import index_metadata
 from distckpt.tools.verify_report import CheckpointRoot, VerifyReport, file_size
@@ -36,18 +36,26 @@ def check_torch_dist(root: CheckpointRoot, trusted: bool, report: VerifyReport, 
         index_metadata(md, source)
     except CheckpointingException as e:
         report.problems.append(str(e))
+        # A load served by the sidecar never reads .metadata: what it would take from it.
+        _sidecar_declarations(root, manifest, report)
         return
     if manifest is not None:
         report.problems.extend(cross_check(md, manifest, METADATA_FNAME, MANIFEST_FNAME))
         report.checked.append(
             f"storage records and key declarations of {METADATA_FNAME} against {MANIFEST_FNAME}"
         )
-    _check_sidecar(root, md, report)
+    _check_sidecar(root, md, report, manifest)
     sizes: Dict[str, Optional[int]] = {}
+    refused: set = set()  # data files the containment rule refused (a symlink out), reported once
 
     def size_of(name: str) -> Optional[int]:
         if name not in sizes:
-            sizes[name] = file_size(root, name)
+            try:
+                sizes[name] = file_size(root, name)
+            except CheckpointingException as e:
+                report.problems.append(str(e))
+                refused.add(name)
+                sizes[name] = None
         return sizes[name]
 
     recorded = set()
@@ -56,7 +64,8 @@ def check_torch_dist(root: CheckpointRoot, trusted: bool, report: VerifyReport, 
         recorded.add(index.fqn)
         actual = size_of(info.relative_path)
         if actual is None:
-            missing_files.setdefault(info.relative_path, []).append(index.fqn)
+            if info.relative_path not in refused:
+                missing_files.setdefault(info.relative_path, []).append(index.fqn)
             continue
         problem = extent_problem(
             METADATA_FNAME,
@@ -130,11 +139,12 @@ def _shared_bytes(md, source: str) -> List[str]:
     return problems
 
 
-def _check_sidecar(root: CheckpointRoot, md, report: VerifyReport) -> None:
+def _check_sidecar(root: CheckpointRoot, md, report: VerifyReport, manifest=None) -> None:
     """The sidecar index, when the checkpoint has a current one (loads read it instead of
     ``.metadata``): its directory parses and every entry is well-formed, it declares the keys
     ``.metadata`` declares with the same dtype, shape and original shape, and its records are
-    ``.metadata``'s storage records (file, offset, length, chunk box). Its CRC32Cs are the
+    ``.metadata``'s storage records (file, offset, length, chunk box); with a ``manifest``, its
+    declarations are the writer's (what a load served by it would take). Its CRC32Cs are the
     manifest's business (checked with the files)."""
     try:
         reader = IndexReader.open(root)
@@ -186,6 +196,9 @@ def _check_sidecar(root: CheckpointRoot, md, report: VerifyReport) -> None:
                     f"{INDEX_FNAME}: key {fqn!r} is declared as {got}, {METADATA_FNAME} says {want}"
                 )
                 continue
+            declared = _declared_problem(fqn, meta.properties.dtype, meta.size, orig, manifest)
+            if declared:
+                problems.append(declared)
             boxes[fqn] = [((0,) * len(meta.size), tuple(meta.size))]
         stray = sorted(set(reader.keys) - set(md.state_dict_metadata))
         if stray:
@@ -212,3 +225,43 @@ def _check_sidecar(root: CheckpointRoot, md, report: VerifyReport) -> None:
     report.checked.append(
         f"{INDEX_FNAME} against {METADATA_FNAME}: {len(reader.keys)} keys and their records"
     )
+
+
+def _declared_problem(fqn: str, dtype, size, orig, manifest) -> Optional[str]:
+    """Where the sidecar's declaration of tensor key ``fqn`` (what a load served by it takes)
+    contradicts the writer's in the manifest's ``keys`` (:func:`check_declared`); None if it
+    agrees or the manifest records nothing of the key."""
+    if manifest is None or fqn not in manifest.keys:
+        return None
+    try:
+        check_declared(
+            fqn,
+            dtype,
+            tuple(size),
+            None if orig is None else tuple(orig),
+            manifest.keys,
+            INDEX_FNAME,
+            MANIFEST_FNAME,
+        )
+    except CheckpointingException as e:
+        return str(e)
+    return None
+
+
+def _sidecar_declarations(root: CheckpointRoot, manifest, report: VerifyReport) -> None:
+    """The sidecar's tensor declarations against the manifest's, on their own (``.metadata``,
+    which :func:`_check_sidecar` compares it with, is damaged)."""
+    if manifest is None or not manifest.keys:
+        return
+    try:
+        reader = IndexReader.open(root)
+        for fqn in reader.keys if reader is not None else ():
+            e = reader.entry(fqn)
+            if not e.get("bytes"):
+                problem = _declared_problem(
+                    fqn, dtype_of(e["dtype"]), e["size"], e.get("orig_shape"), manifest
+                )
+                if problem:
+                    report.problems.append(problem)
+    except CheckpointingException as e:
+        report.problems.append(str(e))
