@@ -10,18 +10,20 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
+import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from distckpt import storage
 from distckpt.core import CheckpointingException
 from distckpt.manifest import MANIFEST_FNAME
+from distckpt.mapping import ShardedTensor
 from distckpt.strategies.index_format import INDEX_FNAME, dtype_of
 from distckpt.strategies.index_format import dtype_name as sidecar_dtype_name
 from distckpt.strategies.index_read import IndexReader
 from distckpt.strategies.tiling import coverage_problem
 from distckpt.strategies.torch_dist.claims import check_declared, cross_check, extent_problem, record_name
 from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, plain_byte_items, read_metadata
-from distckpt.strategies.torch_dist.stored import index_metadata
+from distckpt.strategies.torch_dist.stored import StoredKey, index_from_sidecar, index_metadata
 from distckpt.tools.verify_report import CheckpointRoot, VerifyReport, file_size
 
 
@@ -36,15 +38,15 @@ def check_torch_dist(root: CheckpointRoot, trusted: bool, report: VerifyReport, 
         index_metadata(md, source)
     except CheckpointingException as e:
         report.problems.append(str(e))
-        # A load served by the sidecar never reads .metadata: what it would take from it.
-        _sidecar_declarations(root, manifest, report)
+        _sidecar_as_loads_read_it(root, manifest, report)
         return
+    _sidecar_as_loads_read_it(root, manifest, report)
     if manifest is not None:
         report.problems.extend(cross_check(md, manifest, METADATA_FNAME, MANIFEST_FNAME))
         report.checked.append(
             f"storage records and key declarations of {METADATA_FNAME} against {MANIFEST_FNAME}"
         )
-    _check_sidecar(root, md, report, manifest)
+    _check_sidecar(root, md, report)
     sizes: Dict[str, Optional[int]] = {}
     refused: set = set()  # data files the containment rule refused (a symlink out), reported once
 
@@ -139,12 +141,11 @@ def _shared_bytes(md, source: str) -> List[str]:
     return problems
 
 
-def _check_sidecar(root: CheckpointRoot, md, report: VerifyReport, manifest=None) -> None:
+def _check_sidecar(root: CheckpointRoot, md, report: VerifyReport) -> None:
     """The sidecar index, when the checkpoint has a current one (loads read it instead of
     ``.metadata``): its directory parses and every entry is well-formed, it declares the keys
     ``.metadata`` declares with the same dtype, shape and original shape, and its records are
-    ``.metadata``'s storage records (file, offset, length, chunk box); with a ``manifest``, its
-    declarations are the writer's (what a load served by it would take). Its CRC32Cs are the
+    ``.metadata``'s storage records (file, offset, length, chunk box). Its CRC32Cs are the
     manifest's business (checked with the files)."""
     try:
         reader = IndexReader.open(root)
@@ -196,9 +197,6 @@ def _check_sidecar(root: CheckpointRoot, md, report: VerifyReport, manifest=None
                     f"{INDEX_FNAME}: key {fqn!r} is declared as {got}, {METADATA_FNAME} says {want}"
                 )
                 continue
-            declared = _declared_problem(fqn, meta.properties.dtype, meta.size, orig, manifest)
-            if declared:
-                problems.append(declared)
             boxes[fqn] = [((0,) * len(meta.size), tuple(meta.size))]
         stray = sorted(set(reader.keys) - set(md.state_dict_metadata))
         if stray:
@@ -227,41 +225,39 @@ def _check_sidecar(root: CheckpointRoot, md, report: VerifyReport, manifest=None
     )
 
 
-def _declared_problem(fqn: str, dtype, size, orig, manifest) -> Optional[str]:
-    """Where the sidecar's declaration of tensor key ``fqn`` (what a load served by it takes)
-    contradicts the writer's in the manifest's ``keys`` (:func:`check_declared`); None if it
-    agrees or the manifest records nothing of the key."""
-    if manifest is None or fqn not in manifest.keys:
-        return None
-    try:
-        check_declared(
-            fqn,
-            dtype,
-            tuple(size),
-            None if orig is None else tuple(orig),
-            manifest.keys,
-            INDEX_FNAME,
-            MANIFEST_FNAME,
-        )
-    except CheckpointingException as e:
-        return str(e)
-    return None
-
-
-def _sidecar_declarations(root: CheckpointRoot, manifest, report: VerifyReport) -> None:
-    """The sidecar's tensor declarations against the manifest's, on their own (``.metadata``,
-    which :func:`_check_sidecar` compares it with, is damaged)."""
-    if manifest is None or not manifest.keys:
-        return
+def _sidecar_as_loads_read_it(root: CheckpointRoot, manifest, report: VerifyReport) -> None:
+    """The sidecar, when the checkpoint has a current one, as a load served by it reads it (such a
+    load never reads ``.metadata``): every key's records through the load's own function
+    (:func:`index_from_sidecar`: entries, file names, offsets, lengths, chunk sizes), the chunks
+    covering each key exactly once, and its declarations against the writer's in the manifest.
+    Run whether or not ``.metadata`` passed its checks; :func:`_check_sidecar` compares the two."""
     try:
         reader = IndexReader.open(root)
-        for fqn in reader.keys if reader is not None else ():
+        if reader is None:
+            return
+        request: Dict[str, object] = {}
+        for fqn in reader.keys:
             e = reader.entry(fqn)
-            if not e.get("bytes"):
-                problem = _declared_problem(
-                    fqn, dtype_of(e["dtype"]), e["size"], e.get("orig_shape"), manifest
-                )
-                if problem:
-                    report.problems.append(problem)
+            if e.get("bytes"):
+                continue
+            shape = e.get("orig_shape") or e["size"]
+            request[fqn] = ShardedTensor.from_rank_offsets(
+                fqn, torch.empty(tuple(shape), dtype=dtype_of(e["dtype"]), device="meta")
+            )
+        stored = index_from_sidecar(reader, request, None)
     except CheckpointingException as e:
         report.problems.append(str(e))
+        return
+    for fqn, key in stored.items():
+        if not isinstance(key, StoredKey):
+            continue
+        problem = coverage_problem(key.size, [(c.offset, c.size) for c in key.chunks])
+        if problem:
+            report.problems.append(f"{INDEX_FNAME}: key {fqn!r}: {problem}")
+        if manifest is not None and fqn in manifest.keys:
+            try:
+                check_declared(
+                    fqn, key.dtype, key.size, key.orig_shape, manifest.keys, INDEX_FNAME, MANIFEST_FNAME
+                )
+            except CheckpointingException as e:
+                report.problems.append(str(e))
