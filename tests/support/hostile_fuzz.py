@@ -1412,7 +1412,7 @@ def _clone(src: Path, dst: Path) -> None:
             os.mkfifo(target)
 
 
-ENTRY_POINTS = (
+LOADS = (
     "load",
     "load-reshard",
     "load-verify",
@@ -1420,6 +1420,8 @@ ENTRY_POINTS = (
     "load-dcp-verify",
     "load_common_state_dict",
     "load_plain_tensors",
+)
+ENTRY_POINTS = LOADS + (
     "load_tensors_metadata",
     "check_is_distributed_checkpoint",
     "remove_sharded_tensors",
@@ -1430,15 +1432,6 @@ ENTRY_POINTS = (
     "cli-convert",
     "cli-rm-prefix",
     "cli-rename",
-)
-LOADS = (
-    "load",
-    "load-reshard",
-    "load-verify",
-    "load-dcp",
-    "load-dcp-verify",
-    "load_common_state_dict",
-    "load_plain_tensors",
 )
 # What the torch_dcp reader (DCP's own engine) loads; it reads only torch_dist checkpoints.
 DCP_READER = {"load-dcp": False, "load-dcp-verify": True}

@@ -243,6 +243,20 @@ def _config(codec: Dict[str, Any], field: str, allowed: Sequence[str], required:
     return config
 
 
+def _one_of(config: Dict[str, Any], member: str, default: str, choices: Sequence[str], field: str) -> None:
+    value = config.get(member, default)
+    _expect(value in choices, f"{field}.{member}", value, " or ".join(map(repr, choices)))
+
+
+def _chunk_shape(value: Any, ndim: int, field: str) -> None:
+    _expect(
+        type(value) is list and len(value) == ndim and all(_int_in(c, 1, bounds.MAX_NUMEL) for c in value),
+        field,
+        value,
+        f"a list of {ndim} positive integers",
+    )
+
+
 def _int_in(value: Any, lo: int, hi: int) -> bool:
     return type(value) is int and lo <= value <= hi
 
@@ -280,12 +294,7 @@ def _check_codecs(codecs: Any, field: str, ndim: int, itemsize: int) -> None:
             )
         elif name == "bytes":
             config = _config(codec, where, ("endian",), ("endian",) if itemsize > 1 else ())
-            _expect(
-                config.get("endian", "little") in ("little", "big"),
-                f"{where}.configuration.endian",
-                config.get("endian"),
-                "'little' or 'big'",
-            )
+            _one_of(config, "endian", "little", ("little", "big"), f"{where}.configuration")
         elif name == "sharding_indexed":
             config = _config(
                 codec,
@@ -293,24 +302,11 @@ def _check_codecs(codecs: Any, field: str, ndim: int, itemsize: int) -> None:
                 ("chunk_shape", "codecs", "index_codecs", "index_location"),
                 ("chunk_shape", "codecs"),
             )
-            inner = config["chunk_shape"]
-            _expect(
-                type(inner) is list
-                and len(inner) == ndim
-                and all(_int_in(c, 1, bounds.MAX_NUMEL) for c in inner),
-                f"{where}.configuration.chunk_shape",
-                inner,
-                f"a list of {ndim} positive integers",
-            )
+            _chunk_shape(config["chunk_shape"], ndim, f"{where}.configuration.chunk_shape")
             _check_codecs(config["codecs"], f"{where}.configuration.codecs", ndim, itemsize)
             if "index_codecs" in config:
                 _check_codecs(config["index_codecs"], f"{where}.configuration.index_codecs", 1, 8)
-            _expect(
-                config.get("index_location", "end") in ("start", "end"),
-                f"{where}.configuration.index_location",
-                config.get("index_location"),
-                "'start' or 'end'",
-            )
+            _one_of(config, "index_location", "end", ("start", "end"), f"{where}.configuration")
         elif name == "gzip":
             level = _config(codec, where, ("level",), ("level",))["level"]
             _expect(_int_in(level, 0, 9), f"{where}.configuration.level", level, "an integer in [0, 9]")
@@ -402,7 +398,7 @@ def meta_from_v3(key: str, path: Path, md: Any) -> ArrayMeta:
     itemsize = torch.empty((), dtype=dtype).element_size()
     shape = md.get("shape")
     _expect(
-        type(shape) is list and all(_int_in(s, 0, bounds.MAX_NUMEL) for s in shape),
+        type(shape) is list and all(_int_in(n, 0, bounds.MAX_NUMEL) for n in shape),
         "shape",
         shape,
         "a list of naturals",
@@ -419,14 +415,7 @@ def meta_from_v3(key: str, path: Path, md: Any) -> ArrayMeta:
         "an object of 'chunk_shape'",
     )
     chunks = config["chunk_shape"]
-    _expect(
-        type(chunks) is list
-        and len(chunks) == len(shape)
-        and all(_int_in(c, 1, bounds.MAX_NUMEL) for c in chunks),
-        "chunk_grid.configuration.chunk_shape",
-        chunks,
-        f"a list of {len(shape)} positive integers",
-    )
+    _chunk_shape(chunks, len(shape), "chunk_grid.configuration.chunk_shape")
     enc = md.get("chunk_key_encoding", {"name": "default"})
     _expect(
         type(enc) is dict and set(enc) <= {"name", "configuration"}, "chunk_key_encoding", enc, "an object"
@@ -506,19 +495,12 @@ def meta_from_v2(key: str, path: Path, md: Any) -> ArrayMeta:
         raise ValueError(f"dtype {json_text(md.get('dtype'))} has no torch equivalent")
     shape, chunks = md.get("shape"), md.get("chunks")
     _expect(
-        type(shape) is list and all(_int_in(s, 0, bounds.MAX_NUMEL) for s in shape),
+        type(shape) is list and all(_int_in(n, 0, bounds.MAX_NUMEL) for n in shape),
         "shape",
         shape,
         "a list of naturals",
     )
-    _expect(
-        type(chunks) is list
-        and len(chunks) == len(shape)
-        and all(_int_in(c, 1, bounds.MAX_NUMEL) for c in chunks),
-        "chunks",
-        chunks,
-        f"a list of {len(shape)} positive integers",
-    )
+    _chunk_shape(chunks, len(shape), "chunks")
     compressor = md.get("compressor")
     _expect(
         compressor is None or (type(compressor) is dict and compressor.get("id") in _V2_COMPRESSORS),
