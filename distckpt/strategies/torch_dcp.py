@@ -47,6 +47,7 @@ from distckpt.strategies.device_io import is_plain, needs_staging
 from distckpt.strategies.resharding import ORIG_SHAPE, Shape, nd_reformulated
 from distckpt.strategies.torch_dist.claims import extent_error, orig_shapes, record_name
 from distckpt.strategies.torch_dist.load import TorchDistLoadShardedStrategy
+from distckpt.strategies.torch_dist.loadplan import LoadPlan, plan_tensor
 from distckpt.strategies.torch_dist.metadata import METADATA_FNAME
 from distckpt.strategies.torch_dist.stored import Stored, StoredKey, check_item
 
@@ -543,6 +544,11 @@ class TorchDCPLoadShardedStrategy(TorchDistLoadShardedStrategy):
         # DCP's part: one local tensor view per piece (replicas included), filled in place.
         tensors = [sh for sh in theirs if isinstance(sh, ShardedTensor)]
         objects = [sh for sh in theirs if isinstance(sh, ShardedObject)]
+        # distckpt's own planning of the same pieces, for its checks only: DCP reads the chunks a
+        # piece meets and trusts that they fill it (a chunk box of no elements left it unread).
+        probe = LoadPlan()
+        for sh in tensors:
+            plan_tensor(probe, sh, index[sh.key], sh.data)
         state = _pieces_state(tensors)
         for obj in objects:
             state[obj.unique_key] = None

@@ -16,7 +16,7 @@ from distckpt import containment, storage
 from distckpt.core import CheckpointingException
 from distckpt.strategies.zarr import layout as zarr_layout
 from distckpt.strategies.zarr.engines import Engines
-from distckpt.strategies.zarr.meta import manifest_disagreement
+from distckpt.strategies.zarr.meta import listing_disagreement, manifest_disagreement
 from distckpt.tools.verify_report import CheckpointRoot, VerifyReport, file_size, listing
 
 
@@ -28,6 +28,9 @@ def check_zarr(root: CheckpointRoot, report: VerifyReport, manifest=None) -> Non
     except CheckpointingException as e:
         report.problems.append(str(e))
         return
+    problem = listing_disagreement(keys, manifest, storage.join(root, "zarr.json"))
+    if problem:
+        report.problems.append(problem)
     # The listing is a claim: checked against the folders first, so a listing of 100,000 keys
     # over a checkpoint of 3 arrays is one problem naming it, found in a blink, not 100,000
     # reads of metadata that is not there.

@@ -174,7 +174,18 @@ def read_chunk(
             raise CheckpointingException(f"{what}: file is truncated ({len(whole)} of {st.length} bytes)")
         tensor = safe_torch_load(whole, what=what)
         if not isinstance(tensor, torch.Tensor) or tensor.numel() != numel:
-            raise CheckpointingException(f"{what}: stored item is not a tensor of the recorded size")
+            # The record's claim against what the data file holds there: name the claim's source.
+            source = claimed.source if claimed is not None and claimed.source else METADATA_FNAME
+            holds = (
+                f"a tensor of {tensor.numel()} elements"
+                if isinstance(tensor, torch.Tensor)
+                else f"a {type(tensor).__name__}"
+            )
+            raise CheckpointingException(
+                f"{source}: records {record_name(ops[0].key, st.offset)} of {list(st.size)} ({numel} "
+                f"elements) at offset {st.file_offset} of {path}, which holds {holds} there: the metadata "
+                f"or the data file is damaged (rank {rank})"
+            )
         _check_claimed_dtype(tensor.dtype, claimed, what)
         copy_boxes(tensor.reshape(-1).contiguous(), 0, ops)
         return st.length

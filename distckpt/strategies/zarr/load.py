@@ -17,7 +17,7 @@ import torch
 from distckpt import dist, storage
 from distckpt.core import CheckpointingException
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
-from distckpt.manifest import MANIFEST_FNAME, read_manifest, write_manifest
+from distckpt.manifest import read_manifest, write_manifest
 from distckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from distckpt.strategies.base import LoadShardedStrategy
 from distckpt.strategies.device_io import needs_staging
@@ -38,6 +38,7 @@ from distckpt.strategies.zarr.meta import (
     FORMAT_VERSION,
     LEGACY_ARRAY_META,
     ArrayMeta,
+    listing_disagreement,
     manifest_disagreement,
     meta_file,
 )
@@ -141,14 +142,9 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             out[key] = ShardedTensor.from_rank_offsets(
                 key, torch.empty(meta.shape, dtype=meta.dtype, device="meta")
             )
-        # A query returns every key: one the writer declared must not just drop out of the listing.
-        missing = sorted(set(manifest.keys) - set(out)) if manifest is not None else []
-        if missing:
-            raise CheckpointingException(
-                f"{storage.join(root, ARRAY_META)}: does not list array key(s) {missing[:3]}"
-                f"{' ...' if len(missing) > 3 else ''} that {MANIFEST_FNAME} says the writer wrote (the root "
-                f"metadata is damaged)"
-            )
+        problem = listing_disagreement(list(out), manifest, storage.join(root, ARRAY_META))
+        if problem:
+            raise CheckpointingException(problem)
         return out
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: storage.Location) -> StateDict:

@@ -579,3 +579,16 @@ def manifest_disagreement(meta: ArrayMeta, manifest: Any) -> Optional[str]:
             f"the array metadata or the manifest is damaged"
         )
     return None
+
+
+def listing_disagreement(keys: Sequence[str], manifest: Any, where: Any) -> Optional[str]:
+    """Why the array ``keys`` the root group ``where`` lists contradict the manifest: arrays it
+    says the writer wrote that the listing lacks (a query returns every key: one must not just
+    drop out of it); None when it agrees or there is no manifest. Loads and verify ask this."""
+    missing = sorted(set(manifest.keys) - set(keys)) if manifest is not None else []
+    if not missing:
+        return None
+    return (
+        f"{where}: does not list array key(s) {missing[:3]}{' ...' if len(missing) > 3 else ''} that "
+        f"{MANIFEST_FNAME} says the writer wrote (the root metadata is damaged)"
+    )
