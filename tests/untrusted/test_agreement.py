@@ -278,6 +278,22 @@ def test_the_torch_dcp_reader_checks_what_it_reads_against_the_manifest(torch_di
         distckpt.load(hf.base_state(False), torch_dist, sharded_strategy=TorchDCPLoadShardedStrategy())
 
 
+def test_a_flattened_keys_chunk_that_is_no_cell_of_its_grid_is_refused_by_the_torch_dcp_reader_too(
+    torch_dist,
+):
+    def edit(md):
+        chunks = md.state_dict_metadata["opt.f"].chunks
+        chunks[1] = dataclasses.replace(chunks[1], sizes=torch.Size([1, 0, 14]))
+
+    _edit_metadata(torch_dist, edit)
+    # DCP read no element of a chunk box of none, and returned the request unfilled.
+    match = r"\.metadata: key 'opt\.f': chunk at \[0, 0, 10\] of size \[1, 0, 14\] is not one cell"
+    with pytest.raises(CheckpointingException, match=match):
+        distckpt.load(hf.base_state(False), torch_dist, sharded_strategy=TorchDCPLoadShardedStrategy())
+    code, out = _verify(torch_dist)
+    assert code == 1 and re.search(match, out), out
+
+
 # --------------------------------------------------------------------------- the other files by schema
 
 

@@ -108,8 +108,11 @@ def _check_claims(md: Metadata, source: Any) -> None:
         entry = mcore.get(fqn)
         if entry is not None and not isinstance(entry, dict):
             raise _wrong(source, f"mcore_data of key {fqn!r}", entry, "a dict")
+        # A flattened key's chunk is one cell of its grid: of size 1 along every grid axis.
+        cell = None
         if entry is not None and ORIG_SHAPE in entry:
             check_reformulated(fqn, size, entry[ORIG_SHAPE], source)
+            cell = (1,) * (len(size) - 1)
         if not isinstance(meta.chunks, list):
             raise _wrong(source, f"key {fqn!r}: chunks", meta.chunks, "a list")
         ndim = len(size)
@@ -121,6 +124,7 @@ def _check_claims(md: Metadata, source: Any) -> None:
                     and sizes is not None
                     and len(offsets) == ndim == len(sizes)
                     and all(map(operator.le, map(operator.add, offsets, sizes), size))
+                    and (cell is None or sizes[:-1] == cell)
                 ):
                     continue
             else:
@@ -128,6 +132,11 @@ def _check_claims(md: Metadata, source: Any) -> None:
             offsets = bounds.shape(c.offsets, source, f"key {fqn!r}: chunk offset")
             sizes = bounds.shape(c.sizes, source, f"key {fqn!r}: chunk size")
             bounds.box_inside(offsets, sizes, size, source, f"key {fqn!r}: chunk")
+            if cell is not None and tuple(sizes[:-1]) != cell:
+                raise CheckpointingException(
+                    f"{source}: key {fqn!r}: chunk at {list(offsets)} of size {list(sizes)} is not one cell "
+                    f"of the flattened key's grid {list(size[:-1])} (its size along the grid axes must be 1)"
+                )
     for fqn, entry in mcore.items():
         # Entries of keys it does not declare are never used, but read by orig_shapes.
         if fqn not in md.state_dict_metadata and isinstance(entry, dict) and ORIG_SHAPE in entry:
