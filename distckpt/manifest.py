@@ -14,7 +14,8 @@ Format (version 1)::
      "keys": {"key": ["bfloat16", [global shape]], ...},      # optional: what each tensor key is
              # (a flattened torch_dist key: [dtype, [stored N-D reformulated shape], [original shape]])
      "chunks": {"__0_0.distcp": [[offset, [chunk offset], [chunk size]], ...], ...},  # optional
-     "blocks": {"w/c/0/0": [block size, crc32c, "base64"], ...}}  # optional
+     "blocks": {"w/c/0/0": [block size, crc32c, "base64"], ...},  # optional
+     "arrays": {"w": {"zarr_format": 3, "codecs": [...], "fill_value": 0.0, ...}, ...}}  # optional
 
 ``keys`` and ``chunks`` (added later, in the same version: readers that do not know them ignore
 them) record what the writer put in each range: the dtype and stored shape of each tensor key
@@ -22,6 +23,15 @@ them) record what the writer put in each range: the dtype and stored shape of ea
 ``verify=True`` and ``distckpt verify`` compare the
 metadata's claims (``.metadata``'s storage records, a zarr array's ``zarr.json``) with them;
 manifests without them are checked by key, offset and length only.
+
+``arrays`` (optional, zarr): each array's ``zarr.json`` as the writer wrote it, but its
+``attributes`` (chunk grid, chunk key encoding, fill value, codecs, ...); a reader compares the
+``zarr.json`` it parses with it (``strategies.zarr.meta.manifest_disagreement``), so an edit of how
+the chunks are encoded is refused even when the file's own checksum was brought up to date.
+
+Every member is parsed by schema where it is read: offsets, lengths, sizes and shapes are
+integers in range (not ``2.5``, ``true`` or ``"5"``), CRC32Cs 32-bit, names strings; a wrong
+value is a ``CheckpointingException`` naming the manifest and the member.
 
 ``blocks`` (also optional, also ignored by readers that do not know it) holds, for a file that
 is one checksummed range of at least two blocks (a large zarr chunk file), the CRC32C of each
@@ -89,6 +99,8 @@ class Manifest:
     # File -> (block size, the file's CRC32C, packed little-endian CRC32C of each block): see
     # the module docstring; kept packed until a load asks for one file's (:meth:`block_crcs`).
     blocks: Dict[str, Tuple[int, int, bytes]] = field(default_factory=dict)
+    # Zarr array key -> its zarr.json but the attributes, as the writer wrote it.
+    arrays: Dict[str, Dict[str, Any]] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
         out = {
@@ -112,6 +124,8 @@ class Manifest:
             out["chunks"] = chunks
         if self.blocks:
             out["blocks"] = {f: [b, c, base64.b64encode(p).decode()] for f, (b, c, p) in self.blocks.items()}
+        if self.arrays:
+            out["arrays"] = self.arrays
         return json.dumps(out, separators=(",", ":")).encode()
 
     def set_whole(self, name: str, size: int, crc: int, key: Optional[str] = None) -> None:
@@ -160,13 +174,20 @@ def build_manifest(
     keys: Optional[Dict[str, Tuple[Any, ...]]] = None,
     chunks: Optional[Iterable[Optional[Tuple[Tuple[int, ...], Tuple[int, ...]]]]] = None,
     blocks: Optional[Dict[str, Tuple[int, int, bytes]]] = None,
+    arrays: Optional[Dict[str, Dict[str, Any]]] = None,
 ) -> Manifest:
     """``ranges`` holds ``(file, offset, length, crc32c, key)`` from every rank; ``keys`` each
     tensor key's (dtype name, stored shape); ``chunks``, aligned with ``ranges``, the (chunk
     offset, chunk size) each range holds (None where it holds no tensor chunk); ``blocks`` the
-    block CRC32Cs of files written as one range (see :attr:`Manifest.blocks`)."""
+    block CRC32Cs of files written as one range (see :attr:`Manifest.blocks`); ``arrays`` each
+    zarr array's description (:attr:`Manifest.arrays`)."""
     m = Manifest(
-        save_id, backend, dict(sorted(file_sizes.items())), keys=dict(keys or {}), blocks=dict(blocks or {})
+        save_id,
+        backend,
+        dict(sorted(file_sizes.items())),
+        keys=dict(keys or {}),
+        blocks=dict(blocks or {}),
+        arrays=dict(arrays or {}),
     )
     boxes = iter(chunks) if chunks is not None else itertools.repeat(None)
     for (f, offset, length, crc, key), box in zip(ranges, boxes):
@@ -202,16 +223,55 @@ def _parsed(
     except (OSError, ValueError, RecursionError) as e:
         raise CheckpointingException(f"{path}: unreadable integrity manifest: {e}") from None
     try:
-        if raw.get("format") != FORMAT or int(raw["version"]) > VERSION:
-            raise ValueError(f"unsupported format {raw.get('format')!r} version {raw.get('version')!r}")
-        files = {str(k): int(v) for k, v in raw["files"].items()}
+        _member(raw, "the manifest", dict)
+        version = raw.get("version")
+        if raw.get("format") != FORMAT or not bounds.fits(version, VERSION) or not version:
+            raise ValueError(f"unsupported format {raw.get('format')!r:.40} version {version!r:.40}")
+        files = _member(raw.get("files"), "files", dict)
+        for name, size in files.items():
+            if not bounds.fits(size):
+                raise ValueError(
+                    f"files[{name!r}]: size {size!r:.40} is not an integer in [0, {bounds.MAX_BYTES}]"
+                )
         out = build(raw, files)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointingException(f"{path}: malformed integrity manifest: {e}") from None
-    for name, size in files.items():
+    for name in files:
         bounds.relative_name(name, path, "listed file")
-        bounds.natural(size, path, f"size of {name!r}")
     return out, path
+
+
+def _member(value: Any, field: str, kind: type) -> Any:
+    """``value`` (the manifest's member ``field``) if it is a ``kind``; else ValueError naming it."""
+    if type(value) is not kind:
+        raise ValueError(
+            f"{field} is {type(value).__name__}, not {'an object' if kind is dict else 'a list'}"
+        )
+    return value
+
+
+def _crcs_of(raw: dict, name: str) -> List[int]:
+    """The CRC32Cs of file ``name``'s ranges in the manifest's JSON ``raw`` (checked as
+    :func:`read_manifest` checks them, for this file only)."""
+    ranges = _member(raw.get("ranges"), "ranges", dict)
+    return [_range(r, name)[2] for r in _member(ranges.get(name, []), f"ranges[{name!r}]", list)]
+
+
+def _range(r: Any, name: str) -> Tuple[int, int, int, str]:
+    """One entry of ``ranges[name]``: ``[offset, length, crc32c, key]``."""
+    if not (
+        type(r) is list
+        and len(r) == 4
+        and bounds.fits(r[0])
+        and bounds.fits(r[1])
+        and bounds.fits(r[2], 0xFFFFFFFF)
+        and type(r[3]) is str
+    ):
+        raise ValueError(
+            f"ranges[{name!r}]: entry {r!r:.100} is not [offset, length, CRC32C, key] (two naturals, a "
+            f"32-bit CRC32C and a string)"
+        )
+    return r[0], r[1], r[2], r[3]
 
 
 def read_manifest_files(checkpoint_dir: storage.Location) -> Optional[Dict[str, int]]:
@@ -232,37 +292,50 @@ def read_manifest(checkpoint_dir: storage.Location) -> Optional[Manifest]:
     """
 
     def build(raw: dict, files: Dict[str, int]) -> Manifest:
-        m = Manifest(str(raw["save_id"]), str(raw["backend"]), files)
+        save_id, backend = raw.get("save_id"), raw.get("backend")
+        if type(save_id) is not str or type(backend) is not str:
+            raise ValueError(f"save_id {save_id!r:.40} and backend {backend!r:.40} are not both strings")
+        m = Manifest(save_id, backend, files)
         boxes = {}
-        for f, cs in (raw.get("chunks") or {}).items():
-            for o, off, size in cs:
-                boxes[(str(f), int(o))] = (tuple(int(x) for x in off), tuple(int(x) for x in size))
-        for f, rs in raw["ranges"].items():
-            m.ranges[str(f)] = [
-                RangeChecksum(int(o), int(n), int(c), str(k), boxes.get((str(f), int(o))))
-                for o, n, c, k in rs
+        for f, cs in _member(raw.get("chunks", {}), "chunks", dict).items():
+            for c in _member(cs, f"chunks[{f!r}]", list):
+                if not (
+                    type(c) is list
+                    and len(c) == 3
+                    and bounds.fits(c[0])
+                    and bounds.plain_shape(c[1]) is not None
+                    and bounds.plain_shape(c[2]) is not None
+                ):
+                    raise ValueError(
+                        f"chunks[{f!r}]: entry {c!r:.100} is not [offset, chunk offset, chunk size]"
+                    )
+                boxes[(f, c[0])] = (tuple(c[1]), tuple(c[2]))
+        for f, rs in _member(raw.get("ranges"), "ranges", dict).items():
+            m.ranges[f] = [
+                RangeChecksum(o, n, c, k, boxes.get((f, o)))
+                for o, n, c, k in (_range(r, f) for r in _member(rs, f"ranges[{f!r}]", list))
             ]
         m.keys = _declared_keys(raw)
-        for f, (block, crc, packed) in (raw.get("blocks") or {}).items():
-            block, data = int(block), base64.b64decode(packed, validate=True)
-            if not 4096 <= block <= (1 << 30) or block % 16 or len(data) % 4:
+        for f, entry in _member(raw.get("blocks", {}), "blocks", dict).items():
+            if not (type(entry) is list and len(entry) == 3 and type(entry[2]) is str):
+                raise ValueError(f"blocks[{f!r}]: {entry!r:.80} is not [block size, CRC32C, base64]")
+            block, crc, packed = entry
+            data = base64.b64decode(packed, validate=True)
+            if not bounds.fits(block, 1 << 30) or block < 4096 or block % 16 or len(data) % 4:
                 raise ValueError(
-                    f"block CRC32Cs of {f!r}: block size {block} not in [4096, 2^30] or not "
+                    f"blocks[{f!r}]: block size {block!r:.20} not in [4096, 2^30] or not "
                     f"a multiple of 16, or {len(data)} bytes of CRC32Cs"
                 )
-            m.blocks[str(f)] = (block, int(crc), data)
+            if not bounds.fits(crc, 0xFFFFFFFF):
+                raise ValueError(f"blocks[{f!r}]: CRC32C {crc!r:.20} is not a 32-bit natural")
+            m.blocks[f] = (block, crc, data)
+        for key, description in _member(raw.get("arrays", {}), "arrays", dict).items():
+            m.arrays[key] = _member(description, f"arrays[{key!r}]", dict)
         return m
 
     m, path = _parsed(checkpoint_dir, build)
     if m is None:
         return None
-    for name, rs in m.ranges.items():
-        for r in rs:
-            bounds.natural(r.offset, path, f"range offset in {name!r}")
-            bounds.natural(r.length, path, f"range length in {name!r}")
-            bounds.natural(r.crc32c, path, f"CRC32C of a range in {name!r}", 0xFFFFFFFF)
-            for value in (r.chunk[0] + r.chunk[1]) if r.chunk is not None else ():
-                bounds.natural(value, path, f"chunk of the range at {r.offset} in {name!r}", bounds.MAX_NUMEL)
     stray = sorted(set(m.ranges) - set(m.files))
     unchecked = sorted(f for f, size in m.files.items() if size and not m.ranges.get(f))
     if stray or unchecked:
@@ -275,14 +348,18 @@ def read_manifest(checkpoint_dir: storage.Location) -> Optional[Manifest]:
 
 def _declared_keys(raw: dict) -> Dict[str, Tuple[Any, ...]]:
     """The manifest's ``keys`` (raises ValueError/TypeError on a malformed entry)."""
-    keys = raw.get("keys") or {}
-    if not isinstance(keys, dict):
-        raise TypeError(f"'keys' is {type(keys).__name__}, not an object")
     out: Dict[str, Tuple[Any, ...]] = {}
-    for k, (dtype, *shapes) in keys.items():
-        if not 1 <= len(shapes) <= 2:
-            raise ValueError(f"key {k!r}: {len(shapes)} shapes")
-        out[str(k)] = (str(dtype), *(tuple(int(x) for x in shape) for shape in shapes))
+    for k, entry in _member(raw.get("keys", {}), "keys", dict).items():
+        if not (
+            type(entry) is list
+            and 2 <= len(entry) <= 3
+            and type(entry[0]) is str
+            and all(bounds.plain_shape(shape) is not None for shape in entry[1:])
+        ):
+            raise ValueError(
+                f"keys[{k!r}]: {entry!r:.100} is not [dtype, shape] or [dtype, shape, original shape]"
+            )
+        out[k] = (entry[0], *(tuple(shape) for shape in entry[1:]))
     return out
 
 
@@ -311,9 +388,7 @@ def check_whole_file(checkpoint_dir: storage.Location, name: str, data: bytes, l
     """Raise if the manifest records a checksum for ``name`` and ``data`` does not match it, or
     (``listed``) if a manifest exists but does not list ``name``. Only ``name``'s entry is built
     from the manifest's JSON (metadata queries call this on every read of ``.metadata``)."""
-    parsed, _ = _parsed(
-        checkpoint_dir, lambda raw, files: (files, [int(c) for _o, _n, c, *_k in raw["ranges"].get(name, [])])
-    )
+    parsed, _ = _parsed(checkpoint_dir, lambda raw, files: (files, _crcs_of(raw, name)))
     if parsed is not None:
         _compare_whole(checkpoint_dir, name, data, *parsed, listed)
 
@@ -354,9 +429,14 @@ def _compare_whole(
             f"cannot verify it"
         )
     if len(data) != files[name] or (len(expected) == 1 and crc32c(data) != expected[0]):
+        how = (
+            f"{len(data)} bytes, manifest says {files[name]}"
+            if len(data) != files[name]
+            else "its CRC32C is not the manifest's"
+        )
         raise CheckpointingException(
             f"{storage.join(_location(checkpoint_dir), name)}: contents do not match the integrity manifest "
-            f"({len(data)} bytes, manifest says {files[name]}); the file is corrupted"
+            f"({how}); the file is corrupted"
         )
 
 

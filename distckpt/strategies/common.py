@@ -116,8 +116,21 @@ def safe_torch_load(
         ) from None
     except FileNotFoundError as e:
         raise CheckpointingException(f"{what}: file not found") from e
-    except (RuntimeError, EOFError, OSError, ValueError, MemoryError) as e:
-        raise CheckpointingException(f"{what}: not a readable torch archive ({e})") from e
+    except (
+        RuntimeError,
+        EOFError,
+        OSError,
+        ValueError,
+        MemoryError,
+        # A damaged pickle stream makes the unpickler's own stack operations fail.
+        IndexError,
+        KeyError,
+        TypeError,
+        AttributeError,
+        OverflowError,
+        RecursionError,
+    ) as e:
+        raise CheckpointingException(f"{what}: not a readable torch archive ({type(e).__name__}: {e})") from e
 
 
 # Unpickling may build this many bytes of Python objects per byte of pickle at most (a 1-byte

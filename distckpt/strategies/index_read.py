@@ -18,7 +18,7 @@ import numpy as np
 from distckpt import bounds, containment, storage
 from distckpt.checksum import crc32c
 from distckpt.core import CheckpointingException
-from distckpt.strategies.index_format import FORMAT, HEADER, INDEX_FNAME, MAGIC, VERSION, Box
+from distckpt.strategies.index_format import FORMAT, HEADER, INDEX_FNAME, MAGIC, VERSION, Box, dtype_of
 
 _PLAIN_BOXES = 4  # a query of at most this many boxes per key searches small leaves in Python
 _MEET_BLOCK = 1 << 20  # box-axis comparisons per block of a vectorised test (~1 MiB temporaries)
@@ -40,7 +40,7 @@ class IndexReader:
         self.location = location
         self.where = storage.join(location, INDEX_FNAME)
         self.keys: Dict[str, Any] = directory["keys"]
-        self.metadata_bytes = int(directory.get("metadata_bytes", -1))
+        self.metadata_bytes = directory.get("metadata_bytes", -1)
         self._checked: set = set()  # keys whose entries passed _check_entry
         self.data_start = data_start
         self.bytes_read = bytes_read  # everything fetched (the first read may overshoot)
@@ -74,9 +74,12 @@ class IndexReader:
             )
         try:
             directory = json.loads(head)
-            if directory.get("format") != FORMAT or int(directory["version"]) > VERSION:
+            if type(directory) is not dict:
+                raise ValueError(f"the directory is {type(directory).__name__}, not an object")
+            version = directory.get("version")
+            if directory.get("format") != FORMAT or not bounds.fits(version, VERSION) or not version:
                 raise ValueError(
-                    f"unsupported format {directory.get('format')!r} version {directory.get('version')!r}"
+                    f"unsupported format {directory.get('format')!r:.40} version {version!r:.40}"
                 )
             if (
                 not isinstance(directory.get("keys"), dict)
@@ -263,6 +266,10 @@ def _check_entry(where: str, fqn: str, e: Any) -> None:
         return
     if type(e.get("dtype")) is not str:
         raise bad("dtype", e.get("dtype"))
+    try:
+        dtype_of(e["dtype"])
+    except ValueError:
+        raise bad("dtype (not the name of a torch dtype)", e["dtype"]) from None
     size = bounds.shape(e.get("size"), where, f"key {fqn!r}: global shape")
     if e.get("orig_shape") is not None:
         bounds.shape(e["orig_shape"], where, f"key {fqn!r}: original shape")

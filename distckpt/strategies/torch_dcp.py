@@ -23,6 +23,7 @@ distckpt's reader in the same call.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import itertools
@@ -30,11 +31,11 @@ import math
 import os
 from collections import defaultdict
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from distckpt import dist
+from distckpt import containment, dist
 from distckpt.core import CheckpointingException
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
 from distckpt.foreign import normalize_sharded_state_dict
@@ -45,9 +46,11 @@ from distckpt.strategies.chunk_index import ChunkIndex
 from distckpt.strategies.common import safe_torch_load
 from distckpt.strategies.device_io import is_plain, needs_staging
 from distckpt.strategies.resharding import ORIG_SHAPE, Shape, nd_reformulated
-from distckpt.strategies.torch_dist.claims import orig_shapes
+from distckpt.strategies.torch_dist.claims import extent_error, orig_shapes, record_name
 from distckpt.strategies.torch_dist.load import TorchDistLoadShardedStrategy
-from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, read_metadata
+from distckpt.strategies.torch_dist.loadplan import LoadPlan, plan_tensor
+from distckpt.strategies.torch_dist.metadata import METADATA_FNAME
+from distckpt.strategies.torch_dist.stored import Stored, StoredKey, check_item
 
 __all__ = [
     "DCPPieces",
@@ -335,10 +338,23 @@ def dcp_planners():
 
 
 def _dcp_errors(what: str, fn: Callable[[], Any]) -> Any:
+    """``fn()`` (a ``dcp.save`` or ``dcp.load``), its failures as CheckpointingExceptions: DCP
+    gathers each rank's exception into a ``CheckpointException`` (a ``BaseException``); where a
+    rank's is distckpt's own (the checked reader's, naming the file), that one is raised."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         return fn()
     except CheckpointingException:
         raise
+    except CheckpointException as e:
+        for failure in e.failures.values():
+            cause = failure[0] if isinstance(failure, tuple) and failure else failure
+            if isinstance(cause, CheckpointingException):
+                raise cause from None
+        raise CheckpointingException(
+            f"{what} through DCP's engine failed (rank {dist.get_rank()}): {type(e).__name__}: {e}"
+        ) from e
     except Exception as e:  # noqa: BLE001 - DCP raises the same CheckpointException on every rank
         raise CheckpointingException(
             f"{what} through DCP's engine failed (rank {dist.get_rank()}): {type(e).__name__}: {e}"
@@ -469,13 +485,14 @@ class TorchDCPLoadShardedStrategy(TorchDistLoadShardedStrategy):
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: Path) -> StateDict:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         checkpoint_dir = Path(checkpoint_dir)
-        if self.verify:  # DCP's reader does not check distckpt's manifest: read it ourselves
+        if self.verify:  # every item read whole and checked, the metadata cross-checked: ours
             return super().load(sharded_state_dict, checkpoint_dir)
-        md = read_metadata(checkpoint_dir, self.trusted)
+        # The checks distckpt's own reader makes before it reads (schema, claims, records): DCP
+        # trusts what .metadata says, file names and offsets included.
+        md, index = self._parsed_metadata(checkpoint_dir)
         stored = md.state_dict_metadata
         orig = orig_shapes(md)
 
@@ -533,13 +550,18 @@ class TorchDCPLoadShardedStrategy(TorchDistLoadShardedStrategy):
         # DCP's part: one local tensor view per piece (replicas included), filled in place.
         tensors = [sh for sh in theirs if isinstance(sh, ShardedTensor)]
         objects = [sh for sh in theirs if isinstance(sh, ShardedObject)]
+        # distckpt's own planning of the same pieces, for its checks only: DCP reads the chunks a
+        # piece meets and trusts that they fill it (a chunk box of no elements left it unread).
+        probe = LoadPlan()
+        for sh in tensors:
+            plan_tensor(probe, sh, index[sh.key], sh.data)
         state = _pieces_state(tensors)
         for obj in objects:
             state[obj.unique_key] = None
         reader = (
             self.storage_reader(checkpoint_dir)
             if self.storage_reader is not None
-            else FileSystemReader(checkpoint_dir)
+            else checked_reader(checkpoint_dir, md, index, self._checksums(checkpoint_dir))
         )
         _, LoadPlanner = dcp_planners()
         if state:
@@ -569,6 +591,75 @@ class TorchDCPLoadShardedStrategy(TorchDistLoadShardedStrategy):
             return sh
 
         return dict_list_map_inplace(result, sharded_state_dict)
+
+
+def checked_reader(checkpoint_dir: Path, md: Any, index: Dict[str, Any], checksums: Optional[Dict]) -> Any:
+    """DCP's ``FileSystemReader`` of ``checkpoint_dir`` held to what distckpt's reader checks:
+    its metadata is ``md`` (checked by the caller; DCP's own reader would unpickle ``.metadata``
+    again, with any class), and every item it reads lies inside its file (else the error names
+    the metadata or the file, :func:`extent_error`) and matches the manifest's CRC32C
+    (``checksums``, :func:`check_item`). ``index``: the stored chunks and objects of ``md``
+    (``index_metadata``), which say what each record holds."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.filesystem import FileSystem
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    records: Dict[Tuple[str, int], Tuple[str, Stored]] = {}
+    for fqn, entry in index.items():
+        for st in entry.chunks if isinstance(entry, StoredKey) else [entry] if entry is not None else []:
+            records[(st.relative_path, st.file_offset)] = (fqn, st)
+    source = checkpoint_dir / METADATA_FNAME
+
+    class BeneathCheckpoint(FileSystem):
+        """DCP's file system, opening data files beneath the checkpoint only (the containment
+        rule: never through a symlink that leads out of it)."""
+
+        @contextlib.contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+            name = Path(path).relative_to(checkpoint_dir).as_posix()
+            try:
+                fd = containment.open_beneath(checkpoint_dir, name, source)
+            except FileNotFoundError:
+                raise CheckpointingException(
+                    f"{path}: data file is missing (named by {source}, rank {dist.get_rank()})"
+                ) from None
+            with os.fdopen(fd, "rb") as stream:
+                yield stream
+
+    class CheckedReader(FileSystemReader):
+        def __init__(self) -> None:
+            super().__init__(checkpoint_dir)
+            self.fs = BeneathCheckpoint()
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            if getattr(md, "storage_meta", None) is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+        # DCP's hook for one item's bytes (a private name of torch's reader, pinned torch).
+        def _slice_file(self, file: Any, sinfo: Any) -> io.BytesIO:
+            fqn, st = records[(sinfo.relative_path, sinfo.offset)]
+            path = checkpoint_dir / st.relative_path
+            size = os.fstat(file.fileno()).st_size
+            if st.file_offset + st.length > size:
+                raise extent_error(
+                    checkpoint_dir,
+                    source,
+                    record_name(fqn, st.offset),
+                    st.relative_path,
+                    st.file_offset,
+                    st.length,
+                    size,
+                )
+            raw = os.pread(file.fileno(), st.length, st.file_offset)
+            what = f"key {fqn!r} in {path} (rank {dist.get_rank()})"
+            if len(raw) != st.length:
+                raise CheckpointingException(f"{what}: file is truncated ({len(raw)} of {st.length} bytes)")
+            check_item(raw, st, checksums, what, fqn)
+            return io.BytesIO(raw)
+
+    return CheckedReader()
 
 
 def _pieces_state(tensors: List[ShardedTensor]) -> Dict[str, Any]:

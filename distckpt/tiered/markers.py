@@ -100,7 +100,14 @@ def read_marker(directory: Path, owner: int) -> Marker:
     raw = bounds.parse_json(
         containment.read_beneath(directory, name, directory, "tier marker"), where, "tier marker"
     )
-    if not isinstance(raw, dict) or raw.get("format") != FORMAT or raw.get("version") != VERSION:
+    # The type too: ``true == 1`` in Python, and a marker's version is the integer.
+    version = raw.get("version") if isinstance(raw, dict) else None
+    if (
+        not isinstance(raw, dict)
+        or raw.get("format") != FORMAT
+        or type(version) is not int
+        or version != VERSION
+    ):
         raise CheckpointingException(f"{where}: not a version {VERSION} {FORMAT} marker")
     token = raw.get("token")
     if not isinstance(token, str) or not 0 < len(token) <= 256:

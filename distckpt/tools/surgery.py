@@ -340,7 +340,7 @@ def _rename_zarr(root: Path, plan: RenamePlan, out: Optional[PathLike], progress
     # that would otherwise launder a damaged array description into one that verifies.
     manifest = read_manifest(root)
     for key in keys:
-        meta = zarr_layout.read_array_meta(root, key)
+        meta = zarr_layout.read_array_meta(root, key, manifest)
         problem = None if meta is None else manifest_disagreement(meta, manifest)
         if problem:
             raise CheckpointingException(f"{problem} (nothing was changed)")
@@ -434,7 +434,12 @@ def _renamed_manifest(
 ) -> Manifest:
     """The manifest after a rename: files moved per ``moved``, ``dropped`` ones left out, files in
     ``contents`` re-described (size and whole-file CRC32C), range keys renamed."""
-    out = Manifest(manifest.save_id, manifest.backend, keys={name(k): v for k, v in manifest.keys.items()})
+    out = Manifest(
+        manifest.save_id,
+        manifest.backend,
+        keys={name(k): v for k, v in manifest.keys.items()},
+        arrays={name(k): v for k, v in manifest.arrays.items()},
+    )
     for old_rel, size in manifest.files.items():
         if old_rel in dropped:
             continue

@@ -29,13 +29,14 @@ from distckpt import storage
 from distckpt.core import CONFIG_FNAME, CheckpointingException
 from distckpt.dcp_native import DCP_METADATA_FNAME, checkpoint_config, is_dcp_native
 from distckpt.manifest import MANIFEST_FNAME, read_manifest, verify_files
+from distckpt.mapping import ShardedObject
+from distckpt.queries import load_strategies, read_common_state
 from distckpt.strategies import blockcrc
 from distckpt.strategies.base import StrategyAction, get_default_strategy
-from distckpt.strategies.common import COMMON_STATE_FNAME
 from distckpt.strategies.tiling import coverage_problem
 from distckpt.tools.checkpoint_source import CheckpointSource
 from distckpt.tools.sources import NoProgress, Progress
-from distckpt.tools.verify_report import CheckpointRoot, VerifyReport, file_size, listing
+from distckpt.tools.verify_report import CheckpointRoot, VerifyReport, listing
 from distckpt.tools.verify_torch_dist import check_torch_dist
 from distckpt.tools.verify_zarr import check_zarr
 
@@ -99,15 +100,15 @@ def verify_checkpoint(
 
     backend = config.sharded_backend if config else (manifest.backend if manifest else _guess_backend(root))
     report.backend = backend
-    dcp_values = 0
     if backend == "torch_dist":
-        dcp_values = check_torch_dist(root, trusted, report, manifest)
+        check_torch_dist(root, trusted, report, manifest)
     elif backend == "zarr":
         check_zarr(root, report, manifest)
     elif backend is not None:
         report.notes.append(f"backend {backend!r}: no structural checks available")
-    if config is not None and config.common_backend == "torch":
-        _check_common_files(root, config.sharded_backend, report, dcp_values)
+    if config is not None and not report.problems:
+        # (After a structural problem a load fails on it first: its reads would repeat it.)
+        _check_loaded_state(root, trusted, report)
 
     if manifest is not None:
         if manifest.backend != backend and backend is not None:
@@ -244,25 +245,40 @@ def _guess_backend(root: CheckpointRoot) -> Optional[str]:
 # --------------------------------------------------------------------------- common state, objects
 
 
-def _check_common_files(
-    root: CheckpointRoot, backend: str, report: VerifyReport, dcp_values: int = 0
-) -> None:
-    # A dcp.save keeps its common state as byte items (DCP values) and writes no common.pt.
-    if file_size(root, COMMON_STATE_FNAME) is None and not dcp_values and not is_dcp_native(root):
-        report.problems.append(f"{COMMON_STATE_FNAME}: missing (the common state)")
-    if backend == "torch_dist":
-        return  # objects are byte items of the .distcp files, checked with the records
-    local = storage.local_root(root)
-    if local is not None:
-        objects = sorted(p.relative_to(local).as_posix() for p in local.rglob("shard_*.pt"))
-    else:
-        objects = sorted(
-            n for n in listing(root) if n.rsplit("/", 1)[-1].startswith("shard_") and n.endswith(".pt")
-        )
-    empty = [o for o in objects if file_size(root, o) == 0]
-    if empty:
-        report.problems.append(f"{len(empty)} object file(s) are empty: {', '.join(empty[:3])}")
-    report.checked.append(f"{COMMON_STATE_FNAME} and {len(objects)} object files present")
+def _check_loaded_state(root: CheckpointRoot, trusted: bool, report: VerifyReport) -> None:
+    """The common state (``common.pt`` and a ``dcp.save``'s values) and every ShardedObject, read
+    and unpickled as a load reads them, by the load's own code (:func:`read_common_state`, the
+    strategies' object loads): what a load refuses there (a common state that is a list, an
+    object that needs a class outside the allowlist) is a problem here. Their checksums are
+    :func:`verify_files`'s (not compared twice)."""
+    try:
+        sharded, common = load_strategies(root, None, None)
+    except CheckpointingException as e:
+        report.problems.append(str(e))
+        return
+    for strategy in (sharded, common):
+        if trusted and hasattr(strategy, "trusted"):
+            strategy.trusted = True
+        if hasattr(strategy, "checksums"):
+            strategy.checksums = False
+    objects: Dict[str, ShardedObject] = {}
+    for step in ("common state", "objects"):
+        try:
+            if step == "common state":
+                read_common_state(root, sharded, common, check=False)
+                continue
+            owner = sharded if sharded.can_handle_sharded_objects else common
+            found = owner.load_sharded_metadata(root)
+            objects = {k: v for k, v in found.items() if isinstance(v, ShardedObject)}
+            if not objects:
+                continue
+            if owner is sharded:
+                sharded.load(objects, root)
+            else:
+                common.load_sharded_objects(objects, root)
+        except CheckpointingException as e:
+            report.problems.append(str(e))
+    report.checked.append(f"the common state and {len(objects)} objects, read as a load reads them")
 
 
 def _unlisted_data_files(root: CheckpointRoot, listed: Dict[str, int], backend: Optional[str]) -> List[str]:

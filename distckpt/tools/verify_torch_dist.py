@@ -10,31 +10,37 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
+import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from distckpt import storage
 from distckpt.core import CheckpointingException
 from distckpt.manifest import MANIFEST_FNAME
-from distckpt.strategies.index_format import INDEX_FNAME
+from distckpt.mapping import ShardedTensor
+from distckpt.strategies.index_format import INDEX_FNAME, dtype_of
 from distckpt.strategies.index_format import dtype_name as sidecar_dtype_name
 from distckpt.strategies.index_read import IndexReader
 from distckpt.strategies.tiling import coverage_problem
-from distckpt.strategies.torch_dist.claims import check_claims, cross_check
+from distckpt.strategies.torch_dist.claims import check_declared, cross_check, extent_problem, record_name
 from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, plain_byte_items, read_metadata
+from distckpt.strategies.torch_dist.stored import StoredKey, index_from_sidecar, index_metadata
 from distckpt.tools.verify_report import CheckpointRoot, VerifyReport, file_size
 
 
-def check_torch_dist(root: CheckpointRoot, trusted: bool, report: VerifyReport, manifest=None) -> int:
+def check_torch_dist(root: CheckpointRoot, trusted: bool, report: VerifyReport, manifest=None) -> None:
     """Structural checks of ``.metadata`` and the data files, and (with a ``manifest``) its
-    claims against what the manifest says was written; returns the number of DCP values
-    (non-tensor values of a ``dcp.save``, the common state of such a checkpoint)."""
+    claims against what the manifest says was written."""
+    source = storage.join(root, METADATA_FNAME)
     try:
         md = read_metadata(root, trusted)
-        # Names, offsets, lengths and shapes first: a hostile one is reported, never used.
-        check_claims(md, storage.join(root, METADATA_FNAME))
+        # What a load checks before it reads (the schema, the claims, every chunk's record and
+        # every record's key): the same function, so what a load refuses is a problem here.
+        index_metadata(md, source)
     except CheckpointingException as e:
         report.problems.append(str(e))
-        return 0
+        _sidecar_as_loads_read_it(root, manifest, report)
+        return
+    _sidecar_as_loads_read_it(root, manifest, report)
     if manifest is not None:
         report.problems.extend(cross_check(md, manifest, METADATA_FNAME, MANIFEST_FNAME))
         report.checked.append(
@@ -42,27 +48,39 @@ def check_torch_dist(root: CheckpointRoot, trusted: bool, report: VerifyReport, 
         )
     _check_sidecar(root, md, report)
     sizes: Dict[str, Optional[int]] = {}
+    refused: set = set()  # data files the containment rule refused (a symlink out), reported once
 
     def size_of(name: str) -> Optional[int]:
         if name not in sizes:
-            sizes[name] = file_size(root, name)
+            try:
+                sizes[name] = file_size(root, name)
+            except CheckpointingException as e:
+                report.problems.append(str(e))
+                refused.add(name)
+                sizes[name] = None
         return sizes[name]
 
-    records: Dict[str, Dict[Tuple[int, ...], object]] = {}
+    recorded = set()
     missing_files: Dict[str, List[str]] = {}
     for index, info in md.storage_data.items():
-        offset = tuple(index.offset) if index.offset is not None else ()
-        records.setdefault(index.fqn, {})[offset] = info
+        recorded.add(index.fqn)
         actual = size_of(info.relative_path)
         if actual is None:
-            missing_files.setdefault(info.relative_path, []).append(index.fqn)
-        elif info.offset + info.length > actual:
-            report.problems.append(
-                f"{info.relative_path}: key {index.fqn!r} at offset {info.offset}: needs bytes up to "
-                f"{info.offset + info.length}, file has {actual} (truncated)"
-            )
-        if index.fqn not in md.state_dict_metadata:
-            report.problems.append(f"{METADATA_FNAME}: storage record for unknown key {index.fqn!r}")
+            if info.relative_path not in refused:
+                missing_files.setdefault(info.relative_path, []).append(index.fqn)
+            continue
+        problem = extent_problem(
+            METADATA_FNAME,
+            record_name(index.fqn, index.offset),
+            info.relative_path,
+            info.offset,
+            info.length,
+            actual,
+            None if manifest is None else manifest.files.get(info.relative_path),
+            MANIFEST_FNAME,
+        )
+        if problem is not None:
+            report.problems.append(problem)
     for name, keys in sorted(missing_files.items()):
         keys = sorted(set(keys))
         report.problems.append(
@@ -76,19 +94,11 @@ def check_torch_dist(root: CheckpointRoot, trusted: bool, report: VerifyReport, 
     for fqn, meta in md.state_dict_metadata.items():
         if isinstance(meta, BytesStorageMetadata):
             n_objects += fqn not in values
-            if fqn not in records:
+            if fqn not in recorded:
                 what = "value" if fqn in values else "object"
                 report.problems.append(f"{METADATA_FNAME}: {what} {fqn!r} has no storage record")
             continue
-        if not isinstance(meta, TensorStorageMetadata):
-            continue
         n_tensors += 1
-        stored = records.get(fqn, {})
-        for c in meta.chunks:
-            if tuple(c.offsets) not in stored:
-                report.problems.append(
-                    f"{METADATA_FNAME}: key {fqn!r}: chunk at {list(c.offsets)} has no storage record"
-                )
         problem = coverage_problem(
             tuple(meta.size), [(tuple(c.offsets), tuple(c.sizes)) for c in meta.chunks]
         )
@@ -100,7 +110,6 @@ def check_torch_dist(root: CheckpointRoot, trusted: bool, report: VerifyReport, 
         f"{n_tensors} tensors{dcp_values} and {n_objects} objects in {METADATA_FNAME}: chunk "
         f"coverage, storage records and the extents of {files} data files"
     )
-    return len(values)
 
 
 def _shared_bytes(md, source: str) -> List[str]:
@@ -126,13 +135,10 @@ def _shared_bytes(md, source: str) -> List[str]:
             a, b, at = first
             problems.append(
                 f"{source}: {shared} storage record(s) claim bytes of {name} that another record "
-                f"claims (first: {_record(b)} and {_record(a)}, at offset {at}): damaged metadata"
+                f"claims (first: {record_name(b.fqn, b.offset)} and {record_name(a.fqn, a.offset)}, "
+                f"at offset {at}): damaged metadata"
             )
     return problems
-
-
-def _record(index) -> str:
-    return f"key {index.fqn!r}" + (f" chunk at {list(index.offset)}" if index.offset is not None else "")
 
 
 def _check_sidecar(root: CheckpointRoot, md, report: VerifyReport) -> None:
@@ -217,3 +223,41 @@ def _check_sidecar(root: CheckpointRoot, md, report: VerifyReport) -> None:
     report.checked.append(
         f"{INDEX_FNAME} against {METADATA_FNAME}: {len(reader.keys)} keys and their records"
     )
+
+
+def _sidecar_as_loads_read_it(root: CheckpointRoot, manifest, report: VerifyReport) -> None:
+    """The sidecar, when the checkpoint has a current one, as a load served by it reads it (such a
+    load never reads ``.metadata``): every key's records through the load's own function
+    (:func:`index_from_sidecar`: entries, file names, offsets, lengths, chunk sizes), the chunks
+    covering each key exactly once, and its declarations against the writer's in the manifest.
+    Run whether or not ``.metadata`` passed its checks; :func:`_check_sidecar` compares the two."""
+    try:
+        reader = IndexReader.open(root)
+        if reader is None:
+            return
+        request: Dict[str, object] = {}
+        for fqn in reader.keys:
+            e = reader.entry(fqn)
+            if e.get("bytes"):
+                continue
+            shape = e.get("orig_shape") or e["size"]
+            request[fqn] = ShardedTensor.from_rank_offsets(
+                fqn, torch.empty(tuple(shape), dtype=dtype_of(e["dtype"]), device="meta")
+            )
+        stored = index_from_sidecar(reader, request, None)
+    except CheckpointingException as e:
+        report.problems.append(str(e))
+        return
+    for fqn, key in stored.items():
+        if not isinstance(key, StoredKey):
+            continue
+        problem = coverage_problem(key.size, [(c.offset, c.size) for c in key.chunks])
+        if problem:
+            report.problems.append(f"{INDEX_FNAME}: key {fqn!r}: {problem}")
+        if manifest is not None and fqn in manifest.keys:
+            try:
+                check_declared(
+                    fqn, key.dtype, key.size, key.orig_shape, manifest.keys, INDEX_FNAME, MANIFEST_FNAME
+                )
+            except CheckpointingException as e:
+                report.problems.append(str(e))

@@ -15,7 +15,8 @@ from typing import Dict, List, Optional, Sequence
 from distckpt import containment, storage
 from distckpt.core import CheckpointingException
 from distckpt.strategies.zarr import layout as zarr_layout
-from distckpt.strategies.zarr.meta import manifest_disagreement
+from distckpt.strategies.zarr.engines import Engines
+from distckpt.strategies.zarr.meta import listing_disagreement, manifest_disagreement
 from distckpt.tools.verify_report import CheckpointRoot, VerifyReport, file_size, listing
 
 
@@ -27,6 +28,9 @@ def check_zarr(root: CheckpointRoot, report: VerifyReport, manifest=None) -> Non
     except CheckpointingException as e:
         report.problems.append(str(e))
         return
+    problem = listing_disagreement(keys, manifest, storage.join(root, "zarr.json"))
+    if problem:
+        report.problems.append(problem)
     # The listing is a claim: checked against the folders first, so a listing of 100,000 keys
     # over a checkpoint of 3 arrays is one problem naming it, found in a blink, not 100,000
     # reads of metadata that is not there.
@@ -40,6 +44,7 @@ def check_zarr(root: CheckpointRoot, report: VerifyReport, manifest=None) -> Non
         absent = set(missing)
         keys = [key for key in keys if key not in absent]
     chunk_files = 0
+    engines = Engines("auto", 1)
     for key in keys:
         try:
             meta = zarr_layout.read_array_meta(root, key)
@@ -49,10 +54,16 @@ def check_zarr(root: CheckpointRoot, report: VerifyReport, manifest=None) -> Non
         if meta is None:
             report.problems.append(f"{key}/: listed in the root group but has no array metadata (missing)")
             continue
-        if manifest is not None:
-            problem = manifest_disagreement(meta, manifest)
-            if problem:
-                report.problems.append(problem)
+        problem = manifest_disagreement(meta, manifest)
+        if problem:
+            report.problems.append(problem)
+        try:
+            # An encoded array is opened by tensorstore as a load opens it (it parses the
+            # zarr.json itself); an engine that cannot read the array at all says so here.
+            engines.check_readable(meta)
+        except CheckpointingException as e:
+            report.problems.append(str(e))
+            continue
         grid = [range(-(-s // c)) if c else range(0) for s, c in zip(meta.shape, meta.chunks)]
         cells = math.prod(len(r) for r in grid)
         present = _chunk_files_at_most(root, meta, cells) if cells > _GRID_WALK else cells

@@ -8,16 +8,20 @@ file an odd seed also *reseals* the checkpoint afterwards: the manifest (and the
 sidecar index) are rewritten to agree with the damaged file, as a buggy writer or a hand edit
 would leave them; mutators tagged ``+reseal`` in the tables are those.
 
-Each case runs against every entry point (:data:`ENTRY_POINTS`: the API calls and the CLI
-commands, the CLI in-process through its click entry point) and each run gets one outcome:
+Each case runs against every entry point (:data:`ENTRY_POINTS`: the API calls, among them the
+loads through the ``torch_dcp`` reader (DCP's own engine), and the CLI commands, the CLI
+in-process through its click entry point) and each run gets one outcome:
 
 =============  =================================================================================
 ok-exact       it succeeded and everything it returned (or wrote) equals the original
 ok             it succeeded and returns nothing to compare (inspect, verify's "intact", ...)
+skipped        the entry point does not apply to the base (the torch_dcp reader on zarr)
 refused        CheckpointingException, or the CLI exited 1/2 with a message and no traceback
 SILENT-WRONG   it succeeded but values differ from the original (verify: said intact while a
                load in the same case returned wrong values; convert/rm-prefix/rename: the
                result reads back wrong)
+DISAGREE       ``verify`` broke the agreement with the loads: it said intact while a load of
+               the same case refused, or it refused naming none of the files the load named
 crash          any other exception, a traceback, a CLI exit code other than 0/1/2, a dead worker
 hang           it ran past the per-call time limit
 oom            MemoryError / allocation failure under the worker's address-space limit
@@ -26,9 +30,14 @@ escaped        a file outside the checkpoint (and outside the destination) was o
                listings, sizes and digests of the canaries before and after every call
 =============  =================================================================================
 
+The agreement (issue #45, docs/reliability.md): over every case, ``verify`` exit 0 implies that
+every load (default, ``verify=True``, resharded, through the ``torch_dcp`` reader, the queries)
+returns exactly the saved values, and a load that refuses implies ``verify`` exit 1 naming one of
+the files the load's error names (:meth:`Worker._cross_check`).
+
 Soft outcomes, reported but not failures by default: ``vague`` (refused without naming any file
 of the checkpoint), ``meta-differs`` (``load_tensors_metadata`` reported other shapes/dtypes
-without complaint), ``verify-missed`` (``verify`` said intact though every load refused).
+without complaint).
 
 Cases run in long-lived worker processes (``python -m tests.support.hostile_fuzz worker``; importing
 torch per case would cost seconds) that execute case after case. Each call gets a time limit
@@ -71,8 +80,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 REPO = Path(__file__).resolve().parents[2]
 BACKENDS = ("torch_dist", "zarr")
-FAILURES = ("SILENT-WRONG", "crash", "hang", "oom", "escaped", "fuzzer-error")
-SOFT = ("vague", "meta-differs", "verify-missed")
+FAILURES = ("SILENT-WRONG", "DISAGREE", "crash", "hang", "oom", "escaped", "fuzzer-error")
+SOFT = ("vague", "meta-differs")
 CANARY = b"DISTCKPT-CANARY-"  # 16 bytes: the content of every canary file
 CANARY_NAMES = ("secret.distcp", "secret.bin", "precious.txt")
 HUGE = 1 << 40
@@ -1403,12 +1412,16 @@ def _clone(src: Path, dst: Path) -> None:
             os.mkfifo(target)
 
 
-ENTRY_POINTS = (
+LOADS = (
     "load",
     "load-reshard",
     "load-verify",
+    "load-dcp",
+    "load-dcp-verify",
     "load_common_state_dict",
     "load_plain_tensors",
+)
+ENTRY_POINTS = LOADS + (
     "load_tensors_metadata",
     "check_is_distributed_checkpoint",
     "remove_sharded_tensors",
@@ -1420,7 +1433,8 @@ ENTRY_POINTS = (
     "cli-rm-prefix",
     "cli-rename",
 )
-LOADS = ("load", "load-reshard", "load-verify", "load_common_state_dict", "load_plain_tensors")
+# What the torch_dcp reader (DCP's own engine) loads; it reads only torch_dist checkpoints.
+DCP_READER = {"load-dcp": False, "load-dcp-verify": True}
 
 
 class Worker:
@@ -1509,6 +1523,7 @@ class Worker:
         watch.events()
         start = time.monotonic()
         signal.setitimer(signal.ITIMER_REAL, self.time_limit)
+        self._text, self._code = "", None
         try:
             outcome, detail = self._call(case, ep)
         except _Timeout:
@@ -1526,12 +1541,30 @@ class Worker:
         if escapes or changed:
             outcome = "escaped"
             detail = "; ".join((escapes + [f"changed: {c}" for c in changed])[:6]) + f" [{detail}]"[:300]
-        return {"outcome": outcome, "detail": detail[:600], "seconds": round(seconds, 3)}
+        return {
+            "outcome": outcome,
+            "detail": detail[:600],
+            "seconds": round(seconds, 3),
+            "files": sorted(self._files_named(self._text or detail, case)),
+            "exit": self._code,
+        }
+
+    def _files_named(self, text: str, case: Case) -> set:
+        """The files of the case's checkpoint that ``text`` (an error, a command's output) names,
+        by their paths inside it (full paths are cut to those)."""
+        ckpt = str(self.case_root / "work" / "ckpt")
+        text = text.replace(ckpt + "/", " ").replace(ckpt, " ")
+        return {
+            rel
+            for rel in self.files[case.base]
+            if re.search(r"(?<![\w./-])" + re.escape(rel) + r"(?![\w-]|\.\w)", text)
+        }
 
     def _classify(self, e: BaseException) -> Tuple[str, str]:
         from distckpt.core import CheckpointingException
 
         text = f"{type(e).__name__}: {e}"
+        self._text = text[:20_000]
         if isinstance(e, CheckpointingException):
             return ("refused" if self._names_a_file(str(e)) else "vague"), text[:400]
         if isinstance(e, RuntimeError) and re.search(r"alloc|out of memory", str(e), re.I):
@@ -1626,7 +1659,7 @@ class Worker:
         ckpt = root / "work" / "ckpt"
         copy = root / "work" / "copy"
         if self.plant == "all":
-            self._planted(ep)
+            self._planted(case, ep)
         if ep == "load":
             return self._check_result(distckpt.load(base_state(False), ckpt), expected_load(), "loaded")
         if ep == "load-reshard":
@@ -1635,6 +1668,16 @@ class Worker:
             return self._check_result(
                 distckpt.load(base_state(False), ckpt, verify=True), expected_load(), "loaded"
             )
+        if ep in DCP_READER:
+            if case.base != "torch_dist":
+                return "skipped", "the torch_dcp reader reads torch_dist checkpoints only"
+            from distckpt.strategies.torch_dcp import TorchDCPLoadShardedStrategy
+
+            verify = True if DCP_READER[ep] else None  # (None: the default checks; False opts out)
+            got = distckpt.load(
+                base_state(False), ckpt, sharded_strategy=TorchDCPLoadShardedStrategy(), verify=verify
+            )
+            return self._check_result(got, expected_load(), "loaded")
         if ep == "load_common_state_dict":
             return self._check_result(distckpt.load_common_state_dict(ckpt), COMMON, "loaded")
         if ep == "load_plain_tensors":
@@ -1662,6 +1705,7 @@ class Worker:
             "cli-rename": ["rename", str(copy), "--map", "w=w2"],
         }[ep]
         code, out = self._cli(args)
+        self._text, self._code = out[:20_000], code
         failed = self._cli_outcome(code, out)
         if failed is not None:
             return failed
@@ -1675,8 +1719,15 @@ class Worker:
             return "ok-exact", "no differences"
         return "ok", "exit 0"
 
-    def _planted(self, ep: str) -> None:
-        """The planted failures of tests/untrusted/test_fuzz_hostile.py, one per entry point."""
+    def _planted(self, case: Case, ep: str) -> None:
+        """The planted failures of tests/untrusted/test_fuzz_hostile.py, one per entry point (on
+        the zarr base, only a load's refusal that ``verify`` does not share)."""
+        if case.base == "zarr":
+            if ep == "load":
+                from distckpt.core import CheckpointingException
+
+                raise CheckpointingException(f"{self.case_root / 'work' / 'ckpt' / 'common.pt'}: planted")
+            return
         if ep == "check_is_distributed_checkpoint":
             (self.case_root / "outside" / "secret.bin").read_bytes()
         elif ep == "load_common_state_dict":
@@ -1688,17 +1739,37 @@ class Worker:
 
     @staticmethod
     def _cross_check(results: Dict[str, dict]) -> None:
-        """``verify`` saying intact is wrong when a load of the same case returned wrong values."""
+        """The agreement of ``verify`` and the loads (docs/reliability.md): ``verify`` saying
+        intact is wrong when a load of the same case returned wrong values (SILENT-WRONG) or
+        refused (DISAGREE), and a refusal of ``verify`` must name one of the files that a
+        refusing load names (DISAGREE otherwise: the two blame different files)."""
         wrong = [ep for ep in LOADS if results.get(ep, {}).get("outcome") == "SILENT-WRONG"]
-        loaded = [ep for ep in LOADS if results.get(ep, {}).get("outcome") == "ok-exact"]
+        refused = [ep for ep in LOADS if results.get(ep, {}).get("outcome") == "refused"]
         for ep in ("cli-verify", "cli-verify-deep"):
             r = results.get(ep)
-            if r is None or r["outcome"] != "ok":
+            if r is None:
                 continue
-            if wrong:
+            if r["outcome"] == "ok" and wrong:
                 r["outcome"], r["detail"] = "SILENT-WRONG", f"said intact; {wrong[0]} loaded wrong values"
-            elif not loaded and all(ep2 in results for ep2 in LOADS):
-                r["outcome"], r["detail"] = "verify-missed", "said intact; every load refused"
+            elif r["outcome"] == "ok" and refused:
+                load = results[refused[0]]
+                r["outcome"], r["detail"] = "DISAGREE", f"said intact; {refused[0]} {load['detail']}"[:600]
+            elif r["outcome"] == "refused" and refused and r.get("exit") != 1:
+                r["outcome"], r["detail"] = (
+                    "DISAGREE",
+                    f"exit {r.get('exit')} (an error, not a verdict); {refused[0]} refused"[:600],
+                )
+            elif r["outcome"] == "refused":
+                named = set(r.get("files", ()))
+                for load_ep in refused:
+                    blamed = set(results[load_ep].get("files", ()))
+                    if blamed and not blamed & named:
+                        r["outcome"], r["detail"] = (
+                            "DISAGREE",
+                            f"names {sorted(named)}, {load_ep} names {sorted(blamed)}: "
+                            f"{results[load_ep]['detail']}"[:600],
+                        )
+                        break
 
 
 def _limit_memory(extra: int) -> None:
@@ -1959,7 +2030,7 @@ def summarize(rows: List[dict], failures: Sequence[str] = FAILURES, limit: int =
         f"{cases} cases x entry points = {len(rows)} runs: "
         + ", ".join(f"{k} {v}" for k, v in total.most_common())
     )
-    outcomes = [o for o in ("ok-exact", "ok", "refused") + SOFT + FAILURES if total[o]]
+    outcomes = [o for o in ("ok-exact", "ok", "skipped", "refused") + SOFT + FAILURES if total[o]]
     lines.append("")
     lines.append("| entry point | " + " | ".join(outcomes) + " |")
     lines.append("|---|" + "---|" * len(outcomes))
@@ -2019,7 +2090,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run generated cases in worker processes and print the tables")
-    run.add_argument("--cases", type=int, default=300)
+    run.add_argument("--cases", type=int, default=2000)
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--time-limit", type=float, default=5.0)
     run.add_argument("--mem-limit", type=int, default=2 << 30)

@@ -501,9 +501,10 @@ def test_20000_chunks_sharing_one_record_get_a_clear_outcome_from_every_tool_qui
 def test_verify_prints_the_first_100_of_20000_odd_problems_and_counts_the_rest(ckpt):
     import dataclasses
 
-    # Chunk j's record: byte j, which the manifest lists no range for, most of them past the end.
+    # Chunk j's record: bytes 4j.. (one element each), which the manifest lists no range for,
+    # most of them past the end of the file.
     _edit_metadata(
-        ckpt, lambda md: _20000_chunks(md, lambda info, j: dataclasses.replace(info, offset=j, length=1))
+        ckpt, lambda md: _20000_chunks(md, lambda info, j: dataclasses.replace(info, offset=4 * j, length=4))
     )
     start = time.monotonic()
     problems = verify_checkpoint(ckpt).problems

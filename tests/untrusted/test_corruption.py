@@ -31,6 +31,7 @@ from distckpt import dist as ddist
 from distckpt.cli import main as cli_main
 from distckpt.manifest import MANIFEST_FNAME, read_manifest, read_manifest_files, verify_files
 from distckpt.strategies.torch import read_metadata
+from distckpt.tools.verify import verify_checkpoint
 from tests.support import faults, layouts
 from tests.support.harness import expect_all_ranks_raise, run_ranks
 
@@ -406,15 +407,24 @@ def test_metadata_file_holding_another_object_is_rejected_naming_it(ckpt):
         _load(ckpt)
 
 
-def test_storage_record_past_the_end_of_its_file_is_reported_as_truncation(ckpt):
+def test_storage_record_past_the_end_of_a_whole_file_is_blamed_on_the_metadata(ckpt):
     md = read_metadata(ckpt)
     index = next(i for i in md.storage_data if i.fqn == "big")
     info = md.storage_data[index]
     md.storage_data[index] = type(info)(info.relative_path, info.offset, info.length + 4096)
     (ckpt / ".metadata").write_bytes(pickle.dumps(md))
     (ckpt / ".distckpt_index").unlink()  # a tool that edits .metadata drops the sidecar index
-    with pytest.raises(CheckpointingException, match=r"key 'big' in .*__0_0\.distcp.*truncated"):
+    size = (ckpt / info.relative_path).stat().st_size
+    # The data file has the size the manifest records: the record is the lie, and is named so.
+    claim = (
+        rf"{re.escape(str(ckpt))}/\.metadata: claims key 'big' chunk at \[0, 0\] at offset {info.offset} of "
+        rf".*/{info.relative_path} \({info.length + 4096} bytes, .*\), which holds {size} bytes, the size "
+        rf".*\.distckpt_manifest\.json records for it: the metadata is damaged"
+    )
+    with pytest.raises(CheckpointingException, match=claim):
         _load(ckpt)
+    problems = verify_checkpoint(ckpt).problems
+    assert any(p.startswith(".metadata: claims key 'big' chunk at [0, 0]") for p in problems), problems
 
 
 # --------------------------------------------------------------------------- one rank's file, every rank

@@ -34,7 +34,11 @@ from distckpt.strategies.device_io import needs_staging
 from distckpt.strategies.index_format import INDEX_FNAME
 from distckpt.strategies.index_read import IndexReader
 from distckpt.strategies.torch_dist import surgery
-from distckpt.strategies.torch_dist.claims import check_all_declared, check_claims, check_declared
+from distckpt.strategies.torch_dist.claims import (
+    check_all_declared,
+    check_claims,
+    check_declared,
+)
 from distckpt.strategies.torch_dist.loadplan import LoadPlan, check_allocations, plan_tensor
 from distckpt.strategies.torch_dist.metadata import (
     METADATA_FNAME,
@@ -350,7 +354,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
                 f"{name} is not in checkpoint {checkpoint_dir} (rank {dist.get_rank()})"
             )
         what = f"{name} in {storage.join(checkpoint_dir, stored.relative_path)} (rank {dist.get_rank()})"
-        raw = read_item_bytes(checkpoint_dir, stored, what)
+        raw = read_item_bytes(checkpoint_dir, stored, what, name)
         check_item(raw, stored, checksums, what, key)
         return safe_torch_load(raw, what=what, trusted=self.trusted)
 

@@ -22,6 +22,7 @@ from distckpt.dict_utils import nested_values
 from distckpt.mapping import ShardedStateDict, ShardedTensor
 from distckpt.strategies import tiling
 from distckpt.strategies.resharding import CopyOp, Shape, flat_range_boxes, intersect, ravel, rel_slices
+from distckpt.strategies.torch_dist.claims import extent_error, record_name
 from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, Resolved
 from distckpt.strategies.torch_dist.stored import Stored, StoredKey, stored_file_size
 from distckpt.strategies.zip_archive import contiguous_strides
@@ -235,10 +236,14 @@ def _checked_stored_bytes(
             except FileNotFoundError:
                 sizes[c.relative_path] = 0
         if c.file_offset + c.length > sizes[c.relative_path]:
-            raise CheckpointingException(
-                f"{storage.join(checkpoint_dir, c.relative_path)}: key {stored.fqn!r}: "
-                f"record at offset {c.file_offset} "
-                f"of {c.length} bytes: file is truncated ({sizes[c.relative_path]} bytes)"
+            raise extent_error(
+                checkpoint_dir,
+                stored.source or source,
+                record_name(stored.fqn, c.offset),
+                c.relative_path,
+                c.file_offset,
+                c.length,
+                sizes[c.relative_path],
             )
         have += c.length
     return have

@@ -27,6 +27,7 @@ from distckpt.strategies.common import safe_torch_load
 from distckpt.strategies.device_io import HostBounce, caller_streams
 from distckpt.strategies.filesystem import copy_framed_from, read_framed_crc, read_framed_into
 from distckpt.strategies.resharding import CopyOp, copy_boxes, copy_from_mapping
+from distckpt.strategies.torch_dist.claims import extent_error, record_name
 from distckpt.strategies.torch_dist.loadplan import LoadPlan
 from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, Resolved
 from distckpt.strategies.torch_dist.partial import (
@@ -174,7 +175,18 @@ def read_chunk(
             raise CheckpointingException(f"{what}: file is truncated ({len(whole)} of {st.length} bytes)")
         tensor = safe_torch_load(whole, what=what)
         if not isinstance(tensor, torch.Tensor) or tensor.numel() != numel:
-            raise CheckpointingException(f"{what}: stored item is not a tensor of the recorded size")
+            # The record's claim against what the data file holds there: name the claim's source.
+            source = claimed.source if claimed is not None and claimed.source else METADATA_FNAME
+            holds = (
+                f"a tensor of {tensor.numel()} elements"
+                if isinstance(tensor, torch.Tensor)
+                else f"a {type(tensor).__name__}"
+            )
+            raise CheckpointingException(
+                f"{source}: records {record_name(ops[0].key, st.offset)} of {list(st.size)} ({numel} "
+                f"elements) at offset {st.file_offset} of {path}, which holds {holds} there: the metadata "
+                f"or the data file is damaged (rank {rank})"
+            )
         _check_claimed_dtype(tensor.dtype, claimed, what)
         copy_boxes(tensor.reshape(-1).contiguous(), 0, ops)
         return st.length
@@ -222,17 +234,26 @@ def read_chunk(
     return nbytes
 
 
-def read_item_bytes(checkpoint_dir: Resolved, stored: Stored, what: str) -> bytes:
+def read_item_bytes(
+    checkpoint_dir: Resolved, stored: Stored, what: str, record: Optional[str] = None
+) -> bytes:
     """The bytes of one stored item, read whole (a byte item: a pickled object or value), after
     its file name passed the containment rule and its range was found inside the file; ``what``
-    names the item in errors. Not checked against a checksum: the caller does that."""
+    names the item in errors, ``record`` its storage record (a record past the end of its file
+    is blamed on the file that lies: :func:`extent_error`). Not checked against a checksum: the
+    caller does that."""
     source = storage.join(checkpoint_dir, METADATA_FNAME)
     try:
         size = stored_file_size(checkpoint_dir, stored.relative_path, source)
         if stored.file_offset + stored.length > size:
-            raise CheckpointingException(
-                f"{what}: file is truncated ({size} bytes, the record ends at "
-                f"{stored.file_offset + stored.length})"
+            raise extent_error(
+                checkpoint_dir,
+                source,
+                record or what,
+                stored.relative_path,
+                stored.file_offset,
+                stored.length,
+                size,
             )
         root = storage.local_root(checkpoint_dir)
         if root is None:
@@ -399,10 +420,16 @@ class _PlanReads:
             file_size = os.fstat(fd).st_size
             for st in items:
                 if st.file_offset + st.length > file_size:
-                    raise CheckpointingException(
-                        f"key {plan.ops[st][0].key!r} in {path} at offset {st.file_offset} "
-                        f"(rank {rank}): file "
-                        f"is truncated ({file_size} bytes, the record ends at {st.file_offset + st.length})"
+                    key = plan.ops[st][0].key
+                    claimed = plan.keys.get(key)
+                    raise extent_error(
+                        self.location,
+                        claimed.source if claimed is not None and claimed.source else root / METADATA_FNAME,
+                        record_name(key, st.offset),
+                        name,
+                        st.file_offset,
+                        st.length,
+                        file_size,
                     )
             span = small_span(items)
             if span is not None:

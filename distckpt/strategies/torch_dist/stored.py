@@ -211,7 +211,7 @@ def index_metadata(md: Metadata, source: Any) -> Dict[str, Any]:
             st = by_offset.get(tuple(c.offsets))
             if st is None:
                 raise CheckpointingException(
-                    f"key {fqn!r}: chunk at {list(c.offsets)} has no storage record in .metadata"
+                    f"{source}: key {fqn!r}: chunk at {list(c.offsets)} has no storage record"
                 )
             sizes = tuple(c.sizes)
             if math.prod(sizes) * itemsize > st.length:

@@ -62,6 +62,12 @@ class Engines:
             return True
         return False
 
+    def check_readable(self, meta: ArrayMeta) -> None:
+        """Raise what a load of array ``meta`` would before reading a chunk: an engine that
+        cannot read it, or (tensorstore) an array it cannot open. ``distckpt verify`` asks this."""
+        if self.uses_tensorstore(meta):
+            self.tensorstore.check_opens(meta)
+
     def write(self, jobs: Sequence[ChunkWrite]) -> List[FileRecord]:
         ts_jobs = [j for j in jobs if self.uses_tensorstore(j.meta)]
         raw_jobs = [j for j in jobs if not self.uses_tensorstore(j.meta)]

@@ -19,6 +19,7 @@ import torch
 from distckpt import bounds, containment, dist, storage
 from distckpt.checksum import crc32c, pack_block_crcs
 from distckpt.core import CheckpointingException, atomic_write_bytes
+from distckpt.manifest import check_whole_bytes
 from distckpt.storage import Store
 from distckpt.strategies import blockcrc
 from distckpt.strategies.zarr.meta import (
@@ -30,6 +31,7 @@ from distckpt.strategies.zarr.meta import (
     Shape,
     array_metadata_json,
     checked_meta,
+    manifest_disagreement,
     meta_from_v2,
     meta_from_v3,
 )
@@ -86,13 +88,18 @@ def write_json(rel: str, md: Dict[str, Any], root: Root, key: str, atomic: bool 
 # --------------------------------------------------------------------------- reading
 
 
-def read_array_meta(root: storage.Location, key: str) -> Optional[ArrayMeta]:
-    """The metadata of array ``key`` below ``root``: its ``zarr.json``, else a legacy ``.zarray``.
+def read_array_meta(
+    root: storage.Location, key: str, manifest: Any = None, listed: bool = False
+) -> Optional[ArrayMeta]:
+    """The metadata of array ``key`` below ``root``: its ``zarr.json``, else a legacy ``.zarray``,
+    parsed by schema (:func:`~distckpt.strategies.zarr.meta.meta_from_v3`). With the checkpoint's
+    ``manifest``, the file is compared with it first (``listed``: it must be listed).
 
     Returns None if neither exists.
 
     Raises:
-        CheckpointingException: the metadata file exists but cannot be read or is not supported.
+        CheckpointingException: the metadata file exists but cannot be read, is not supported, or
+        differs from what the manifest records for it.
     """
     root = open_root(root)
     local = storage.local_root(root)
@@ -112,20 +119,40 @@ def read_array_meta(root: storage.Location, key: str) -> Optional[ArrayMeta]:
         except (FileNotFoundError, NotADirectoryError):
             continue
         source = path / name if store is None else store.where(f"{key}/{name}")
+
         try:
-            return replace(checked_meta(parse(key, path, json.loads(text)), source), store=store)
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
-            raise CheckpointingException(
-                f"{source}: unreadable Zarr metadata of key {key!r} (rank {dist.get_rank()}): {e}"
-            ) from None
+            check_whole_bytes(manifest, root, f"{key}/{name}", text, listed)
+        except CheckpointingException as e:
+            # What the edited file now claims, as torch_dist's .metadata says it (what differs).
+            try:
+                differs = manifest_disagreement(_parsed(parse, key, path, text, source, store), manifest)
+            except CheckpointingException as unreadable:
+                differs = str(unreadable)
+            raise CheckpointingException(f"{e}" + (f"; {differs}" if differs else "")) from None
+        return _parsed(parse, key, path, text, source, store)
     return None
 
 
-def root_keys(root: Root) -> Optional[List[str]]:
-    """The tensor keys the root group's ``zarr.json`` lists (None when it lists none)."""
+def _parsed(
+    parse: Callable[[str, Path, Any], ArrayMeta], key: str, path: Path, text: bytes, source: Any, store: Any
+) -> ArrayMeta:
+    """``text``, the array metadata file ``source`` of ``key``, parsed by schema and checked."""
+    try:
+        return replace(checked_meta(parse(key, path, json.loads(text)), source), store=store)
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+        raise CheckpointingException(
+            f"{source}: unreadable Zarr metadata of key {key!r} (rank {dist.get_rank()}): {e}"
+        ) from None
+
+
+def root_keys(root: Root, manifest: Any = None, listed: bool = False) -> Optional[List[str]]:
+    """The tensor keys the root group's ``zarr.json`` lists (None when it lists none); with the
+    checkpoint's ``manifest``, the file compared with it first (``listed``: it must be listed)."""
     where = storage.join(root, ARRAY_META)
     try:
-        md = json.loads(storage.read_bytes(root, ARRAY_META))
+        data = storage.read_bytes(root, ARRAY_META)
+        check_whole_bytes(manifest, root, ARRAY_META, data, listed)
+        md = json.loads(data)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, RecursionError) as e:

@@ -17,7 +17,7 @@ import torch
 from distckpt import dist, storage
 from distckpt.core import CheckpointingException
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
-from distckpt.manifest import MANIFEST_FNAME, read_manifest, write_manifest
+from distckpt.manifest import read_manifest, write_manifest
 from distckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from distckpt.strategies.base import LoadShardedStrategy
 from distckpt.strategies.device_io import needs_staging
@@ -38,6 +38,7 @@ from distckpt.strategies.zarr.meta import (
     FORMAT_VERSION,
     LEGACY_ARRAY_META,
     ArrayMeta,
+    listing_disagreement,
     manifest_disagreement,
     meta_file,
 )
@@ -118,12 +119,17 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             if len(r) == 1 and r[0].offset == 0
         }
 
-    def _meta(self, root: Root, key: str) -> ArrayMeta:
-        meta = read_array_meta(root, key)
+    def _meta(self, root: Root, key: str, manifest: Any = None) -> ArrayMeta:
+        """Array ``key``'s metadata; with the ``manifest``, its file compared with it (with
+        ``verify``, it must be listed) and its description (:func:`manifest_disagreement`)."""
+        meta = read_array_meta(root, key, manifest, self.verify)
         if meta is None:
             raise CheckpointingException(
                 f"ShardedTensor {key!r} is not in checkpoint {root} (rank {dist.get_rank()})"
             )
+        problem = manifest_disagreement(meta, manifest)
+        if problem:
+            raise CheckpointingException(problem)
         return meta
 
     def load_tensors_metadata(self, checkpoint_dir: storage.Location) -> ShardedStateDict:
@@ -132,21 +138,13 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         out = {}
         manifest = read_manifest(root) if self.verify or self.checksums or remote else None
         for key in list_array_keys(root):
-            meta = self._meta(root, key)
-            problem = manifest_disagreement(meta, manifest)
-            if problem:
-                raise CheckpointingException(problem)
+            meta = self._meta(root, key, manifest)
             out[key] = ShardedTensor.from_rank_offsets(
                 key, torch.empty(meta.shape, dtype=meta.dtype, device="meta")
             )
-        # A query returns every key: one the writer declared must not just drop out of the listing.
-        missing = sorted(set(manifest.keys) - set(out)) if manifest is not None else []
-        if missing:
-            raise CheckpointingException(
-                f"{storage.join(root, ARRAY_META)}: does not list array key(s) {missing[:3]}"
-                f"{' ...' if len(missing) > 3 else ''} that {MANIFEST_FNAME} says the writer wrote (the root "
-                f"metadata is damaged)"
-            )
+        problem = listing_disagreement(list(out), manifest, storage.join(root, ARRAY_META))
+        if problem:
+            raise CheckpointingException(problem)
         return out
 
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: storage.Location) -> StateDict:
@@ -154,9 +152,9 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         remote = storage.local_root(root) is None
         # The root group is not needed to find the arrays, but a damaged one means a damaged
         # checkpoint: refuse it rather than load around it (one small read per load).
-        root_keys(root)
         # On an object store every chunk read is checked (storage checksums do not reach us).
         manifest = read_manifest(root) if self.verify or self.checksums or remote else None
+        root_keys(root, manifest, self.verify)
         metas: Dict[str, ArrayMeta] = {}
         ops: List[ChunkRead] = []
         commits: List[Callable[[], None]] = []
@@ -165,7 +163,9 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             keys = sorted(
                 {sh.key for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedTensor)}
             )
-            found = self.engines.raw.parallel(lambda k: (k, self._meta(root, k)), keys, OBJECT_STORE_REQUESTS)
+            found = self.engines.raw.parallel(
+                lambda k: (k, self._meta(root, k, manifest)), keys, OBJECT_STORE_REQUESTS
+            )
             metas.update(found)
 
         def prepare(sh: Any) -> Any:
@@ -177,7 +177,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
             if not isinstance(sh, ShardedTensor):
                 return sh
             if sh.key not in metas:
-                metas[sh.key] = self._meta(root, sh.key)
+                metas[sh.key] = self._meta(root, sh.key, manifest)
             meta = metas[sh.key]
             if tuple(sh.global_shape) != meta.shape:
                 if not sh.allow_shape_mismatch or len(sh.global_shape) != len(meta.shape):
@@ -210,10 +210,6 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
         dict_list_map_inplace(prepare, sharded_state_dict)
         checksums = None
         if manifest is not None:
-            for meta in metas.values():
-                problem = manifest_disagreement(meta, manifest)
-                if problem:
-                    raise CheckpointingException(problem)
             checksums = self._checksums(manifest)
         # verify=True reads every chunk it needs whole; the default reads and checks only the
         # blocks a partial read takes bytes from.
@@ -243,6 +239,7 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
                 manifest.drop(name)
             for key in gone:
                 manifest.keys.pop(key, None)
+                manifest.arrays.pop(key, None)
             for path, size, crc, key, _ in records:
                 manifest.set_whole(path, size, crc, key)
             write_manifest(root, manifest)

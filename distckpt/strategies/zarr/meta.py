@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 import sys
 from dataclasses import dataclass
@@ -132,6 +133,9 @@ class ArrayMeta:
     # The element layout distckpt writes (little-endian, C order; compressed or not): an array
     # whose key the integrity manifest lists must have it, whoever decodes its chunks.
     native: bool = True
+    # What the ``zarr.json`` says about the array but its attributes (Zarr v3; None for v2): what
+    # the writer records in the integrity manifest's ``arrays`` and a reader compares with it.
+    description: Optional[Dict[str, Any]] = dataclasses.field(default=None, compare=False)
 
     @property
     def itemsize(self) -> int:
@@ -191,62 +195,326 @@ def array_metadata_json(
     }
 
 
-def meta_from_v3(key: str, path: Path, md: Dict[str, Any]) -> ArrayMeta:
-    """An :class:`ArrayMeta` from a Zarr v3 ``zarr.json`` (ValueError/KeyError/... if unusable)."""
-    if md.get("node_type") != "array":
-        raise ValueError(f"node_type is {md.get('node_type')!r}, not 'array'")
-    data_type = md["data_type"]
+# The codecs a Zarr v3 array may name, by kind (zarr v3 spec): array -> array codecs first,
+# then exactly one array -> bytes codec, then bytes -> bytes codecs. Their configurations are
+# checked below as far as distckpt reads them; tensorstore (which decodes all but plain "bytes")
+# checks the rest when the array is opened, which ``distckpt verify`` does too.
+_ARRAY_TO_ARRAY = {"transpose"}
+_ARRAY_TO_BYTES = {"bytes", "sharding_indexed"}
+_BYTES_TO_BYTES = {"gzip", "zstd", "blosc", "crc32c"}
+_V3_MEMBERS = {
+    "zarr_format",
+    "node_type",
+    "shape",
+    "data_type",
+    "chunk_grid",
+    "chunk_key_encoding",
+    "fill_value",
+    "codecs",
+    "attributes",
+    "storage_transformers",
+    "dimension_names",
+}
+# Zarr v2 compressors tensorstore decodes.
+_V2_COMPRESSORS = {"blosc", "zlib", "gzip", "bz2", "zstd"}
+
+
+def _expect(ok: bool, field: str, value: Any, want: str) -> None:
+    if not ok:
+        raise ValueError(f"{field} is {json_text(value)}, not {want}")
+
+
+def json_text(value: Any, limit: int = 80) -> str:
+    """``value`` as JSON for a message (cut at ``limit`` characters)."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError, RecursionError):
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _config(codec: Dict[str, Any], field: str, allowed: Sequence[str], required: Sequence[str] = ()) -> Dict:
+    config = codec.get("configuration", {})
+    _expect(type(config) is dict, f"{field}.configuration", config, "an object")
+    extra = sorted(set(config) - set(allowed))
+    _expect(not extra, f"{field}.configuration", config, f"an object of {sorted(allowed)} only")
+    missing = [k for k in required if k not in config]
+    _expect(not missing, f"{field}.configuration", config, f"an object with {list(required)}")
+    return config
+
+
+def _one_of(config: Dict[str, Any], member: str, default: str, choices: Sequence[str], field: str) -> None:
+    value = config.get(member, default)
+    _expect(value in choices, f"{field}.{member}", value, " or ".join(map(repr, choices)))
+
+
+def _chunk_shape(value: Any, ndim: int, field: str) -> None:
+    _expect(
+        type(value) is list and len(value) == ndim and all(_int_in(c, 1, bounds.MAX_NUMEL) for c in value),
+        field,
+        value,
+        f"a list of {ndim} positive integers",
+    )
+
+
+def _int_in(value: Any, lo: int, hi: int) -> bool:
+    return type(value) is int and lo <= value <= hi
+
+
+def _check_codecs(codecs: Any, field: str, ndim: int, itemsize: int) -> None:
+    """The codec chain of a Zarr v3 array (or of the inner chunks of a sharded one)."""
+    _expect(type(codecs) is list and len(codecs) <= 16, field, codecs, "a list of at most 16 codecs")
+    stage = 0  # 0: array -> array codecs; 1: after the array -> bytes codec
+    for i, codec in enumerate(codecs):
+        where = f"{field}[{i}]"
+        _expect(type(codec) is dict, where, codec, "an object")
+        _expect(
+            set(codec) <= {"name", "configuration"}, where, codec, "an object of 'name' and 'configuration'"
+        )
+        name = codec.get("name")
+        known = _ARRAY_TO_ARRAY | _ARRAY_TO_BYTES | _BYTES_TO_BYTES
+        if name not in known:
+            raise ValueError(f"{where}: unknown codec {json_text(name)} (known: {', '.join(sorted(known))})")
+        kind = 0 if name in _ARRAY_TO_ARRAY else 1 if name in _ARRAY_TO_BYTES else 2
+        if kind == 0 and stage or kind == 1 and stage or kind == 2 and not stage:
+            raise ValueError(
+                f"{where}: codec {name!r} out of order (array -> array codecs, then one array -> bytes "
+                f"codec, then bytes -> bytes codecs)"
+            )
+        stage = max(stage, 1 if kind else 0)
+        if name == "transpose":
+            order = _config(codec, where, ("order",), ("order",))["order"]
+            _expect(
+                type(order) is list
+                and sorted(order) == list(range(ndim))
+                and all(type(o) is int for o in order),
+                f"{where}.configuration.order",
+                order,
+                f"a permutation of 0..{ndim - 1}",
+            )
+        elif name == "bytes":
+            config = _config(codec, where, ("endian",), ("endian",) if itemsize > 1 else ())
+            _one_of(config, "endian", "little", ("little", "big"), f"{where}.configuration")
+        elif name == "sharding_indexed":
+            config = _config(
+                codec,
+                where,
+                ("chunk_shape", "codecs", "index_codecs", "index_location"),
+                ("chunk_shape", "codecs"),
+            )
+            _chunk_shape(config["chunk_shape"], ndim, f"{where}.configuration.chunk_shape")
+            _check_codecs(config["codecs"], f"{where}.configuration.codecs", ndim, itemsize)
+            if "index_codecs" in config:
+                _check_codecs(config["index_codecs"], f"{where}.configuration.index_codecs", 1, 8)
+            _one_of(config, "index_location", "end", ("start", "end"), f"{where}.configuration")
+        elif name == "gzip":
+            level = _config(codec, where, ("level",), ("level",))["level"]
+            _expect(_int_in(level, 0, 9), f"{where}.configuration.level", level, "an integer in [0, 9]")
+        elif name == "zstd":
+            config = _config(codec, where, ("level", "checksum"), ("level",))
+            _expect(
+                _int_in(config["level"], -131072, 22),
+                f"{where}.configuration.level",
+                config["level"],
+                "an integer in [-131072, 22]",
+            )
+            _expect(
+                type(config.get("checksum", False)) is bool,
+                f"{where}.configuration.checksum",
+                config.get("checksum"),
+                "a boolean",
+            )
+        elif name == "blosc":
+            config = _config(codec, where, ("cname", "clevel", "shuffle", "typesize", "blocksize"))
+            for member, ok, want in (
+                (
+                    "cname",
+                    lambda v: v in ("blosclz", "lz4", "lz4hc", "snappy", "zlib", "zstd"),
+                    "a blosc compressor",
+                ),
+                ("clevel", lambda v: _int_in(v, 0, 9), "an integer in [0, 9]"),
+                ("shuffle", lambda v: v in ("noshuffle", "shuffle", "bitshuffle"), "a blosc shuffle"),
+                ("typesize", lambda v: _int_in(v, 1, 255), "an integer in [1, 255]"),
+                ("blocksize", lambda v: _int_in(v, 0, bounds.MAX_BYTES), "a natural"),
+            ):
+                if member in config:
+                    _expect(ok(config[member]), f"{where}.configuration.{member}", config[member], want)
+        else:  # crc32c
+            _config(codec, where, ())
+    _expect(stage == 1, field, codecs, "a chain with one array -> bytes codec (such as 'bytes')")
+
+
+def _check_fill_value(value: Any, dtype: torch.dtype, field: str = "fill_value") -> None:
+    """A Zarr v3 ``fill_value`` of ``dtype``: a boolean, an integer in the dtype's range, a
+    floating-point number (or ``"NaN"``, ``"Infinity"``, ``"-Infinity"``, ``"0x"`` and the
+    hex of its bytes), or a pair of those for complex dtypes."""
+    if dtype == torch.bool:
+        _expect(type(value) is bool, field, value, "a boolean")
+    elif dtype.is_complex:
+        _expect(type(value) is list and len(value) == 2, field, value, "a pair [real, imaginary]")
+        part = torch.float32 if dtype == torch.complex64 else torch.float64
+        for i, v in enumerate(value):
+            _check_fill_value(v, part, f"{field}[{i}]")
+    elif dtype.is_floating_point:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        hex_ok = (
+            isinstance(value, str)
+            and value.startswith("0x")
+            and len(value) == 2 + 2 * itemsize
+            and all(c in "0123456789abcdefABCDEF" for c in value[2:])
+        )
+        _expect(
+            (isinstance(value, (int, float)) and type(value) is not bool and math.isfinite(value))
+            or value in ("NaN", "Infinity", "-Infinity")
+            or hex_ok,
+            field,
+            value,
+            "a number, 'NaN', 'Infinity', '-Infinity' or '0x' and the hex of its bytes",
+        )
+    else:
+        info = torch.iinfo(dtype)
+        _expect(_int_in(value, info.min, info.max), field, value, f"an integer in [{info.min}, {info.max}]")
+
+
+def meta_from_v3(key: str, path: Path, md: Any) -> ArrayMeta:
+    """An :class:`ArrayMeta` from a Zarr v3 ``zarr.json``, parsed by schema: every member has the
+    type and range the spec gives it (shapes of naturals, known codecs in a valid chain, a fill
+    value of the data type); ValueError naming the member otherwise."""
+    _expect(type(md) is dict, "the array metadata", md, "a JSON object")
+    for member, value in md.items():
+        if member not in _V3_MEMBERS and not (type(value) is dict and value.get("must_understand") is False):
+            raise ValueError(f"unknown member {member!r} (an extension not marked must_understand: false)")
+    _expect(
+        md.get("zarr_format") == 3 and type(md.get("zarr_format")) is int,
+        "zarr_format",
+        md.get("zarr_format"),
+        "3",
+    )
+    _expect(md.get("node_type") == "array", "node_type", md.get("node_type"), "'array'")
+    data_type = md.get("data_type")
     dtype = _ZARR_TO_TORCH.get(data_type) if isinstance(data_type, str) else None
     if dtype is None:
-        raise ValueError(f"data_type {data_type!r} has no torch equivalent")
-    grid = md["chunk_grid"]
+        raise ValueError(f"data_type {json_text(data_type)} has no torch equivalent")
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shape = md.get("shape")
+    _expect(
+        type(shape) is list and all(_int_in(n, 0, bounds.MAX_NUMEL) for n in shape),
+        "shape",
+        shape,
+        "a list of naturals",
+    )
+    grid = md.get("chunk_grid")
+    _expect(type(grid) is dict and set(grid) <= {"name", "configuration"}, "chunk_grid", grid, "an object")
     if grid.get("name") != "regular":
-        raise ValueError(f"chunk grid {grid.get('name')!r} is not supported (only 'regular')")
-    chunks = tuple(int(c) for c in grid["configuration"]["chunk_shape"])
-    shape = tuple(int(s) for s in md["shape"])
+        raise ValueError(f"chunk_grid.name {json_text(grid.get('name'))} is not supported (only 'regular')")
+    config = grid.get("configuration")
+    _expect(
+        type(config) is dict and set(config) == {"chunk_shape"},
+        "chunk_grid.configuration",
+        config,
+        "an object of 'chunk_shape'",
+    )
+    chunks = config["chunk_shape"]
+    _chunk_shape(chunks, len(shape), "chunk_grid.configuration.chunk_shape")
     enc = md.get("chunk_key_encoding", {"name": "default"})
-    sep = (enc.get("configuration") or {}).get("separator", "/" if enc.get("name") == "default" else ".")
-    prefix = "c" if enc.get("name") == "default" else ""
-    codecs = md.get("codecs", [])
+    _expect(
+        type(enc) is dict and set(enc) <= {"name", "configuration"}, "chunk_key_encoding", enc, "an object"
+    )
+    _expect(
+        enc.get("name") in ("default", "v2"), "chunk_key_encoding.name", enc.get("name"), "'default' or 'v2'"
+    )
+    enc_config = enc.get("configuration", {})
+    _expect(
+        type(enc_config) is dict and set(enc_config) <= {"separator"},
+        "chunk_key_encoding.configuration",
+        enc_config,
+        "an object of 'separator'",
+    )
+    sep = enc_config.get("separator", "/" if enc["name"] == "default" else ".")
+    _expect(sep in ("/", "."), "chunk_key_encoding.configuration.separator", sep, "'/' or '.'")
+    prefix = "c" if enc["name"] == "default" else ""
+    if "fill_value" not in md:
+        raise ValueError("fill_value is missing")
+    _check_fill_value(md["fill_value"], dtype)
+    codecs = md.get("codecs")
+    _check_codecs(codecs, "codecs", len(shape), itemsize)
+    transformers = md.get("storage_transformers", [])
+    _expect(transformers == [], "storage_transformers", transformers, "empty (none is supported)")
+    names = md.get("dimension_names")
+    _expect(
+        names is None
+        or (
+            type(names) is list
+            and len(names) == len(shape)
+            and all(n is None or type(n) is str for n in names)
+        ),
+        "dimension_names",
+        names,
+        f"a list of {len(shape)} names (or nulls)",
+    )
+    _expect(type(md.get("attributes", {})) is dict, "attributes", md.get("attributes"), "an object")
     raw = (
         len(codecs) == 1
-        and codecs[0].get("name") == "bytes"
+        and codecs[0]["name"] == "bytes"
         and (codecs[0].get("configuration") or {}).get("endian", "little") == "little"
-        and not md.get("storage_transformers")
         and sys.byteorder == "little"
     )
     native = all(
-        isinstance(c, dict)
-        and c.get("name") != "transpose"
-        and (c.get("name") != "bytes" or (c.get("configuration") or {}).get("endian", "little") == "little")
+        c["name"] != "transpose"
+        and (c["name"] != "bytes" or (c.get("configuration") or {}).get("endian", "little") == "little")
         for c in codecs
     )
-    return ArrayMeta(key, path, 3, shape, chunks, dtype, raw, prefix, sep, native=native)
-
-
-def meta_from_v2(key: str, path: Path, md: Dict[str, Any]) -> ArrayMeta:
-    """An :class:`ArrayMeta` from a legacy Zarr v2 ``.zarray`` (ValueError/KeyError/... if unusable)."""
-    dtype, little = _v2_dtype(md.get("dtype"))
-    if dtype is None:
-        raise ValueError(f"dtype {md.get('dtype')!r} has no torch equivalent")
-    raw = (
-        md.get("compressor") is None
-        and not md.get("filters")
-        and md.get("order", "C") == "C"
-        and little
-        and sys.byteorder == "little"
-    )
+    description = {k: v for k, v in md.items() if k != "attributes"}
     return ArrayMeta(
         key,
         path,
-        2,
-        tuple(md["shape"]),
-        tuple(md["chunks"]),
+        3,
+        tuple(shape),
+        tuple(chunks),
         dtype,
         raw,
-        "",
-        md.get("dimension_separator", "."),
-        native=False,
+        prefix,
+        sep,
+        native=native,
+        description=description,
+    )
+
+
+def meta_from_v2(key: str, path: Path, md: Any) -> ArrayMeta:
+    """An :class:`ArrayMeta` from a legacy Zarr v2 ``.zarray`` (Megatron-Core <= 0.15), its
+    members checked as far as a reader uses them; ValueError naming the member otherwise."""
+    _expect(type(md) is dict, "the array metadata", md, "a JSON object")
+    _expect(
+        md.get("zarr_format") == 2 and type(md.get("zarr_format")) is int,
+        "zarr_format",
+        md.get("zarr_format"),
+        "2",
+    )
+    dtype, little = _v2_dtype(md.get("dtype"))
+    if dtype is None:
+        raise ValueError(f"dtype {json_text(md.get('dtype'))} has no torch equivalent")
+    shape, chunks = md.get("shape"), md.get("chunks")
+    _expect(
+        type(shape) is list and all(_int_in(n, 0, bounds.MAX_NUMEL) for n in shape),
+        "shape",
+        shape,
+        "a list of naturals",
+    )
+    _chunk_shape(chunks, len(shape), "chunks")
+    compressor = md.get("compressor")
+    _expect(
+        compressor is None or (type(compressor) is dict and compressor.get("id") in _V2_COMPRESSORS),
+        "compressor",
+        compressor,
+        f"null or one of {sorted(_V2_COMPRESSORS)}",
+    )
+    _expect(md.get("filters") in (None, []), "filters", md.get("filters"), "null (filters are not supported)")
+    _expect(md.get("order", "C") in ("C", "F"), "order", md.get("order"), "'C' or 'F'")
+    sep = md.get("dimension_separator", ".")
+    _expect(sep in ("/", "."), "dimension_separator", sep, "'/' or '.'")
+    raw = compressor is None and md.get("order", "C") == "C" and little and sys.byteorder == "little"
+    return ArrayMeta(
+        key, path, 2, tuple(shape), tuple(chunks), dtype, raw, "", sep, native=False
     )  # distckpt writes Zarr v3
 
 
@@ -278,10 +546,13 @@ def meta_file(meta: ArrayMeta) -> str:
 
 def manifest_disagreement(meta: ArrayMeta, manifest: Any) -> Optional[str]:
     """The reason array ``meta`` (its ``zarr.json``) contradicts the integrity manifest's record of
-    what the writer wrote (dtype and shape), naming both files; None when they agree, when the
-    manifest has no record of the key, or when there is no manifest (``manifest`` is None)."""
+    what the writer wrote (dtype and shape in its ``keys``, the whole description in its
+    ``arrays``), naming both files and the member; None when they agree, when the manifest has
+    no record of the key, or when there is no manifest (``manifest`` is None). Loads and
+    ``distckpt verify`` ask this one function."""
     declared = None if manifest is None else manifest.keys.get(meta.key)
-    if declared is None:
+    described = None if manifest is None else manifest.arrays.get(meta.key)
+    if declared is None and described is None:
         return None
     if not meta.native:
         return (
@@ -290,10 +561,34 @@ def manifest_disagreement(meta: ArrayMeta, manifest: Any) -> Optional[str]:
             f"and the "
             f"integrity manifest {MANIFEST_FNAME} says distckpt wrote this key: the array metadata is damaged"
         )
-    if (dtype_name(meta.dtype), tuple(meta.shape)) == (declared[0], tuple(declared[1])):
+    if declared is not None and (dtype_name(meta.dtype), tuple(meta.shape)) != (
+        declared[0],
+        tuple(declared[1]),
+    ):
+        return (
+            f"key {meta.key!r}: {meta_file(meta)} says {dtype_name(meta.dtype)} of shape {list(meta.shape)}, "
+            f"the integrity manifest {MANIFEST_FNAME} says the writer wrote {declared[0]} of shape "
+            f"{list(declared[1])}: the array metadata or the manifest is damaged"
+        )
+    if described is not None and described != meta.description:
+        mine = meta.description or {}
+        member = next(k for k in sorted(set(mine) | set(described)) if mine.get(k) != described.get(k))
+        return (
+            f"key {meta.key!r}: {meta_file(meta)} says {member} is {json_text(mine.get(member))}, the "
+            f"integrity manifest {MANIFEST_FNAME} says the writer wrote {json_text(described.get(member))}: "
+            f"the array metadata or the manifest is damaged"
+        )
+    return None
+
+
+def listing_disagreement(keys: Sequence[str], manifest: Any, where: Any) -> Optional[str]:
+    """Why the array ``keys`` the root group ``where`` lists contradict the manifest: arrays it
+    says the writer wrote that the listing lacks (a query returns every key: one must not just
+    drop out of it); None when it agrees or there is no manifest. Loads and verify ask this."""
+    missing = sorted(set(manifest.keys) - set(keys)) if manifest is not None else []
+    if not missing:
         return None
     return (
-        f"key {meta.key!r}: {meta_file(meta)} says {dtype_name(meta.dtype)} of shape {list(meta.shape)}, the "
-        f"integrity manifest {MANIFEST_FNAME} says the writer wrote {declared[0]} of shape "
-        f"{list(declared[1])}: the array metadata or the manifest is damaged"
+        f"{where}: does not list array key(s) {missing[:3]}{' ...' if len(missing) > 3 else ''} that "
+        f"{MANIFEST_FNAME} says the writer wrote (the root metadata is damaged)"
     )

@@ -260,6 +260,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
                 {path: size for path, size, _, _, _ in records},
                 {k: (dtype_name(m.dtype), tuple(m.shape)) for k, m in metas.items()},
                 blocks=block_entries(records),
+                arrays={k: m.description for k, m in metas.items() if m.description is not None},
             )
             write_manifest(root, manifest)
 

@@ -27,7 +27,7 @@ from distckpt.checksum import crc32c
 from distckpt.core import CheckpointingException
 from distckpt.strategies.zarr.jobs import ChunkRead, ChunkWrite
 from distckpt.strategies.zarr.layout import FileRecord, chunk_checksums
-from distckpt.strategies.zarr.meta import ARRAY_META, ArrayMeta
+from distckpt.strategies.zarr.meta import ARRAY_META, ArrayMeta, meta_file
 
 
 def numpy_dtype(dtype: torch.dtype) -> np.dtype:
@@ -92,11 +92,16 @@ class TensorStoreIO:
                 store = self._ts.open(spec, read=True, write=write, open=True, context=self._context).result()
             except Exception as e:  # noqa: BLE001 - tensorstore raises ValueError/RuntimeError alike
                 raise CheckpointingException(
-                    f"key {meta.key!r}: tensorstore cannot open array {meta.path} "
+                    f"{meta_file(meta)}: key {meta.key!r}: tensorstore cannot open the array "
                     f"(rank {dist.get_rank()}): {e}"
                 ) from None
             opened[str(meta.path)] = store
         return store
+
+    def check_opens(self, meta: ArrayMeta) -> None:
+        """Open array ``meta`` for reading as a load does, raising what a load would (tensorstore
+        parses its ``zarr.json`` itself): what ``distckpt verify`` asks of an encoded array."""
+        self._open(meta, False, {})
 
     def write(self, jobs: Sequence[ChunkWrite]) -> List[FileRecord]:
         """Write whole chunks; returns (relative path, size, crc32c, key, block CRC32Cs) of each
@@ -151,7 +156,7 @@ class TensorStoreIO:
                 arr = fut.result()
             except Exception as e:  # noqa: BLE001
                 raise CheckpointingException(
-                    f"key {op.meta.key!r}: reading chunk {list(op.index)} of {op.meta.path} failed "
-                    f"(rank {dist.get_rank()}); corrupt or truncated chunk? {e}"
+                    f"{op.meta.chunk_path(op.index)}: key {op.meta.key!r}: reading chunk {list(op.index)} "
+                    f"failed (rank {dist.get_rank()}); corrupt or truncated chunk? {e}"
                 ) from None
             op.dest.copy_(from_numpy(arr, op.meta.dtype))
