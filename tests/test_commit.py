@@ -289,6 +289,7 @@ def _stall_inside_first_collective(ckpt: str, stalled: int, timeout: float):
     return outcome, refusal, round(time.monotonic() - start, 2)
 
 
+@pytest.mark.slow
 def test_a_rank_that_stalls_inside_a_collective_is_an_error_on_every_rank_within_the_timeout(tmp_path):
     """Checking in is not enough: a rank that stalls after it (inside the collective) must not
     hold the others to the process group's own timeout (45 s in the rank pool). The abandoned

@@ -162,6 +162,7 @@ def test_layouts_read_from_the_command_line_and_order_ranks_tp_first():
         Layout.parse("TP2xQQ3")
 
 
+@pytest.mark.slow
 def test_train_script_resumes_and_reports_matching_losses(tmp_path, capsys):
     script = load_train_script()
     argv = [
@@ -206,6 +207,7 @@ def test_example_adam_computes_the_same_bits_as_torch_adam():
     assert ours_sd["param_groups"][0]["params"] == theirs_sd["param_groups"][0]["params"]
 
 
+@pytest.mark.slow
 def test_train_script_restarts_from_the_local_tier(tmp_path, capsys):
     script = load_train_script()
     argv = [

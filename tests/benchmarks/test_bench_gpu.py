@@ -229,6 +229,7 @@ def script_run(tmp_path_factory):
     return proc, out
 
 
+@pytest.mark.slow
 def test_script_runs_every_step_within_six_minutes(script_run):
     proc, out = script_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
@@ -242,6 +243,7 @@ def test_script_runs_every_step_within_six_minutes(script_run):
     assert {"gpu_check.log", "env.txt", "bench_gpu.json", "bench_gpu.txt", "memory_check.json"} <= set(files)
 
 
+@pytest.mark.slow
 def test_script_checks_the_projects_own_dependencies(script_run):
     tomllib = pytest.importorskip("tomllib")
     _, out = script_run
@@ -253,6 +255,7 @@ def test_script_checks_the_projects_own_dependencies(script_run):
     assert "import distckpt: ok" in env
 
 
+@pytest.mark.slow
 def test_script_bench_step_measured_every_path(script_run):
     _, out = script_run
     report = json.loads((out / "bench_gpu.json").read_text())
@@ -283,6 +286,7 @@ def test_script_bench_step_measured_every_path(script_run):
         assert not list(where.glob("bench_gpu_*"))
 
 
+@pytest.mark.slow
 def test_script_memory_step_saved_with_changing_shapes(script_run):
     _, out = script_run
     r = json.loads((out / "memory_check.json").read_text())

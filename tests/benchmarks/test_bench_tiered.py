@@ -51,6 +51,7 @@ def bench_run(tmp_path_factory):
     return proc, tmp, out
 
 
+@pytest.mark.slow
 def test_prints_every_row_and_ratio_and_checks_pass(bench_run):
     proc, _, _ = bench_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -67,6 +68,7 @@ def test_prints_every_row_and_ratio_and_checks_pass(bench_run):
     assert re.search(r"goal tiered save blocking <= 1\.1 x local-only: (met|MISSED)", proc.stdout)
 
 
+@pytest.mark.slow
 def test_writes_json_and_cleans_up(bench_run):
     proc, tmp, out = bench_run
     assert proc.returncode == 0

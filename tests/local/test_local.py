@@ -421,6 +421,7 @@ def test_a_request_that_differs_from_the_saved_layout_fails_on_every_rank(tmp_pa
     )
 
 
+@pytest.mark.slow
 def test_sigkill_while_writing_a_piece_leaves_the_previous_iteration_restorable(tmp_path):
     run_ranks(WORLD, _save, str(tmp_path), [1], timeout=TIMEOUT)
     with pytest.raises(RankFailure) as failure:
@@ -430,6 +431,7 @@ def test_sigkill_while_writing_a_piece_leaves_the_previous_iteration_restorable(
     assert run_ranks(WORLD, _restore, str(tmp_path), timeout=TIMEOUT) == [(1, "local", [], True)] * WORLD
 
 
+@pytest.mark.slow
 def test_sigkill_before_a_commit_marker_keeps_the_old_iteration_and_the_new_one_whole_from_replicas(tmp_path):
     """Every byte of iteration 2 was written and replicated when rank 3 died: its peer's marker
     covers rank 3's piece, so 2 is restorable (rank 3 fetches its piece), and iteration 1 was

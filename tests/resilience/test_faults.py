@@ -307,6 +307,7 @@ def _load_single_process(ckpt: Path, generation: int, verify: bool = False) -> L
     return faults.generation_mismatches(loaded, 0, 1, generation)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", SCENARIOS)
 def test_sigkill_kills_the_victim_and_the_survivor_fails_instead_of_committing(killed_saves, window):
     run = killed_saves[window]
@@ -322,6 +323,7 @@ def test_sigkill_kills_the_victim_and_the_survivor_fails_instead_of_committing(k
     ), failure
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", SCENARIOS)
 def test_sigkill_leaves_the_overwritten_checkpoint_complete_and_bit_exact(killed_saves, window):
     run = killed_saves[window]
@@ -331,11 +333,13 @@ def test_sigkill_leaves_the_overwritten_checkpoint_complete_and_bit_exact(killed
         assert _load_single_process(run.target, 1, verify) == []
 
 
+@pytest.mark.slow
 def test_sigkill_mid_write_partial_files_went_with_the_staging_tree_the_survivor_dropped(killed_saves):
     run = killed_saves["mid_write"]  # the survivor is rank 0, which aborts the staging tree
     assert _leftovers(run.root) == []
 
 
+@pytest.mark.slow
 def test_sigkill_just_before_commit_leaves_a_hidden_staging_tree_without_commit_marker(killed_saves):
     run = killed_saves["before_commit"]
     (staging,) = [p for p in run.root.iterdir() if is_leftover(p)]
@@ -344,6 +348,7 @@ def test_sigkill_just_before_commit_leaves_a_hidden_staging_tree_without_commit_
     assert not check_is_distributed_checkpoint(staging)
 
 
+@pytest.mark.slow
 def test_the_next_save_removes_the_leftover_of_a_killed_save(killed_saves, tmp_path):
     run = killed_saves["before_commit"]
     for p in run.root.iterdir():

@@ -325,6 +325,7 @@ def _load_remote_only(url, step, rows):
     return _wrong(loaded, step, rows), loaded["common"]["step"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cloud", clouds("s3"))
 def test_sigkill_during_the_background_upload_leaves_the_previous_checkpoint_newest(cloud_url, tmp_path):
     from tests.support.harness import RankFailure
@@ -367,6 +368,7 @@ def test_a_hostile_local_marker_is_ignored_and_nothing_outside_is_uploaded(cloud
     assert outside.read_bytes() == b"secret"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cloud", clouds("s3"))
 def test_train_script_saves_tiered_to_an_object_store_crashes_and_resumes_at_the_last_save(
     cloud_url, tmp_path, capsys

@@ -217,6 +217,7 @@ _MEASURE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="measures VmHWM in /proc")
 def test_a_zip_bomb_common_pt_is_refused_before_inflating(ckpt):
     inflated = 320 << 20
@@ -466,6 +467,7 @@ def _20000_chunks(md, record) -> None:
         md.storage_data[MetadataIndex("w", torch.Size((j,)))] = record(info, j)
 
 
+@pytest.mark.slow
 def test_20000_chunks_sharing_one_record_get_a_clear_outcome_from_every_tool_quickly(ckpt, tmp_path):
     other = _save(tmp_path / "other", "torch_dist")
     _edit_metadata(ckpt, lambda md: _20000_chunks(md, lambda info, j: info))  # every record the same bytes
