@@ -64,11 +64,13 @@ class StoredKey:
     source: str = ""  # the file that describes it (.metadata or the sidecar)
     _index: Optional[ChunkIndex] = field(default=None, repr=False, compare=False)
     _flat_cells: Dict[Shape, FlatCell] = field(default_factory=dict, repr=False, compare=False)
+    scanned: int = field(default=0, repr=False, compare=False)  # chunks tested without the index
 
     @property
     def examined(self) -> int:
-        """Chunks the queries of :attr:`index` have tested so far."""
-        return 0 if self._index is None else self._index.examined
+        """Chunks a load's planning has tested so far (through :attr:`index` or by scanning a
+        small key)."""
+        return self.scanned + (0 if self._index is None else self._index.examined)
 
     @property
     def index(self) -> ChunkIndex:
