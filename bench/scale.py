@@ -1,6 +1,12 @@
 """How global validation, planning and metadata building scale with the number of ranks.
 
     python -m bench.scale [--max-ranks 4096] [--out bench_out] [--tmp /dev/shm] [--profile]
+                          [--model gpt3|deepseek] [--ep 8]
+
+``--model deepseek`` simulates instead a DeepSeek-V3-like Mixture-of-Experts model
+(:mod:`bench.deepseek`: 61 layers x 256 routed + 1 shared expert, PP16, expert parallelism
+``--ep`` carved out of DP), whose expert weights are keys of 15,616 chunks each; everything below
+is measured the same way. By default:
 
 Simulates, in one process, the sharding metadata that every rank of a GPT-3 175B-like model
 (96 layers, hidden 12288) would send at TP8 x PP16 x DP: bf16 parameters TP-split and replicated
@@ -31,7 +37,9 @@ Then what a *loading* rank pays: ``.metadata`` (pickled, every chunk of every ke
 a load without the sidecar reads and unpickles all of it) against the sidecar index
 ``.distckpt_index``, from which a rank reads the directory and the tree nodes that meet its
 share. For three ranks (first, middle, last) it queries the sidecar for that rank's own share
-(same layout) and reports the bytes read and the time (the mean of the three). Before
+(same layout) and reports the bytes read and the time (the mean of the three), then plans that
+share's copies (``plan s``) and reports the peak memory the query and the plan allocate (``peak
+MiB``, the largest of the three; traced by tracemalloc in a second pass). Before
 reading, a load checks the requests of all ranks: each rank's shard table (the same payload as
 the save's validation) goes to rank 0, which alone receives all of them ("tables MiB"); every
 other rank receives the slot round of the gather and the verdict ("other rank KiB") when the
@@ -53,6 +61,7 @@ import pstats
 import sys
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -184,20 +193,19 @@ def decls_of(world):
 
 def load_share(tmp: Path, metas):
     """What one rank's load of its own share (same layout) costs before it reads a byte: the
-    sidecar query for its chunks (seconds, bytes read, records found) and the planning of its
-    copies (seconds), and the peak resident memory above the start of both (bytes). The request's
-    tensors are on the meta device: the plan is the same, no memory is filled."""
-    proc = psutil.Process()
-    gc.collect()
-    rss0 = proc.memory_info().rss
-    with PeakRss(proc, interval=0.002) as peak:
-        sd = {}
-        for i, (key, _, dtype, gshape, offset, local, flat, _) in enumerate(metas):
-            dt = getattr(torch, dtype.split(".")[-1])
-            n = math.prod(local) if flat is None else flat[1] - flat[0]
-            data = torch.empty(local if flat is None else (n,), dtype=dt, device="meta")
-            fr = None if flat is None else slice(*flat)
-            sd[i] = ShardedTensor(key, data, dt, local, gshape, offset, None, 0, 0, False, fr)
+    sidecar query for its chunks (seconds, bytes read, records found), the planning of its copies
+    (seconds), and the peak of the memory both allocate (bytes, traced in a second pass: the
+    tracing slows them). The request's tensors are on the meta device: the plan is the same, no
+    memory is filled."""
+    sd = {}
+    for i, (key, _, dtype, gshape, offset, local, flat, _) in enumerate(metas):
+        dt = getattr(torch, dtype.split(".")[-1])
+        n = math.prod(local) if flat is None else flat[1] - flat[0]
+        data = torch.empty(local if flat is None else (n,), dtype=dt, device="meta")
+        fr = None if flat is None else slice(*flat)
+        sd[i] = ShardedTensor(key, data, dt, local, gshape, offset, None, 0, 0, False, fr)
+
+    def query_and_plan():
         t0 = time.perf_counter()
         reader = IndexReader.open(tmp)
         index = index_from_sidecar(reader, sd, {})
@@ -206,9 +214,16 @@ def load_share(tmp: Path, metas):
         plan = LoadPlan()
         for sh in sd.values():
             plan_tensor(plan, sh, index[sh.key], sh.data)
-        t_plan = time.perf_counter() - t0
+        return t_query, time.perf_counter() - t0, reader, index, plan
+
+    t_query, t_plan, reader, index, _ = query_and_plan()
+    tracemalloc.start()
+    kept = query_and_plan()  # what it allocates, and keeps until the load reads
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    del kept
     found = sum(len(k.chunks) for k in index.values() if hasattr(k, "chunks"))
-    return t_query, t_plan, reader.bytes_read, found, peak.peak - rss0
+    return t_query, t_plan, reader.bytes_read, found, peak
 
 
 class Gpt3:
@@ -371,7 +386,7 @@ def measure(world: int, tmp: Path, profile: bool = False, objects: bool = False,
         "load_index_kib": sum(read_bytes) / len(read_bytes) / 2**10,
         "load_index_s": sum(read_s) / len(read_s),
         "load_plan_s": sum(plan_s) / len(plan_s),
-        "load_rss_mib": max(plan_rss) / 2**20,
+        "load_mem_mib": max(plan_rss) / 2**20,
         "load_tables_mib": tables_bytes / 2**20,
         # the slot all-gather (world slots) and the verdict's broadcast (one slot)
         "load_other_rank_kib": (world + 1) * slot_bytes(world) / 2**10,
@@ -447,7 +462,7 @@ def main() -> int:
         f"| {'ranks':>5} | {'.metadata MiB':>13} | {'objects s':>9} | {'unpickle s':>10} | "
         f"{'index MiB':>9} | "
         f"{'build s':>7} | {'template s':>10} | {'patched s':>9} | {'share shards':>12} | "
-        f"{'records read':>12} | {'index KiB read':>14} | {'query s':>7} | {'plan s':>6} | {'RSS +MiB':>8} | "
+        f"{'records read':>12} | {'index KiB read':>14} | {'query s':>7} | {'plan s':>6} | {'peak MiB':>8} | "
         f"{'tables MiB':>10} | {'other rank KiB':>14} |"
     )
     print(
@@ -460,7 +475,7 @@ def main() -> int:
             f"{r['index_mib']:9.1f} | {r['index_build_s']:7.2f} | {r['index_template_s']:10.2f} | "
             f"{r['index_patched_s']:9.2f} | {r['share_shards']:12d} | "
             f"{r['load_records']:12.0f} | {r['load_index_kib']:14.0f} | {r['load_index_s']:7.3f} | "
-            f"{r['load_plan_s']:6.3f} | {r['load_rss_mib']:8.1f} | "
+            f"{r['load_plan_s']:6.3f} | {r['load_mem_mib']:8.1f} | "
             f"{r['load_tables_mib']:10.1f} | {r['load_other_rank_kib']:14.0f} |"
         )
     out = Path(args.out)
