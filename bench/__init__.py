@@ -11,7 +11,9 @@ part of the installed package. What they share (the GPT-like state dicts, the ra
 - ``coop``: the cooperative (fully parallel) load against plain loads, on throttled stores
 - ``files``: save and load against a plain write and read of the very files they use
 - ``fixed_cost``: save and load of a 200-tensor state dict of small tensors
-- ``scale``: validation, planning and ``.metadata`` of 64 … 16,384 simulated ranks
+- ``scale``: validation, planning and ``.metadata`` of 64 … 16,384 simulated ranks (GPT-3-like, or
+  ``--model deepseek``: a DeepSeek-V3-like Mixture-of-Experts model, :mod:`bench.deepseek`)
+- ``moe``: Mixture-of-Experts state dicts at 1k … 20k tensors per rank, against megatron-core
 - ``local_tier``: the local tier (``distckpt.local``) against persistent checkpoints
 - ``gpu``: async save and load of CUDA tensors against the copy engine (``gpu_check.sh`` runs it
   with the CUDA tests)
