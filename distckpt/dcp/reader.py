@@ -49,7 +49,8 @@ from distckpt import commit, dist, storage
 from distckpt.core import CheckpointingException
 from distckpt.dcp import locations
 from distckpt.dcp_native import checkpoint_config, describe_missing_config
-from distckpt.manifest import MANIFEST_FNAME, read_manifest
+from distckpt.formats.manifest import MANIFEST_FNAME, read_manifest
+from distckpt.formats.zip_archive import contiguous_strides
 from distckpt.strategies import device_io
 from distckpt.strategies.common import safe_torch_load
 from distckpt.strategies.device_io import is_plain
@@ -68,7 +69,6 @@ from distckpt.strategies.torch_dist.stored import (
     index_metadata,
     stored_file_size,
 )
-from distckpt.strategies.zip_archive import contiguous_strides
 
 logger = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ import torch
 from distckpt import containment, dist
 from distckpt.core import CheckpointingException, fsync_dir
 from distckpt.dict_utils import dict_list_map_inplace, extract_matching_values, merge, nested_values
-from distckpt.manifest import crc32c
+from distckpt.formats.manifest import crc32c
 from distckpt.mapping import (
     LocalNonpersistentObject,
     ShardedBase,

@@ -1,7 +1,7 @@
 """Checked reads of part of a stored item from a local file, block by block.
 
 An item's tensor bytes are cut into blocks with a CRC32C each (a ``torch_dist`` file's block
-table, :mod:`distckpt.strategies.blockcrc`, or the manifest's block CRC32Cs of a zarr chunk).
+table, :mod:`distckpt.formats.blockcrc`, or the manifest's block CRC32Cs of a zarr chunk).
 :class:`BlockReader` reads only the blocks a load's copies take bytes from, and checks each one
 before any of its bytes is copied. Used by the ``torch_dist`` and zarr readers.
 """
@@ -14,7 +14,7 @@ import torch
 
 from distckpt.checksum import crc32c
 from distckpt.core import CheckpointingException
-from distckpt.strategies import blockcrc
+from distckpt.formats import blockcrc
 from distckpt.strategies.byteio import CRC_PIECE, byte_view, pread_exact
 from distckpt.strategies.device_io import HostBounce
 from distckpt.strategies.resharding import CopyOp, Shape

@@ -1,16 +1,16 @@
 """Writing and reading the items of ``.distcp`` files: checksummed zero-copy writes, direct reads.
 
 Each item of a ``.distcp`` file is a complete ``torch.save`` archive (a stored, uncompressed
-zip; the format is :mod:`distckpt.strategies.zip_archive`'s).
+zip; the format is :mod:`distckpt.formats.zip_archive`'s).
 
 Writing: a :class:`ChecksummingSink` writes a plain tensor's storage straight from the tensor's
-memory inside the frame :func:`~distckpt.strategies.zip_archive.tensor_archive_frame` builds,
+memory inside the frame :func:`~distckpt.formats.zip_archive.tensor_archive_frame` builds,
 gathers the small writes, and folds every byte into a CRC32C for the manifest. The zip format's
 own CRC32 stays 0 (torch.load does not check it, and it would cost more than the write).
 
 Reading: an item whose frame is the expected one is read with one ``preadv`` straight into the
 destination (:func:`read_framed_into`); others are located by
-:func:`~distckpt.strategies.zip_archive.read_archive_layout`, and the caller ``preadv``s their
+:func:`~distckpt.formats.zip_archive.read_archive_layout`, and the caller ``preadv``s their
 bytes, or falls back to ``torch.load`` of the item.
 
 The byte helpers (:mod:`distckpt.strategies.byteio`) and the archive format's names are
@@ -28,9 +28,8 @@ import torch
 
 from distckpt.checksum import crc32c
 from distckpt.core import write_all
-from distckpt.strategies import blockcrc
-from distckpt.strategies.byteio import CRC_PIECE, byte_view, pread_crc, pread_exact, pread_into
-from distckpt.strategies.zip_archive import (
+from distckpt.formats import blockcrc
+from distckpt.formats.zip_archive import (
     ALIGN,
     SERIALIZATION_ID,
     TAIL_BYTES,
@@ -41,6 +40,7 @@ from distckpt.strategies.zip_archive import (
     read_archive_layout,
     tensor_archive_frame,
 )
+from distckpt.strategies.byteio import CRC_PIECE, byte_view, pread_crc, pread_exact, pread_into
 
 __all__ = [
     "CRC_PIECE",
@@ -128,7 +128,7 @@ class ChecksummingSink:
     def write_blocks(self, data, block: int) -> List[int]:
         """Write ``data`` like :meth:`write` and return the CRC32C of each ``block``-byte piece of it
         (the last may be shorter). The running CRC is combined from the full pieces' CRCs (see
-        :mod:`distckpt.strategies.blockcrc`), so those bytes are checksummed once."""
+        :mod:`distckpt.formats.blockcrc`), so those bytes are checksummed once."""
         view = memoryview(data).cast("B")
         n = len(view)
         crcs: List[int] = []
@@ -230,7 +230,7 @@ def write_tensor_item(
 ) -> Tuple[int, int, int]:
     """Append one tensor archive; returns (offset, length, crc32c) of the item. With ``blocks``,
     an item whose tensor bytes span at least ``blockcrc.MIN_PAYLOAD`` appends its per-block
-    CRC32Cs there (see :mod:`distckpt.strategies.blockcrc`)."""
+    CRC32Cs there (see :mod:`distckpt.formats.blockcrc`)."""
     start, sink.crc = sink.position, 0
     frame = tensor_archive_frame(tensor, SERIALIZATION_ID, start)
     if frame is None:

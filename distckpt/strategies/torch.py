@@ -33,7 +33,7 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from distckpt.core import CheckpointingException, atomic_write_bytes
-from distckpt.manifest import write_manifest
+from distckpt.formats.manifest import write_manifest
 from distckpt.mapping import ShardedTensor
 from distckpt.strategies.blockread import BlockReader
 from distckpt.strategies.device_io import is_plain as _is_plain

@@ -39,7 +39,7 @@ from distckpt import containment, dist
 from distckpt.core import CheckpointingException
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
 from distckpt.foreign import normalize_sharded_state_dict
-from distckpt.manifest import build_manifest, crc32c, write_manifest
+from distckpt.formats.manifest import build_manifest, crc32c, write_manifest
 from distckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from distckpt.strategies.base import SaveShardedStrategy
 from distckpt.strategies.chunk_index import ChunkIndex

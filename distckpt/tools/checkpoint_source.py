@@ -20,11 +20,11 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from distckpt import bounds, containment, storage
 from distckpt.core import CONFIG_FNAME, CheckpointingException
 from distckpt.dcp_native import checkpoint_config, describe_missing_config, is_dcp_native
-from distckpt.manifest import read_manifest
+from distckpt.formats.index_read import IndexReader
+from distckpt.formats.manifest import read_manifest
 from distckpt.mapping import ShardedObject, ShardedTensor
 from distckpt.serialization import CONTENT_METADATA_KEY, read_common_state
 from distckpt.strategies.base import StrategyAction, get_default_strategy
-from distckpt.strategies.index_read import IndexReader
 from distckpt.strategies.torch_dist.claims import check_claims
 from distckpt.strategies.torch_dist.metadata import (
     METADATA_FNAME,

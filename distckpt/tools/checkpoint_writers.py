@@ -26,7 +26,7 @@ from distckpt.core import (
     write_all,
     write_file_durably,
 )
-from distckpt.manifest import build_manifest, crc32c, write_manifest
+from distckpt.formats.manifest import build_manifest, crc32c, write_manifest
 from distckpt.mapping import StateDict
 from distckpt.strategies.filesystem import (
     ChecksummingSink,

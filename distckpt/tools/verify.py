@@ -28,10 +28,10 @@ from typing import Dict, List, Optional
 from distckpt import storage
 from distckpt.core import CONFIG_FNAME, CheckpointingException
 from distckpt.dcp_native import DCP_METADATA_FNAME, checkpoint_config, is_dcp_native
-from distckpt.manifest import MANIFEST_FNAME, read_manifest, verify_files
+from distckpt.formats import blockcrc
+from distckpt.formats.manifest import MANIFEST_FNAME, read_manifest, verify_files
 from distckpt.mapping import ShardedObject
 from distckpt.queries import load_strategies, read_common_state
-from distckpt.strategies import blockcrc
 from distckpt.strategies.base import StrategyAction, get_default_strategy
 from distckpt.strategies.tiling import coverage_problem
 from distckpt.tools.checkpoint_source import CheckpointSource

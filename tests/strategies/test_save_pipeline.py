@@ -21,7 +21,7 @@ import distckpt
 from distckpt import ShardedTensor
 from distckpt import dist as ddist
 from distckpt.core import CheckpointingException
-from distckpt.strategies import blockcrc
+from distckpt.formats import blockcrc
 from distckpt.strategies.device_io import PIECE_ALIGN, SLOTS, DeviceToHost, save_slot_bytes
 from distckpt.strategies.filesystem import (
     ChecksummingSink,

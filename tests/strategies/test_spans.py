@@ -20,7 +20,7 @@ import distckpt
 from distckpt import ShardedObject, ShardedTensor
 from distckpt import dist as ddist
 from distckpt.core import CheckpointingException
-from distckpt.strategies import blockcrc
+from distckpt.formats import blockcrc
 from distckpt.strategies.device_io import SLOTS, save_slot_bytes
 from distckpt.strategies.torch_dist import spans
 from distckpt.strategies.torch_dist import write as write_module

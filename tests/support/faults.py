@@ -51,7 +51,7 @@ import torch
 import distckpt
 from distckpt import ShardedObject, commit, loading, saving
 from distckpt import dist as ddist
-from distckpt.manifest import RangeChecksum, crc32c, read_manifest, write_manifest
+from distckpt.formats.manifest import RangeChecksum, crc32c, read_manifest, write_manifest
 from distckpt.strategies.base import SaveShardedStrategy
 from distckpt.strategies.common import TorchCommonSaveStrategy
 from distckpt.strategies.filesystem import ChecksummingSink, read_archive_layout

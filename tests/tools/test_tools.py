@@ -15,7 +15,7 @@ import torch
 import distckpt
 from distckpt import CheckpointingException, ShardedTensor
 from distckpt import dist as ddist
-from distckpt.manifest import MANIFEST_FNAME, read_manifest
+from distckpt.formats.manifest import MANIFEST_FNAME, read_manifest
 from distckpt.tools import diff as diff_tool
 from distckpt.tools import export, surgery, verify
 from distckpt.tools.checkpoint_source import CheckpointSource

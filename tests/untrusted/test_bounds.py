@@ -285,7 +285,7 @@ def test_json_nested_100000_deep_is_refused_naming_the_file(tmp_path, backend, n
 
 
 def test_a_sidecar_index_nested_100000_deep_is_refused_naming_it(ckpt):
-    from distckpt.manifest import crc32c
+    from distckpt.formats.manifest import crc32c
     from distckpt.strategies.index import _HEADER, INDEX_FNAME, MAGIC, IndexReader
 
     head = _deep_json()

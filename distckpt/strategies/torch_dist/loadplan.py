@@ -19,13 +19,13 @@ import torch
 from distckpt import storage
 from distckpt.core import CheckpointingException
 from distckpt.dict_utils import nested_values
+from distckpt.formats.zip_archive import contiguous_strides
 from distckpt.mapping import ShardedStateDict, ShardedTensor
 from distckpt.strategies import tiling
 from distckpt.strategies.resharding import CopyOp, Shape, flat_range_boxes, intersect, ravel, rel_slices
 from distckpt.strategies.torch_dist.claims import extent_error, record_name
 from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, Resolved
 from distckpt.strategies.torch_dist.stored import Stored, StoredKey, stored_file_size
-from distckpt.strategies.zip_archive import contiguous_strides
 
 
 class LoadPlan:

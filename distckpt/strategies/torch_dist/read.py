@@ -19,8 +19,9 @@ import torch
 
 from distckpt import containment, dist, storage
 from distckpt.core import CheckpointingException
-from distckpt.manifest import dtype_name
-from distckpt.strategies import blockcrc
+from distckpt.formats import blockcrc
+from distckpt.formats.manifest import dtype_name
+from distckpt.formats.zip_archive import framed_layout, read_archive_layout
 from distckpt.strategies.blockread import BlockReader
 from distckpt.strategies.byteio import pread_exact, pread_into
 from distckpt.strategies.common import safe_torch_load
@@ -45,7 +46,6 @@ from distckpt.strategies.torch_dist.stored import (
     expected_checksum,
     stored_file_size,
 )
-from distckpt.strategies.zip_archive import framed_layout, read_archive_layout
 
 # Bytes one reader thread fetches from an object store at a time (ranged GETs).
 REMOTE_READ_BATCH = 256 << 20
@@ -344,7 +344,7 @@ class _PlanReads:
         """Object store: ranged GETs of the bytes this rank needs, concurrent, in batches of at
         most REMOTE_READ_BATCH bytes, every byte checked against a CRC32C (the store's own
         checksums do not cover ranged reads). An item needed only in part is read block by
-        block when its file has a block table (:mod:`distckpt.strategies.blockcrc`): the
+        block when its file has a block table (:mod:`distckpt.formats.blockcrc`): the
         blocks holding the wanted bytes, runs closer than the store's ``coalesce`` merged,
         each block checked against its CRC32C. Other items are read whole and checked
         against the item's CRC32C."""

@@ -18,15 +18,15 @@ from distckpt.budget import host_memory_budget
 from distckpt.checksum import crc32c
 from distckpt.core import atomic_write_bytes
 from distckpt.dict_utils import nested_values
-from distckpt.manifest import Manifest, build_manifest, write_manifest
+from distckpt.formats.index_format import INDEX_FNAME
+from distckpt.formats.index_write import IndexTemplate
+from distckpt.formats.manifest import Manifest, build_manifest, write_manifest
+from distckpt.formats.metadata_pickle import respell
 from distckpt.mapping import ShardedStateDict, ShardedTensor, is_main_replica
 from distckpt.strategies import staging
 from distckpt.strategies.async_utils import AsyncRequest
 from distckpt.strategies.base import AsyncSaveShardedStrategy
 from distckpt.strategies.device_io import is_plain
-from distckpt.strategies.index_format import INDEX_FNAME
-from distckpt.strategies.index_write import IndexTemplate
-from distckpt.strategies.metadata_pickle import respell
 from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, Resolved, metadata_bytes_and_head
 from distckpt.strategies.torch_dist.plan import (
     DEFAULT_FILES_PER_RANK,

@@ -2,7 +2,7 @@
 
 A file's items are laid end to end, and each item's length is known before a byte of it is
 written: a tensor item is its archive header, the tensor's bytes and its trailer, and the frame
-(:func:`~distckpt.strategies.zip_archive.expected_frame`) depends only on the dtype, the shape
+(:func:`~distckpt.formats.zip_archive.expected_frame`) depends only on the dtype, the shape
 and where the item starts modulo 64; a byte item (a pickled object) is its bytes. So once a wave
 of a file's items is known, :func:`place` gives every item its offset, and :func:`tasks` cuts
 the file into *parts* (a large tensor's bytes into pieces of :data:`PART_BYTES`, a multiple of
@@ -32,11 +32,11 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from distckpt.strategies import blockcrc
+from distckpt.formats import blockcrc
+from distckpt.formats.zip_archive import ALIGN, SERIALIZATION_ID, expected_frame, tensor_archive_frame
 from distckpt.strategies.device_io import DeviceToHost
 from distckpt.strategies.filesystem import ChecksummingSink, byte_view
 from distckpt.strategies.torch_dist.plan import WriteItem
-from distckpt.strategies.zip_archive import ALIGN, SERIALIZATION_ID, expected_frame, tensor_archive_frame
 
 # How a plain save's item reaches its file without a staged copy (see write.routes_of).
 RING = "ring"  # in pieces through a writer thread's slots (DeviceToHost)

@@ -32,7 +32,7 @@ import torch
 from distckpt import storage
 from distckpt.budget import host_memory_budget
 from distckpt.checksum import crc32c
-from distckpt.strategies import blockcrc
+from distckpt.formats import blockcrc
 from distckpt.strategies.device_io import (
     PIECE_ALIGN,
     SLOT_BYTES,

@@ -17,7 +17,7 @@ import torch
 from distckpt import dist, storage
 from distckpt.core import CheckpointingException
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
-from distckpt.manifest import read_manifest, write_manifest
+from distckpt.formats.manifest import read_manifest, write_manifest
 from distckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from distckpt.strategies.base import LoadShardedStrategy
 from distckpt.strategies.device_io import needs_staging

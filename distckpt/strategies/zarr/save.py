@@ -17,7 +17,7 @@ import torch
 from distckpt import dist, storage
 from distckpt.budget import host_memory_budget
 from distckpt.core import CheckpointingException
-from distckpt.manifest import build_manifest, dtype_name, write_manifest
+from distckpt.formats.manifest import build_manifest, dtype_name, write_manifest
 from distckpt.mapping import ShardedStateDict
 from distckpt.strategies import staging
 from distckpt.strategies.async_utils import AsyncRequest
