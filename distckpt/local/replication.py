@@ -27,7 +27,7 @@ import torch
 from distckpt import containment, dist
 from distckpt.core import CheckpointingException, fsync_dir, write_all
 from distckpt.formats.manifest import crc32c
-from distckpt.strategies.filesystem import byte_view, pread_exact
+from distckpt.io.byteio import byte_view, pread_exact
 
 logger = logging.getLogger(__name__)
 

@@ -41,8 +41,8 @@ from distckpt.core import CheckpointingException
 from distckpt.dict_utils import dict_list_map_outplace, nested_values
 from distckpt.factories import apply_factories
 from distckpt.foreign import normalize_sharded_state_dict
+from distckpt.io.device_io import is_plain, release_slots
 from distckpt.mapping import ShardedStateDict, ShardedTensor, is_main_replica
-from distckpt.strategies.device_io import is_plain, release_slots
 
 logger = logging.getLogger(__name__)
 

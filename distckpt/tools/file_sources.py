@@ -23,8 +23,8 @@ from safetensors import safe_open
 
 from distckpt import containment
 from distckpt.core import CheckpointingException, PathLike
+from distckpt.io.byteio import byte_view, pread_exact
 from distckpt.strategies.common import SAFE_GLOBALS
-from distckpt.strategies.filesystem import byte_view, pread_exact
 from distckpt.tools.sources import TensorMeta, TensorSource
 
 INDEX_FNAME = "model.safetensors.index.json"

@@ -45,7 +45,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from distckpt.core import CheckpointingException, PathLike, fsync_dir, write_all
-from distckpt.strategies.filesystem import byte_view
+from distckpt.io.byteio import byte_view
 from distckpt.tools.file_sources import INDEX_FNAME, SAFETENSORS_CODES, SINGLE_FNAME
 from distckpt.tools.sources import dtype_name
 

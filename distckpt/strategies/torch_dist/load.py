@@ -28,11 +28,11 @@ from distckpt.formats.manifest import (
     read_declared_keys,
     read_manifest,
 )
+from distckpt.io import device_io
+from distckpt.io.device_io import needs_staging
 from distckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
-from distckpt.strategies import device_io
 from distckpt.strategies.base import LoadShardedStrategy
 from distckpt.strategies.common import safe_torch_load
-from distckpt.strategies.device_io import needs_staging
 from distckpt.strategies.torch_dist import surgery
 from distckpt.strategies.torch_dist.claims import (
     check_all_declared,

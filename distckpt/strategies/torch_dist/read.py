@@ -22,12 +22,12 @@ from distckpt.core import CheckpointingException
 from distckpt.formats import blockcrc
 from distckpt.formats.manifest import dtype_name
 from distckpt.formats.zip_archive import framed_layout, read_archive_layout
-from distckpt.strategies.blockread import BlockReader
-from distckpt.strategies.byteio import pread_exact, pread_into
+from distckpt.io.blockread import BlockReader
+from distckpt.io.byteio import pread_exact, pread_into
+from distckpt.io.copies import CopyOp, copy_boxes, copy_from_mapping
+from distckpt.io.device_io import HostBounce, caller_streams
+from distckpt.io.filesystem import copy_framed_from, read_framed_crc, read_framed_into
 from distckpt.strategies.common import safe_torch_load
-from distckpt.strategies.device_io import HostBounce, caller_streams
-from distckpt.strategies.filesystem import copy_framed_from, read_framed_crc, read_framed_into
-from distckpt.strategies.resharding import CopyOp, copy_boxes, copy_from_mapping
 from distckpt.strategies.torch_dist.claims import extent_error, record_name
 from distckpt.strategies.torch_dist.loadplan import LoadPlan
 from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, Resolved
@@ -406,7 +406,7 @@ class _PlanReads:
     def read_file(self, name: str, items: Optional[List[Stored]] = None) -> None:
         """Local file: ``pread`` into place, strided copies out of a mapping, small items out of
         one read of the span they lie in, parts of large items block by block against the
-        file's block table (:class:`~distckpt.strategies.blockread.BlockReader`). ``items``: a
+        file's block table (:class:`~distckpt.io.blockread.BlockReader`). ``items``: a
         share of the file's items in offset order (default: all of them)."""
         root, plan, checksums, rank, verify = self.root, self.plan, self.checksums, self.rank, self.verify
         path = root / name

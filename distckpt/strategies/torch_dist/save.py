@@ -22,11 +22,11 @@ from distckpt.formats.index_format import INDEX_FNAME
 from distckpt.formats.index_write import IndexTemplate
 from distckpt.formats.manifest import Manifest, build_manifest, write_manifest
 from distckpt.formats.metadata_pickle import respell
+from distckpt.io.device_io import is_plain
 from distckpt.mapping import ShardedStateDict, ShardedTensor, is_main_replica
 from distckpt.strategies import staging
 from distckpt.strategies.async_utils import AsyncRequest
 from distckpt.strategies.base import AsyncSaveShardedStrategy
-from distckpt.strategies.device_io import is_plain
 from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, Resolved, metadata_bytes_and_head
 from distckpt.strategies.torch_dist.plan import (
     DEFAULT_FILES_PER_RANK,

@@ -16,7 +16,7 @@ This is what lets a rank use the cores it has without changing its files: a save
 ``thread_count`` files per rank (Megatron-Core's layout, 2 by default), and as many threads as
 the rank has cores for (up to 8) share their bytes. A task's tensor bytes come from a staged
 host copy, from the caller's own CPU memory (:data:`DIRECT`), or from a device through the
-thread's pinned slots (:data:`RING`, :class:`~distckpt.strategies.device_io.DeviceToHost`),
+thread's pinned slots (:data:`RING`, :class:`~distckpt.io.device_io.DeviceToHost`),
 the next piece's copy running while the current one is written.
 
 An item whose length is not known in advance (a tensor ``torch.save`` frames itself) makes
@@ -34,8 +34,9 @@ import torch
 
 from distckpt.formats import blockcrc
 from distckpt.formats.zip_archive import ALIGN, SERIALIZATION_ID, expected_frame, tensor_archive_frame
-from distckpt.strategies.device_io import DeviceToHost
-from distckpt.strategies.filesystem import ChecksummingSink, byte_view
+from distckpt.io.byteio import byte_view
+from distckpt.io.device_io import DeviceToHost
+from distckpt.io.filesystem import ChecksummingSink
 from distckpt.strategies.torch_dist.plan import WriteItem
 
 # How a plain save's item reaches its file without a staged copy (see write.routes_of).
