@@ -3,7 +3,7 @@
 ``dcp.async_save`` first asks a stager for a "training-safe" copy of the state dict (DCP's
 ``AsyncStager`` protocol; a writer that implements it is its own stager), returns, and saves the
 copy in a background thread. :class:`PoolStager` makes that copy in the buffers of distckpt's
-process-wide staging pool (:mod:`distckpt.strategies.staging`), the pool every async save of
+process-wide staging pool (:mod:`distckpt.io.staging`), the pool every async save of
 distckpt shares: buffers are kept and reused from one save to the next (pinned for CUDA tensors,
 the device-to-host copies asynchronous and synchronized once), so after the first save no
 staging memory is allocated. A tensor the pool cannot hold without going over the host memory
@@ -29,7 +29,7 @@ from typing import Any, List, Optional
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from distckpt.strategies import staging
+from distckpt.io import staging
 
 __all__ = ["PoolStager", "StagedStateDict"]
 

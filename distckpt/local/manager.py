@@ -52,6 +52,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from distckpt import containment, dist
 from distckpt.core import CheckpointingException, PathLike, atomic_write_bytes, fsync_dir
+from distckpt.io import staging
 from distckpt.local.piece import (
     CorruptPieceError,
     SplitState,
@@ -69,7 +70,6 @@ from distckpt.local.replication import (
     stream_files,
 )
 from distckpt.mapping import ShardedStateDict, StateDict
-from distckpt.strategies import staging
 from distckpt.strategies.async_utils import AsyncRequest
 
 logger = logging.getLogger(__name__)

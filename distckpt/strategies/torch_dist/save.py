@@ -22,9 +22,9 @@ from distckpt.formats.index_format import INDEX_FNAME
 from distckpt.formats.index_write import IndexTemplate
 from distckpt.formats.manifest import Manifest, build_manifest, write_manifest
 from distckpt.formats.metadata_pickle import respell
+from distckpt.io import staging
 from distckpt.io.device_io import is_plain
 from distckpt.mapping import ShardedStateDict, ShardedTensor, is_main_replica
-from distckpt.strategies import staging
 from distckpt.strategies.async_utils import AsyncRequest
 from distckpt.strategies.base import AsyncSaveShardedStrategy
 from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, Resolved, metadata_bytes_and_head
@@ -115,7 +115,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     @property
     def staging_pool(self) -> staging.StagingPool:
         """Where async saves take their staging buffers: the process-wide pool, shared by every
-        strategy object (:mod:`distckpt.strategies.staging`)."""
+        strategy object (:mod:`distckpt.io.staging`)."""
         return staging.pool()
 
     _staging = staging_pool  # its name before the pool was process-wide

@@ -18,8 +18,8 @@ from distckpt import dist, storage
 from distckpt.budget import host_memory_budget
 from distckpt.core import CheckpointingException
 from distckpt.formats.manifest import build_manifest, dtype_name, write_manifest
+from distckpt.io import staging
 from distckpt.mapping import ShardedStateDict
-from distckpt.strategies import staging
 from distckpt.strategies.async_utils import AsyncRequest
 from distckpt.strategies.base import AsyncSaveShardedStrategy
 from distckpt.strategies.zarr.engines import Engines
