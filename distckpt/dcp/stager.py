@@ -30,6 +30,7 @@ import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from distckpt.io import staging
+from distckpt.io.staging_buffers import StagedBatch, StagingBuffers
 
 __all__ = ["PoolStager", "StagedStateDict"]
 
@@ -41,7 +42,7 @@ class StagedStateDict(dict):
     """A staged copy of a state dict; it holds its staging batch, which gives its buffers back to
     the pool when the copy is collected."""
 
-    batch: Optional[staging.StagedBatch] = None
+    batch: Optional[StagedBatch] = None
 
 
 class PoolStager(AsyncStager):
@@ -52,7 +53,7 @@ class PoolStager(AsyncStager):
 
     def stage(self, state_dict: Any) -> StagedStateDict:
         """A copy of ``state_dict`` that later changes to it do not reach (every rank)."""
-        buffers = staging.StagingBuffers(staging.pool())
+        buffers = StagingBuffers(staging.pool())
         fallback: List[Any] = []
         try:
             staged = StagedStateDict(
@@ -73,7 +74,7 @@ class PoolStager(AsyncStager):
         """The pool is process-wide (``distckpt.release_staging_memory()`` frees it)."""
 
 
-def _staged(value: Any, buffers: staging.StagingBuffers, fallback: List[Any]) -> Any:
+def _staged(value: Any, buffers: StagingBuffers, fallback: List[Any]) -> Any:
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
@@ -105,7 +106,7 @@ def _staged(value: Any, buffers: staging.StagingBuffers, fallback: List[Any]) ->
     return copy.deepcopy(value)
 
 
-def _staged_tensor(tensor: torch.Tensor, buffers: staging.StagingBuffers) -> torch.Tensor:
+def _staged_tensor(tensor: torch.Tensor, buffers: StagingBuffers) -> torch.Tensor:
     """A host copy of ``tensor`` in a pool buffer, or in fresh memory when the budget is taken
     by another save's buffers."""
     tensor = tensor.detach()

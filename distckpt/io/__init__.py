@@ -7,7 +7,10 @@
 - :mod:`~distckpt.io.copies`: a load's copies out of a stored item (:class:`~distckpt.io.copies.CopyOp`),
   from a tensor or a mapping of the file;
 - :mod:`~distckpt.io.blockread`: checked partial reads of an item, block by block;
-- :mod:`~distckpt.io.device_io`: CUDA tensors filled and emptied through pinned host slots.
+- :mod:`~distckpt.io.device_io`: CUDA tensors filled and emptied through pinned host slots;
+- :mod:`~distckpt.io.staging`: the process-wide pool of host buffers async saves stage into
+  (bounded by the host memory budget), and :mod:`~distckpt.io.staging_buffers`: one save's
+  copies into it.
 
 Modules here take tensors, file descriptors, byte ranges and :mod:`distckpt.storage` writers; the
 formats they frame and check come from :mod:`distckpt.formats`. Nothing here imports a strategy:

@@ -52,7 +52,7 @@ from distckpt.dict_utils import dict_list_map_inplace, extract_matching_values, 
 from distckpt.formats.manifest import crc32c
 from distckpt.io.byteio import byte_view, pread_exact
 from distckpt.io.filesystem import ChecksummingSink
-from distckpt.io.staging import StagedBatch, StagingBuffers
+from distckpt.io.staging_buffers import StagedBatch, StagingBuffers
 from distckpt.mapping import (
     LocalNonpersistentObject,
     ShardedBase,

@@ -3,7 +3,7 @@
 Knows nothing of file formats. A strategy splits a save in three parts:
 
 1. *staging* (blocking, in the training thread, done by the strategy): copy the local bytes off
-   the device, e.g. with :class:`~distckpt.io.staging.StagingBuffers` over the
+   the device, e.g. with :class:`~distckpt.io.staging_buffers.StagingBuffers` over the
    process-wide pool, so training may change the tensors again;
 2. ``async_fn(*async_fn_args)`` (a background worker thread): write the staged bytes. It must not
    use any process group;
@@ -58,13 +58,8 @@ from distckpt import dist
 from distckpt.core import CheckpointingException
 
 # The staging buffers lived here before distckpt.io.staging; their names still import.
-from distckpt.io.staging import (  # noqa: F401
-    EXACT_PIN_BYTES,
-    PinnedRegistration,
-    StagedBatch,
-    StagingBuffers,
-    pinned_empty,
-)
+from distckpt.io.staging import EXACT_PIN_BYTES, PinnedRegistration, pinned_empty  # noqa: F401
+from distckpt.io.staging_buffers import StagedBatch, StagingBuffers  # noqa: F401
 
 logger = logging.getLogger(__name__)
 

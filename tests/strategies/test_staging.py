@@ -18,7 +18,8 @@ from distckpt import ShardedTensor
 from distckpt import dist as ddist
 from distckpt.core import CheckpointingException
 from distckpt.io import staging
-from distckpt.io.staging import StagingBuffers, StagingPool
+from distckpt.io.staging import StagingPool
+from distckpt.io.staging_buffers import StagingBuffers
 from distckpt.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from distckpt.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
 from distckpt.strategies.torch_dist import TorchDistSaveShardedStrategy
