@@ -57,8 +57,8 @@ from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, read_metadat
 from distckpt.strategies.torch_dist.stored import checked_metadata
 from distckpt.strategies.zarr import layout as zarr_layout
 from distckpt.strategies.zarr.meta import ARRAY_META, manifest_disagreement
-from distckpt.tools.checkpoint_source import CheckpointSource
-from distckpt.tools.sources import NoProgress, Progress, did_you_mean
+from distckpt.tools.sources.base import NoProgress, Progress, did_you_mean
+from distckpt.tools.sources.checkpoint import CheckpointSource
 
 _SHARD_SEP = "/shard_"
 

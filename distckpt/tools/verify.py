@@ -34,8 +34,8 @@ from distckpt.mapping import ShardedObject
 from distckpt.queries import load_strategies, read_common_state
 from distckpt.strategies.base import StrategyAction, get_default_strategy
 from distckpt.strategies.tiling import coverage_problem
-from distckpt.tools.checkpoint_source import CheckpointSource
-from distckpt.tools.sources import NoProgress, Progress
+from distckpt.tools.sources.base import NoProgress, Progress
+from distckpt.tools.sources.checkpoint import CheckpointSource
 from distckpt.tools.verify_report import CheckpointRoot, VerifyReport, listing
 from distckpt.tools.verify_torch_dist import check_torch_dist
 from distckpt.tools.verify_zarr import check_zarr

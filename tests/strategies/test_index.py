@@ -79,7 +79,7 @@ def test_metadata_queries_and_the_tools_answer_from_the_sidecar_directory_not_me
     metas = distckpt.load_tensors_metadata(many)
     assert len(metas) == N_KEYS and metas["k7"].global_shape == (16,) and metas["k7"].dtype == torch.float32
     assert "obj/shard_0_1" in distckpt.load_sharded_metadata(many)
-    from distckpt.tools.checkpoint_source import CheckpointSource
+    from distckpt.tools.sources.checkpoint import CheckpointSource
 
     src = CheckpointSource(many)
     assert src.meta("k3").chunks == 1 and src.meta("k3").disk_bytes > 64

@@ -31,8 +31,8 @@ import distckpt
 from distckpt import CheckpointingException, ShardedTensor
 from distckpt.cli import main as cli_main
 from distckpt.strategies.torch import TorchDistLoadShardedStrategy, read_metadata
-from distckpt.tools.checkpoint_source import CheckpointSource
 from distckpt.tools.convert import convert_checkpoint
+from distckpt.tools.sources.checkpoint import CheckpointSource
 from distckpt.tools.verify import coverage_problem, verify_checkpoint
 from tests.support.faults import reseal_manifest
 
