@@ -46,7 +46,7 @@ FLOORS: List[Tuple[str, List[str]]] = [
     ("process group", ["process_group", "heartbeat", "checkin", "dist", "timings"]),
     ("formats", ["formats", "manifest"]),
     ("io", ["io"]),
-    ("commit protocol", ["commit", "commit_store", "dcp_native"]),
+    ("checkpoint protocol", ["commit", "commit_store", "dcp_native"]),
     ("strategy interfaces", ["strategies.base"]),
     ("strategies", ["strategies"]),
     ("registration", ["strategies.builtin"]),
