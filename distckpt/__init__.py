@@ -13,6 +13,7 @@ from distckpt.dist import (
     set_collective_timeout,
     set_heartbeat_grace,
 )
+from distckpt.io.staging import release_staging_memory
 from distckpt.mapping import (
     LocalNonpersistentObject,
     ShardedObject,
@@ -32,7 +33,7 @@ from distckpt.serialization import (
 )
 from distckpt.strategies import builtin as _builtin  # noqa: F401  (registers the built-in strategies)
 from distckpt.strategies.common import add_safe_globals
-from distckpt.strategies.staging import prepare_staging, release_staging_memory
+from distckpt.strategies.staging import prepare_staging
 from distckpt.strategies.torch_dcp import to_torch_state_dict
 from distckpt.timings import Timings, last_timings
 from distckpt.validation import StrictHandling

@@ -7,8 +7,8 @@ and releases the GIL for inputs of 16 KiB and more: on the 2-core development VM
 which makes a save to tmpfs 6-12% faster (docs/performance-history.md).
 
 The algebra (:func:`shift`, :func:`combine`, :func:`extend`) combines the CRC32Cs of pieces into
-the CRC32C of their concatenation; :mod:`distckpt.strategies.blockcrc` builds the per-file block
-tables on it, and :mod:`distckpt.manifest` checks a range against its block CRC32Cs with it.
+the CRC32C of their concatenation; :mod:`distckpt.formats.blockcrc` builds the per-file block
+tables on it, and :mod:`distckpt.formats.manifest` checks a range against its block CRC32Cs with it.
 """
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ from distckpt.core import (
     maybe_load_config,
     save_config,
 )
-from distckpt.manifest import read_manifest_files
+from distckpt.formats.manifest import read_manifest_files
 from distckpt.storage.record import RECORD_NAME, token_in
 
 logger = logging.getLogger(__name__)

@@ -62,7 +62,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, List, Optional, Set
 
 from distckpt.core import CONFIG_FNAME, CheckpointingConfig, CheckpointingException
-from distckpt.manifest import MANIFEST_FNAME, read_manifest, read_manifest_files
+from distckpt.formats.manifest import MANIFEST_FNAME, read_manifest, read_manifest_files
 from distckpt.storage.base import Store
 from distckpt.storage.record import (
     PLAIN,

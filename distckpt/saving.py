@@ -25,7 +25,7 @@ from distckpt.core import (
 )
 from distckpt.dict_utils import diff, extract_matching_values, nested_values
 from distckpt.foreign import normalize_sharded_state_dict
-from distckpt.manifest import add_whole_files
+from distckpt.formats.manifest import add_whole_files
 from distckpt.mapping import (
     LocalNonpersistentObject,
     ShardedBase,

@@ -17,8 +17,8 @@ from distckpt.core import CONFIG_FNAME, CheckpointingConfig, CheckpointingExcept
 from distckpt.dcp_native import checkpoint_config, describe_missing_config, is_dcp_native
 from distckpt.dict_utils import dict_list_map_inplace, diff, extract_matching_values, merge, nested_values
 from distckpt.foreign import normalize_sharded_state_dict
+from distckpt.formats.manifest import add_whole_files
 from distckpt.loading import load
-from distckpt.manifest import add_whole_files
 from distckpt.mapping import (
     LocalNonpersistentObject,
     ShardedBase,

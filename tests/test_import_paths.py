@@ -1,8 +1,13 @@
-"""Import paths that worked before the restructure (#35) keep working.
+"""Import paths that worked before the restructures (#35, #48) keep working.
 
 ``OLD_PATHS`` is every public top-level name of the modules the restructure split or moved, as
 they stood at d8eaa1b (read from that commit's source). Each module still exports each name, so
 code written against those paths (Megatron-Core-style imports, tools, scripts) runs unchanged.
+
+``MOVED`` is every module #48 moved to the ``formats/`` and ``io/`` floors or into a room of
+``tools/`` (and every name it had at 05b821a, read from that commit's source): its old path still
+imports, and each name there is the very object its new home holds. ``MEGATRON_MODULES`` are the
+Megatron-Core module paths distckpt serves for drop-in use.
 """
 
 from __future__ import annotations
@@ -350,6 +355,228 @@ OLD_PATHS = {
 }
 
 
+# Old path -> (the modules its names live in now, every public name it had at 05b821a).
+MOVED = {
+    "distckpt.strategies.zip_archive": (
+        ["distckpt.formats.zip_archive"],
+        [
+            "ALIGN",
+            "ArchiveLayout",
+            "SERIALIZATION_ID",
+            "TAIL_BYTES",
+            "contiguous_strides",
+            "expected_frame",
+            "framed_layout",
+            "read_archive_layout",
+            "tensor_archive_frame",
+        ],
+    ),
+    "distckpt.strategies.metadata_pickle": (
+        ["distckpt.formats.metadata_pickle"],
+        ["pickle_metadata", "respell"],
+    ),
+    "distckpt.strategies.index_format": (
+        ["distckpt.formats.index_format"],
+        [
+            "Box",
+            "FANOUT",
+            "FORMAT",
+            "HEADER",
+            "INDEX_FNAME",
+            "LEAF",
+            "MAGIC",
+            "VERSION",
+            "dtype_name",
+            "dtype_of",
+        ],
+    ),
+    "distckpt.strategies.index_read": (["distckpt.formats.index_read"], ["IndexReader"]),
+    "distckpt.strategies.index_write": (
+        ["distckpt.formats.index_write"],
+        ["IndexTemplate", "build_index", "build_index_from_rows", "index_from_metadata"],
+    ),
+    "distckpt.strategies.index": (
+        ["distckpt.formats.index_format", "distckpt.formats.index_read", "distckpt.formats.index_write"],
+        [
+            "Box",
+            "FANOUT",
+            "FORMAT",
+            "HEADER",
+            "INDEX_FNAME",
+            "IndexReader",
+            "IndexTemplate",
+            "LEAF",
+            "MAGIC",
+            "VERSION",
+            "build_index",
+            "build_index_from_rows",
+            "dtype_name",
+            "dtype_of",
+            "index_from_metadata",
+        ],
+    ),
+    "distckpt.strategies.blockcrc": (
+        ["distckpt.formats.blockcrc"],
+        [
+            "BLOCK_SIZE",
+            "Entry",
+            "MAGIC",
+            "MIN_PAYLOAD",
+            "SUFFIX",
+            "Table",
+            "VERSION",
+            "block_runs",
+            "combine",
+            "crc32c",
+            "decode",
+            "dtype_code",
+            "encode",
+            "extend",
+            "shift",
+            "shift_tables",
+            "spans",
+            "table_name",
+        ],
+    ),
+    "distckpt.manifest": (
+        ["distckpt.formats.manifest"],
+        [
+            "BLOCK_SIZE",
+            "FORMAT",
+            "MANIFEST_FNAME",
+            "Manifest",
+            "RangeChecksum",
+            "VERSION",
+            "add_whole_files",
+            "build_manifest",
+            "check_whole_bytes",
+            "check_whole_file",
+            "crc32c",
+            "dtype_name",
+            "extend",
+            "pack_block_crcs",
+            "read_declared_keys",
+            "read_manifest",
+            "read_manifest_files",
+            "verify_files",
+            "write_manifest",
+        ],
+    ),
+    "distckpt.strategies.byteio": (
+        ["distckpt.io.byteio"],
+        ["CRC_PIECE", "byte_view", "pread_crc", "pread_exact", "pread_into"],
+    ),
+    "distckpt.strategies.device_io": (
+        ["distckpt.io.device_io"],
+        [
+            "Box",
+            "DeviceToHost",
+            "HostBounce",
+            "PIECE_ALIGN",
+            "POOL_SLOTS",
+            "SLOTS",
+            "SLOT_BYTES",
+            "caller_streams",
+            "is_plain",
+            "needs_staging",
+            "release_slots",
+            "save_slot_bytes",
+            "side_stream",
+        ],
+    ),
+    "distckpt.strategies.blockread": (["distckpt.io.blockread"], ["BlockReader"]),
+    "distckpt.strategies.resharding": (["distckpt.io.copies"], ["CopyOp", "copy_boxes", "copy_from_mapping"]),
+    "distckpt.strategies.filesystem": (
+        ["distckpt.io.filesystem", "distckpt.io.byteio", "distckpt.formats.zip_archive"],
+        [
+            "ArchiveLayout",
+            "CRC_PIECE",
+            "ChecksummingSink",
+            "TAIL_BYTES",
+            "WriterSink",
+            "byte_view",
+            "contiguous_strides",
+            "copy_framed_from",
+            "framed",
+            "framed_layout",
+            "pread_crc",
+            "pread_exact",
+            "pread_into",
+            "read_archive_layout",
+            "read_framed_crc",
+            "read_framed_into",
+            "save_to_sink",
+            "tensor_archive_frame",
+            "write_bytes_item",
+            "write_tensor_item",
+            "write_tensor_pieces",
+            "zip_crc_disabled",
+        ],
+    ),
+    # prepare_staging and staged_keys stayed in strategies/staging.py: they read sharded state dicts.
+    "distckpt.strategies.staging": (
+        ["distckpt.io.staging", "distckpt.io.staging_buffers"],
+        [
+            "EXACT_PIN_BYTES",
+            "PinnedRegistration",
+            "PoolKey",
+            "StagedBatch",
+            "StagingBuffers",
+            "StagingPool",
+            "identity",
+            "key_of",
+            "pinned_empty",
+            "pool",
+            "release_staging_memory",
+        ],
+    ),
+    "distckpt.strategies.async_utils": (
+        ["distckpt.io.staging", "distckpt.io.staging_buffers"],
+        ["EXACT_PIN_BYTES", "PinnedRegistration", "StagedBatch", "StagingBuffers", "pinned_empty"],
+    ),
+    "distckpt.tools.sources": (
+        ["distckpt.tools.sources.base"],
+        [
+            "DEFAULT_READ_BUDGET",
+            "NoProgress",
+            "ObjectMeta",
+            "Progress",
+            "Shape",
+            "TensorMeta",
+            "TensorSource",
+            "did_you_mean",
+            "dtype_itemsize",
+            "dtype_name",
+            "parse_dtype",
+        ],
+    ),
+    "distckpt.tools.checkpoint_source": (["distckpt.tools.sources.checkpoint"], ["CheckpointSource"]),
+}
+
+# megatron.core.dist_checkpointing's module paths that distckpt serves under its own name.
+MEGATRON_MODULES = [
+    "distckpt.core",
+    "distckpt.dict_utils",
+    "distckpt.exchange_utils",
+    "distckpt.mapping",
+    "distckpt.optimizer",
+    "distckpt.serialization",
+    "distckpt.tensor_aware_state_dict",
+    "distckpt.utils",
+    "distckpt.validation",
+    "distckpt.strategies.async_utils",
+    "distckpt.strategies.base",
+    "distckpt.strategies.checkpointable",
+    "distckpt.strategies.common",
+    "distckpt.strategies.filesystem_async",
+    "distckpt.strategies.fully_parallel",
+    "distckpt.strategies.resharding",
+    "distckpt.strategies.tensorstore",
+    "distckpt.strategies.torch",
+    "distckpt.strategies.zarr",
+]
+
+
 @pytest.mark.parametrize("module", sorted(OLD_PATHS))
 def test_every_name_is_still_importable_from_where_it_was(module):
     imported = importlib.import_module(module)
@@ -370,3 +597,23 @@ def test_the_re_export_is_the_object_itself():
 def test_the_tools_module_no_longer_shadows_the_standard_library():
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("distckpt.tools.inspect")
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_a_moved_module_still_imports_from_its_old_path_with_the_same_objects(old):
+    homes, names = MOVED[old]
+    imported = importlib.import_module(old)
+    new = [importlib.import_module(home) for home in homes]
+    differing = []
+    for name in names:
+        home = next((module for module in new if hasattr(module, name)), None)
+        if home is None:
+            differing.append(f"{name} (in none of {homes})")
+        elif getattr(imported, name, None) is not getattr(home, name):
+            differing.append(f"{name} (home {home.__name__})")
+    assert differing == []
+
+
+@pytest.mark.parametrize("module", MEGATRON_MODULES)
+def test_every_megatron_core_module_path_imports(module):
+    assert importlib.import_module(module).__name__ == module

@@ -60,7 +60,7 @@ def print_error(message: str) -> None:
 
 
 class RichProgress:
-    """A :class:`distckpt.tools.sources.Progress` drawn as a rich progress bar over bytes on
+    """A :class:`distckpt.tools.sources.base.Progress` drawn as a rich progress bar over bytes on
     stderr (only when stderr is a terminal, so pipes and logs stay clean)."""
 
     def __init__(self) -> None:

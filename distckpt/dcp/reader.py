@@ -49,11 +49,13 @@ from distckpt import commit, dist, storage
 from distckpt.core import CheckpointingException
 from distckpt.dcp import locations
 from distckpt.dcp_native import checkpoint_config, describe_missing_config
-from distckpt.manifest import MANIFEST_FNAME, read_manifest
-from distckpt.strategies import device_io
+from distckpt.formats.manifest import MANIFEST_FNAME, read_manifest
+from distckpt.formats.zip_archive import contiguous_strides
+from distckpt.io import device_io
+from distckpt.io.copies import CopyOp
+from distckpt.io.device_io import is_plain
 from distckpt.strategies.common import safe_torch_load
-from distckpt.strategies.device_io import is_plain
-from distckpt.strategies.resharding import CopyOp, ravel
+from distckpt.strategies.resharding import ravel
 from distckpt.strategies.torch_dist import loadplan
 from distckpt.strategies.torch_dist.claims import check_declared
 from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, read_metadata_bytes, unpickle_metadata
@@ -68,7 +70,6 @@ from distckpt.strategies.torch_dist.stored import (
     index_metadata,
     stored_file_size,
 )
-from distckpt.strategies.zip_archive import contiguous_strides
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 ``dcp.async_save`` first asks a stager for a "training-safe" copy of the state dict (DCP's
 ``AsyncStager`` protocol; a writer that implements it is its own stager), returns, and saves the
 copy in a background thread. :class:`PoolStager` makes that copy in the buffers of distckpt's
-process-wide staging pool (:mod:`distckpt.strategies.staging`), the pool every async save of
+process-wide staging pool (:mod:`distckpt.io.staging`), the pool every async save of
 distckpt shares: buffers are kept and reused from one save to the next (pinned for CUDA tensors,
 the device-to-host copies asynchronous and synchronized once), so after the first save no
 staging memory is allocated. A tensor the pool cannot hold without going over the host memory
@@ -29,7 +29,8 @@ from typing import Any, List, Optional
 import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from distckpt.strategies import staging
+from distckpt.io import staging
+from distckpt.io.staging_buffers import StagedBatch, StagingBuffers
 
 __all__ = ["PoolStager", "StagedStateDict"]
 
@@ -41,7 +42,7 @@ class StagedStateDict(dict):
     """A staged copy of a state dict; it holds its staging batch, which gives its buffers back to
     the pool when the copy is collected."""
 
-    batch: Optional[staging.StagedBatch] = None
+    batch: Optional[StagedBatch] = None
 
 
 class PoolStager(AsyncStager):
@@ -52,7 +53,7 @@ class PoolStager(AsyncStager):
 
     def stage(self, state_dict: Any) -> StagedStateDict:
         """A copy of ``state_dict`` that later changes to it do not reach (every rank)."""
-        buffers = staging.StagingBuffers(staging.pool())
+        buffers = StagingBuffers(staging.pool())
         fallback: List[Any] = []
         try:
             staged = StagedStateDict(
@@ -73,7 +74,7 @@ class PoolStager(AsyncStager):
         """The pool is process-wide (``distckpt.release_staging_memory()`` frees it)."""
 
 
-def _staged(value: Any, buffers: staging.StagingBuffers, fallback: List[Any]) -> Any:
+def _staged(value: Any, buffers: StagingBuffers, fallback: List[Any]) -> Any:
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
@@ -105,7 +106,7 @@ def _staged(value: Any, buffers: staging.StagingBuffers, fallback: List[Any]) ->
     return copy.deepcopy(value)
 
 
-def _staged_tensor(tensor: torch.Tensor, buffers: staging.StagingBuffers) -> torch.Tensor:
+def _staged_tensor(tensor: torch.Tensor, buffers: StagingBuffers) -> torch.Tensor:
     """A host copy of ``tensor`` in a pool buffer, or in fresh memory when the budget is taken
     by another save's buffers."""
     tensor = tensor.detach()

@@ -70,9 +70,9 @@ from distckpt.checksum import crc32c
 from distckpt.core import CheckpointingConfig, CheckpointingException
 from distckpt.dcp import locations
 from distckpt.dcp.stager import PoolStager
-from distckpt.manifest import build_manifest, dtype_name, write_manifest
+from distckpt.formats import blockcrc
+from distckpt.formats.manifest import build_manifest, dtype_name, write_manifest
 from distckpt.process_group import default_store
-from distckpt.strategies import blockcrc
 from distckpt.strategies.common import COMMON_STATE_FNAME
 from distckpt.strategies.torch_dist.metadata import DATA_SUFFIX, METADATA_FNAME
 from distckpt.strategies.torch_dist.plan import (

@@ -52,6 +52,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from distckpt import containment, dist
 from distckpt.core import CheckpointingException, PathLike, atomic_write_bytes, fsync_dir
+from distckpt.io import staging
+from distckpt.io.staging_buffers import StagingBuffers
 from distckpt.local.piece import (
     CorruptPieceError,
     SplitState,
@@ -69,7 +71,6 @@ from distckpt.local.replication import (
     stream_files,
 )
 from distckpt.mapping import ShardedStateDict, StateDict
-from distckpt.strategies import staging
 from distckpt.strategies.async_utils import AsyncRequest
 
 logger = logging.getLogger(__name__)
@@ -219,9 +220,7 @@ class LocalCheckpointManager:
                     f"iteration {iteration} is not after the last one saved or being saved ({before})"
                 )
             # An async save copies into the process-wide staging pool (shared with the global saves).
-            piece = stage_piece(
-                sharded_state_dict, staging.StagingBuffers(staging.pool()) if is_async else None
-            )
+            piece = stage_piece(sharded_state_dict, StagingBuffers(staging.pool()) if is_async else None)
             directory.mkdir(parents=True, exist_ok=True)
             self._remove(directory / marker_name(self.rank))
         except Exception as e:  # noqa: BLE001 - shared with every rank below

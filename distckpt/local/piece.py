@@ -49,7 +49,10 @@ import torch
 from distckpt import containment, dist
 from distckpt.core import CheckpointingException, fsync_dir
 from distckpt.dict_utils import dict_list_map_inplace, extract_matching_values, merge, nested_values
-from distckpt.manifest import crc32c
+from distckpt.formats.manifest import crc32c
+from distckpt.io.byteio import byte_view, pread_exact
+from distckpt.io.filesystem import ChecksummingSink
+from distckpt.io.staging_buffers import StagedBatch, StagingBuffers
 from distckpt.mapping import (
     LocalNonpersistentObject,
     ShardedBase,
@@ -62,8 +65,6 @@ from distckpt.mapping import (
     apply_factory_merges,
 )
 from distckpt.strategies.common import safe_torch_load
-from distckpt.strategies.filesystem import ChecksummingSink, byte_view, pread_exact
-from distckpt.strategies.staging import StagedBatch, StagingBuffers
 from distckpt.validation import validate_local_integrity
 
 MAGIC = b"DCKLOCAL"

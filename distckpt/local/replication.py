@@ -26,8 +26,8 @@ import torch
 
 from distckpt import containment, dist
 from distckpt.core import CheckpointingException, fsync_dir, write_all
-from distckpt.manifest import crc32c
-from distckpt.strategies.filesystem import byte_view, pread_exact
+from distckpt.formats.manifest import crc32c
+from distckpt.io.byteio import byte_view, pread_exact
 
 logger = logging.getLogger(__name__)
 

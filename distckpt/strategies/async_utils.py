@@ -1,9 +1,9 @@
-"""Background saving: AsyncRequest and AsyncCallsQueue (the staging pool is in :mod:`.staging`).
+"""Background saving: AsyncRequest and AsyncCallsQueue (the staging pool is in :mod:`distckpt.io.staging`).
 
 Knows nothing of file formats. A strategy splits a save in three parts:
 
 1. *staging* (blocking, in the training thread, done by the strategy): copy the local bytes off
-   the device, e.g. with :class:`~distckpt.strategies.staging.StagingBuffers` over the
+   the device, e.g. with :class:`~distckpt.io.staging_buffers.StagingBuffers` over the
    process-wide pool, so training may change the tensors again;
 2. ``async_fn(*async_fn_args)`` (a background worker thread): write the staged bytes. It must not
    use any process group;
@@ -57,14 +57,9 @@ from typing import Any, Callable, Deque, List, Optional, Tuple
 from distckpt import dist
 from distckpt.core import CheckpointingException
 
-# The staging buffers lived here before distckpt.strategies.staging; their names still import.
-from distckpt.strategies.staging import (  # noqa: F401
-    EXACT_PIN_BYTES,
-    PinnedRegistration,
-    StagedBatch,
-    StagingBuffers,
-    pinned_empty,
-)
+# The staging buffers lived here before distckpt.io.staging; their names still import.
+from distckpt.io.staging import EXACT_PIN_BYTES, PinnedRegistration, pinned_empty  # noqa: F401
+from distckpt.io.staging_buffers import StagedBatch, StagingBuffers  # noqa: F401
 
 logger = logging.getLogger(__name__)
 

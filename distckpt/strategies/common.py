@@ -28,13 +28,13 @@ from distckpt import bounds, containment, dist, storage
 from distckpt.budget import host_memory_budget
 from distckpt.core import CheckpointingException
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
-from distckpt.manifest import check_whole_bytes, check_whole_file, read_manifest
+from distckpt.formats.manifest import check_whole_bytes, check_whole_file, read_manifest
+from distckpt.io.filesystem import ChecksummingSink, WriterSink, save_to_sink
 from distckpt.mapping import ShardedObject, ShardedStateDict, StateDict, is_main_replica
 from distckpt.strategies.base import (
     LoadCommonStrategy,
     SaveCommonStrategy,
 )
-from distckpt.strategies.filesystem import ChecksummingSink, WriterSink, save_to_sink
 
 logger = logging.getLogger(__name__)
 

@@ -1,14 +1,14 @@
 """The sidecar index ``.distckpt_index`` (re-exports only: its old home).
 
-The sidecar lives in three modules: :mod:`~distckpt.strategies.index_format` (the layout and its
-constants), :mod:`~distckpt.strategies.index_write` (building it, and the template that patches
-in new CRC32Cs) and :mod:`~distckpt.strategies.index_read` (partial reads and queries). Every
-name importable from here before the split still is.
+The sidecar lives in three modules of :mod:`distckpt.formats`: :mod:`~distckpt.formats.index_format`
+(the layout and its constants), :mod:`~distckpt.formats.index_write` (building it, and the template
+that patches in new CRC32Cs) and :mod:`~distckpt.formats.index_read` (partial reads and queries).
+Every name importable from here before the split still is.
 """
 
 from __future__ import annotations
 
-from distckpt.strategies.index_format import (
+from distckpt.formats.index_format import (
     FANOUT,
     FORMAT,
     HEADER,
@@ -20,8 +20,8 @@ from distckpt.strategies.index_format import (
     dtype_name,
     dtype_of,
 )
-from distckpt.strategies.index_read import IndexReader
-from distckpt.strategies.index_write import (
+from distckpt.formats.index_read import IndexReader
+from distckpt.formats.index_write import (
     IndexTemplate,
     build_index,
     build_index_from_rows,

@@ -1,11 +1,13 @@
-"""Resharding geometry shared by the backends: boxes, flattened ranges, copies out of stored items.
+"""Resharding geometry shared by the backends: boxes, flattened ranges, the N-D reformulation.
 
 A stored item (a chunk of a tensor) and a requested piece are boxes: an offset and a size per
 axis. A load intersects each requested box with the stored ones (:func:`intersect`) and turns
-every intersection into a :class:`CopyOp`, a strided window of the item's row-major elements
-copied into a view of the destination (:func:`copy_boxes`, or :func:`copy_from_mapping` out of a
-file mapping). A flattened slice of a tensor (a distributed-optimizer shard) is cut into boxes
-by :func:`flat_range_boxes`.
+every intersection into a :class:`~distckpt.io.copies.CopyOp`, a strided window of the item's
+row-major elements copied into a view of the destination (:func:`~distckpt.io.copies.copy_boxes`,
+or :func:`~distckpt.io.copies.copy_from_mapping` out of a file mapping): the copies are how bytes
+move, so they live in :mod:`distckpt.io.copies` and are re-exported here, their old home. A
+flattened slice of a tensor (a distributed-optimizer shard) is cut into boxes by
+:func:`flat_range_boxes`.
 
 Flattened slices are stored in the N-D reformulated shape ``grid + (prod(chunk),)``: one row of
 a flat last axis per chunk of the regular grid; :func:`nd_reformulated` gives a piece's place in
@@ -16,14 +18,9 @@ reads from ``Metadata.mcore_data``). Used by the ``torch_dist``, ``torch_dcp`` a
 from __future__ import annotations
 
 import math
-import mmap
-import os
-from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
-import torch
-
-from distckpt.core import CheckpointingException
+from distckpt.io.copies import CopyOp, copy_boxes, copy_from_mapping  # noqa: F401  (their old home)
 from distckpt.mapping import ShardedTensor
 
 Shape = Tuple[int, ...]
@@ -106,64 +103,3 @@ def nd_reformulated(sh: ShardedTensor) -> Tuple[Shape, Shape, Shape, Optional[Sh
     offset = tuple(sh.local_chunk_offset_in_global()) + (start,)
     size = (1,) * len(sh.global_shape) + (stop - start,)
     return grid + (math.prod(sh.local_shape),), offset, size, tuple(sh.global_shape)
-
-
-@dataclass
-class CopyOp:
-    """Copy elements of a stored item into ``dst`` (a view of shape ``size``): element ``i`` of
-    the box is item element ``start + sum(i[d] * strides[d])`` (row-major item order)."""
-
-    key: str
-    start: int
-    size: Shape
-    strides: Shape
-    dst: torch.Tensor
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.size)
-
-    @property
-    def end(self) -> int:
-        """One past the last item element the box touches."""
-        if self.numel == 0:
-            return self.start
-        return self.start + sum((n - 1) * st for n, st in zip(self.size, self.strides)) + 1
-
-    @property
-    def is_range(self) -> bool:
-        """True if the box is the plain element range ``[start, start + numel)``."""
-        return self.end - self.start == self.numel
-
-
-def copy_boxes(src: torch.Tensor, first: int, ops: List[CopyOp]) -> None:
-    """Copy each op's box out of ``src``, the 1-D run of item elements starting at ``first``."""
-    for op in ops:
-        op.dst.copy_(src.as_strided(op.size, op.strides, src.storage_offset() + op.start - first))
-
-
-def copy_from_mapping(
-    fd: int, offset: int, count: int, dtype: torch.dtype, ops: List[CopyOp], first: int, what: str
-) -> None:
-    """Copy the ops' boxes out of ``count`` elements of the file at byte ``offset``, mapped
-    rather than read: only the pages and cache lines the boxes touch are visited, so a box
-    that takes every other run of a chunk does not pull the runs between them through memory."""
-    nbytes = count * dtype.itemsize
-    if os.fstat(fd).st_size < offset + nbytes:  # touching a page past EOF would be SIGBUS
-        raise CheckpointingException(f"{what}: file is truncated (needs {offset + nbytes} bytes)")
-    aligned = offset - offset % mmap.ALLOCATIONGRANULARITY
-    # Private and writable only so torch accepts the buffer; nothing writes, so no page is copied.
-    mapping = mmap.mmap(
-        fd,
-        nbytes + offset - aligned,
-        flags=mmap.MAP_PRIVATE,
-        prot=mmap.PROT_READ | mmap.PROT_WRITE,
-        offset=aligned,
-    )
-    try:
-        copy_boxes(torch.frombuffer(mapping, dtype=dtype, count=count, offset=offset - aligned), first, ops)
-    finally:
-        try:
-            mapping.close()
-        except BufferError:  # a view is still alive somewhere; the mapping goes with it
-            pass

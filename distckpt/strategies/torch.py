@@ -11,9 +11,10 @@ things live now:
 - save planning and waves: ``torch_dist.plan``; writing: ``torch_dist.write``;
 - a load's index of stored chunks and checksums: ``torch_dist.stored``; its copies:
   ``torch_dist.loadplan``; reading them: ``torch_dist.read`` and ``torch_dist.partial``;
-- the geometry every backend shares (boxes, flattened ranges, ``CopyOp``, copies out of a
-  mapping, the N-D reformulation): :mod:`distckpt.strategies.resharding`;
-- :class:`BlockReader`: :mod:`distckpt.strategies.blockread`.
+- the geometry every backend shares (boxes, flattened ranges, the N-D reformulation):
+  :mod:`distckpt.strategies.resharding`; ``CopyOp`` and the copies out of a tensor or a file
+  mapping: :mod:`distckpt.io.copies`;
+- :class:`BlockReader`: :mod:`distckpt.io.blockread`.
 
 The strategies are registered by :mod:`distckpt.strategies.builtin` (``import distckpt`` runs it).
 
@@ -33,15 +34,16 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from distckpt.core import CheckpointingException, atomic_write_bytes
-from distckpt.manifest import write_manifest
+from distckpt.formats.manifest import write_manifest
+from distckpt.io.blockread import BlockReader
+from distckpt.io.copies import CopyOp, copy_from_mapping
+from distckpt.io.copies import copy_boxes as _copy_boxes
+from distckpt.io.device_io import is_plain as _is_plain
+from distckpt.io.device_io import needs_staging as _needs_staging
+from distckpt.io.filesystem import ChecksummingSink
 from distckpt.mapping import ShardedTensor
-from distckpt.strategies.blockread import BlockReader
-from distckpt.strategies.device_io import is_plain as _is_plain
-from distckpt.strategies.device_io import needs_staging as _needs_staging
-from distckpt.strategies.filesystem import ChecksummingSink
 from distckpt.strategies.resharding import ORIG_SHAPE as _ORIG_SHAPE
-from distckpt.strategies.resharding import CopyOp, Shape, copy_from_mapping, flat_range_boxes
-from distckpt.strategies.resharding import copy_boxes as _copy_boxes
+from distckpt.strategies.resharding import Shape, flat_range_boxes
 from distckpt.strategies.resharding import intersect as _intersect
 from distckpt.strategies.resharding import ravel as _ravel
 from distckpt.strategies.resharding import rel_slices as _rel_slices

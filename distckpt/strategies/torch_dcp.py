@@ -39,12 +39,12 @@ from distckpt import containment, dist
 from distckpt.core import CheckpointingException
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
 from distckpt.foreign import normalize_sharded_state_dict
-from distckpt.manifest import build_manifest, crc32c, write_manifest
+from distckpt.formats.manifest import build_manifest, crc32c, write_manifest
+from distckpt.io.device_io import is_plain, needs_staging
 from distckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict, is_main_replica
 from distckpt.strategies.base import SaveShardedStrategy
 from distckpt.strategies.chunk_index import ChunkIndex
 from distckpt.strategies.common import safe_torch_load
-from distckpt.strategies.device_io import is_plain, needs_staging
 from distckpt.strategies.resharding import ORIG_SHAPE, Shape, nd_reformulated
 from distckpt.strategies.torch_dist.claims import extent_error, orig_shapes, record_name
 from distckpt.strategies.torch_dist.load import TorchDistLoadShardedStrategy

@@ -29,7 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from distckpt import containment, dist, storage, timings
 from distckpt.commit_store import COMMIT_NAMES
 from distckpt.core import CONFIG_FNAME, CheckpointingException, PathLike
-from distckpt.manifest import read_manifest
+from distckpt.formats.manifest import read_manifest
 from distckpt.storage.base import Store
 from distckpt.storage.local import LocalStore
 from distckpt.tiered import markers, replicate, retention

@@ -20,6 +20,7 @@ from typing import Dict, List, Optional
 
 from distckpt import bounds, containment, dist
 from distckpt.core import CheckpointingException
+from distckpt.formats.manifest import crc32c
 from distckpt.local.replication import (
     DEFAULT_CHUNK_BYTES,
     CliqueReplication,
@@ -27,7 +28,6 @@ from distckpt.local.replication import (
     Outgoing,
     stream_files,
 )
-from distckpt.manifest import crc32c
 from distckpt.tiered.markers import Marker, write_marker
 
 

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from distckpt.checksum import crc32c
 from distckpt.core import CheckpointingException
-from distckpt.manifest import MANIFEST_FNAME, Manifest, RangeChecksum, verify_files
+from distckpt.formats.manifest import MANIFEST_FNAME, Manifest, RangeChecksum, verify_files
 from distckpt.storage.base import Store, Writer
 from distckpt.storage.local import LocalStore
 

@@ -10,7 +10,7 @@ budget together, each larger one alone) and each is dropped once written.
 Writers are pluggable: a writer is anything with ``begin(common, objects)``,
 ``write_tensor(key, tensor)`` and ``finish()``; :func:`register_writer` adds one under a name
 (the CLI adds plain ``torch`` and ``safetensors`` outputs this way). The built-in writers
-(:mod:`distckpt.tools.checkpoint_writers`, re-exported here) produce distckpt checkpoints that
+(:mod:`distckpt.tools.writers.checkpoint`, re-exported here) produce distckpt checkpoints that
 are committed the distckpt way: nothing old in the destination can be mistaken for the result
 (stale commit files go first), the integrity manifest covers every file, and ``metadata.json`` is
 written last, atomically.
@@ -34,7 +34,7 @@ from distckpt.dcp_native import checkpoint_config, describe_missing_config
 from distckpt.mapping import ShardedObject, ShardedTensor, StateDict
 from distckpt.serialization import read_common_state
 from distckpt.strategies.base import StrategyAction, get_default_strategy
-from distckpt.tools.checkpoint_writers import DistckptWriter, TorchDistWriter, ZarrWriter
+from distckpt.tools.writers.checkpoint import DistckptWriter, TorchDistWriter, ZarrWriter
 
 __all__ = [
     "CheckpointWriter",
@@ -250,7 +250,7 @@ def stream_checkpoint(
 
     ``progress`` is either a callable ``progress(done_bytes, total_bytes, key)`` called after
     each tensor, or an object with ``start(total, description)`` and ``advance(amount)``
-    (:class:`distckpt.tools.sources.Progress`).
+    (:class:`distckpt.tools.sources.base.Progress`).
     """
     started = time.perf_counter()
     src = _Source(storage.resolve(src_dir), trusted)

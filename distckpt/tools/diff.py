@@ -6,7 +6,7 @@ Differences reported: keys only in one side; shape and dtype differences; value 
 different payloads; differences of the common state and of ``content_metadata``.
 
 Tensors are compared one key at a time (small keys in groups of at most
-:data:`~distckpt.tools.sources.DEFAULT_READ_BUDGET` bytes per side), in blocks of
+:data:`~distckpt.tools.sources.base.DEFAULT_READ_BUDGET` bytes per side), in blocks of
 :data:`BLOCK` elements, so memory stays near twice the largest tensor whatever the size of the
 checkpoints. Either side may be anything :func:`~distckpt.tools.inspection.open_source` opens
 (a checkpoint, a safetensors file or folder, a ``torch.save`` file), e.g. to check a
@@ -25,7 +25,7 @@ import torch
 from distckpt.core import PathLike
 from distckpt.dict_utils import diff as nested_diff
 from distckpt.tools.inspection import open_source
-from distckpt.tools.sources import NoProgress, Progress, TensorSource, dtype_name
+from distckpt.tools.sources.base import NoProgress, Progress, TensorSource, dtype_name
 
 BLOCK = 1 << 22
 """Elements compared at a time (as float64: 32 MiB per side)."""

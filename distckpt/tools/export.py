@@ -7,8 +7,8 @@ exported into a safetensors folder or a ``torch.save`` file the same way. Import
 registers the ``safetensors`` and ``torch`` writers with
 :func:`distckpt.tools.convert.register_writer`.
 
-The file formats themselves live beside it: their readers in :mod:`distckpt.tools.file_sources`,
-their writers in :mod:`distckpt.tools.file_writers`; this module re-exports both (as it held them
+The file formats themselves have their readers in :mod:`distckpt.tools.sources.files` and their
+writers in :mod:`distckpt.tools.writers.files`; this module re-exports both (as it held them
 before), so ``export.SafetensorsWriter``, ``export.is_safetensors``, ... keep working.
 """
 
@@ -25,7 +25,9 @@ from distckpt import storage
 from distckpt.budget import host_memory_budget
 from distckpt.core import CONFIG_FNAME, CheckpointingException
 from distckpt.tools import convert as convert_tool
-from distckpt.tools.file_sources import (
+from distckpt.tools.inspection import open_source
+from distckpt.tools.sources.base import Progress, TensorSource
+from distckpt.tools.sources.files import (
     INDEX_FNAME,
     SINGLE_FNAME,
     SafetensorsSource,
@@ -33,15 +35,13 @@ from distckpt.tools.file_sources import (
     is_safetensors,
     read_safetensors_header,
 )
-from distckpt.tools.file_writers import (
+from distckpt.tools.writers.files import (
     DEFAULT_MAX_SHARD_SIZE,
     SafetensorsWriter,
     TorchFileWriter,
     make_file_writer,
     parse_size,
 )
-from distckpt.tools.inspection import open_source
-from distckpt.tools.sources import Progress, TensorSource
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",

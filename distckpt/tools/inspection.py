@@ -1,9 +1,9 @@
 """Describe and peek into any tensor source: open it, inspect its metadata, read a slice of a key.
 
 :func:`open_source` opens a path as the right tensor source: a distckpt/Megatron checkpoint
-directory (:class:`~distckpt.tools.checkpoint_source.CheckpointSource`, any registered backend)
+directory (:class:`~distckpt.tools.sources.checkpoint.CheckpointSource`, any registered backend)
 or a plain file (``torch.save`` state dict, safetensors file or HF-sharded folder; see
-:mod:`distckpt.tools.file_sources`). :func:`inspect_source` describes a source from its metadata
+:mod:`distckpt.tools.sources.files`). :func:`inspect_source` describes a source from its metadata
 alone; :func:`key_tree_rows` lays its keys out as a tree; :func:`read_tensor` reads one key, or
 only the box a numpy-style slice (:func:`parse_slice`) covers. The other tools (verify, diff,
 export, surgery) and the ``distckpt`` command build on these.
@@ -11,7 +11,7 @@ export, surgery) and the ``distckpt`` command build on these.
 Everything here runs in one process with no ``torch.distributed`` process group, on CPU, and
 reads only the bytes it needs: metadata for :func:`inspect_source`, the overlapping chunks for
 :func:`read_tensor` (a box of one key), one key (or a group of small keys) at a time for
-:meth:`~distckpt.tools.sources.TensorSource.iter_tensors`.
+:meth:`~distckpt.tools.sources.base.TensorSource.iter_tensors`.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import torch
 
 from distckpt import storage
 from distckpt.core import CONFIG_FNAME, CheckpointingException
-from distckpt.tools.checkpoint_source import CheckpointSource
-from distckpt.tools.file_sources import SafetensorsSource, TorchFileSource, is_safetensors
-from distckpt.tools.sources import ObjectMeta, Shape, TensorMeta, TensorSource, dtype_name
+from distckpt.tools.sources.base import ObjectMeta, Shape, TensorMeta, TensorSource, dtype_name
+from distckpt.tools.sources.checkpoint import CheckpointSource
+from distckpt.tools.sources.files import SafetensorsSource, TorchFileSource, is_safetensors
 
 
 def open_source(path: storage.Location, trusted: bool = False) -> TensorSource:

@@ -49,16 +49,16 @@ from distckpt.core import (
     write_file_durably,
 )
 from distckpt.dcp_native import is_dcp_native
-from distckpt.manifest import MANIFEST_FNAME, Manifest, RangeChecksum, check_whole_file, read_manifest
+from distckpt.formats.index_format import INDEX_FNAME
+from distckpt.formats.index_write import index_from_metadata
+from distckpt.formats.manifest import MANIFEST_FNAME, Manifest, RangeChecksum, check_whole_file, read_manifest
 from distckpt.serialization import load_sharded_metadata, remove_sharded_tensors
-from distckpt.strategies.index_format import INDEX_FNAME
-from distckpt.strategies.index_write import index_from_metadata
 from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, read_metadata
 from distckpt.strategies.torch_dist.stored import checked_metadata
 from distckpt.strategies.zarr import layout as zarr_layout
 from distckpt.strategies.zarr.meta import ARRAY_META, manifest_disagreement
-from distckpt.tools.checkpoint_source import CheckpointSource
-from distckpt.tools.sources import NoProgress, Progress, did_you_mean
+from distckpt.tools.sources.base import NoProgress, Progress, did_you_mean
+from distckpt.tools.sources.checkpoint import CheckpointSource
 
 _SHARD_SEP = "/shard_"
 

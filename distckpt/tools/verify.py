@@ -28,14 +28,14 @@ from typing import Dict, List, Optional
 from distckpt import storage
 from distckpt.core import CONFIG_FNAME, CheckpointingException
 from distckpt.dcp_native import DCP_METADATA_FNAME, checkpoint_config, is_dcp_native
-from distckpt.manifest import MANIFEST_FNAME, read_manifest, verify_files
+from distckpt.formats import blockcrc
+from distckpt.formats.manifest import MANIFEST_FNAME, read_manifest, verify_files
 from distckpt.mapping import ShardedObject
 from distckpt.queries import load_strategies, read_common_state
-from distckpt.strategies import blockcrc
 from distckpt.strategies.base import StrategyAction, get_default_strategy
 from distckpt.strategies.tiling import coverage_problem
-from distckpt.tools.checkpoint_source import CheckpointSource
-from distckpt.tools.sources import NoProgress, Progress
+from distckpt.tools.sources.base import NoProgress, Progress
+from distckpt.tools.sources.checkpoint import CheckpointSource
 from distckpt.tools.verify_report import CheckpointRoot, VerifyReport, listing
 from distckpt.tools.verify_torch_dist import check_torch_dist
 from distckpt.tools.verify_zarr import check_zarr

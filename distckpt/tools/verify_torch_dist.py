@@ -15,11 +15,11 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from distckpt import storage
 from distckpt.core import CheckpointingException
-from distckpt.manifest import MANIFEST_FNAME
+from distckpt.formats.index_format import INDEX_FNAME, dtype_of
+from distckpt.formats.index_format import dtype_name as sidecar_dtype_name
+from distckpt.formats.index_read import IndexReader
+from distckpt.formats.manifest import MANIFEST_FNAME
 from distckpt.mapping import ShardedTensor
-from distckpt.strategies.index_format import INDEX_FNAME, dtype_of
-from distckpt.strategies.index_format import dtype_name as sidecar_dtype_name
-from distckpt.strategies.index_read import IndexReader
 from distckpt.strategies.tiling import coverage_problem
 from distckpt.strategies.torch_dist.claims import check_declared, cross_check, extent_problem, record_name
 from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, plain_byte_items, read_metadata

@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 import distckpt
 import distckpt.dcp
 from distckpt import storage
-from distckpt.strategies import staging
+from distckpt.io import staging
 from tests.support.dcp_states import (
     AppState,
     FaultyPlanner,

@@ -179,8 +179,8 @@ def _save_and_die(root: str, victim: int, window: str) -> None:
 def _stream(root: str):
     """Rank 0 sends rank 1 three files in chunks of 1000 bytes: an intact one, one announced with
     a wrong CRC32C, one it cannot read. Rank 1 returns (ok, error) of each and what it kept."""
+    from distckpt.formats.manifest import crc32c
     from distckpt.local.replication import Incoming, Outgoing, stream_files
-    from distckpt.manifest import crc32c
 
     base = Path(root)
     data = bytes(range(256)) * 20

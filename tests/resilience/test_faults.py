@@ -26,7 +26,7 @@ import distckpt
 from distckpt import check_is_distributed_checkpoint
 from distckpt import dist as ddist
 from distckpt.commit import is_leftover
-from distckpt.manifest import read_manifest, verify_files
+from distckpt.formats.manifest import read_manifest, verify_files
 from tests.support import faults
 from tests.support.faults import RANK0_ONLY_STAGES, SAVE_STAGES, Fault, load_with_fault, save_with_fault
 from tests.support.harness import expect_all_ranks_raise, run_ranks

@@ -14,9 +14,9 @@ import torch
 import distckpt
 from distckpt import ShardedTensor
 from distckpt import dist as ddist
+from distckpt.io.device_io import save_slot_bytes
 from distckpt.storage import open_store
 from distckpt.strategies.async_utils import AsyncCallsQueue
-from distckpt.strategies.device_io import save_slot_bytes
 from distckpt.strategies.zarr import ZarrSaveShardedStrategy
 from tests.support.clouds import clouds
 from tests.support.devices import streamed

@@ -1,1 +1,1 @@
-"""Tests of distckpt.strategies: the backends, the sidecar index, files, fully parallel and async I/O."""
+"""Tests of distckpt.strategies: the backends, the ranged and device reads, fully parallel and async saves."""

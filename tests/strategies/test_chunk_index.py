@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 import distckpt
 from distckpt import CheckpointingException
 from distckpt import dist as ddist
+from distckpt.formats.index_read import IndexReader
 from distckpt.strategies.chunk_index import ChunkIndex
-from distckpt.strategies.index_read import IndexReader
 from distckpt.strategies.torch_dist import TorchDistLoadShardedStrategy
 from tests.support import layouts
 from tests.support.harness import run_ranks

@@ -114,7 +114,7 @@ def test_nccl_save_and_async_save_load_bit_exactly(tmp_path):
 
 @pytest.mark.parametrize("slot_bytes", [1, 7, 64, 4096])
 def test_host_bounce_fills_a_tensor_across_slot_boundaries(tmp_path, slot_bytes):
-    from distckpt.strategies.device_io import HostBounce
+    from distckpt.io.device_io import HostBounce
 
     data = torch.arange(250, dtype=torch.int32)
     path = tmp_path / "bytes"
@@ -133,7 +133,7 @@ def test_host_bounce_fills_a_tensor_across_slot_boundaries(tmp_path, slot_bytes)
 
 @pytest.mark.parametrize("slot_bytes", [40, 100, 4096])
 def test_host_bounce_cuts_column_blocks_out_of_whole_rows(tmp_path, slot_bytes):
-    from distckpt.strategies.device_io import HostBounce
+    from distckpt.io.device_io import HostBounce
     from distckpt.strategies.torch import CopyOp
 
     item = torch.arange(9 * 10, dtype=torch.int32).reshape(9, 10)
@@ -157,7 +157,7 @@ def test_host_bounce_cuts_column_blocks_out_of_whole_rows(tmp_path, slot_bytes):
 
 
 def test_host_bounce_leaves_rows_larger_than_a_slot_to_another_path(tmp_path):
-    from distckpt.strategies.device_io import HostBounce
+    from distckpt.io.device_io import HostBounce
     from distckpt.strategies.torch import CopyOp
 
     box = CopyOp("k", 0, (2, 3), (100, 1), torch.zeros(2, 3))
@@ -177,7 +177,7 @@ def test_a_negative_pinned_slot_size_is_refused():
 def test_cuda_targets_load_through_pinned_slots_or_pageable_memory(tmp_path, slot_bytes):
     """Tensors larger than a slot (several slots per item, slots reused) and a resharded box
     (column block: the pageable path) land bit-exactly on the GPU."""
-    from distckpt.strategies import device_io
+    from distckpt.io import device_io
     from distckpt.strategies.torch import TorchDistLoadShardedStrategy
 
     g = torch.Generator().manual_seed(5)
@@ -216,7 +216,7 @@ def test_cuda_targets_load_through_pinned_slots_or_pageable_memory(tmp_path, slo
 def test_the_save_slots_on_cpu_tensors_never_call_torch_cuda(monkeypatch):
     """The slot path of a plain save, run on CPU tensors (its CPU-testable form), stays off
     torch.cuda: no stream, event or pinned allocation."""
-    from distckpt.strategies.device_io import PIECE_ALIGN, DeviceToHost
+    from distckpt.io.device_io import PIECE_ALIGN, DeviceToHost
 
     def forbidden(*_a, **_k):
         raise AssertionError("torch.cuda was called on a CPU-only path")

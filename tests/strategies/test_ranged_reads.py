@@ -1,5 +1,5 @@
 """Resharded loads from object stores: ranged reads of the blocks they need, each checked against
-its CRC32C (per-block tables ``__R_B.distcp.crc``; see distckpt/strategies/blockcrc.py)."""
+its CRC32C (per-block tables ``__R_B.distcp.crc``; see distckpt/formats/blockcrc.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import torch
 import distckpt
 from distckpt import CheckpointingException
 from distckpt import dist as ddist
-from distckpt.manifest import read_manifest, verify_files
+from distckpt.formats import blockcrc
+from distckpt.formats.manifest import read_manifest, verify_files
 from distckpt.storage import open_store
-from distckpt.strategies import blockcrc
 from distckpt.strategies.torch import TorchDistLoadShardedStrategy, TorchDistSaveShardedStrategy
 from tests.support.clouds import clouds
 from tests.support.harness import expect_all_ranks_raise, run_ranks
@@ -208,7 +208,7 @@ def _reference(data) -> int:
 
 
 def test_crc32c_matches_the_rfc_3720_vectors_and_an_independent_implementation():
-    from distckpt.manifest import crc32c
+    from distckpt.formats.manifest import crc32c
 
     # RFC 3720, appendix B.4
     assert crc32c(b"123456789") == 0xE3069283
@@ -290,7 +290,7 @@ def test_spans_cover_exactly_the_elements_a_box_touches():
 def test_verify_checks_block_tables_against_the_items_they_describe(tmp_path, damage):
     """A table whose own bytes match the manifest (as after a faulty rewrite by a tool that also
     rewrote the manifest) but whose entries disagree with the items is a problem for verify."""
-    from distckpt.manifest import RangeChecksum, crc32c, read_manifest, write_manifest
+    from distckpt.formats.manifest import RangeChecksum, crc32c, read_manifest, write_manifest
     from distckpt.tools import verify
 
     ckpt = tmp_path / "ckpt"

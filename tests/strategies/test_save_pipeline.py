@@ -21,14 +21,9 @@ import distckpt
 from distckpt import ShardedTensor
 from distckpt import dist as ddist
 from distckpt.core import CheckpointingException
-from distckpt.strategies import blockcrc
-from distckpt.strategies.device_io import PIECE_ALIGN, SLOTS, DeviceToHost, save_slot_bytes
-from distckpt.strategies.filesystem import (
-    ChecksummingSink,
-    write_bytes_item,
-    write_tensor_item,
-    write_tensor_pieces,
-)
+from distckpt.formats import blockcrc
+from distckpt.io.device_io import PIECE_ALIGN, SLOTS, DeviceToHost, save_slot_bytes
+from distckpt.io.filesystem import ChecksummingSink, write_bytes_item, write_tensor_item, write_tensor_pieces
 from distckpt.strategies.torch_dist import write as write_module
 from distckpt.strategies.torch_dist.plan import DEFAULT_FILES_PER_RANK, writer_threads
 from distckpt.strategies.torch_dist.save import TorchDistSaveShardedStrategy

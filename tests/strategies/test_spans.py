@@ -20,8 +20,8 @@ import distckpt
 from distckpt import ShardedObject, ShardedTensor
 from distckpt import dist as ddist
 from distckpt.core import CheckpointingException
-from distckpt.strategies import blockcrc
-from distckpt.strategies.device_io import SLOTS, save_slot_bytes
+from distckpt.formats import blockcrc
+from distckpt.io.device_io import SLOTS, save_slot_bytes
 from distckpt.strategies.torch_dist import spans
 from distckpt.strategies.torch_dist import write as write_module
 from distckpt.strategies.torch_dist.plan import DEFAULT_FILES_PER_RANK

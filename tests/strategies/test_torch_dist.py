@@ -188,7 +188,7 @@ def test_rank0_does_not_remember_a_save_of_more_records_than_its_bound(tmp_path,
 def test_respell_replaces_the_pickled_ids_in_the_head_or_declines():
     from torch.distributed.checkpoint.metadata import StorageMeta
 
-    from distckpt.strategies.metadata_pickle import respell
+    from distckpt.formats.metadata_pickle import respell
 
     head = pickle.dumps(
         {"meta": StorageMeta(checkpoint_id="/ckpt/a", save_id="id-1"), "keys": ["x", "/ckpt/a/b"]}, protocol=2

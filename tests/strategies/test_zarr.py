@@ -22,7 +22,7 @@ import torch
 import distckpt
 from distckpt import CheckpointingException, ShardedObject, ShardedTensor, check_is_distributed_checkpoint
 from distckpt import dist as ddist
-from distckpt.manifest import read_manifest, verify_files
+from distckpt.formats.manifest import read_manifest, verify_files
 from distckpt.strategies import zarr as zs
 from tests.support import layouts
 from tests.support.harness import expect_all_ranks_raise, run_ranks

@@ -51,10 +51,11 @@ import torch
 import distckpt
 from distckpt import ShardedObject, commit, loading, saving
 from distckpt import dist as ddist
-from distckpt.manifest import RangeChecksum, crc32c, read_manifest, write_manifest
+from distckpt.formats.manifest import RangeChecksum, crc32c, read_manifest, write_manifest
+from distckpt.formats.zip_archive import read_archive_layout
+from distckpt.io.filesystem import ChecksummingSink
 from distckpt.strategies.base import SaveShardedStrategy
 from distckpt.strategies.common import TorchCommonSaveStrategy
-from distckpt.strategies.filesystem import ChecksummingSink, read_archive_layout
 from distckpt.strategies.torch import TorchDistSaveShardedStrategy
 from distckpt.strategies.torch_dist import read as torch_dist_read
 from distckpt.strategies.torch_dist import save as torch_dist_save

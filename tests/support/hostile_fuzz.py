@@ -379,7 +379,7 @@ def _m_swap(c: Ctx) -> str:
 def _json_edit(c: Ctx, edit: Callable[[Any], Tuple[Any, str]]) -> str:
     raw = c.read()
     if c.kind == "sidecar":
-        from distckpt.manifest import crc32c
+        from distckpt.formats.manifest import crc32c
 
         length = struct.unpack_from("<Q", raw, 8)[0]
         doc = json.loads(raw[20 : 20 + length])
@@ -1014,7 +1014,7 @@ def _m_manifest_swap(c: Ctx) -> str:
 
 def reseal(ckpt: Path, touched: str) -> str:
     """Make the manifest (and the torch_dist sidecar) agree with the files as they are now."""
-    from distckpt.manifest import crc32c, read_manifest, write_manifest
+    from distckpt.formats.manifest import crc32c, read_manifest, write_manifest
 
     manifest = read_manifest(ckpt)
     if manifest is None:

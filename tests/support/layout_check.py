@@ -1,12 +1,14 @@
-"""The package's layout rules, checked from the source: module sizes, import circles, hidden imports.
+"""The package's layout rules, checked from the source: module sizes, import circles, floors, hidden imports.
 
     python tests/support/layout_check.py          # prints every finding; exit 1 if a rule is broken
 
 Rules (docs/architecture.md): no module in ``distckpt/`` above ``MAX_LINES`` lines; no circle among
 the imports of distckpt modules (function-local imports count: they hide a dependency, they do not
-remove it); no private (leading underscore) name imported from
-another distckpt module. Function-local imports of distckpt modules are listed for information (a
-few break a real cycle or defer a heavy optional dependency and say so). tests/test_layout.py
+remove it); every module on one of the :data:`FLOORS` and no import of a module on a higher floor;
+no import of :data:`FORBIDDEN`'s kinds (the formats and the I/O never import a strategy, the library
+never imports the CLI), however the floors are drawn; no private (leading underscore) name imported
+from another distckpt module. Function-local imports of distckpt modules are listed for information
+(a few break a real cycle or defer a heavy optional dependency and say so). tests/test_layout.py
 asserts the rules.
 """
 
@@ -15,11 +17,66 @@ from __future__ import annotations
 import ast
 import sys
 from pathlib import Path
-from typing import Dict, Iterator, List, Set, Tuple
+from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "distckpt"
 MAX_LINES = 700
+
+# The floors of the package, bottom up (docs/architecture.md draws the same table): a module may
+# import modules of its own floor and of the floors below, never of one above. A module is on the
+# floor of the longest prefix (a module path below ``distckpt.``) that names it or a package above
+# it; ``""`` is the package itself (``distckpt/__init__.py``, the public face).
+FLOORS: List[Tuple[str, List[str]]] = [
+    ("ground", ["errors", "checksum", "containment", "bounds", "core", "budget", "dict_utils"]),
+    ("storage", ["storage"]),
+    (
+        "data model",
+        [
+            "sharded_base",
+            "sharded_tensor",
+            "sharded_object",
+            "factories",
+            "mapping",
+            "foreign",
+            "utils",
+            "optimizer",
+        ],
+    ),
+    ("process group", ["process_group", "heartbeat", "checkin", "dist", "timings"]),
+    ("formats", ["formats", "manifest"]),
+    ("io", ["io"]),
+    ("checkpoint protocol", ["commit", "commit_store", "dcp_native"]),
+    ("strategy interfaces", ["strategies.base"]),
+    ("strategies", ["strategies"]),
+    ("registration", ["strategies.builtin"]),
+    (
+        "entry points",
+        [
+            "saving",
+            "loading",
+            "queries",
+            "serialization",
+            "strict",
+            "shard_tables",
+            "global_integrity",
+            "common_guard",
+            "validation",
+            "megatron_api",
+            "exchange_utils",
+            "tensor_aware_state_dict",
+        ],
+    ),
+    ("around", ["", "local", "tiered", "dcp", "tools", "examples", "demo"]),
+    ("cli", ["cli"]),
+]
+
+# Imports that must never exist, however the floors are drawn: (importers, imported) as module
+# prefixes; a module that is itself one of the imported kind may import its own kind.
+FORBIDDEN: Dict[str, Tuple[Tuple[str, ...], Tuple[str, ...]]] = {
+    "formats or io importing a strategy": (("distckpt.formats", "distckpt.io"), ("distckpt.strategies",)),
+    "the library importing the CLI": (("distckpt",), ("distckpt.cli",)),
+}
 
 
 def module_name(path: Path) -> str:
@@ -136,6 +193,32 @@ def _cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
     return result
 
 
+def _under(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def floor_of(module: str) -> Optional[int]:
+    """The index in :data:`FLOORS` of ``module``'s floor (None: on no floor)."""
+    rel = module[len("distckpt.") :] if module.startswith("distckpt.") else ""
+    best: Optional[Tuple[int, int]] = None
+    for floor, (_name, prefixes) in enumerate(FLOORS):
+        for prefix in prefixes:
+            named = rel == "" if prefix == "" else _under(rel, prefix)
+            if named and (best is None or len(prefix) > best[1]):
+                best = (floor, len(prefix))
+    return None if best is None else best[0]
+
+
+def _forbidden(importer: str, target: str) -> List[str]:
+    return [
+        rule
+        for rule, (importers, imported) in FORBIDDEN.items()
+        if any(_under(importer, p) for p in importers)
+        and any(_under(target, p) for p in imported)
+        and not any(_under(importer, p) for p in imported)
+    ]
+
+
 def findings() -> Dict[str, List[str]]:
     mods = modules()
     known = set(mods)
@@ -143,6 +226,18 @@ def findings() -> Dict[str, List[str]]:
     graph: Dict[str, Set[str]] = {name: set() for name in mods}
     private = []
     local = []
+    unplaced = [name for name in mods if floor_of(name) is None]
+    up: List[str] = []
+    forbidden: Dict[str, List[str]] = {rule: [] for rule in FORBIDDEN}
+
+    def check_floor(name: str, path: Path, target: str, line: int) -> None:
+        where = f"{path.relative_to(ROOT)}:{line}: {target}"
+        low, high = floor_of(name), floor_of(target)
+        if low is not None and high is not None and high > low:
+            up.append(f"{where} (floor {FLOORS[high][0]!r}, above {FLOORS[low][0]!r})")
+        for rule in _forbidden(name, target):
+            forbidden[rule].append(where)
+
     for name, path in mods.items():
         lines = len(path.read_text().splitlines())
         if lines > MAX_LINES:
@@ -151,6 +246,7 @@ def findings() -> Dict[str, List[str]]:
             # A package's __init__ importing its own submodules is how a package re-exports.
             if not (path.name == "__init__.py" and target.startswith(name + ".")):
                 graph[name].add(target)
+                check_floor(name, path, target, line)
             for imported in names:
                 if imported.startswith("_") and not imported.startswith("__") and target != name:
                     private.append(f"{path.relative_to(ROOT)}:{line}: {imported} from {target}")
@@ -159,12 +255,16 @@ def findings() -> Dict[str, List[str]]:
             # A function-local import hides a dependency but is one all the same: it counts.
             if not (path.name == "__init__.py" and target.startswith(name + ".")):
                 graph[name].add(target)
+                check_floor(name, path, target, line)
     for name in graph:
         graph[name].discard(name)
     cycles = [" -> ".join(c) for c in _cycles(graph)]
     return {
         "too long": too_long,
         "import circles": cycles,
+        "modules on no floor": unplaced,
+        "imports up a floor": up,
+        **forbidden,
         "private names imported": private,
         "local imports": local,
     }

@@ -11,7 +11,7 @@ import torch
 import distckpt
 from distckpt import CheckpointingException, ShardedObject, check_is_distributed_checkpoint
 from distckpt import dist as ddist
-from distckpt.manifest import read_manifest, verify_files
+from distckpt.formats.manifest import read_manifest, verify_files
 from distckpt.strategies.base import StrategyAction, get_default_strategy
 from distckpt.tools import convert
 from distckpt.tools.convert import convert_checkpoint, register_writer

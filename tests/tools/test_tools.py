@@ -15,12 +15,12 @@ import torch
 import distckpt
 from distckpt import CheckpointingException, ShardedTensor
 from distckpt import dist as ddist
-from distckpt.manifest import MANIFEST_FNAME, read_manifest
+from distckpt.formats.manifest import MANIFEST_FNAME, read_manifest
 from distckpt.tools import diff as diff_tool
 from distckpt.tools import export, surgery, verify
-from distckpt.tools.checkpoint_source import CheckpointSource
 from distckpt.tools.inspection import inspect_source, key_tree_rows, open_source, parse_slice, read_tensor
-from distckpt.tools.sources import parse_dtype
+from distckpt.tools.sources.base import parse_dtype
+from distckpt.tools.sources.checkpoint import CheckpointSource
 from tests.support import layouts
 from tests.support.harness import run_ranks
 

@@ -25,8 +25,8 @@ from click.testing import CliRunner
 import distckpt
 from distckpt import CheckpointingException
 from distckpt.cli import main as cli_main
-from distckpt.manifest import read_manifest
-from distckpt.strategies.index_read import IndexReader
+from distckpt.formats.index_read import IndexReader
+from distckpt.formats.manifest import read_manifest
 from distckpt.strategies.torch import read_metadata
 from distckpt.strategies.torch_dcp import TorchDCPLoadShardedStrategy
 from distckpt.tiered import markers
@@ -328,7 +328,7 @@ def test_a_manifest_member_of_the_wrong_type_is_refused_naming_it(any_ckpt, edit
 
 def test_a_sidecar_version_of_the_wrong_type_is_refused(torch_dist):
     from distckpt.checksum import crc32c
-    from distckpt.strategies.index_format import HEADER
+    from distckpt.formats.index_format import HEADER
 
     path = torch_dist / ".distckpt_index"
     raw = path.read_bytes()

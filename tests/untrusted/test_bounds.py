@@ -31,8 +31,8 @@ import distckpt
 from distckpt import CheckpointingException, ShardedTensor
 from distckpt.cli import main as cli_main
 from distckpt.strategies.torch import TorchDistLoadShardedStrategy, read_metadata
-from distckpt.tools.checkpoint_source import CheckpointSource
 from distckpt.tools.convert import convert_checkpoint
+from distckpt.tools.sources.checkpoint import CheckpointSource
 from distckpt.tools.verify import coverage_problem, verify_checkpoint
 from tests.support.faults import reseal_manifest
 
@@ -285,7 +285,7 @@ def test_json_nested_100000_deep_is_refused_naming_the_file(tmp_path, backend, n
 
 
 def test_a_sidecar_index_nested_100000_deep_is_refused_naming_it(ckpt):
-    from distckpt.manifest import crc32c
+    from distckpt.formats.manifest import crc32c
     from distckpt.strategies.index import _HEADER, INDEX_FNAME, MAGIC, IndexReader
 
     head = _deep_json()

@@ -23,7 +23,7 @@ import distckpt
 from distckpt import ShardedTensor
 from distckpt.cli import main as cli_main
 from distckpt.core import CheckpointingException
-from distckpt.manifest import MANIFEST_FNAME, read_manifest, write_manifest
+from distckpt.formats.manifest import MANIFEST_FNAME, read_manifest, write_manifest
 from distckpt.strategies.index import INDEX_FNAME
 from distckpt.strategies.torch import METADATA_FNAME
 from tests.support import faults
@@ -336,7 +336,7 @@ def test_a_zarr_load_of_many_objects_reads_the_manifest_once_and_checks_each(tmp
 def _load_half_counting_manifest_parses(path: str):
     import torch.distributed as tdist
 
-    from distckpt import manifest
+    from distckpt.formats import manifest
 
     calls = []
     real = manifest._parsed

@@ -2,7 +2,7 @@
 naming the file (or the key), never as a raw error from deep inside torch.
 
 A truncated or bit-flipped file is detected by ``load(..., verify=True)``, by
-``distckpt.manifest.verify_files`` and by ``distckpt verify``. Without ``verify`` a truncation is
+``distckpt.formats.manifest.verify_files`` and by ``distckpt verify``. Without ``verify`` a truncation is
 still detected; a flipped bit in tensor data is not (that is what ``verify`` is for).
 Most tests run in a single process (no process group); the multi-rank tests use the rank pool.
 """
@@ -29,7 +29,7 @@ import distckpt
 from distckpt import CheckpointingException, ShardedObject, ShardedTensor, check_is_distributed_checkpoint
 from distckpt import dist as ddist
 from distckpt.cli import main as cli_main
-from distckpt.manifest import MANIFEST_FNAME, read_manifest, read_manifest_files, verify_files
+from distckpt.formats.manifest import MANIFEST_FNAME, read_manifest, read_manifest_files, verify_files
 from distckpt.strategies.torch import read_metadata
 from distckpt.tools.verify import verify_checkpoint
 from tests.support import faults, layouts

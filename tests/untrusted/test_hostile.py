@@ -18,7 +18,7 @@ import torch
 
 import distckpt
 from distckpt import CheckpointingException, ShardedTensor
-from distckpt.manifest import read_manifest, read_manifest_files, verify_files
+from distckpt.formats.manifest import read_manifest, read_manifest_files, verify_files
 from distckpt.strategies.torch import read_metadata
 from distckpt.tools.verify import verify_checkpoint
 from tests.support.faults import reseal_manifest
@@ -382,7 +382,7 @@ def _edit_sidecar_directory(path: Path, edit) -> None:
     damaged writer, or an edit that fixes every checksum)."""
     import struct
 
-    from distckpt.manifest import crc32c
+    from distckpt.formats.manifest import crc32c
 
     raw = (path / ".distckpt_index").read_bytes()
     magic, n, _ = struct.unpack_from("<8sQI", raw)
@@ -493,7 +493,7 @@ def _metadata_lie(path: Path, edit, sidecar: bool) -> None:
         os.remove(path / ".distckpt_index")
         manifest = read_manifest(path)
         manifest.drop(".distckpt_index")
-        from distckpt.manifest import write_manifest
+        from distckpt.formats.manifest import write_manifest
 
         write_manifest(path, manifest)
     reseal_manifest(path)

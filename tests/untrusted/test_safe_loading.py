@@ -25,7 +25,7 @@ from click.testing import CliRunner
 import distckpt
 from distckpt import CheckpointingException, ShardedObject, ShardedTensor
 from distckpt.cli import main as cli_main
-from distckpt.manifest import RangeChecksum, crc32c
+from distckpt.formats.manifest import RangeChecksum, crc32c
 from distckpt.strategies import common as common_strategy
 from distckpt.strategies.torch import read_metadata
 from tests.support import faults

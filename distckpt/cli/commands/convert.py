@@ -23,7 +23,7 @@ from distckpt.cli.app import (
     trust_option,
 )
 from distckpt.tools import export
-from distckpt.tools.sources import parse_dtype
+from distckpt.tools.sources.base import parse_dtype
 
 
 @click.command()

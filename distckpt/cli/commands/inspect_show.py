@@ -31,7 +31,7 @@ from distckpt.cli.app import (
 from distckpt.cli.commands.tiers import local_copy_option, print_read_plan, read_plan
 from distckpt.storage import open_store
 from distckpt.tools.inspection import inspect_source, key_tree_rows, open_source, read_tensor
-from distckpt.tools.sources import dtype_name
+from distckpt.tools.sources.base import dtype_name
 
 
 @click.command()

@@ -34,7 +34,7 @@ from distckpt.cli.app import (
     storage_options_option,
 )
 from distckpt.core import CheckpointingException
-from distckpt.manifest import MANIFEST_FNAME, Manifest, read_manifest, verify_files
+from distckpt.formats.manifest import MANIFEST_FNAME, Manifest, read_manifest, verify_files
 from distckpt.storage.base import Store
 from distckpt.storage.local import LocalStore
 from distckpt.tiered import markers, retention

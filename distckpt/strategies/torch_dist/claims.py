@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from distckpt import bounds, dist, storage
 from distckpt.core import CheckpointingException
-from distckpt.manifest import MANIFEST_FNAME, dtype_name, read_manifest_files
+from distckpt.formats.manifest import MANIFEST_FNAME, dtype_name, read_manifest_files
 from distckpt.strategies.resharding import ORIG_SHAPE, Shape
 
 

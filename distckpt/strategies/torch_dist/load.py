@@ -19,20 +19,20 @@ from distckpt import dist, storage, timings
 from distckpt.commit import tree_identity
 from distckpt.core import CheckpointingException
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
-from distckpt.manifest import (
+from distckpt.formats.index_format import INDEX_FNAME
+from distckpt.formats.index_read import IndexReader
+from distckpt.formats.manifest import (
     MANIFEST_FNAME,
     Manifest,
     check_whole_file,
     read_declared_keys,
     read_manifest,
 )
+from distckpt.io import device_io
+from distckpt.io.device_io import needs_staging
 from distckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
-from distckpt.strategies import device_io
 from distckpt.strategies.base import LoadShardedStrategy
 from distckpt.strategies.common import safe_torch_load
-from distckpt.strategies.device_io import needs_staging
-from distckpt.strategies.index_format import INDEX_FNAME
-from distckpt.strategies.index_read import IndexReader
 from distckpt.strategies.torch_dist import surgery
 from distckpt.strategies.torch_dist.claims import (
     check_all_declared,

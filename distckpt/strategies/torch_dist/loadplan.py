@@ -2,7 +2,7 @@
 
 Each requested piece (a box, or a flattened slice cut into boxes) is intersected with the stored
 chunks of its key (regular, or N-D reformulated for flattened keys); every intersection becomes
-a :class:`~distckpt.strategies.resharding.CopyOp` into a view of the destination, grouped by
+a :class:`~distckpt.io.copies.CopyOp` into a view of the destination, grouped by
 stored chunk in a :class:`LoadPlan`, so each chunk is read at most once. The chunks a piece meets
 must cover it exactly once (:func:`check_covered`).
 """
@@ -19,13 +19,14 @@ import torch
 from distckpt import storage
 from distckpt.core import CheckpointingException
 from distckpt.dict_utils import nested_values
+from distckpt.formats.zip_archive import contiguous_strides
+from distckpt.io.copies import CopyOp
 from distckpt.mapping import ShardedStateDict, ShardedTensor
 from distckpt.strategies import tiling
-from distckpt.strategies.resharding import CopyOp, Shape, flat_range_boxes, intersect, ravel, rel_slices
+from distckpt.strategies.resharding import Shape, flat_range_boxes, intersect, ravel, rel_slices
 from distckpt.strategies.torch_dist.claims import extent_error, record_name
 from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, Resolved
 from distckpt.strategies.torch_dist.stored import Stored, StoredKey, stored_file_size
-from distckpt.strategies.zip_archive import contiguous_strides
 
 
 class LoadPlan:

@@ -31,9 +31,9 @@ from torch.distributed.checkpoint.metadata import (
 
 from distckpt import storage
 from distckpt.core import CheckpointingException, gc_paused
-from distckpt.manifest import MANIFEST_FNAME, check_whole_file, read_manifest
+from distckpt.formats.manifest import MANIFEST_FNAME, check_whole_file, read_manifest
+from distckpt.formats.metadata_pickle import pickle_metadata
 from distckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor
-from distckpt.strategies.metadata_pickle import pickle_metadata
 from distckpt.strategies.resharding import ORIG_SHAPE, Shape
 from distckpt.strategies.torch_dist.claims import check_claims, cross_check, orig_shapes
 from distckpt.strategies.torch_dist.records import GatheredRecords, KeyDecl, Record, RecordTable
@@ -260,7 +260,7 @@ def build_metadata(records: GatheredRecords, checkpoint_id: str) -> Metadata:
 
 def metadata_bytes_and_head(records: GatheredRecords, checkpoint_id: str, save_id: str) -> Tuple[bytes, int]:
     """The pickled ``.metadata`` of every rank's records, written from the arrays without
-    building a Python object per chunk (distckpt.strategies.metadata_pickle; unpickles to what
+    building a Python object per chunk (distckpt.formats.metadata_pickle; unpickles to what
     :func:`build_metadata` builds), and the length of its head (where :func:`respell` finds
     the ids)."""
     with gc_paused():

@@ -2,9 +2,9 @@
 
 A load that needs only part of a large item (a resharded load) reads only the blocks holding
 the wanted bytes and checks each against its CRC32C from the file's block table
-(:mod:`distckpt.strategies.blockcrc`): from an object store as ranged GETs
+(:mod:`distckpt.formats.blockcrc`): from an object store as ranged GETs
 (:func:`partial_read`, :class:`PartialRead`), from a local file through a
-:class:`~distckpt.strategies.blockread.BlockReader` (:func:`local_block_table`,
+:class:`~distckpt.io.blockread.BlockReader` (:func:`local_block_table`,
 :func:`table_entry`). A table that does not describe the item makes it read whole.
 """
 
@@ -22,9 +22,9 @@ import torch
 from distckpt import bounds, storage
 from distckpt.checksum import crc32c
 from distckpt.core import CheckpointingException
-from distckpt.manifest import RangeChecksum
-from distckpt.strategies import blockcrc
-from distckpt.strategies.resharding import CopyOp, copy_boxes
+from distckpt.formats import blockcrc
+from distckpt.formats.manifest import RangeChecksum
+from distckpt.io.copies import CopyOp, copy_boxes
 from distckpt.strategies.torch_dist.metadata import METADATA_FNAME
 from distckpt.strategies.torch_dist.stored import Stored
 

@@ -19,8 +19,8 @@ from distckpt import storage
 from distckpt.budget import cores_per_rank
 from distckpt.core import CheckpointingException
 from distckpt.dict_utils import nested_values
+from distckpt.io.device_io import is_plain
 from distckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor, is_main_replica
-from distckpt.strategies.device_io import is_plain
 from distckpt.strategies.resharding import Shape, nd_reformulated
 from distckpt.strategies.torch_dist.metadata import DATA_SUFFIX, Resolved
 from distckpt.strategies.torch_dist.records import KeyDecl, Record

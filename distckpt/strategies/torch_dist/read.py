@@ -19,14 +19,15 @@ import torch
 
 from distckpt import containment, dist, storage
 from distckpt.core import CheckpointingException
-from distckpt.manifest import dtype_name
-from distckpt.strategies import blockcrc
-from distckpt.strategies.blockread import BlockReader
-from distckpt.strategies.byteio import pread_exact, pread_into
+from distckpt.formats import blockcrc
+from distckpt.formats.manifest import dtype_name
+from distckpt.formats.zip_archive import framed_layout, read_archive_layout
+from distckpt.io.blockread import BlockReader
+from distckpt.io.byteio import pread_exact, pread_into
+from distckpt.io.copies import CopyOp, copy_boxes, copy_from_mapping
+from distckpt.io.device_io import HostBounce, caller_streams
+from distckpt.io.filesystem import copy_framed_from, read_framed_crc, read_framed_into
 from distckpt.strategies.common import safe_torch_load
-from distckpt.strategies.device_io import HostBounce, caller_streams
-from distckpt.strategies.filesystem import copy_framed_from, read_framed_crc, read_framed_into
-from distckpt.strategies.resharding import CopyOp, copy_boxes, copy_from_mapping
 from distckpt.strategies.torch_dist.claims import extent_error, record_name
 from distckpt.strategies.torch_dist.loadplan import LoadPlan
 from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, Resolved
@@ -45,7 +46,6 @@ from distckpt.strategies.torch_dist.stored import (
     expected_checksum,
     stored_file_size,
 )
-from distckpt.strategies.zip_archive import framed_layout, read_archive_layout
 
 # Bytes one reader thread fetches from an object store at a time (ranged GETs).
 REMOTE_READ_BATCH = 256 << 20
@@ -344,7 +344,7 @@ class _PlanReads:
         """Object store: ranged GETs of the bytes this rank needs, concurrent, in batches of at
         most REMOTE_READ_BATCH bytes, every byte checked against a CRC32C (the store's own
         checksums do not cover ranged reads). An item needed only in part is read block by
-        block when its file has a block table (:mod:`distckpt.strategies.blockcrc`): the
+        block when its file has a block table (:mod:`distckpt.formats.blockcrc`): the
         blocks holding the wanted bytes, runs closer than the store's ``coalesce`` merged,
         each block checked against its CRC32C. Other items are read whole and checked
         against the item's CRC32C."""
@@ -406,7 +406,7 @@ class _PlanReads:
     def read_file(self, name: str, items: Optional[List[Stored]] = None) -> None:
         """Local file: ``pread`` into place, strided copies out of a mapping, small items out of
         one read of the span they lie in, parts of large items block by block against the
-        file's block table (:class:`~distckpt.strategies.blockread.BlockReader`). ``items``: a
+        file's block table (:class:`~distckpt.io.blockread.BlockReader`). ``items``: a
         share of the file's items in offset order (default: all of them)."""
         root, plan, checksums, rank, verify = self.root, self.plan, self.checksums, self.rank, self.verify
         path = root / name

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from distckpt.core import CheckpointingException, gc_paused
-from distckpt.manifest import dtype_name
-from distckpt.strategies.index_write import IndexTemplate, build_index_from_rows
-from distckpt.strategies.metadata_pickle import respell
+from distckpt.formats.index_write import IndexTemplate, build_index_from_rows
+from distckpt.formats.manifest import dtype_name
+from distckpt.formats.metadata_pickle import respell
 from distckpt.strategies.resharding import Shape
 
 

@@ -18,15 +18,16 @@ from distckpt.budget import host_memory_budget
 from distckpt.checksum import crc32c
 from distckpt.core import atomic_write_bytes
 from distckpt.dict_utils import nested_values
-from distckpt.manifest import Manifest, build_manifest, write_manifest
+from distckpt.formats.index_format import INDEX_FNAME
+from distckpt.formats.index_write import IndexTemplate
+from distckpt.formats.manifest import Manifest, build_manifest, write_manifest
+from distckpt.formats.metadata_pickle import respell
+from distckpt.io import staging
+from distckpt.io.device_io import is_plain
+from distckpt.io.staging_buffers import StagingBuffers
 from distckpt.mapping import ShardedStateDict, ShardedTensor, is_main_replica
-from distckpt.strategies import staging
 from distckpt.strategies.async_utils import AsyncRequest
 from distckpt.strategies.base import AsyncSaveShardedStrategy
-from distckpt.strategies.device_io import is_plain
-from distckpt.strategies.index_format import INDEX_FNAME
-from distckpt.strategies.index_write import IndexTemplate
-from distckpt.strategies.metadata_pickle import respell
 from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, Resolved, metadata_bytes_and_head
 from distckpt.strategies.torch_dist.plan import (
     DEFAULT_FILES_PER_RANK,
@@ -94,7 +95,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         self.write_index = write_index
         self._write_threads = checked_thread_count(write_threads, 0)[0] if write_threads is not None else None
         self.stage_cpu_tensors = stage_cpu_tensors
-        self._prestaged: Optional[staging.StagingBuffers] = None  # prestage's copies, for async_save
+        self._prestaged: Optional[StagingBuffers] = None  # prestage's copies, for async_save
         self.thread_count, self._threads_given = checked_thread_count(thread_count, DEFAULT_FILES_PER_RANK)
         self.separation_hint = separation_hint
         self.cached_metadata = cached_metadata
@@ -115,7 +116,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
     @property
     def staging_pool(self) -> staging.StagingPool:
         """Where async saves take their staging buffers: the process-wide pool, shared by every
-        strategy object (:mod:`distckpt.strategies.staging`)."""
+        strategy object (:mod:`distckpt.io.staging`)."""
         return staging.pool()
 
     _staging = staging_pool  # its name before the pool was process-wide
@@ -127,7 +128,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         staging buffers (an async save). Nothing is copied yet: that happens wave by wave."""
         buffers = None
         if stage:  # this save's view of the process-wide pool (with prestage's copies, if any)
-            buffers, self._prestaged = self._prestaged or staging.StagingBuffers(staging.pool()), None
+            buffers, self._prestaged = self._prestaged or StagingBuffers(staging.pool()), None
         return plan_save(
             sharded_state_dict,
             storage.resolve(checkpoint_dir),
@@ -204,7 +205,7 @@ class TorchDistSaveShardedStrategy(AsyncSaveShardedStrategy):
         if not sources or staged > host_memory_budget():
             return False  # nothing to copy, or the save stages in waves: prestaging would hold more
         self.discard_prestaged()
-        buffers = staging.StagingBuffers(staging.pool())
+        buffers = StagingBuffers(staging.pool())
         started = False
         try:
             for t in sources:

@@ -2,7 +2,7 @@
 
 A file's items are laid end to end, and each item's length is known before a byte of it is
 written: a tensor item is its archive header, the tensor's bytes and its trailer, and the frame
-(:func:`~distckpt.strategies.zip_archive.expected_frame`) depends only on the dtype, the shape
+(:func:`~distckpt.formats.zip_archive.expected_frame`) depends only on the dtype, the shape
 and where the item starts modulo 64; a byte item (a pickled object) is its bytes. So once a wave
 of a file's items is known, :func:`place` gives every item its offset, and :func:`tasks` cuts
 the file into *parts* (a large tensor's bytes into pieces of :data:`PART_BYTES`, a multiple of
@@ -16,7 +16,7 @@ This is what lets a rank use the cores it has without changing its files: a save
 ``thread_count`` files per rank (Megatron-Core's layout, 2 by default), and as many threads as
 the rank has cores for (up to 8) share their bytes. A task's tensor bytes come from a staged
 host copy, from the caller's own CPU memory (:data:`DIRECT`), or from a device through the
-thread's pinned slots (:data:`RING`, :class:`~distckpt.strategies.device_io.DeviceToHost`),
+thread's pinned slots (:data:`RING`, :class:`~distckpt.io.device_io.DeviceToHost`),
 the next piece's copy running while the current one is written.
 
 An item whose length is not known in advance (a tensor ``torch.save`` frames itself) makes
@@ -32,11 +32,12 @@ from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from distckpt.strategies import blockcrc
-from distckpt.strategies.device_io import DeviceToHost
-from distckpt.strategies.filesystem import ChecksummingSink, byte_view
+from distckpt.formats import blockcrc
+from distckpt.formats.zip_archive import ALIGN, SERIALIZATION_ID, expected_frame, tensor_archive_frame
+from distckpt.io.byteio import byte_view
+from distckpt.io.device_io import DeviceToHost
+from distckpt.io.filesystem import ChecksummingSink
 from distckpt.strategies.torch_dist.plan import WriteItem
-from distckpt.strategies.zip_archive import ALIGN, SERIALIZATION_ID, expected_frame, tensor_archive_frame
 
 # How a plain save's item reaches its file without a staged copy (see write.routes_of).
 RING = "ring"  # in pieces through a writer thread's slots (DeviceToHost)

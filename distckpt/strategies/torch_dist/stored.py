@@ -23,11 +23,11 @@ from distckpt import bounds, containment, storage
 from distckpt.checksum import crc32c
 from distckpt.core import CheckpointingException
 from distckpt.dict_utils import nested_values
-from distckpt.manifest import MANIFEST_FNAME, RangeChecksum, read_manifest
+from distckpt.formats.index_format import INDEX_FNAME, dtype_of
+from distckpt.formats.index_read import IndexReader
+from distckpt.formats.manifest import MANIFEST_FNAME, RangeChecksum, read_manifest
 from distckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor
 from distckpt.strategies.chunk_index import ChunkIndex
-from distckpt.strategies.index_format import INDEX_FNAME, dtype_of
-from distckpt.strategies.index_read import IndexReader
 from distckpt.strategies.resharding import Shape
 from distckpt.strategies.torch_dist.claims import (
     check_claims,

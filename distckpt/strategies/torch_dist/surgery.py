@@ -22,10 +22,10 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from distckpt import bounds, containment, storage
 from distckpt.checksum import crc32c
 from distckpt.core import CheckpointingException
-from distckpt.manifest import MANIFEST_FNAME, RangeChecksum, read_manifest, write_manifest
-from distckpt.strategies import blockcrc
-from distckpt.strategies.index_format import INDEX_FNAME
-from distckpt.strategies.index_write import index_from_metadata
+from distckpt.formats import blockcrc
+from distckpt.formats.index_format import INDEX_FNAME
+from distckpt.formats.index_write import index_from_metadata
+from distckpt.formats.manifest import MANIFEST_FNAME, RangeChecksum, read_manifest, write_manifest
 from distckpt.strategies.torch_dist.metadata import DATA_SUFFIX, METADATA_FNAME, Resolved
 from distckpt.strategies.torch_dist.partial import block_table
 from distckpt.strategies.torch_dist.stored import checked_metadata

@@ -9,7 +9,7 @@ any thread writes (:mod:`.spans`), so a rank with more cores than files uses the
 
 A plain (synchronous) save does not copy a CUDA tensor to host memory whole before writing it:
 each writer thread streams the CUDA items of its parts through a few pinned slots
-(:class:`~distckpt.strategies.device_io.DeviceToHost`), the next pieces' device-to-host copies
+(:class:`~distckpt.io.device_io.DeviceToHost`), the next pieces' device-to-host copies
 running on a side stream while the current piece is checksummed and written. A contiguous CPU
 view that does not own its storage is written from the caller's memory (no copy). Both give the
 bytes, CRC32Cs and block entries a whole host copy would (:func:`write_tensor_pieces`); the
@@ -32,19 +32,12 @@ import torch
 from distckpt import storage
 from distckpt.budget import host_memory_budget
 from distckpt.checksum import crc32c
-from distckpt.strategies import blockcrc
-from distckpt.strategies.device_io import (
-    PIECE_ALIGN,
-    SLOT_BYTES,
-    SLOTS,
-    DeviceToHost,
-    caller_streams,
-    is_plain,
-)
-from distckpt.strategies.filesystem import (
+from distckpt.formats import blockcrc
+from distckpt.io.byteio import byte_view
+from distckpt.io.device_io import PIECE_ALIGN, SLOT_BYTES, SLOTS, DeviceToHost, caller_streams, is_plain
+from distckpt.io.filesystem import (
     ChecksummingSink,
     WriterSink,
-    byte_view,
     framed,
     write_bytes_item,
     write_tensor_item,

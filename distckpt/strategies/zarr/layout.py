@@ -19,9 +19,9 @@ import torch
 from distckpt import bounds, containment, dist, storage
 from distckpt.checksum import crc32c, pack_block_crcs
 from distckpt.core import CheckpointingException, atomic_write_bytes
-from distckpt.manifest import check_whole_bytes
+from distckpt.formats import blockcrc
+from distckpt.formats.manifest import check_whole_bytes
 from distckpt.storage import Store
-from distckpt.strategies import blockcrc
 from distckpt.strategies.zarr.meta import (
     ARRAY_META,
     BACKEND,
@@ -67,7 +67,8 @@ def chunk_checksums(data) -> Tuple[int, bytes]:
 
 
 def block_entries(records: Iterable[FileRecord]) -> Dict[str, Tuple[int, int, bytes]]:
-    """The manifest's ``blocks`` entries (see distckpt/manifest.py) for the chunk files in ``records``."""
+    """The manifest's ``blocks`` entries (:mod:`distckpt.formats.manifest`) for the chunk files in
+    ``records``."""
     return {path: (blockcrc.BLOCK_SIZE, crc, blocks) for path, _, crc, _, blocks in records if blocks}
 
 

@@ -17,10 +17,10 @@ import torch
 from distckpt import dist, storage
 from distckpt.core import CheckpointingException
 from distckpt.dict_utils import dict_list_map_inplace, nested_values
-from distckpt.manifest import read_manifest, write_manifest
+from distckpt.formats.manifest import read_manifest, write_manifest
+from distckpt.io.device_io import needs_staging
 from distckpt.mapping import ShardedObject, ShardedStateDict, ShardedTensor, StateDict
 from distckpt.strategies.base import LoadShardedStrategy
-from distckpt.strategies.device_io import needs_staging
 from distckpt.strategies.zarr.engines import Engines
 from distckpt.strategies.zarr.jobs import ChunkRead
 from distckpt.strategies.zarr.layout import (
@@ -72,7 +72,7 @@ def _check_allocation(meta: ArrayMeta, sh: ShardedTensor) -> None:
 
 def _needs_staging(t: torch.Tensor, dtype: torch.dtype) -> bool:
     """True if the raw reads cannot land in ``t`` itself: a subclass or a non-contiguous tensor
-    (:func:`~distckpt.strategies.device_io.needs_staging`), or one on a device or of another dtype."""
+    (:func:`~distckpt.io.device_io.needs_staging`), or one on a device or of another dtype."""
     return needs_staging(t) or t.device.type != "cpu" or t.dtype != dtype
 
 

@@ -21,7 +21,7 @@ import torch
 
 from distckpt import bounds
 from distckpt.core import CheckpointingException
-from distckpt.manifest import MANIFEST_FNAME, dtype_name
+from distckpt.formats.manifest import MANIFEST_FNAME, dtype_name
 from distckpt.storage import Store
 
 BACKEND = "zarr"

@@ -20,16 +20,17 @@ import torch
 from distckpt import containment, dist
 from distckpt.checksum import crc32c, pack_block_crcs
 from distckpt.core import CheckpointingException
-from distckpt.manifest import MANIFEST_FNAME
-from distckpt.strategies import blockcrc
-from distckpt.strategies.blockread import BlockReader
-from distckpt.strategies.byteio import byte_view, pread_crc, pread_exact
-from distckpt.strategies.filesystem import ChecksummingSink
-from distckpt.strategies.resharding import CopyOp, copy_from_mapping, ravel
+from distckpt.formats import blockcrc
+from distckpt.formats.manifest import MANIFEST_FNAME
+from distckpt.formats.zip_archive import contiguous_strides
+from distckpt.io.blockread import BlockReader
+from distckpt.io.byteio import byte_view, pread_crc, pread_exact
+from distckpt.io.copies import CopyOp, copy_from_mapping
+from distckpt.io.filesystem import ChecksummingSink
+from distckpt.strategies.resharding import ravel
 from distckpt.strategies.zarr.jobs import BlockLookup, ChunkRead, ChunkWrite, padded
 from distckpt.strategies.zarr.layout import FileRecord, chunk_checksums
 from distckpt.strategies.zarr.meta import ARRAY_META, ArrayMeta, Shape
-from distckpt.strategies.zip_archive import contiguous_strides
 
 # Chunk requests in flight per rank on an object store: each waits on the network (obstore
 # releases the GIL), so more of them than CPU threads hide the per-request latency.

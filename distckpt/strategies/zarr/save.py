@@ -17,9 +17,10 @@ import torch
 from distckpt import dist, storage
 from distckpt.budget import host_memory_budget
 from distckpt.core import CheckpointingException
-from distckpt.manifest import build_manifest, dtype_name, write_manifest
+from distckpt.formats.manifest import build_manifest, dtype_name, write_manifest
+from distckpt.io import staging
+from distckpt.io.staging_buffers import StagingBuffers
 from distckpt.mapping import ShardedStateDict
-from distckpt.strategies import staging
 from distckpt.strategies.async_utils import AsyncRequest
 from distckpt.strategies.base import AsyncSaveShardedStrategy
 from distckpt.strategies.zarr.engines import Engines
@@ -158,7 +159,7 @@ class ZarrSaveShardedStrategy(AsyncSaveShardedStrategy):
             raise
         plan = _SavePlan(root, {}, [], [], [], None, staged)
         if stage:
-            plan.staging = staging.StagingBuffers(staging.pool())
+            plan.staging = StagingBuffers(staging.pool())
         try:
             merged = merge_decls(gathered)
             check_key_paths(merged)

@@ -1,10 +1,10 @@
 """Plain tensor files read as tensor sources: safetensors (single or HF-sharded) and ``torch.save``.
 
 :class:`SafetensorsSource` and :class:`TorchFileSource` are tensor sources like a checkpoint (see
-:mod:`distckpt.tools.sources`), so ``inspect``, ``show``, ``diff`` and ``convert`` work on them
+:mod:`distckpt.tools.sources.base`), so ``inspect``, ``show``, ``diff`` and ``convert`` work on them
 too. A safetensors tensor is read with ``pread`` straight into its memory; a ``torch.save`` file
 is memory-mapped where its format allows and its pages are released once a tensor was copied.
-The writers of these formats are in :mod:`distckpt.tools.file_writers`.
+The writers of these formats are in :mod:`distckpt.tools.writers.files`.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from safetensors import safe_open
 
 from distckpt import containment
 from distckpt.core import CheckpointingException, PathLike
+from distckpt.io.byteio import byte_view, pread_exact
 from distckpt.strategies.common import SAFE_GLOBALS
-from distckpt.strategies.filesystem import byte_view, pread_exact
-from distckpt.tools.sources import TensorMeta, TensorSource
+from distckpt.tools.sources.base import TensorMeta, TensorSource
 
 INDEX_FNAME = "model.safetensors.index.json"
 SINGLE_FNAME = "model.safetensors"

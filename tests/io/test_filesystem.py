@@ -12,7 +12,7 @@ import torch
 import distckpt
 from distckpt import ShardedTensor
 from distckpt.core import CheckpointingException
-from distckpt.manifest import crc32c
+from distckpt.formats.manifest import crc32c
 from distckpt.strategies import filesystem as fs
 
 DTYPES = [

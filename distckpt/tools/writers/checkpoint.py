@@ -26,15 +26,15 @@ from distckpt.core import (
     write_all,
     write_file_durably,
 )
-from distckpt.manifest import build_manifest, crc32c, write_manifest
-from distckpt.mapping import StateDict
-from distckpt.strategies.filesystem import (
+from distckpt.formats.manifest import build_manifest, crc32c, write_manifest
+from distckpt.io.filesystem import (
     ChecksummingSink,
     WriterSink,
     write_bytes_item,
     write_tensor_item,
     zip_crc_disabled,
 )
+from distckpt.mapping import StateDict
 from distckpt.strategies.torch_dist.metadata import metadata_file
 from distckpt.strategies.torch_dist.records import KeyDecl, Record
 from distckpt.strategies.zarr.layout import block_entries

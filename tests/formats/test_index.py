@@ -13,7 +13,7 @@ import torch
 import distckpt
 from distckpt import CheckpointingException, ShardedObject, ShardedTensor
 from distckpt import dist as ddist
-from distckpt.manifest import read_manifest, verify_files
+from distckpt.formats.manifest import read_manifest, verify_files
 from distckpt.storage import open_store
 from distckpt.strategies.index import INDEX_FNAME, IndexReader, build_index
 from distckpt.strategies.torch import TorchDistLoadShardedStrategy
@@ -79,7 +79,7 @@ def test_metadata_queries_and_the_tools_answer_from_the_sidecar_directory_not_me
     metas = distckpt.load_tensors_metadata(many)
     assert len(metas) == N_KEYS and metas["k7"].global_shape == (16,) and metas["k7"].dtype == torch.float32
     assert "obj/shard_0_1" in distckpt.load_sharded_metadata(many)
-    from distckpt.tools.checkpoint_source import CheckpointSource
+    from distckpt.tools.sources.checkpoint import CheckpointSource
 
     src = CheckpointSource(many)
     assert src.meta("k3").chunks == 1 and src.meta("k3").disk_bytes > 64
@@ -113,7 +113,7 @@ def test_a_reader_kept_for_the_next_load_is_not_used_once_the_checkpoint_was_rep
 
 
 def test_close_sidecar_ranges_are_read_together_and_cut_apart(tmp_path, monkeypatch):
-    from distckpt.strategies import index_read as ix
+    from distckpt.formats import index_read as ix
 
     data = bytes(range(256)) * 64  # 16 KiB
     (tmp_path / INDEX_FNAME).write_bytes(data)
@@ -469,7 +469,7 @@ def test_coalesce_merges_close_ranges_up_to_a_span():
 def test_a_sidecar_naming_an_unknown_dtype_is_an_error_naming_the_key(many, claim):
     """The directory's CRC32C is recomputed, as a crafted sidecar would: the load still refuses
     the key's dtype (an unknown name, or not a name at all) with an error naming key and file."""
-    from distckpt.manifest import crc32c
+    from distckpt.formats.manifest import crc32c
 
     raw = bytearray((many / INDEX_FNAME).read_bytes())
     magic, n, _ = struct.unpack_from("<8sQI", raw)

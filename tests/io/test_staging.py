@@ -17,10 +17,11 @@ import distckpt
 from distckpt import ShardedTensor
 from distckpt import dist as ddist
 from distckpt.core import CheckpointingException
-from distckpt.strategies import staging
+from distckpt.io import staging
+from distckpt.io.staging import StagingPool
+from distckpt.io.staging_buffers import StagingBuffers
 from distckpt.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from distckpt.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
-from distckpt.strategies.staging import StagingBuffers, StagingPool
 from distckpt.strategies.torch_dist import TorchDistSaveShardedStrategy
 from tests.support.harness import run_ranks
 

@@ -2,8 +2,8 @@
 
 A *tensor source* is something tensors can be read from one key (or one box of a key) at a
 time. :class:`TensorSource` is the base every kind of source fills in: a checkpoint directory
-(:class:`~distckpt.tools.checkpoint_source.CheckpointSource`) or a plain tensor file
-(:mod:`distckpt.tools.file_sources`); :func:`~distckpt.tools.inspection.open_source` picks the
+(:class:`~distckpt.tools.sources.checkpoint.CheckpointSource`) or a plain tensor file
+(:mod:`distckpt.tools.sources.files`); :func:`~distckpt.tools.inspection.open_source` picks the
 right one for a path. What a source knows without reading data is plain data here
 (:class:`TensorMeta`, :class:`ObjectMeta`), and long-running tools report to a :class:`Progress`.
 

@@ -45,9 +45,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from distckpt.core import CheckpointingException, PathLike, fsync_dir, write_all
-from distckpt.strategies.filesystem import byte_view
-from distckpt.tools.file_sources import INDEX_FNAME, SAFETENSORS_CODES, SINGLE_FNAME
-from distckpt.tools.sources import dtype_name
+from distckpt.io.byteio import byte_view
+from distckpt.tools.sources.base import dtype_name
+from distckpt.tools.sources.files import INDEX_FNAME, SAFETENSORS_CODES, SINGLE_FNAME
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 """Like ``transformers``' ``save_pretrained`` default (``"5GB"``)."""
