@@ -565,11 +565,11 @@ def measure(size_gib: float, args, clock: Clock, first_save: bool) -> dict:
 
 def pinned_held():
     """(bytes of staging memory distckpt holds now, the most it held since the last call, where the
-    figures come from). With the process-wide pool (``distckpt.strategies.staging.pool()``): its
+    figures come from). With the process-wide pool (``distckpt.io.staging.pool()``): its
     allocated bytes and peak (pinned for CUDA tensors); without it: torch's pinned host allocator
     (``torch.cuda.host_memory_stats``); else (None, None, why)."""
     try:
-        from distckpt.strategies import staging
+        from distckpt.io import staging
     except ImportError:
         staging = None
     if staging is not None and hasattr(staging, "pool"):
@@ -577,13 +577,13 @@ def pinned_held():
         now, peak = p.allocated_bytes, getattr(p, "peak_allocated_bytes", p.allocated_bytes)
         if hasattr(p, "reset_peak"):
             p.reset_peak()
-        return now, peak, "distckpt.strategies.staging.pool(): allocated bytes"
+        return now, peak, "distckpt.io.staging.pool(): allocated bytes"
     if torch.cuda.is_available() and hasattr(torch.cuda, "host_memory_stats"):
         stats = torch.cuda.host_memory_stats()
         if "allocated_bytes.current" in stats:
             now = int(stats["allocated_bytes.current"])
             return now, now, "torch.cuda.host_memory_stats(): torch's pinned allocator"
-    return None, None, "no figure: distckpt.strategies.staging absent, and no CUDA"
+    return None, None, "no figure: distckpt.io.staging absent, and no CUDA"
 
 
 def layer_schedule(saves: int, low: int = 2, high: int = 6) -> list:

@@ -73,9 +73,9 @@ from bench.common import PeakRss
 from distckpt import ShardedTensor
 from distckpt.core import gc_paused
 from distckpt.dist import slot_bytes
-from distckpt.strategies.index_format import INDEX_FNAME
-from distckpt.strategies.index_read import IndexReader
-from distckpt.strategies.metadata_pickle import respell
+from distckpt.formats.index_format import INDEX_FNAME
+from distckpt.formats.index_read import IndexReader
+from distckpt.formats.metadata_pickle import respell
 from distckpt.strategies.torch_dist.loadplan import LoadPlan, plan_tensor
 from distckpt.strategies.torch_dist.metadata import build_metadata, metadata_bytes_and_head
 from distckpt.strategies.torch_dist.plan import WriteItem
