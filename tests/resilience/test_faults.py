@@ -360,6 +360,7 @@ def test_the_next_save_removes_the_leftover_of_a_killed_save(killed_saves, tmp_p
     assert _load_single_process(tmp_path / "target", 3, verify=True) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("window", SCENARIOS)
 def test_sigkill_leaves_the_neighbouring_checkpoint_untouched_and_loadable(killed_saves, window):
     run = killed_saves[window]
