@@ -149,6 +149,34 @@ def raw_read(path: Path, tensors) -> None:
         os.close(fd)
 
 
+def raw_put(store, name: str, tensors) -> None:
+    """The write limit of an object store: the tensors' bytes as one object ``name`` of ``store``
+    (a distckpt ``ObjectStore``), one ``obstore.put`` with the store's part size and concurrency."""
+    import obstore
+
+    views = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in tensors]
+    obstore.put(
+        store._store,
+        store._key(name),
+        iter(views),
+        chunk_size=store.part_size,
+        max_concurrency=store.max_concurrency,
+    )
+
+
+def raw_get(store, name: str, tensors) -> None:
+    """The read limit of an object store: object ``name`` of ``store``, one ``obstore.get``, its
+    bytes in order into ``tensors``."""
+    import obstore
+
+    data = memoryview(obstore.get(store._store, store._key(name)).bytes())
+    offset = 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        t.reshape(-1).view(torch.uint8).numpy()[:] = data[offset : offset + n]
+        offset += n
+
+
 def balanced_groups(items, count: int, size):
     """``items`` in at most ``count`` groups of about equal total ``size`` (largest first, each into
     the lightest group so far): how a save spreads its items over its files."""

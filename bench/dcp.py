@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import barrier_time, drop, prepare_dir, raw_read, raw_write, spawn_ranks
+from bench.common import barrier_time, drop, prepare_dir, raw_get, raw_put, raw_read, raw_write, spawn_ranks
 
 SAVES = (
     "FileSystemWriter",
@@ -133,30 +133,16 @@ def _rank_main(rank, world, port, args, queue):
         tdist.barrier()
 
     if remote:
-        import obstore
-
         store = storage.open_store(root)
-        raw_store, raw_name = store._store, store._key(f"raw_{rank}.bin")
+        raw_name = f"raw_{rank}.bin"
 
-        def raw_put():
-            views = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in tensors]
-            obstore.put(
-                raw_store,
-                raw_name,
-                iter(views),
-                chunk_size=store.part_size,
-                max_concurrency=store.max_concurrency,
-            )
+        def raw_put_():
+            raw_put(store, raw_name, tensors)
 
-        def raw_get(bufs):
-            data = memoryview(obstore.get(raw_store, raw_name).bytes())
-            offset = 0
-            for b in bufs:
-                n = b.numel() * b.element_size()
-                b.reshape(-1).view(torch.uint8).numpy()[:] = data[offset : offset + n]
-                offset += n
+        def raw_get_(bufs):
+            raw_get(store, raw_name, bufs)
 
-        raw = (("raw write", raw_put), ("raw read", raw_get))
+        raw = (("raw write", raw_put_), ("raw read", raw_get_))
     else:
         raw_path = Path(root) / f"raw_{rank}.bin"
         raw = (

@@ -22,9 +22,7 @@ import statistics
 import time
 import uuid
 
-import torch
-
-from bench.common import build_state, model_dims, start_moto
+from bench.common import build_state, model_dims, raw_put, start_moto
 
 
 def _timed(fn) -> float:
@@ -45,8 +43,6 @@ def main() -> int:
     args = parser.parse_args()
     server = start_moto(args.dir) if args.moto else None
     try:
-        import obstore
-
         import distckpt
         from distckpt.storage import open_store
 
@@ -55,24 +51,16 @@ def main() -> int:
         tensors = [v.data for v in sd.values() if isinstance(v, distckpt.ShardedTensor)]
         nbytes = sum(t.numel() * t.element_size() for t in tensors)
         root = open_store(args.dir)
-        raw_store, raw_name = root._store, root._key("raw.bin")
         times = {"raw put": [], "fresh save": [], "overwrite save": [], "load": []}
         strategy = (args.backend, 1)
 
-        def raw_put():
-            views = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in tensors]
-            obstore.put(
-                raw_store,
-                raw_name,
-                iter(views),
-                chunk_size=root.part_size,
-                max_concurrency=root.max_concurrency,
-            )
+        def raw_put_():
+            raw_put(root, "raw.bin", tensors)
 
         for rep in range(args.reps + 1):  # the first pass warms up
             url = f"{args.dir.rstrip('/')}/{uuid.uuid4().hex[:8]}"
             got = {
-                "raw put": _timed(raw_put),
+                "raw put": _timed(raw_put_),
                 "fresh save": _timed(lambda u=url: distckpt.save(sd, u, sharded_strategy=strategy)),
                 "overwrite save": _timed(
                     lambda u=url: distckpt.save(sd, u, sharded_strategy=strategy, overwrite=True)

@@ -66,6 +66,8 @@ from bench.common import (
     local_bytes,
     model_dims,
     pyplot,
+    raw_get,
+    raw_put,
     raw_read,
     raw_write,
     spawn_ranks,
@@ -134,7 +136,6 @@ def _rank_main_object_store(rank, world, port, args, queue):
     global _WRITE_THREADS
     _WRITE_THREADS = args.write_threads
     torch.set_num_threads(1)  # one intra-op thread per rank, as under torchrun (the variable came too late)
-    import obstore
     import torch.distributed as tdist
 
     from distckpt.storage import open_store
@@ -146,21 +147,13 @@ def _rank_main_object_store(rank, world, port, args, queue):
     times = {}
     reshard = build_state(rank, world, hidden, layers, pieces_per_rank=2, with_data=False)
     root = open_store(args.dir)
-    raw_store, raw_name = root._store, root._key(f"raw_{rank}.bin")
+    raw_name = f"raw_{rank}.bin"
 
-    def raw_put():
-        views = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in tensors]
-        obstore.put(
-            raw_store, raw_name, iter(views), chunk_size=root.part_size, max_concurrency=root.max_concurrency
-        )
+    def raw_put_():
+        raw_put(root, raw_name, tensors)
 
-    def raw_get(bufs):
-        data = obstore.get(raw_store, raw_name).bytes()
-        view, offset = memoryview(data), 0
-        for b in bufs:
-            n = b.numel() * b.element_size()
-            b.reshape(-1).view(torch.uint8).numpy()[:] = view[offset : offset + n]
-            offset += n
+    def raw_get_(bufs):
+        raw_get(root, raw_name, bufs)
 
     def record(name, seconds):
         times.setdefault(name, []).append(seconds)
@@ -168,9 +161,9 @@ def _rank_main_object_store(rank, world, port, args, queue):
     for rep in range(-args.warmup, args.reps):
         if rep == 0:
             times.clear()
-        record("raw obstore.put", barrier_time(raw_put)[0])
+        record("raw obstore.put", barrier_time(raw_put_)[0])
         bufs = [torch.zeros_like(t) for t in tensors]
-        record("raw obstore.get", barrier_time(raw_get, bufs)[0])
+        record("raw obstore.get", barrier_time(raw_get_, bufs)[0])
         bufs = None
         for backend in args.backends:
             url = f"{args.dir.rstrip('/')}/ckpt_{backend}_{rep + args.warmup}"
