@@ -53,11 +53,12 @@ class ChunkIndex:
         self.offsets = offsets
         self.sizes = sizes
         self.examined = 0  # chunks tested by queries (for complexity tests)
-        self._exact: Dict[Tuple[Shape, Shape], int] = {}
-        for i, (o, s) in enumerate(zip(offsets, sizes)):
-            self._exact.setdefault((o, s), i)
         self.ndim = len(offsets[0]) if len(offsets) else 0
         self._grid = self._build_grid()
+        # A grid's chunks by their box (a request in the saved layout: one lookup).
+        self._exact: Dict[Tuple[Shape, Shape], int] = (
+            {(o, s): i for i, (o, s) in enumerate(zip(offsets, sizes))} if self._grid is not None else {}
+        )
         self._sorted: Optional[Tuple[int, List[Tuple[int, List[int], List[int]]]]] = None
 
     # ------------------------------------------------------------------ building
@@ -110,7 +111,7 @@ class ChunkIndex:
         """The chunk whose box is exactly ``(off, size)`` and the only one meeting it, or None.
         Only a grid answers: its cells are disjoint, so no other chunk can claim part of the box
         (elsewhere a box must go through :meth:`overlapping`, which finds such claims)."""
-        return self._exact.get((off, size)) if self._grid is not None else None
+        return self._exact.get((off, size))
 
     def overlapping(self, off: Shape, size: Shape) -> Iterator[Tuple[int, Shape, Shape]]:
         """Each chunk meeting the box ``(off, size)``: ``(chunk id, intersection offset,
