@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 
 from distckpt import storage
 from distckpt.core import CheckpointingException
-from distckpt.formats.index_format import INDEX_FNAME, dtype_of
+from distckpt.formats.index_format import INDEX_FNAME
 from distckpt.formats.index_format import dtype_name as sidecar_dtype_name
 from distckpt.formats.index_read import IndexReader
 from distckpt.formats.manifest import MANIFEST_FNAME
@@ -23,7 +23,12 @@ from distckpt.mapping import ShardedTensor
 from distckpt.strategies.tiling import coverage_problem
 from distckpt.strategies.torch_dist.claims import check_declared, cross_check, extent_problem, record_name
 from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, plain_byte_items, read_metadata
-from distckpt.strategies.torch_dist.stored import StoredKey, index_from_sidecar, index_metadata
+from distckpt.strategies.torch_dist.stored import (
+    StoredKey,
+    directory_keys,
+    index_from_sidecar,
+    index_metadata,
+)
 from distckpt.tools.verify_report import CheckpointRoot, VerifyReport, file_size
 
 
@@ -235,15 +240,11 @@ def _sidecar_as_loads_read_it(root: CheckpointRoot, manifest, report: VerifyRepo
         reader = IndexReader.open(root)
         if reader is None:
             return
-        request: Dict[str, object] = {}
-        for fqn in reader.keys:
-            e = reader.entry(fqn)
-            if e.get("bytes"):
-                continue
-            shape = e.get("orig_shape") or e["size"]
-            request[fqn] = ShardedTensor.from_rank_offsets(
-                fqn, torch.empty(tuple(shape), dtype=dtype_of(e["dtype"]), device="meta")
-            )
+        # The directory as load_tensors_metadata and the tools read it (names, dtypes, shapes).
+        request: Dict[str, object] = {
+            k.fqn: ShardedTensor.from_rank_offsets(k.fqn, torch.empty(k.shape, dtype=k.dtype, device="meta"))
+            for k in directory_keys(reader)
+        }
         stored = index_from_sidecar(reader, request, None)
     except CheckpointingException as e:
         report.problems.append(str(e))

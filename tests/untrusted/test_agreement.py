@@ -195,6 +195,31 @@ def test_metadata_values_of_the_wrong_type_are_refused_naming_the_field(torch_di
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
 
 
+def test_a_key_no_state_dict_can_hold_in_the_rebuilt_sidecar_is_a_problem_of_the_sidecar_for_verify_too(
+    torch_dist,
+):
+    """Key 'b' renamed to '.' in ``.metadata``, the sidecar rebuilt from it and the manifest
+    resealed (the fuzzer's md-key+reseal, seed 1000159): ``load_tensors_metadata`` and
+    ``inspect`` read the sidecar's directory and blame it; ``verify`` names it too (it once named
+    only ``.metadata`` and the manifest, so the two blamed different files)."""
+
+    def rename(md):
+        md.state_dict_metadata["."] = md.state_dict_metadata.pop("b")
+        md.storage_data = {
+            (dataclasses.replace(i, fqn=".") if i.fqn == "b" else i): v for i, v in md.storage_data.items()
+        }
+
+    _edit_metadata(torch_dist, rename)
+    assert (torch_dist / ".distckpt_index").is_file()
+    sidecar = re.escape(str(torch_dist / ".distckpt_index")) + r": key '\.' is not a key name"
+    with pytest.raises(CheckpointingException, match=sidecar):
+        distckpt.load_tensors_metadata(torch_dist)
+    code, out = _verify(torch_dist)
+    assert code == 1, out
+    problems = [line for line in out.splitlines() if "PROBLEM" in line]
+    assert any(re.search(sidecar, line) for line in problems), out
+
+
 def test_a_record_of_dcp_storage_transforms_is_refused_not_read_as_plain_bytes(torch_dist):
     def transformed(md):
         index = next(i for i in md.storage_data if i.fqn == "w")
