@@ -151,10 +151,6 @@ def is_leftover(path: PathLike) -> bool:
 
 def leftovers_of(target: Path) -> List[Tuple[str, str, Path]]:
     """``(kind, save id, path)`` of every leftover of interrupted saves to ``target``."""
-    return _leftovers(target)
-
-
-def _leftovers(target: Path) -> List[Tuple[str, str, Path]]:
     out = []
     try:
         entries = list(os.scandir(target.parent))
@@ -251,7 +247,7 @@ class RenameCommit:
         saves to ``target``. Returns the removed paths."""
         self.recover(target)
         removed = []
-        for _, _, path in _leftovers(target):
+        for _, _, path in leftovers_of(target):
             try:
                 trash = _to_trash(path)
             except FileNotFoundError:
@@ -273,7 +269,7 @@ class RenameCommit:
         ``-staging-<id>``), put the new tree in place. True if it did."""
         if os.path.lexists(target):
             return False
-        found = _leftovers(target)
+        found = leftovers_of(target)
         olds = {sid for kind, sid, _ in found if kind == OLD_MARK}
         for kind, sid, path in found:
             if kind == STAGING_MARK and sid in olds and _committed(path):

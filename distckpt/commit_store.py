@@ -110,10 +110,6 @@ class StoreStaging:
     path: None = None
 
 
-def _record(store: Store):
-    return read_record(store.get_versioned, store.where(RECORD_NAME))
-
-
 class StoreCommit:
     """The object-store commit (module docstring). Bound to its store; rank 0 calls ``begin``,
     ``commit``, ``after_commit`` and ``abort``; every rank calls ``where``."""
@@ -132,7 +128,7 @@ class StoreCommit:
         if not target.supports_versioned_put:
             target.begin_save(COMMIT_NAMES, overwrite)
             return StoreStaging(save_id, None, 0, None, False)
-        record, version = _record(target)
+        record, version = read_record(target)
         target.committed_version(refresh=True)
         generation = (record.generation if record is not None else 0) + 1
         if target.exists(CONFIG_FNAME):
@@ -151,7 +147,6 @@ class StoreCommit:
                 raise CheckpointingException(
                     f"{target.url}: another save changed the commit record while this one began"
                 )
-            target.committed_version(refresh=True)
         for name in COMMIT_NAMES[1:]:
             target.delete(name)
         return StoreStaging(save_id, None, generation, None, True)
@@ -180,16 +175,15 @@ class StoreCommit:
             # names another save, this save's objects may be the checkpoint now: abort keeps them
             # (the clean-up of a later save decides by generation).
             try:
-                current = _record(self.store)[0]
+                current = read_record(self.store)[0]
             except Exception:  # noqa: BLE001 - the put's own error is the one to report
                 current = None
                 self._kept.add(staging.token)
             if current is not None and current.token == staging.token:
-                self.store.committed_version(refresh=True)
                 return
             raise
         if not done:
-            current, _ = _record(self.store)
+            current, _ = read_record(self.store)
             if current is None or current.token != staging.token:  # not our own put, retried
                 now = current.token if current is not None else "none"
                 raise CheckpointingException(
@@ -197,7 +191,6 @@ class StoreCommit:
                     f"committed to {self.store.url} concurrently (now {now}); this save did not commit, "
                     f"and the checkpoint there is the other save's, whole"
                 )
-        self.store.committed_version(refresh=True)
 
     def after_commit(self, staging: StoreStaging) -> None:
         """rank 0, once the save is committed: publish it and collect garbage (best effort: a
@@ -289,7 +282,7 @@ def publish(store: Store) -> Optional[CommitRecord]:
     """Copy the committed save's staged objects to their plain names, remove the plain names of
     the checkpoint it replaced that it does not have, and mark the record ``published``. Does
     nothing when the record is not ``staged``. Returns the record as it is afterwards."""
-    record, version = _record(store)
+    record, version = read_record(store)
     if record is None or record.state != STAGED:
         return record
     prefix = staged_dir(record.token) + "/"
@@ -306,7 +299,7 @@ def publish(store: Store) -> Optional[CommitRecord]:
         store.copy(prefix + name, name)
     done = record.with_state(PUBLISHED)
     if not store.put_versioned(RECORD_NAME, done.to_bytes(), version):
-        return _record(store)[0]  # another save committed meanwhile: it publishes its own
+        return read_record(store)[0]  # another save committed meanwhile: it publishes its own
     return done
 
 
@@ -327,12 +320,11 @@ def flatten(store: Store) -> None:
     record = publish(store)
     if record is None or record.state == PLAIN:
         return
-    _, version = _record(store)
+    _, version = read_record(store)
     if not store.put_versioned(RECORD_NAME, record.with_state(PLAIN).to_bytes(), version):
         raise CheckpointingException(
             f"{store.url}: another save committed while the checkpoint was being edited"
         )
-    store.committed_version(refresh=True)
     collect_garbage(store)  # the staged tree: a reader still on it falls back to the plain names
 
 
@@ -343,7 +335,7 @@ def collect_garbage(store: Store, dry_run: bool = False, uncommitted: bool = Fal
     later generation belong to a save that may still be running and are kept, unless
     ``uncommitted`` (the caller knows no save is running). Plain names are never removed here
     (:func:`publish` keeps them in step). Returns the names removed (or, ``dry_run``, that would be)."""
-    record, _ = _record(store) if store.supports_versioned_put else (None, None)
+    record, _ = read_record(store) if store.supports_versioned_put else (None, None)
     current = record.generation if record is not None else 0
     live = record.token if record is not None and record.state != PLAIN else None
     doomed = []

@@ -250,7 +250,7 @@ class ObjectStore(Store):
         """The prefix's commit record (None without one), read on first use after the store was
         opened, written to, or asked to ``refresh``; every read resolves names through it."""
         if refresh or self._view is _UNREAD:
-            self._view = records.read_record(self.get_versioned, self.where(records.RECORD_NAME))[0]
+            self._view = records.read_record(self)[0]
         return self._view
 
     def _read_key(self, name: str) -> str:
@@ -401,12 +401,7 @@ class ObjectStore(Store):
         view = self.committed_version()
         if view is None or view.state == records.PLAIN:
             return self.list_objects(prefix)
-        staged = records.staged_dir(view.token) + "/"
-        found = {n[len(staged) :]: s for n, s in self.list_objects(staged + prefix).items()}
-        for name, size in self.list_objects(prefix).items():
-            if records.is_final(view.token, name) and "/" not in name:
-                found[name] = size
-        return dict(sorted(found.items()))
+        return records.StagedStore(self, view.token).list(prefix)
 
     def is_empty(self) -> bool:
         base = self._prefix + "/" if self._prefix else None

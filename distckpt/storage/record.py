@@ -235,11 +235,11 @@ class PlainView(StagedStore):
         return self.inner.get_versioned(name)[0]
 
 
-def read_record(get_versioned, where: str) -> Tuple[Optional[CommitRecord], Any]:
-    """``(record, version)`` through ``get_versioned`` (a store's, of :data:`RECORD_NAME`);
-    ``(None, None)`` when there is none."""
+def read_record(store: Store) -> Tuple[Optional[CommitRecord], Any]:
+    """``(record, version)`` of ``store``'s :data:`RECORD_NAME`; ``(None, None)`` when there is
+    none."""
     try:
-        raw, version = get_versioned(RECORD_NAME)
+        raw, version = store.get_versioned(RECORD_NAME)
     except FileNotFoundError:
         return None, None
-    return parse_record(raw, where), version
+    return parse_record(raw, store.where(RECORD_NAME)), version

@@ -88,6 +88,7 @@ class ThrottledStore(Store):
         self.supports_conditional_put = inner.supports_conditional_put
         self.supports_ranged_read = inner.supports_ranged_read
         self.supports_versioned_put = inner.supports_versioned_put
+        self.file_token = inner.file_token
 
     @property
     def local_root(self) -> Optional[Path]:
@@ -136,6 +137,9 @@ class ThrottledStore(Store):
 
     def list_objects(self, prefix: str = "") -> Dict[str, int]:
         return self.inner.list_objects(prefix)
+
+    def is_empty(self) -> bool:
+        return self.inner.is_empty()
 
     def open_writer(self, name: str) -> Writer:
         return _PacedWriter(self.inner.open_writer(name), self.writes)

@@ -57,10 +57,11 @@ def collect(
     report = GarbageReport(str(target), dry_run=dry_run)
     root = storage.local_root(target)
     if root is not None:
-        found = [str(p) for _, _, p in commit.leftovers_of(root)]
-        if not dry_run:
-            commit.RenameCommit().cleanup_leftovers(root)
-        report.removed = found
+        if dry_run:
+            found = [p for _, _, p in commit.leftovers_of(root)]
+        else:
+            found = commit.RenameCommit().cleanup_leftovers(root)
+        report.removed = [str(p) for p in found]
         return report
     if target.supports_versioned_put:
         record = target.committed_version(refresh=True)
