@@ -49,7 +49,7 @@ from distckpt import commit, dist, storage
 from distckpt.core import CheckpointingException
 from distckpt.dcp import locations
 from distckpt.dcp_native import checkpoint_config, describe_missing_config
-from distckpt.formats.manifest import MANIFEST_FNAME, read_manifest
+from distckpt.formats.manifest import read_manifest
 from distckpt.formats.zip_archive import contiguous_strides
 from distckpt.io import device_io
 from distckpt.io.copies import CopyOp
@@ -57,17 +57,18 @@ from distckpt.io.device_io import is_plain
 from distckpt.strategies.common import safe_torch_load
 from distckpt.strategies.resharding import ravel
 from distckpt.strategies.torch_dist import loadplan
-from distckpt.strategies.torch_dist.claims import check_declared
+from distckpt.strategies.torch_dist.claims import extent_error, record_name
 from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, read_metadata_bytes, unpickle_metadata
 from distckpt.strategies.torch_dist.plan import DEFAULT_READERS_PER_RANK, checked_thread_count, io_threads
 from distckpt.strategies.torch_dist.read import execute_plan, read_item_bytes
 from distckpt.strategies.torch_dist.stored import (
-    DefaultChecks,
     Stored,
     StoredKey,
     check_item,
+    check_keys_declared,
     cross_check_manifest,
     index_metadata,
+    manifest_checks,
     stored_file_size,
 )
 
@@ -289,16 +290,12 @@ class StorageReader(locations.AtLocation, DCPStorageReader):
             self._declared = None
             return None
         self._declared = manifest.keys or None
-        return manifest.range_index() if self.verify else DefaultChecks(manifest.range_index())
+        return manifest_checks(manifest, self.verify)
 
     def _check_declared(self, copies: loadplan.LoadPlan, location: Any) -> None:
         """Each tensor key read, as ``.metadata`` declares it, against the manifest's keys."""
-        declared = self._declared
-        if not declared:
-            return
-        source, where = storage.join(location, METADATA_FNAME), storage.join(location, MANIFEST_FNAME)
-        for fqn, stored in copies.keys.items():
-            check_declared(fqn, stored.dtype, stored.size, stored.orig_shape, declared, source, where)
+        if self._declared:
+            check_keys_declared(copies.keys.items(), self._declared, location)
 
 
 def _check_records_inside_files(md: Metadata, location: Any, source: str) -> None:
@@ -316,7 +313,5 @@ def _check_records_inside_files(md: Metadata, location: Any, source: str) -> Non
                     f"{source}: key {index.fqn!r}: its data file {storage.join(location, name)} is missing"
                 ) from None
         if info.offset + info.length > sizes[name]:
-            raise CheckpointingException(
-                f"{storage.join(location, name)}: key {index.fqn!r}: record at offset {info.offset} of "
-                f"{info.length} bytes: file is truncated ({sizes[name]} bytes)"
-            )
+            record = record_name(index.fqn, index.offset)
+            raise extent_error(location, source, record, name, info.offset, info.length, sizes[name])

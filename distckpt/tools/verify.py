@@ -261,23 +261,21 @@ def _check_loaded_state(root: CheckpointRoot, trusted: bool, report: VerifyRepor
             strategy.trusted = True
         if hasattr(strategy, "checksums"):
             strategy.checksums = False
+    try:
+        read_common_state(root, sharded, common, check=False)
+    except CheckpointingException as e:
+        report.problems.append(str(e))
     objects: Dict[str, ShardedObject] = {}
-    for step in ("common state", "objects"):
-        try:
-            if step == "common state":
-                read_common_state(root, sharded, common, check=False)
-                continue
-            owner = sharded if sharded.can_handle_sharded_objects else common
-            found = owner.load_sharded_metadata(root)
-            objects = {k: v for k, v in found.items() if isinstance(v, ShardedObject)}
-            if not objects:
-                continue
-            if owner is sharded:
-                sharded.load(objects, root)
-            else:
-                common.load_sharded_objects(objects, root)
-        except CheckpointingException as e:
-            report.problems.append(str(e))
+    try:
+        owner = sharded if sharded.can_handle_sharded_objects else common
+        found = owner.load_sharded_metadata(root)
+        objects = {k: v for k, v in found.items() if isinstance(v, ShardedObject)}
+        if objects and owner is sharded:
+            sharded.load(objects, root)
+        elif objects:
+            common.load_sharded_objects(objects, root)
+    except CheckpointingException as e:
+        report.problems.append(str(e))
     report.checked.append(f"the common state and {len(objects)} objects, read as a load reads them")
 
 

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
-import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
 from distckpt import storage
 from distckpt.core import CheckpointingException
@@ -19,13 +18,18 @@ from distckpt.formats.index_format import INDEX_FNAME
 from distckpt.formats.index_format import dtype_name as sidecar_dtype_name
 from distckpt.formats.index_read import IndexReader
 from distckpt.formats.manifest import MANIFEST_FNAME
-from distckpt.mapping import ShardedTensor
 from distckpt.strategies.tiling import coverage_problem
-from distckpt.strategies.torch_dist.claims import check_declared, cross_check, extent_problem, record_name
+from distckpt.strategies.torch_dist.claims import (
+    check_declared,
+    cross_check,
+    extent_problem,
+    orig_shapes,
+    record_name,
+)
 from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, plain_byte_items, read_metadata
 from distckpt.strategies.torch_dist.stored import (
     StoredKey,
-    directory_keys,
+    directory_tensors,
     index_from_sidecar,
     index_metadata,
 )
@@ -43,15 +47,25 @@ def check_torch_dist(root: CheckpointRoot, trusted: bool, report: VerifyReport, 
         index_metadata(md, source)
     except CheckpointingException as e:
         report.problems.append(str(e))
-        _sidecar_as_loads_read_it(root, manifest, report)
+        md = None
+    try:
+        # Opened once for both sidecar checks (None: none, or stale, built for another
+        # .metadata: loads read .metadata then).
+        reader = IndexReader.open(root)
+    except CheckpointingException as e:
+        report.problems.append(str(e))
+        reader = None
+    if reader is not None:
+        _sidecar_as_loads_read_it(reader, manifest, report)
+    if md is None:
         return
-    _sidecar_as_loads_read_it(root, manifest, report)
     if manifest is not None:
         report.problems.extend(cross_check(md, manifest, METADATA_FNAME, MANIFEST_FNAME))
         report.checked.append(
             f"storage records and key declarations of {METADATA_FNAME} against {MANIFEST_FNAME}"
         )
-    _check_sidecar(root, md, report)
+    if reader is not None:
+        _check_sidecar(reader, md, report)
     sizes: Dict[str, Optional[int]] = {}
     refused: set = set()  # data files the containment rule refused (a symlink out), reported once
 
@@ -146,19 +160,16 @@ def _shared_bytes(md, source: str) -> List[str]:
     return problems
 
 
-def _check_sidecar(root: CheckpointRoot, md, report: VerifyReport) -> None:
-    """The sidecar index, when the checkpoint has a current one (loads read it instead of
-    ``.metadata``): its directory parses and every entry is well-formed, it declares the keys
-    ``.metadata`` declares with the same dtype, shape and original shape, and its records are
-    ``.metadata``'s storage records (file, offset, length, chunk box). Its CRC32Cs are the
-    manifest's business (checked with the files)."""
+def _check_sidecar(reader: IndexReader, md, report: VerifyReport) -> None:
+    """The checkpoint's current sidecar index (loads read it instead of ``.metadata``): its
+    directory parses and every entry is well-formed, it declares the keys ``.metadata`` declares
+    with the same dtype, shape and original shape, and its records are ``.metadata``'s storage
+    records (file, offset, length, chunk box). Its CRC32Cs are the manifest's business (checked
+    with the files)."""
     try:
-        reader = IndexReader.open(root)
-        if reader is None:
-            return  # none, or stale (built for another .metadata): loads read .metadata then
         reader.check_all()
         problems: List[str] = []
-        mcore = getattr(md, "mcore_data", None) or {}
+        orig_shape = orig_shapes(md)
         records: Dict[str, set] = {}
         for index, info in md.storage_data.items():
             records.setdefault(index.fqn, set()).add(
@@ -184,13 +195,7 @@ def _check_sidecar(root: CheckpointRoot, md, report: VerifyReport) -> None:
                         f"of {METADATA_FNAME}"
                     )
                 continue
-            if not isinstance(meta, TensorStorageMetadata):
-                continue
-            orig = (
-                mcore.get(fqn, {}).get("nd_reformulated_orig_global_shape")
-                if isinstance(mcore.get(fqn), dict)
-                else None
-            )
+            orig = orig_shape.get(fqn)  # (a tensor: check_claims refused any other class)
             want = (
                 sidecar_dtype_name(meta.properties.dtype),
                 list(meta.size),
@@ -222,7 +227,8 @@ def _check_sidecar(root: CheckpointRoot, md, report: VerifyReport) -> None:
                     f"{len(records.get(fqn, ()))} storage records of {METADATA_FNAME}"
                 )
     except CheckpointingException as e:
-        report.problems.append(str(e))
+        if str(e) not in report.problems:  # (an entry or node the loads' read refused already)
+            report.problems.append(str(e))
         return
     report.problems.extend(problems)
     report.checked.append(
@@ -230,22 +236,16 @@ def _check_sidecar(root: CheckpointRoot, md, report: VerifyReport) -> None:
     )
 
 
-def _sidecar_as_loads_read_it(root: CheckpointRoot, manifest, report: VerifyReport) -> None:
-    """The sidecar, when the checkpoint has a current one, as a load served by it reads it (such a
-    load never reads ``.metadata``): every key's records through the load's own function
+def _sidecar_as_loads_read_it(reader: IndexReader, manifest, report: VerifyReport) -> None:
+    """The checkpoint's current sidecar as a load served by it reads it (such a load never reads
+    ``.metadata``): every key's records through the load's own function
     (:func:`index_from_sidecar`: entries, file names, offsets, lengths, chunk sizes), the chunks
     covering each key exactly once, and its declarations against the writer's in the manifest.
     Run whether or not ``.metadata`` passed its checks; :func:`_check_sidecar` compares the two."""
     try:
-        reader = IndexReader.open(root)
-        if reader is None:
-            return
-        # The directory as load_tensors_metadata and the tools read it (names, dtypes, shapes).
-        request: Dict[str, object] = {
-            k.fqn: ShardedTensor.from_rank_offsets(k.fqn, torch.empty(k.shape, dtype=k.dtype, device="meta"))
-            for k in directory_keys(reader)
-        }
-        stored = index_from_sidecar(reader, request, None)
+        # The directory as load_tensors_metadata and the tools read it (names, dtypes, shapes),
+        # requested whole.
+        stored = index_from_sidecar(reader, directory_tensors(reader), None)
     except CheckpointingException as e:
         report.problems.append(str(e))
         return

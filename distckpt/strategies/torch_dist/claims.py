@@ -273,14 +273,20 @@ def check_all_declared(md: Metadata, declared: Dict[str, Tuple], source: Any, ma
             )
             tensors += 1
     if tensors != len(declared):
-        missing = sorted(
-            k for k in declared if not isinstance(md.state_dict_metadata.get(k), TensorStorageMetadata)
-        )
-        raise CheckpointingException(
-            f"{source}: does not declare tensor key(s) "
-            f"{missing[:3]}{' ...' if len(missing) > 3 else ''} that "
-            f"{manifest_source} says the writer wrote (the metadata is damaged)"
-        )
+        tensor_keys = {k for k, m in md.state_dict_metadata.items() if isinstance(m, TensorStorageMetadata)}
+        raise undeclared_error(declared, tensor_keys, source, manifest_source)
+
+
+def undeclared_error(
+    declared: Dict[str, Tuple], present: Any, source: Any, manifest_source: Any
+) -> CheckpointingException:
+    """The error for metadata ``source`` whose tensor keys ``present`` lack some of those the
+    manifest ``declared`` (a query returns every key: one renamed or dropped must not vanish)."""
+    missing = sorted(k for k in declared if k not in present)
+    return CheckpointingException(
+        f"{source}: does not declare tensor key(s) {missing[:3]}{' ...' if len(missing) > 3 else ''} "
+        f"that {manifest_source} says the writer wrote (the metadata is damaged)"
+    )
 
 
 def cross_check(md: Metadata, manifest: Any, source: str, manifest_source: str) -> List[str]:
@@ -315,9 +321,7 @@ def cross_check(md: Metadata, manifest: Any, source: str, manifest_source: str) 
         except CheckpointingException as e:
             problems.append(str(e))
     for index, info in md.storage_data.items():
-        where = f"{source}: key {index.fqn!r}" + (
-            f" chunk at {list(index.offset)}" if index.offset is not None else ""
-        )
+        where = f"{source}: {record_name(index.fqn, index.offset)}"
         r = ranges.get((info.relative_path, info.offset))
         if r is None:
             problems.append(

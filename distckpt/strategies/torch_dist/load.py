@@ -37,7 +37,6 @@ from distckpt.strategies.torch_dist import surgery
 from distckpt.strategies.torch_dist.claims import (
     check_all_declared,
     check_claims,
-    check_declared,
 )
 from distckpt.strategies.torch_dist.loadplan import LoadPlan, check_allocations, plan_tensor
 from distckpt.strategies.torch_dist.metadata import (
@@ -54,14 +53,16 @@ from distckpt.strategies.torch_dist.metadata import (
 from distckpt.strategies.torch_dist.plan import DEFAULT_READERS_PER_RANK, checked_thread_count, io_threads
 from distckpt.strategies.torch_dist.read import execute_plan, read_item_bytes
 from distckpt.strategies.torch_dist.stored import (
-    DefaultChecks,
     Stored,
     StoredKey,
     check_item,
+    check_keys_declared,
     cross_check_manifest,
+    directory_objects,
     directory_tensors,
     index_from_sidecar,
     index_metadata,
+    manifest_checks,
 )
 
 logger = logging.getLogger(__name__)
@@ -230,10 +231,8 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         reader = self._query_reader(checkpoint_dir)
         if reader is not None:
             out = directory_tensors(reader, self._declared(checkpoint_dir))
-            for fqn in reader.keys:
-                e = reader.entry(fqn)
-                if e.get("bytes") and is_object_key(fqn):
-                    out[fqn] = ShardedObject.empty_from_unique_key(fqn)
+            for fqn, _ in directory_objects(reader):
+                out[fqn] = ShardedObject.empty_from_unique_key(fqn)
             return out
         md = self._queried_metadata(checkpoint_dir)
         out = tensors_metadata(md)
@@ -282,11 +281,7 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
         are switched off (``checksums=False``, not on an object store: its own checksums do not
         cover ranged reads)."""
         manifest = self._manifest(checkpoint_dir)
-        return None if manifest is None else self._checks_of(manifest)
-
-    def _checks_of(self, manifest: Manifest) -> Dict:
-        """``manifest``'s checksums by (file, offset), as this load applies them."""
-        return manifest.range_index() if self.verify else DefaultChecks(manifest.range_index())
+        return None if manifest is None else manifest_checks(manifest, self.verify)
 
     def _manifest(self, checkpoint_dir: Resolved) -> Optional[Manifest]:
         """The manifest a load checks against (see :meth:`_checksums`); None when it has none."""
@@ -374,17 +369,9 @@ class TorchDistLoadShardedStrategy(LoadShardedStrategy):
             if manifest.keys:
                 # Each tensor key this load reads, as .metadata declares it, against what the
                 # writer declared (the sidecar path has no manifest to ask: see the class doc).
-                source = storage.join(checkpoint_dir, METADATA_FNAME)
-                where = storage.join(checkpoint_dir, MANIFEST_FNAME)
-                for fqn in {
-                    sh.key for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedTensor)
-                }:
-                    stored = index.get(fqn)
-                    if isinstance(stored, StoredKey):
-                        check_declared(
-                            fqn, stored.dtype, stored.size, stored.orig_shape, manifest.keys, source, where
-                        )
-            return index, self._checks_of(manifest)
+                read = {sh.key for sh in nested_values(sharded_state_dict) if isinstance(sh, ShardedTensor)}
+                check_keys_declared(((k, index.get(k)) for k in read), manifest.keys, checkpoint_dir)
+            return index, manifest_checks(manifest, self.verify)
         self.last_load_used_index = True
         # verify=True checks against the manifest itself (read whole: an opt-in, full check),
         # .metadata and the sidecar included; object-store loads take the items' checksums from

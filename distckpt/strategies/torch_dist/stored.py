@@ -14,7 +14,7 @@ import math
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
@@ -36,8 +36,9 @@ from distckpt.strategies.torch_dist.claims import (
     check_reformulated,
     cross_check,
     orig_shapes,
+    undeclared_error,
 )
-from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, Resolved, read_metadata
+from distckpt.strategies.torch_dist.metadata import METADATA_FNAME, Resolved, is_object_key, read_metadata
 
 
 @dataclass(frozen=True)
@@ -310,10 +311,7 @@ def index_from_sidecar(
     names: Set[str] = set()
     for fqn, rows in found.items():
         e = reader.entry(fqn)
-        try:
-            dtype = dtype_of(e["dtype"])
-        except ValueError as err:
-            raise CheckpointingException(f"{reader.where}: key {fqn!r}: {err}") from None
+        dtype = dtype_of(e["dtype"])  # a real dtype's name: reader.entry checked it
         chunks = [_checked_sidecar_chunk(reader.where, fqn, dtype, row, names) for row in rows]
         orig = e.get("orig_shape")
         size = bounds.plain_shape(e["size"])
@@ -368,10 +366,7 @@ def directory_keys(reader: IndexReader) -> List[DirectoryKey]:
         if e.get("bytes"):
             continue
         check_key_name(fqn, reader.where)
-        try:
-            dtype = dtype_of(e["dtype"])
-        except ValueError as err:
-            raise CheckpointingException(f"{reader.where}: key {fqn!r}: {err}") from None
+        dtype = dtype_of(e["dtype"])  # a real dtype's name: reader.entry checked it
         size = tuple(e["size"])
         orig = check_reformulated(fqn, size, e["orig_shape"], reader.where) if e.get("orig_shape") else None
         out.append(DirectoryKey(fqn, dtype, size, orig, e))
@@ -395,13 +390,17 @@ def directory_tensors(
             k.fqn, torch.empty(k.shape, dtype=k.dtype, device="meta")
         )
     if declared and len(out) != len(declared):
-        missing = sorted(k for k in declared if k not in out)
-        more = " ..." if len(missing) > 3 else ""
-        raise CheckpointingException(
-            f"{reader.where}: does not declare tensor key(s) {missing[:3]}{more} "
-            f"that {manifest_source} says the writer wrote (the metadata is damaged)"
-        )
+        raise undeclared_error(declared, out, reader.where, manifest_source)
     return out
+
+
+def directory_objects(reader: IndexReader) -> Iterator[Tuple[str, Dict[str, Any]]]:
+    """``(key, entry)`` of every ShardedObject piece the sidecar's directory lists (byte items
+    named otherwise are a ``dcp.save``'s common values)."""
+    for fqn in reader.keys:
+        e = reader.entry(fqn)
+        if e.get("bytes") and is_object_key(fqn):
+            yield fqn, e
 
 
 class DefaultChecks(dict):
@@ -413,6 +412,22 @@ class DefaultChecks(dict):
     def __init__(self, ranges: Dict):
         super().__init__(ranges)
         self.listed = {name for name, _offset in ranges}
+
+
+def manifest_checks(manifest: Any, verify: bool) -> Dict:
+    """``manifest``'s checksums by (file, offset) as a load applies them: every item under
+    ``verify=True``, else :class:`DefaultChecks`."""
+    ranges = manifest.range_index()
+    return ranges if verify else DefaultChecks(ranges)
+
+
+def check_keys_declared(keys: Any, declared: Dict[str, Tuple], location: Any) -> None:
+    """Each ``(key, StoredKey)`` a load reads, as ``.metadata`` declares it, against the keys the
+    manifest says the writer wrote (``declared``)."""
+    source, where = storage.join(location, METADATA_FNAME), storage.join(location, MANIFEST_FNAME)
+    for fqn, stored in keys:
+        if isinstance(stored, StoredKey):
+            check_declared(fqn, stored.dtype, stored.size, stored.orig_shape, declared, source, where)
 
 
 def expected_checksum(st: Stored, checksums: Dict, key: Optional[str], what: str) -> Optional[RangeChecksum]:

@@ -150,10 +150,10 @@ class ZarrLoadShardedStrategy(LoadShardedStrategy):
     def load(self, sharded_state_dict: ShardedStateDict, checkpoint_dir: storage.Location) -> StateDict:
         root = open_root(checkpoint_dir)
         remote = storage.local_root(root) is None
-        # The root group is not needed to find the arrays, but a damaged one means a damaged
-        # checkpoint: refuse it rather than load around it (one small read per load).
         # On an object store every chunk read is checked (storage checksums do not reach us).
         manifest = read_manifest(root) if self.verify or self.checksums or remote else None
+        # The root group is not needed to find the arrays, but a damaged one means a damaged
+        # checkpoint: refuse it rather than load around it (one small read per load).
         root_keys(root, manifest, self.verify)
         metas: Dict[str, ArrayMeta] = {}
         ops: List[ChunkRead] = []

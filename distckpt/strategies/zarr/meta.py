@@ -248,6 +248,22 @@ def _one_of(config: Dict[str, Any], member: str, default: str, choices: Sequence
     _expect(value in choices, f"{field}.{member}", value, " or ".join(map(repr, choices)))
 
 
+def _document(md: Any, zarr_format: int) -> None:
+    """An array metadata document: a JSON object of this ``zarr_format`` (the integer)."""
+    _expect(type(md) is dict, "the array metadata", md, "a JSON object")
+    fmt = md.get("zarr_format")
+    _expect(_int_in(fmt, zarr_format, zarr_format), "zarr_format", fmt, str(zarr_format))
+
+
+def _shape(value: Any, field: str) -> None:
+    _expect(
+        type(value) is list and all(_int_in(n, 0, bounds.MAX_NUMEL) for n in value),
+        field,
+        value,
+        "a list of naturals",
+    )
+
+
 def _chunk_shape(value: Any, ndim: int, field: str) -> None:
     _expect(
         type(value) is list and len(value) == ndim and all(_int_in(c, 1, bounds.MAX_NUMEL) for c in value),
@@ -380,16 +396,10 @@ def meta_from_v3(key: str, path: Path, md: Any) -> ArrayMeta:
     """An :class:`ArrayMeta` from a Zarr v3 ``zarr.json``, parsed by schema: every member has the
     type and range the spec gives it (shapes of naturals, known codecs in a valid chain, a fill
     value of the data type); ValueError naming the member otherwise."""
-    _expect(type(md) is dict, "the array metadata", md, "a JSON object")
+    _document(md, 3)
     for member, value in md.items():
         if member not in _V3_MEMBERS and not (type(value) is dict and value.get("must_understand") is False):
             raise ValueError(f"unknown member {member!r} (an extension not marked must_understand: false)")
-    _expect(
-        md.get("zarr_format") == 3 and type(md.get("zarr_format")) is int,
-        "zarr_format",
-        md.get("zarr_format"),
-        "3",
-    )
     _expect(md.get("node_type") == "array", "node_type", md.get("node_type"), "'array'")
     data_type = md.get("data_type")
     dtype = _ZARR_TO_TORCH.get(data_type) if isinstance(data_type, str) else None
@@ -397,12 +407,7 @@ def meta_from_v3(key: str, path: Path, md: Any) -> ArrayMeta:
         raise ValueError(f"data_type {json_text(data_type)} has no torch equivalent")
     itemsize = torch.empty((), dtype=dtype).element_size()
     shape = md.get("shape")
-    _expect(
-        type(shape) is list and all(_int_in(n, 0, bounds.MAX_NUMEL) for n in shape),
-        "shape",
-        shape,
-        "a list of naturals",
-    )
+    _shape(shape, "shape")
     grid = md.get("chunk_grid")
     _expect(type(grid) is dict and set(grid) <= {"name", "configuration"}, "chunk_grid", grid, "an object")
     if grid.get("name") != "regular":
@@ -483,23 +488,12 @@ def meta_from_v3(key: str, path: Path, md: Any) -> ArrayMeta:
 def meta_from_v2(key: str, path: Path, md: Any) -> ArrayMeta:
     """An :class:`ArrayMeta` from a legacy Zarr v2 ``.zarray`` (Megatron-Core <= 0.15), its
     members checked as far as a reader uses them; ValueError naming the member otherwise."""
-    _expect(type(md) is dict, "the array metadata", md, "a JSON object")
-    _expect(
-        md.get("zarr_format") == 2 and type(md.get("zarr_format")) is int,
-        "zarr_format",
-        md.get("zarr_format"),
-        "2",
-    )
+    _document(md, 2)
     dtype, little = _v2_dtype(md.get("dtype"))
     if dtype is None:
         raise ValueError(f"dtype {json_text(md.get('dtype'))} has no torch equivalent")
     shape, chunks = md.get("shape"), md.get("chunks")
-    _expect(
-        type(shape) is list and all(_int_in(n, 0, bounds.MAX_NUMEL) for n in shape),
-        "shape",
-        shape,
-        "a list of naturals",
-    )
+    _shape(shape, "shape")
     _chunk_shape(chunks, len(shape), "chunks")
     compressor = md.get("compressor")
     _expect(

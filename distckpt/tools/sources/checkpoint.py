@@ -28,11 +28,10 @@ from distckpt.strategies.base import StrategyAction, get_default_strategy
 from distckpt.strategies.torch_dist.claims import check_claims
 from distckpt.strategies.torch_dist.metadata import (
     METADATA_FNAME,
-    is_object_key,
     plain_byte_items,
     read_metadata,
 )
-from distckpt.strategies.torch_dist.stored import directory_keys
+from distckpt.strategies.torch_dist.stored import directory_keys, directory_objects
 from distckpt.strategies.zarr import layout as zarr_layout
 from distckpt.tools.sources.base import ObjectMeta, Shape, TensorMeta, TensorSource, did_you_mean
 
@@ -271,12 +270,9 @@ def _sidecar_metas(reader: IndexReader) -> Tuple[Dict[str, TensorMeta], Dict[str
             None,
             nbytes if bounds.fits(nbytes) else None,
         )
-    for fqn in reader.keys:
-        # Byte items not named like an object piece are a dcp.save's values: common state.
-        e = reader.entry(fqn)
-        if e.get("bytes") and is_object_key(fqn):
-            item = e.get("item")
-            objects[fqn] = ObjectMeta(fqn, item[2], f"{item[0]}@{item[1]}") if item else ObjectMeta(fqn)
+    for fqn, e in directory_objects(reader):
+        item = e.get("item")
+        objects[fqn] = ObjectMeta(fqn, item[2], f"{item[0]}@{item[1]}") if item else ObjectMeta(fqn)
     return tensors, objects
 
 
