@@ -50,6 +50,7 @@ from bench.common import barrier_time, raw_read, raw_write, spawn_ranks
 
 EXPERTS = 64
 HIDDEN, FFN = 16, 32  # small weights: what is measured is the cost per tensor, not bytes
+DENSE_PER_LAYER = 5  # qkv, proj, two layer norms, router (TP-split or replicated alike)
 
 
 # --------------------------------------------------------------------------- the state dicts
@@ -57,12 +58,8 @@ HIDDEN, FFN = 16, 32  # small weights: what is measured is the cost per tensor, 
 
 def layers_for(tensors: int, world: int, ep: int, layout: str, dense: str) -> int:
     """The layer count giving about ``tensors`` tensors per rank."""
-    per_layer = _dense_per_layer(dense) + (2 * EXPERTS // ep if layout == "sequential" else 2)
+    per_layer = DENSE_PER_LAYER + (2 * EXPERTS // ep if layout == "sequential" else 2)
     return max(1, round(tensors / per_layer))
-
-
-def _dense_per_layer(dense: str) -> int:
-    return 5  # qkv, proj, two layer norms, router
 
 
 def moe_state(

@@ -31,9 +31,9 @@ import bisect
 import itertools
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
-__all__ = ["ChunkIndex"]
+from distckpt.strategies.resharding import Shape, intersect
 
-Shape = Tuple[int, ...]
+__all__ = ["ChunkIndex"]
 
 # A grid query visits every cell of the box's cell range; where the chunks are sparse (a partial
 # index holding only what a load asked for), a box may span many empty cells. Past this many
@@ -123,16 +123,9 @@ class ChunkIndex:
             candidates = self._sorted_candidates(off, size)
         for i in candidates:
             self.examined += 1
-            o, s = self.offsets[i], self.sizes[i]
-            lo, shape = [], []
-            for a, n, b, m in zip(off, size, o, s):
-                first, end = max(a, b), min(a + n, b + m)
-                if end <= first:
-                    break
-                lo.append(first)
-                shape.append(end - first)
-            else:
-                yield i, tuple(lo), tuple(shape)
+            inter = intersect(off, size, self.offsets[i], self.sizes[i])
+            if inter is not None:
+                yield i, inter[0], inter[1]
 
     def _grid_candidates(self, off: Shape, size: Shape) -> Optional[List[int]]:
         bounds, cells = self._grid

@@ -199,10 +199,8 @@ def _plan_box_from_flat(plan, key, stored: StoredKey, off, size, view) -> None:
             _plan_flat_slices(plan, key, stored, idx, f_lo, f_hi, dst.reshape(-1), f_lo)
             continue
         holders = stored.flat_cell(idx).meeting(f_lo, f_hi)
-        holder = holders[0] if len(holders) == 1 and holders[0].offset[-1] <= f_lo else None
-        if holder is not None and f_hi > holder.offset[-1] + holder.size[-1]:
-            holder = None
-        if holder is not None:
+        holder = holders[0] if len(holders) == 1 else None
+        if holder is not None and holder.offset[-1] <= f_lo and f_hi <= holder.offset[-1] + holder.size[-1]:
             # One stored slice holds the whole box: copy it out strided, no staging.
             plan.add(holder, CopyOp(key, f_lo - holder.offset[-1], inter[1], strides, dst))
             continue
