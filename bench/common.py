@@ -365,8 +365,8 @@ def start_moto(url: str):
 
 def prepare_dir(directory: str, moto: bool):
     """Where a benchmark writes: a local directory (created) or an object-store URL (with
-    ``moto``, a local moto S3 server started first). Returns (whether it is remote, a function
-    that removes the directory or stops the server)."""
+    ``moto``, a local moto S3 server started first). Returns a function that removes the
+    directory or stops the server."""
     remote = "://" in directory
     server = start_moto(directory) if remote and moto else None
     if not remote:
@@ -378,7 +378,7 @@ def prepare_dir(directory: str, moto: bool):
         if server is not None:
             server.stop()
 
-    return remote, cleanup
+    return cleanup
 
 
 def pyplot():

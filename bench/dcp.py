@@ -132,19 +132,15 @@ def _rank_main(rank, world, port, args, queue):
                 drop(Path(where(name)))
         tdist.barrier()
 
+    raw_name = f"raw_{rank}.bin"
     if remote:
         store = storage.open_store(root)
-        raw_name = f"raw_{rank}.bin"
-
-        def raw_put_():
-            raw_put(store, raw_name, tensors)
-
-        def raw_get_(bufs):
-            raw_get(store, raw_name, bufs)
-
-        raw = (("raw write", raw_put_), ("raw read", raw_get_))
+        raw = (
+            ("raw write", lambda: raw_put(store, raw_name, tensors)),
+            ("raw read", lambda b: raw_get(store, raw_name, b)),
+        )
     else:
-        raw_path = Path(root) / f"raw_{rank}.bin"
+        raw_path = Path(root) / raw_name
         raw = (
             ("raw write", lambda: raw_write(raw_path, tensors)),
             ("raw read", lambda b: raw_read(raw_path, b)),
@@ -205,9 +201,9 @@ def _rank_main(rank, world, port, args, queue):
     for name in list(saves) + list(asyncs):
         clear(name)
     if not remote:
-        (Path(root) / f"raw_{rank}.bin").unlink(missing_ok=True)
+        raw_path.unlink(missing_ok=True)
     else:
-        store.delete(f"raw_{rank}.bin")
+        store.delete(raw_name)
     if rank == 0:
         queue.put({"times": times, "bytes_per_rank": nbytes})
     tdist.barrier()
@@ -265,7 +261,7 @@ def main() -> int:
         "--moto", action="store_true", help="with an s3:// --dir: start a local moto S3 server first"
     )
     args = parser.parse_args()
-    _, cleanup = prepare_dir(args.dir, args.moto)
+    cleanup = prepare_dir(args.dir, args.moto)
     results = spawn_ranks(_rank_main, args.ranks, args, cleanup)
     print(report(results, args))
     return 0

@@ -54,13 +54,10 @@ def main() -> int:
         times = {"raw put": [], "fresh save": [], "overwrite save": [], "load": []}
         strategy = (args.backend, 1)
 
-        def raw_put_():
-            raw_put(root, "raw.bin", tensors)
-
         for rep in range(args.reps + 1):  # the first pass warms up
             url = f"{args.dir.rstrip('/')}/{uuid.uuid4().hex[:8]}"
             got = {
-                "raw put": _timed(raw_put_),
+                "raw put": _timed(lambda: raw_put(root, "raw.bin", tensors)),
                 "fresh save": _timed(lambda u=url: distckpt.save(sd, u, sharded_strategy=strategy)),
                 "overwrite save": _timed(
                     lambda u=url: distckpt.save(sd, u, sharded_strategy=strategy, overwrite=True)

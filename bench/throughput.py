@@ -149,21 +149,15 @@ def _rank_main_object_store(rank, world, port, args, queue):
     root = open_store(args.dir)
     raw_name = f"raw_{rank}.bin"
 
-    def raw_put_():
-        raw_put(root, raw_name, tensors)
-
-    def raw_get_(bufs):
-        raw_get(root, raw_name, bufs)
-
     def record(name, seconds):
         times.setdefault(name, []).append(seconds)
 
     for rep in range(-args.warmup, args.reps):
         if rep == 0:
             times.clear()
-        record("raw obstore.put", barrier_time(raw_put_)[0])
+        record("raw obstore.put", barrier_time(raw_put, root, raw_name, tensors)[0])
         bufs = [torch.zeros_like(t) for t in tensors]
-        record("raw obstore.get", barrier_time(raw_get_, bufs)[0])
+        record("raw obstore.get", barrier_time(raw_get, root, raw_name, bufs)[0])
         bufs = None
         for backend in args.backends:
             url = f"{args.dir.rstrip('/')}/ckpt_{backend}_{rep + args.warmup}"

@@ -282,7 +282,7 @@ class StorageWriter(locations.AtLocation, DCPStorageWriter, PoolStager):
         # A fresh id per save, also when DCP reuses this writer without reset() (no checkpoint_id).
         self.save_id = commit.new_save_id()
         staging = protocol.begin(target, self.save_id, self.overwrite)
-        _PENDING.append((protocol, staging, threading.current_thread()))
+        _PENDING[id(staging)] = (protocol, staging, threading.current_thread())
         self._staging = staging
         store = default_store()
         if store is not None and len(plans) > 1:
@@ -371,12 +371,14 @@ def _results(plan: SavePlan, indices: Dict[Tuple, Any]) -> List[WriteResult]:
     return out
 
 
-# Stagings begun by this process and not yet committed or aborted: (protocol, staging, thread).
-_PENDING: List[Tuple[Any, commit.Staging, threading.Thread]] = []
+# Stagings begun by this process and not yet committed or aborted, by id: (protocol, staging,
+# thread). Saves on several threads (``dcp.async_save``) register and forget theirs concurrently:
+# each step is one dict operation, atomic under the GIL.
+_PENDING: Dict[int, Tuple[Any, commit.Staging, threading.Thread]] = {}
 
 
 def _forget(staging: commit.Staging) -> None:
-    _PENDING[:] = [p for p in _PENDING if p[1] is not staging]
+    _PENDING.pop(id(staging), None)
 
 
 def _abort_ended_saves() -> None:
@@ -385,7 +387,7 @@ def _abort_ended_saves() -> None:
     ended (``dcp.async_save`` runs each save on a thread of its own). A save still running on
     another thread keeps its staging."""
     here = threading.current_thread()
-    for protocol, staging, thread in list(_PENDING):
-        if thread is here or not thread.is_alive():
+    for key, (protocol, staging, thread) in list(_PENDING.items()):
+        # Whoever takes it out of the registry aborts it (once).
+        if (thread is here or not thread.is_alive()) and _PENDING.pop(key, None) is not None:
             protocol.abort(staging)
-            _forget(staging)

@@ -189,7 +189,7 @@ class TieredCheckpointManager:
 
         tier, token = self._local_tier(iteration)
         # Each node's tier is its own local directory: the ranks know the save by its remote URL.
-        writer = StorageWriter(tier, overwrite=overwrite, save_name=self.remote_of(iteration).url)
+        writer = StorageWriter(tier, overwrite=overwrite, save_name=tier.remote.url)
         dcp.save(state_dict, storage_writer=writer, planner=planner)
         self._after_local_commit(iteration, tier, token)
 
