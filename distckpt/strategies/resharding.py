@@ -20,10 +20,8 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence, Tuple
 
-from distckpt.io.copies import CopyOp, copy_boxes, copy_from_mapping  # noqa: F401  (their old home)
+from distckpt.io.copies import CopyOp, Shape, copy_boxes, copy_from_mapping  # noqa: F401  (their old home)
 from distckpt.mapping import ShardedTensor
-
-Shape = Tuple[int, ...]
 
 # The key of a flattened tensor's original global shape in ``Metadata.mcore_data[key]``.
 ORIG_SHAPE = "nd_reformulated_orig_global_shape"

@@ -13,9 +13,11 @@ import torch
 import distckpt
 from distckpt import CheckpointingException, ShardedObject, ShardedTensor
 from distckpt import dist as ddist
+from distckpt.formats.index_format import INDEX_FNAME
+from distckpt.formats.index_read import IndexReader
+from distckpt.formats.index_write import build_index
 from distckpt.formats.manifest import read_manifest, verify_files
 from distckpt.storage import open_store
-from distckpt.strategies.index import INDEX_FNAME, IndexReader, build_index
 from distckpt.strategies.torch import TorchDistLoadShardedStrategy
 from tests.support import faults, layouts
 from tests.support.clouds import clouds
@@ -386,7 +388,7 @@ def test_a_sidecar_template_patched_with_new_crcs_is_the_sidecar_built_anew(fano
     keys without records), again and again; records that do not fit it are declined."""
     import numpy as np
 
-    from distckpt.strategies.index import build_index_from_rows
+    from distckpt.formats.index_write import build_index_from_rows
 
     rng = np.random.default_rng(7)
     names = [f"__{r}_0.distcp" for r in range(9)] + ['odd "name".distcp']

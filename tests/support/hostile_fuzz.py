@@ -1020,7 +1020,7 @@ def reseal(ckpt: Path, touched: str) -> str:
     if manifest is None:
         return "no manifest to reseal"
     if touched == ".metadata" and (ckpt / ".distckpt_index").is_file() and (ckpt / ".metadata").is_file():
-        from distckpt.strategies.index import index_from_metadata
+        from distckpt.formats.index_write import index_from_metadata
 
         manifest.drop(".distckpt_index")
         try:

@@ -230,7 +230,12 @@ def findings() -> Dict[str, List[str]]:
     up: List[str] = []
     forbidden: Dict[str, List[str]] = {rule: [] for rule in FORBIDDEN}
 
-    def check_floor(name: str, path: Path, target: str, line: int) -> None:
+    def depends(name: str, path: Path, target: str, line: int) -> None:
+        """``name`` imports ``target``: an edge of the graph, checked against the floors."""
+        # A package's __init__ importing its own submodules is how a package re-exports.
+        if path.name == "__init__.py" and target.startswith(name + "."):
+            return
+        graph[name].add(target)
         where = f"{path.relative_to(ROOT)}:{line}: {target}"
         low, high = floor_of(name), floor_of(target)
         if low is not None and high is not None and high > low:
@@ -243,19 +248,14 @@ def findings() -> Dict[str, List[str]]:
         if lines > MAX_LINES:
             too_long.append(f"{path.relative_to(ROOT)}: {lines} lines (max {MAX_LINES})")
         for target, names, line in imports_of(name, path, known, local=False):
-            # A package's __init__ importing its own submodules is how a package re-exports.
-            if not (path.name == "__init__.py" and target.startswith(name + ".")):
-                graph[name].add(target)
-                check_floor(name, path, target, line)
+            depends(name, path, target, line)
             for imported in names:
                 if imported.startswith("_") and not imported.startswith("__") and target != name:
                     private.append(f"{path.relative_to(ROOT)}:{line}: {imported} from {target}")
         for target, _names, line in imports_of(name, path, known, local=True):
             local.append(f"{path.relative_to(ROOT)}:{line}: {target}")
             # A function-local import hides a dependency but is one all the same: it counts.
-            if not (path.name == "__init__.py" and target.startswith(name + ".")):
-                graph[name].add(target)
-                check_floor(name, path, target, line)
+            depends(name, path, target, line)
     for name in graph:
         graph[name].discard(name)
     cycles = [" -> ".join(c) for c in _cycles(graph)]

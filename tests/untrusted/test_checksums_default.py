@@ -23,8 +23,8 @@ import distckpt
 from distckpt import ShardedTensor
 from distckpt.cli import main as cli_main
 from distckpt.core import CheckpointingException
+from distckpt.formats.index_format import INDEX_FNAME
 from distckpt.formats.manifest import MANIFEST_FNAME, read_manifest, write_manifest
-from distckpt.strategies.index import INDEX_FNAME
 from distckpt.strategies.torch import METADATA_FNAME
 from tests.support import faults
 

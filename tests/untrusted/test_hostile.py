@@ -480,7 +480,7 @@ def _metadata_lie(path: Path, edit, sidecar: bool) -> None:
     """Edit ``.metadata`` and make every checksum agree, as a buggy writer or a careful edit would
     leave it; with ``sidecar``, rebuild the sidecar from the edited ``.metadata`` (so a load reads
     the lie from there), else drop it (a load reads ``.metadata``)."""
-    from distckpt.strategies.index import index_from_metadata
+    from distckpt.formats.index_write import index_from_metadata
 
     md = read_metadata(path)
     edit(md)
@@ -614,7 +614,7 @@ def test_an_object_key_renamed_in_metadata_is_not_returned_as_a_common_value(tmp
     raw = pickle.dumps(md)
     (path / ".metadata").write_bytes(raw)
     if resealed:
-        from distckpt.strategies.index import index_from_metadata
+        from distckpt.formats.index_write import index_from_metadata
 
         (path / ".distckpt_index").write_bytes(
             index_from_metadata(md, read_manifest(path).range_index(), len(raw))
